@@ -1,0 +1,40 @@
+"""Exceptions raised by tiercheck.
+
+Every error derives from :class:`TiercheckError` *and* from the builtin a caller would catch
+without knowing tiercheck (``FileNotFoundError`` for a missing step, ``ValueError`` for bad
+data), so ``except FileNotFoundError`` keeps working around a tiercheck call.
+"""
+
+from __future__ import annotations
+
+
+class TiercheckError(Exception):
+    """Root of every error tiercheck raises on purpose."""
+
+
+class CheckpointNotFoundError(TiercheckError, FileNotFoundError):
+    """A checkpoint directory, or a requested step in it, does not exist or is not committed."""
+
+
+class StepExistsError(TiercheckError, FileExistsError):
+    """A save would overwrite a step that is already committed."""
+
+
+class CorruptCheckpointError(TiercheckError, ValueError):
+    """Stored bytes do not match their checksum, or a manifest cannot be read."""
+
+
+class IncompatibleStateError(TiercheckError, ValueError):
+    """The state to restore into does not match the checkpoint (keys, shapes or dtypes)."""
+
+
+class UnsafeCheckpointError(TiercheckError, PermissionError):
+    """Loading would need unpickling without opt-in, or a path escapes the checkpoint root."""
+
+
+class UnsupportedValueError(TiercheckError, TypeError):
+    """A value in the state cannot be stored without pickle, and pickle was not allowed."""
+
+
+class StagingError(TiercheckError, RuntimeError):
+    """Host staging cannot proceed as configured (e.g. the memory bound is too small)."""

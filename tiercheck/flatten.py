@@ -1,0 +1,270 @@
+"""Nested training state <-> an encoded JSON tree plus the tensors it refers to.
+
+The tree is what the manifest stores; tensors (and numeric numpy arrays) become zarr arrays and
+appear in the tree as ``{"$tensor": path}`` / ``{"$ndarray": path}``. Everything else is encoded
+as JSON with explicit tags, so restoring a checkpoint never runs code from it:
+
+    None, bool, int, str, finite float     as themselves
+    float nan/inf                          {"$float": "nan" | "inf" | "-inf"}
+    list                                   [...]
+    dict with str keys not starting "$"    {...}
+    any other dict (int keys, e.g. optimizer state)   {"$dict": [[key, value], ...]}
+    tuple / torch.Size                     {"$tuple": [...]} / {"$size": [...]}
+    bytes                                  {"$bytes": base64}
+    numpy scalar                           {"$npscalar": [dtype, base64 of its bytes]}
+    torch.dtype / torch.device             {"$dtype": "float32"} / {"$device": "cuda:0"}
+    anything else, only with allow_pickle  {"$pickle": base64}
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .codec import STORAGE_DTYPES
+from .errors import (
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from .manifest import JSON, ArrayRecord, check_array_path
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+def is_stateful(obj: object) -> bool:
+    return not isinstance(obj, Mapping) and isinstance(obj, Stateful)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedValueError(f"dtype {name!r} is not known to this torch build")
+    return dt
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """A tensor of the state to be stored as one array."""
+
+    path: str
+    tensor: torch.Tensor  # live tensor (any device); numpy arrays are wrapped with torch.from_numpy
+    kind: str  # "tensor" or "ndarray"
+    lazy: bool  # may be copied after save() returns (changes only in optimizer.step())
+
+
+def _escape(component: str) -> str:
+    """One path component, safe for every filesystem and object store, and readable."""
+    out = []
+    for ch in component:
+        if ch.isascii() and (ch.isalnum() or ch in "._-"):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode())
+    text = "".join(out)
+    # Names that would collide with zarr's layout or the step's own files, or leave the directory.
+    if not text or text in (".", "..", "c", "zarr.json", "manifest.json", "COMMIT") or text.startswith("__"):
+        text = "%" + f"{ord(text[0]):02X}" + text[1:] if text else "%00"
+    return text
+
+
+class _Encoder:
+    def __init__(self, *, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self._paths: set[str] = set()
+
+    def _path(self, parts: list[str]) -> str:
+        base = "/".join(_escape(p) for p in parts) or "%00"
+        path, n = base, 1
+        while path in self._paths:  # e.g. keys 0 and "0" in one dict
+            path, n = f"{base}~{n}", n + 1
+        self._paths.add(path)
+        return check_array_path(path, where="encoding the state")
+
+    def encode(self, obj: Any, parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
+        if isinstance(obj, torch.Tensor):
+            if dtype_name(obj.dtype) not in STORAGE_DTYPES:
+                raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {obj.dtype} cannot be stored")
+            path = self._path(parts)
+            self.leaves.append(Leaf(path, obj.detach(), "tensor", lazy(obj)))
+            return {"$tensor": path}
+        if obj is None or isinstance(obj, bool | str):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj) if math.isfinite(obj) else {"$float": repr(float(obj))}
+        if isinstance(obj, Mapping):
+            items = list(obj.items())
+            if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
+                return {k: self.encode(v, [*parts, k], lazy) for k, v in items}
+            return {"$dict": [[self.encode_key(k, parts), self.encode(v, [*parts, str(k)], lazy)] for k, v in items]}
+        if isinstance(obj, list):
+            return [self.encode(v, [*parts, str(i)], lazy) for i, v in enumerate(obj)]
+        if type(obj) is tuple or isinstance(obj, torch.Size):
+            tag = "$size" if isinstance(obj, torch.Size) else "$tuple"
+            return {tag: [self.encode(v, [*parts, str(i)], lazy) for i, v in enumerate(obj)]}
+        if isinstance(obj, bytes):
+            return {"$bytes": base64.b64encode(obj).decode()}
+        if isinstance(obj, np.ndarray) and obj.dtype.name in STORAGE_DTYPES:
+            path = self._path(parts)
+            self.leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj)), "ndarray", False))
+            return {"$ndarray": path}
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            return {"$npscalar": [obj.dtype.str, base64.b64encode(obj.tobytes()).decode()]}
+        if isinstance(obj, torch.dtype):
+            return {"$dtype": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"$device": str(obj)}
+        if self.allow_pickle:
+            return {"$pickle": base64.b64encode(pickle.dumps(obj)).decode()}
+        raise UnsupportedValueError(
+            f"{'/'.join(parts) or '<state>'}: a value of type {type(obj).__qualname__} cannot be stored "
+            "without pickle; convert it to plain values, or pass allow_pickle=True to store it pickled"
+        )
+
+    def encode_key(self, key: Any, parts: list[str]) -> JSON:
+        if isinstance(key, torch.Tensor | np.ndarray):
+            raise UnsupportedValueError(f"{'/'.join(parts)}: arrays cannot be dictionary keys")
+        return self.encode(key, [*parts, "<key>"], lambda t: False)
+
+
+def _lazy_predicate(obj: object) -> Callable[[torch.Tensor], bool]:
+    """Which tensors of a Stateful object change only inside ``optimizer.step()``."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return lambda t: True
+    if isinstance(obj, torch.nn.Module):
+        # Parameters change only in the optimizer; buffers may change in forward (BatchNorm).
+        params = {(p.data_ptr(), p.shape) for p in obj.parameters()}
+        return lambda t: (t.data_ptr(), t.shape) in params
+    return lambda t: False
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool) -> tuple[JSON, list[Leaf]]:
+    """Encode ``state`` (Stateful objects are asked for their ``state_dict()``)."""
+    enc = _Encoder(allow_pickle=allow_pickle)
+    tree: dict[str, JSON] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise UnsupportedValueError(f"top-level state keys must be strings, got {key!r}")
+        if is_stateful(value):
+            tree[key] = enc.encode(value.state_dict(), [key], _lazy_predicate(value))
+        else:
+            tree[key] = enc.encode(value, [key], lambda t: False)
+    return tree, enc.leaves
+
+
+# ----------------------------------------------------------------------------------- decoding
+
+
+TensorSource = Callable[[str, str, Any], Any]
+"""(tag, array path, live value or None) -> the decoded tensor/ndarray."""
+
+
+def decode(node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, live: Any = None) -> Any:
+    """Rebuild a value from its encoding. ``live`` is the value it replaces, if any: tensors are
+    handed to ``source`` together with their live counterpart so it can restore them in place."""
+    if isinstance(node, list):
+        live_list = live if isinstance(live, list) else []
+        return [
+            decode(v, source, allow_pickle=allow_pickle, where=f"{where}/{i}",
+                   live=live_list[i] if i < len(live_list) else None)
+            for i, v in enumerate(node)
+        ]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1:
+        ((tag, val),) = node.items()
+        if tag in ("$tensor", "$ndarray"):
+            return source(tag, val, live)
+        if tag.startswith("$"):
+            return _decode_tagged(tag, val, source, allow_pickle=allow_pickle, where=where, live=live)
+    live_map = live if isinstance(live, Mapping) else {}
+    return {
+        k: decode(v, source, allow_pickle=allow_pickle, where=f"{where}/{k}", live=live_map.get(k))
+        for k, v in node.items()
+    }
+
+
+def _decode_tagged(tag: str, val: Any, source: TensorSource, *, allow_pickle: bool, where: str, live: Any) -> Any:
+    def sub(v: Any, w: str, lv: Any = None) -> Any:
+        return decode(v, source, allow_pickle=allow_pickle, where=w, live=lv)
+
+    try:
+        if tag == "$float":
+            return float(val)
+        if tag == "$dict":
+            live_map = live if isinstance(live, Mapping) else {}
+            out = {}
+            for k_enc, v_enc in val:
+                k = sub(k_enc, f"{where}/<key>")
+                out[k] = sub(v_enc, f"{where}/{k}", live_map.get(k))
+            return out
+        if tag in ("$tuple", "$size"):
+            live_seq = list(live) if isinstance(live, tuple) else []
+            items = [sub(v, f"{where}/{i}", live_seq[i] if i < len(live_seq) else None) for i, v in enumerate(val)]
+            return torch.Size(items) if tag == "$size" else tuple(items)
+        if tag == "$bytes":
+            return base64.b64decode(val, validate=True)
+        if tag == "$npscalar":
+            dtype, raw = val
+            return np.frombuffer(base64.b64decode(raw, validate=True), dtype=np.dtype(dtype))[0]
+        if tag == "$dtype":
+            return torch_dtype(val)
+        if tag == "$device":
+            return torch.device(val)
+        if tag == "$pickle":
+            if not allow_pickle:
+                raise UnsafeCheckpointError(
+                    f"{where}: this value was stored with pickle; loading it could run code from the "
+                    "checkpoint. Pass allow_pickle=True only if you trust where the checkpoint came from"
+                )
+            return pickle.loads(base64.b64decode(val, validate=True))
+    except (UnsafeCheckpointError, IncompatibleStateError):
+        raise
+    except (ValueError, TypeError, IndexError) as e:
+        raise CorruptCheckpointError(f"{where}: cannot decode {tag} value ({e})") from None
+    raise CorruptCheckpointError(f"{where}: unknown tag {tag!r} (written by a newer tiercheck?)")
+
+
+def tensor_paths(node: JSON) -> list[str]:
+    """Array paths referenced anywhere in an encoded tree."""
+    out: list[str] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+        elif isinstance(n, dict):
+            if len(n) == 1 and next(iter(n)) in ("$tensor", "$ndarray"):
+                out.append(next(iter(n.values())))
+            else:
+                stack.extend(n.values())
+    return out
+
+
+def expected_record_for(leaf_tensor: torch.Tensor, record: ArrayRecord, *, where: str) -> None:
+    """Raise if a live tensor cannot receive the stored array in place."""
+    shape, dtype = tuple(leaf_tensor.shape), dtype_name(leaf_tensor.dtype)
+    if shape != record.shape or dtype != record.dtype:
+        raise IncompatibleStateError(
+            f"{where}: checkpoint has {record.dtype}{list(record.shape)}, "
+            f"the state to restore into has {dtype}{list(shape)}"
+        )

@@ -1,0 +1,81 @@
+"""Chunk geometry of one array: how a global shape is cut into zarr chunks.
+
+Pure Python on purpose (no torch): storage, planning and tests share it.
+
+Zarr v3's regular grid stores every chunk at full chunk shape, the edge ones padded. We pick
+chunk shapes that split a dimension into near-equal parts, so padding stays under one row per
+chunk, and cut only as deep into the dimensions as the target size requires.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+Shape = tuple[int, ...]
+
+
+def chunk_shape(shape: Sequence[int], itemsize: int, target_bytes: int) -> Shape:
+    """The chunk shape for an array of ``shape``: chunks of at most ``target_bytes`` where possible.
+
+    Leading dimensions are cut first (chunks stay contiguous in C order); a dimension is cut into
+    near-equal parts; dimensions after the cut one are kept whole. A 0-d array has chunk ``()``;
+    an empty array gets a chunk of its non-zero extents (it stores no chunk at all).
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return ()
+    if any(d == 0 for d in shape):
+        return tuple(max(d, 1) for d in shape)
+    chunk = list(shape)
+    for i, extent in enumerate(shape):
+        row_bytes = itemsize * math.prod(shape[i + 1 :])
+        if row_bytes * extent <= target_bytes:
+            break  # this dimension and all after it fit whole
+        if row_bytes <= target_bytes:
+            parts = math.ceil(extent * row_bytes / target_bytes)
+            chunk[i] = math.ceil(extent / parts)
+            break
+        chunk[i] = 1  # one index of this dimension is still too big: cut deeper
+    return tuple(chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of an array: its grid coordinates and the part of the array it holds."""
+
+    coords: tuple[int, ...]
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+    @property
+    def valid_shape(self) -> Shape:
+        """Extent of real data in this chunk (smaller than the chunk shape at the edges)."""
+        return tuple(b - a for a, b in zip(self.starts, self.stops, strict=True))
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in zip(self.starts, self.stops, strict=True))
+
+    @property
+    def key(self) -> str:
+        """The chunk's key under the array, in zarr v3's default encoding with "/" separator."""
+        return "/".join(["c", *map(str, self.coords)])
+
+
+def chunks(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Chunk]:
+    """Every chunk of the grid in C order. An empty array has none; a 0-d array has one."""
+    shape = tuple(shape)
+    if any(d == 0 for d in shape):
+        return
+    counts = [math.ceil(d / c) for d, c in zip(shape, chunk, strict=True)]
+    for coords in itertools.product(*(range(n) for n in counts)):
+        starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))
+        stops = tuple(min(s + c, d) for s, c, d in zip(starts, chunk, shape, strict=True))
+        yield Chunk(coords=tuple(coords), starts=starts, stops=stops)
+
+
+def is_edge(chunk: Chunk, chunk_shape: Sequence[int]) -> bool:
+    """Whether the chunk holds less than a full chunk of data (and so is padded on storage)."""
+    return chunk.valid_shape != tuple(chunk_shape)

@@ -1,0 +1,86 @@
+"""Option groups, one frozen keyword-only dataclass per concern; one option, one meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagingOptions:
+    """How a save copies device state into host memory.
+
+    mode:
+        ``"eager"``: ``save()`` returns once every tensor is copied to host memory.
+        ``"lazy"``: ``save()`` returns at once; the copy of parameters and optimizer state
+        overlaps the next forward/backward, and any ``optimizer.step()`` (or
+        :meth:`Checkpointer.wait_staged`) blocks until the copy is complete. Plain tensors and
+        module buffers (which a forward pass may change, e.g. BatchNorm statistics) are still
+        copied before ``save()`` returns.
+        ``"auto"``: lazy when the state holds a ``torch.optim.Optimizer`` (the hook that makes
+        lazy safe needs one), eager otherwise.
+    max_host_bytes:
+        Upper bound on the host staging pool. ``None`` sizes it to one snapshot of the state.
+        A smaller bound still works: staging then waits for chunks to be written out, so
+        ``save()`` (or the next ``optimizer.step()`` in lazy mode) blocks longer.
+    if_busy:
+        What a ``save()`` does while an earlier save is still being written: ``"wait"``
+        queues it (and may block for pool memory), ``"skip"`` drops it with a warning and
+        returns a handle whose ``skipped`` is True.
+    pin_memory:
+        Page-lock the pool. ``None``: when the state holds CUDA tensors.
+    """
+
+    mode: Literal["auto", "lazy", "eager"] = "auto"
+    max_host_bytes: int | None = None
+    if_busy: Literal["wait", "skip"] = "wait"
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "lazy", "eager"):
+            raise ValueError(f"StagingOptions.mode must be 'auto', 'lazy' or 'eager', not {self.mode!r}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"StagingOptions.if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
+        if self.max_host_bytes is not None and self.max_host_bytes <= 0:
+            raise ValueError(f"StagingOptions.max_host_bytes must be positive, not {self.max_host_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WriteOptions:
+    """How staged bytes are laid out and persisted.
+
+    chunk_bytes: target size of one zarr chunk (and of one staging/write unit).
+    io_threads: concurrent chunk writes and reads.
+    fsync: fsync every file and directory before commit. Turning it off forfeits crash safety
+        and exists only for measurements.
+    """
+
+    chunk_bytes: int = 64 * MiB
+    io_threads: int = 4
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"WriteOptions.chunk_bytes must be at least 4096, not {self.chunk_bytes}")
+        if self.io_threads < 1:
+            raise ValueError(f"WriteOptions.io_threads must be at least 1, not {self.io_threads}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetentionOptions:
+    """Which committed steps a tier keeps. The newest committed step is never deleted.
+
+    keep_last: keep this many newest committed steps (``None``: keep all).
+    keep_every: additionally keep every step that is a multiple of this forever.
+    """
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"RetentionOptions.keep_last must be at least 1 or None, not {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"RetentionOptions.keep_every must be at least 1 or None, not {self.keep_every}")

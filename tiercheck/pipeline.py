@@ -1,0 +1,370 @@
+"""The save pipeline after planning: stage -> persist -> commit, with backpressure.
+
+One stager thread takes saves in order and copies their chunks into the host pool; a small pool
+of I/O threads writes each staged chunk (data + CRC32C trailer, fsync'd) to the tier and hands
+its memory back; the thread finishing a save's last write commits it. Saves are therefore
+committed independently, but staged strictly in order, and staging waits while the pool is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .codec import checksum, checksum_trailer, chunk_nbytes
+from .commit import commit_step, step_dir
+from .flatten import Leaf
+from .layout import Chunk
+from .manifest import JSON, ArrayRecord, Manifest
+from .staging import HostPool, Region, align_up, copy_chunk
+from .tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTask:
+    leaf: int  # index into the save's leaves
+    path: str  # array path
+    chunk: Chunk
+    chunk_shape: tuple[int, ...]
+    nbytes: int  # full (padded) chunk bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a save writes, computed once and reused while the state's layout is unchanged."""
+
+    signature: tuple[Any, ...]
+    records: list[ArrayRecord]  # checksums empty; filled per save
+    tasks: list[ChunkTask]  # eager tasks first, then lazy ones
+    n_eager: int
+    zarr_docs: dict[str, bytes]
+    pool_bytes: int  # host memory one whole snapshot needs
+    max_chunk_bytes: int
+
+
+class SaveHandle:
+    """What ``Checkpointer.save`` returns: completion futures and per-stage timings.
+
+    ``staged`` completes when the host copy is done (the state may change from then on);
+    ``committed`` when the step is durable and visible. Both carry the original exception of a
+    failed save. ``timings`` holds seconds: plan_s, blocked_s (how long save() blocked),
+    stage_s, persist_s, commit_s and durable_s (from the save() call to commit).
+    """
+
+    def __init__(self, step: int, *, skipped: bool = False, nbytes: int = 0) -> None:
+        self.step = step
+        self.skipped = skipped
+        self.nbytes = nbytes
+        self.staged: Future[None] = Future()
+        self.committed: Future[None] = Future()
+        self.timings: dict[str, float] = {}
+        if skipped:
+            self.staged.set_result(None)
+            self.committed.set_result(None)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; re-raise the failure of the save with its original type."""
+        self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else "committed" if self.done() else "in flight"
+        return f"<SaveHandle step={self.step} {state} {self.nbytes} bytes>"
+
+
+@dataclass(eq=False)
+class SaveJob:
+    step: int
+    plan: Plan
+    leaves: list[Leaf]
+    tree: JSON
+    metadata: JSON
+    topology: dict[str, JSON]
+    library_version: str
+    handle: SaveHandle
+    t_call: float
+    ready: torch.cuda.Event | None = None  # recorded on the training stream at save()
+    eager_staged: threading.Event = field(default_factory=threading.Event)
+    checksums: dict[str, dict[str, int]] = field(default_factory=dict)
+    error: BaseException | None = None
+    _pending: int = 1  # outstanding writes, plus one while staging runs
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    t_stage0: float = 0.0
+    t_write0: float = 0.0
+    t_write1: float = 0.0
+
+
+class Pipeline:
+    def __init__(
+        self,
+        tier: Tier,
+        pool: HostPool,
+        *,
+        io_threads: int,
+        max_host_bytes: int | None,
+        on_commit: Callable[[int], None],
+    ) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.max_host_bytes = max_host_bytes
+        self.on_commit = on_commit
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-io")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._inflight: dict[int, SaveJob] = {}
+        self._inflight_lock = threading.Lock()
+        self._idle = threading.Condition(self._inflight_lock)
+        self.counters = {"committed": 0, "failed": 0, "bytes_written": 0}
+        self._stager = threading.Thread(target=self._stage_loop, name="tiercheck-stage", daemon=True)
+        self._stager.start()
+
+    # --- training-thread side -------------------------------------------------------------
+
+    def submit(self, job: SaveJob) -> None:
+        with self._inflight_lock:
+            self._inflight[job.step] = job
+        self._queue.put(job)
+
+    def inflight_steps(self) -> set[int]:
+        with self._inflight_lock:
+            return set(self._inflight)
+
+    def busy(self) -> bool:
+        with self._inflight_lock:
+            return bool(self._inflight)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout)
+
+    def close(self) -> None:
+        self.wait_idle()
+        self._queue.put(None)
+        self._stager.join()
+        self._io.shutdown(wait=True)
+
+    # --- stager thread ----------------------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._stage(job)
+            except BaseException as e:
+                self._fail(job, e)
+                if not job.handle.staged.done():
+                    job.handle.staged.set_exception(e)
+                job.eager_staged.set()
+            finally:
+                self._done_one(job)
+
+    def _stage(self, job: SaveJob) -> None:
+        job.t_stage0 = time.perf_counter()
+        plan, d = job.plan, step_dir(job.step)
+        if self.tier.list_dir(d):  # a partial step of this number left by a crash: start clean
+            self.tier.delete_tree(d)
+        bound = self.max_host_bytes
+        self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))
+        for path, doc in plan.zarr_docs.items():
+            self._submit_write(job, f"{d}/{path}", [doc], None, None)
+        events: list[torch.cuda.Event] = []
+        if plan.n_eager == 0:
+            job.eager_staged.set()
+        for i, task in enumerate(plan.tasks):
+            if job.error is not None:
+                break
+            src = job.leaves[task.leaf].tensor
+            stream = self._stream_for(src, job)
+            region = self.pool.acquire(task.nbytes)
+            try:
+                copy_chunk(src, task.chunk, task.chunk_shape, self.pool.view(region, task.nbytes), stream)
+            except BaseException:
+                self.pool.release(region)
+                raise
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+            self._submit_write(job, f"{d}/{task.path}/{task.chunk.key}", None, (task, region), event)
+            if i + 1 == plan.n_eager:
+                self._wait_events(events)
+                job.eager_staged.set()
+        self._wait_events(events)
+        job.handle.timings["stage_s"] = time.perf_counter() - job.t_stage0
+        job.eager_staged.set()
+        if job.error is not None:
+            raise job.error
+        job.handle.staged.set_result(None)
+
+    def _stream_for(self, src: torch.Tensor, job: SaveJob) -> torch.cuda.Stream | None:
+        if src.device.type != "cuda":
+            return None
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
+        if job.ready is not None:
+            stream.wait_event(job.ready)  # copies must see every kernel queued before save()
+        return stream
+
+    @staticmethod
+    def _wait_events(events: list[torch.cuda.Event]) -> None:
+        for ev in events:
+            ev.synchronize()
+        events.clear()
+
+    # --- I/O threads ------------------------------------------------------------------------
+
+    def _submit_write(
+        self,
+        job: SaveJob,
+        path: str,
+        parts: list[bytes] | None,
+        staged: tuple[ChunkTask, Region] | None,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        with job._lock:
+            job._pending += 1
+        self._io.submit(self._write, job, path, parts, staged, event)
+
+    def _write(
+        self,
+        job: SaveJob,
+        path: str,
+        parts: list[bytes] | None,
+        staged: tuple[ChunkTask, Region] | None,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        try:
+            if job.error is not None:
+                return
+            t0 = time.perf_counter()
+            if not job.t_write0:
+                job.t_write0 = t0
+            if staged is None:
+                assert parts is not None
+                self.tier.write(path, parts)
+            else:
+                task, region = staged
+                if event is not None:
+                    event.synchronize()
+                data = memoryview(self.pool.view(region, task.nbytes).numpy())
+                crc = checksum(data)
+                self.tier.write(path, [data, checksum_trailer(crc)])
+                with job._lock:
+                    job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
+            job.t_write1 = time.perf_counter()
+        except BaseException as e:
+            self._fail(job, e)
+        finally:
+            if staged is not None:
+                self.pool.release(staged[1])
+            self._done_one(job)
+
+    def _fail(self, job: SaveJob, e: BaseException) -> None:
+        with job._lock:
+            if job.error is None:
+                job.error = e
+
+    def _done_one(self, job: SaveJob) -> None:
+        with job._lock:
+            job._pending -= 1
+            last = job._pending == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: SaveJob) -> None:
+        h = job.handle
+        try:
+            if job.error is not None:
+                raise job.error
+            h.timings["persist_s"] = job.t_write1 - job.t_write0 if job.t_write0 else 0.0
+            t0 = time.perf_counter()
+            records = {
+                r.path: ArrayRecord(
+                    path=r.path, dtype=r.dtype, kind=r.kind, shape=r.shape, chunks=r.chunks,
+                    checksums=dict(sorted(job.checksums.get(r.path, {}).items())),
+                )
+                for r in job.plan.records
+            }
+            manifest = Manifest(
+                step=job.step,
+                library_version=job.library_version,
+                created_unix=time.time(),
+                tree=job.tree,
+                arrays=records,
+                metadata=job.metadata,
+                topology=job.topology,
+            )
+            commit_step(self.tier, job.step, manifest.to_bytes())
+            h.timings["commit_s"] = time.perf_counter() - t0
+            h.timings["durable_s"] = time.perf_counter() - job.t_call
+            self.counters["committed"] += 1
+            self.counters["bytes_written"] += h.nbytes
+            log.info(
+                "step %d committed to %s: %.1f MiB, durable after %.3f s (stage %.3f s, persist %.3f s)",
+                job.step, self.tier.url, h.nbytes / 2**20, h.timings["durable_s"],
+                h.timings.get("stage_s", 0.0), h.timings["persist_s"],
+            )
+            try:
+                self.on_commit(job.step)
+            except Exception:  # retention trouble must not turn a committed save into a failed one
+                log.exception("retention after step %d failed", job.step)
+            h.committed.set_result(None)
+        except BaseException as e:
+            self.counters["failed"] += 1
+            log.error("saving step %d to %s failed: %r", job.step, self.tier.url, e)
+            if not h.staged.done():
+                h.staged.set_exception(e)
+            h.committed.set_exception(e)
+        finally:
+            with self._idle:
+                self._inflight.pop(job.step, None)
+                self._idle.notify_all()
+
+
+def plan_save(
+    leaves: list[Leaf],
+    *,
+    signature: tuple[Any, ...],
+    target_chunk_bytes: int,
+    zarr_docs: Callable[[list[ArrayRecord]], dict[str, bytes]],
+) -> Plan:
+    """Chunk every leaf and order the copies: eager leaves first, then lazy ones."""
+    from .codec import itemsize
+    from .layout import chunk_shape, chunks
+
+    records: list[ArrayRecord] = []
+    eager: list[ChunkTask] = []
+    lazy: list[ChunkTask] = []
+    for i, leaf in enumerate(leaves):
+        dtype = str(leaf.tensor.dtype).removeprefix("torch.")
+        shape = tuple(leaf.tensor.shape)
+        cshape = chunk_shape(shape, itemsize(dtype), target_chunk_bytes)
+        rec = ArrayRecord(path=leaf.path, dtype=dtype, kind=leaf.kind, shape=shape, chunks=cshape)
+        records.append(rec)
+        nbytes = chunk_nbytes(rec)
+        (lazy if leaf.lazy else eager).extend(
+            ChunkTask(i, leaf.path, c, cshape, nbytes) for c in chunks(shape, cshape)
+        )
+    tasks = eager + lazy
+    return Plan(
+        signature=signature,
+        records=records,
+        tasks=tasks,
+        n_eager=len(eager),
+        zarr_docs=zarr_docs(records),
+        pool_bytes=sum(align_up(t.nbytes) for t in tasks),
+        max_chunk_bytes=max((t.nbytes for t in tasks), default=0),
+    )

@@ -1,0 +1,116 @@
+"""Host staging: a bounded, reusable pool of host memory and the device-to-host chunk copies.
+
+The pool is allocated once (page-locked when CUDA tensors are staged) and handed out as a ring:
+chunks are staged in order and mostly written out in order, so regions come back roughly FIFO.
+A region released out of order is reclaimed once everything older is released too. Staging
+blocks while the pool is full, which is how a bound smaller than a snapshot stays a bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import StagingError
+from .layout import Chunk, is_edge
+
+ALIGN = 64  # keeps every region aligned for any dtype view and for fast copies
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(eq=False, slots=True)
+class Region:
+    offset: int
+    nbytes: int  # aligned size held in the pool
+    freed: bool = field(default=False)
+
+
+class HostPool:
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._buf: torch.Tensor | None = None
+        self._cond = threading.Condition()
+        self._live: deque[Region] = deque()
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.allocations = 0  # how often host memory was (re)allocated: 1 in steady state
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else self._buf.numel()
+
+    def reserve(self, capacity: int) -> None:
+        """Make the pool at least ``capacity`` bytes, waiting until it is idle to grow it."""
+        capacity = align_up(capacity)
+        with self._cond:
+            if capacity <= self.capacity:
+                return
+            self._cond.wait_for(lambda: not self._live)
+            self._buf = None  # free the old buffer before allocating the new one
+            self._buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.allocations += 1
+
+    def acquire(self, nbytes: int) -> Region:
+        n = align_up(max(nbytes, 1))
+        with self._cond:
+            if n > self.capacity:
+                raise StagingError(f"a chunk of {nbytes} bytes does not fit the {self.capacity}-byte staging pool")
+            while (offset := self._fit(n)) is None:
+                self._cond.wait()
+            region = Region(offset, n)
+            self._live.append(region)
+            self.in_use += n
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return region
+
+    def _fit(self, n: int) -> int | None:
+        if not self._live:
+            return 0
+        tail = self._live[0].offset
+        last = self._live[-1]
+        head = last.offset + last.nbytes
+        if last.offset >= tail:  # not wrapped: free space is [head, capacity) and [0, tail)
+            if head + n <= self.capacity:
+                return head
+            return 0 if n <= tail else None
+        return head if head + n <= tail else None  # wrapped: free space is [head, tail)
+
+    def release(self, region: Region) -> None:
+        with self._cond:
+            region.freed = True
+            while self._live and self._live[0].freed:
+                self.in_use -= self._live.popleft().nbytes
+            self._cond.notify_all()
+
+    def view(self, region: Region, nbytes: int) -> torch.Tensor:
+        assert self._buf is not None
+        return self._buf[region.offset : region.offset + nbytes]
+
+
+def copy_chunk(
+    src: torch.Tensor,
+    chunk: Chunk,
+    chunk_shape: tuple[int, ...],
+    dst: torch.Tensor,
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Copy one chunk of ``src`` into the uint8 host view ``dst``, padded to the full chunk.
+
+    On CUDA the copy is queued on ``stream`` (non-blocking); the caller records an event after it.
+    """
+    out = dst.view(src.dtype).view(chunk_shape)
+    piece = src[chunk.slices()]
+    if is_edge(chunk, chunk_shape):
+        out.zero_()  # zarr stores edge chunks at full size; make the padding deterministic
+        out = out[tuple(slice(0, v) for v in chunk.valid_shape)]
+    if stream is None:
+        out.copy_(piece)
+    else:
+        with torch.cuda.stream(stream):
+            out.copy_(piece, non_blocking=True)

@@ -1,0 +1,59 @@
+"""The storage interface every tier implements. Tiers move bytes; they never see a tensor.
+
+Paths are "/"-separated and relative to the tier's root. Call order for one step, all from
+tiercheck's background threads of the rank that owns the data (never the training thread):
+
+    write(...)             once per file: zarr metadata, chunks, the manifest (any order, concurrently)
+    sync_dirs(step_dir)    make every directory entry under the step (and the step's own) durable
+    publish(marker, ...)   atomically and durably create the commit marker: the step is visible
+
+Readers call ``list_dir``, ``exists`` and ``read``; retention calls ``delete_tree`` after it
+has withdrawn a step's commit marker with ``delete``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Tier(ABC):
+    """A place checkpoints live: a node-local directory, or (later) an fsspec URL."""
+
+    url: str
+    #: Whether a completed ``write`` survives a machine crash (fsync or equivalent).
+    durable: bool = True
+
+    @abstractmethod
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Create or replace ``path`` with the concatenation of ``parts``; durable on return."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes | bytearray:
+        """The whole content of ``path``. Raises ``FileNotFoundError`` when it does not exist."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def list_dir(self, path: str = "") -> list[str]:
+        """Names directly under ``path`` (empty when it does not exist)."""
+
+    @abstractmethod
+    def publish(self, path: str, data: bytes) -> None:
+        """Atomically create ``path``: a reader sees all of ``data`` or nothing. Durable on return."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove one file durably; no error when it is already gone."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Remove ``path`` and everything under it; no error when it is already gone."""
+
+    @abstractmethod
+    def sync_dirs(self, path: str) -> None:
+        """Make the entries of ``path``, of every directory below it, and ``path``'s own entry in
+        its parent durable (a no-op where directories do not exist, e.g. object stores)."""

@@ -1,0 +1,113 @@
+"""The node-local tier: a directory on the node's own disk (NVMe)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import UnsafeCheckpointError
+from .base import Buffer, Tier
+
+
+class LocalTier(Tier):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self.durable = fsync
+        self._fsync = fsync
+
+    def create(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _abs(self, path: str) -> Path:
+        # Paths come from our own planning, but also from manifests read back: refuse escapes.
+        if path.startswith("/") or "\\" in path or any(p in ("..",) for p in path.split("/")):
+            raise UnsafeCheckpointError(f"path {path!r} would leave the checkpoint root {self.root}")
+        return self.root / path if path else self.root
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            views = [memoryview(p).cast("B") for p in parts if len(p)]
+            while views:
+                written = os.writev(fd, views[:1024])
+                while written and views:  # drop what was written; a short write resumes mid-buffer
+                    if written >= len(views[0]):
+                        written -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][written:]
+                        written = 0
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self, path: str) -> bytearray:
+        with open(self._abs(path), "rb") as f:
+            buf = bytearray(os.fstat(f.fileno()).st_size)
+            n = f.readinto(buf)
+            del buf[n:]  # the file shrank since fstat: return what is there
+            return buf
+
+    def exists(self, path: str) -> bool:
+        return self._abs(path).exists()
+
+    def list_dir(self, path: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except FileNotFoundError:
+            return []
+
+    def publish(self, path: str, data: bytes) -> None:
+        target = self._abs(path)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        self.write(str(tmp.relative_to(self.root)), [data])
+        os.replace(tmp, target)  # atomic on POSIX: readers see no marker or the whole marker
+        self._sync_dir(target.parent)
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            return
+        self._sync_dir(target.parent)
+
+    def delete_tree(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            shutil.rmtree(target)
+        except FileNotFoundError:
+            pass
+        self._sync_dir(target.parent)
+
+    def sync_dirs(self, path: str) -> None:
+        if not self._fsync:
+            return
+        top = self._abs(path)
+        for dirpath, _dirnames, _files in os.walk(top):
+            self._sync_dir(Path(dirpath))
+        if top != self.root:
+            self._sync_dir(top.parent)
+
+    def _sync_dir(self, d: Path) -> None:
+        if not self._fsync:
+            return
+        try:
+            fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError as e:  # some filesystems refuse fsync on directories; nothing more to do there
+            if e.errno not in (errno.EINVAL, errno.EBADF):
+                raise
+        finally:
+            os.close(fd)
+
