@@ -33,4 +33,5 @@ __all__ = [
     "WriteOptions",
     "__version__",
     "errors",
+    "load",
 ]

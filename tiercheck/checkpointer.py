@@ -99,7 +99,9 @@ class Checkpointer:
         with self._lock:
             pipeline = self._ensure_pipeline()
             if step in self._committed:
-                raise StepExistsError(f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it")
+                raise StepExistsError(
+                    f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
+                )
             if step in pipeline.inflight_steps():
                 raise StepExistsError(f"step {step} is already being saved")
             if self.staging.if_busy == "skip" and pipeline.busy():
@@ -115,9 +117,16 @@ class Checkpointer:
             plan = self._plan_for(leaves)
             handle = SaveHandle(step, nbytes=sum(t.nbytes for t in plan.tasks))
             job = SaveJob(
-                step=step, plan=plan, leaves=leaves, tree=tree, metadata=metadata,
-                topology={"world_size": 1, "rank": 0}, library_version=__version__,
-                handle=handle, t_call=t_call, ready=_record_ready(leaves),
+                step=step,
+                plan=plan,
+                leaves=leaves,
+                tree=tree,
+                metadata=metadata,
+                topology={"world_size": 1, "rank": 0},
+                library_version=__version__,
+                handle=handle,
+                t_call=t_call,
+                ready=_record_ready(leaves),
             )
             handle.timings["plan_s"] = time.perf_counter() - t_call
             pipeline.submit(job)
@@ -168,8 +177,11 @@ class Checkpointer:
                 pin = torch.cuda.is_available() and _has_cuda_tensor(self.state)
             self._pool = HostPool(pin_memory=bool(pin))
             self._pipeline = Pipeline(
-                self.tier, self._pool, io_threads=self.write.io_threads,
-                max_host_bytes=self.staging.max_host_bytes, on_commit=self._after_commit,
+                self.tier,
+                self._pool,
+                io_threads=self.write.io_threads,
+                max_host_bytes=self.staging.max_host_bytes,
+                on_commit=self._after_commit,
             )
         return self._pipeline
 
@@ -220,8 +232,9 @@ class Checkpointer:
                 )
             manifest = read_manifest(self.tier, step)
             pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
-            _restore_into(self.state, manifest, self.tier, strict=strict, allow_pickle=pickle_ok,
-                          io_threads=self.write.io_threads)
+            _restore_into(
+                self.state, manifest, self.tier, strict=strict, allow_pickle=pickle_ok, io_threads=self.write.io_threads
+            )
             self._committed.update(committed)
             log.info("restored step %d from %s", step, self.tier.url)
             return step
@@ -254,7 +267,9 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _check_open(self) -> None:
@@ -262,8 +277,9 @@ class Checkpointer:
             raise RuntimeError("this Checkpointer is closed")
 
 
-def load(path: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False,
-         io_threads: int = 4) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False, io_threads: int = 4
+) -> dict[str, Any]:
     """Read a committed step into a plain nested dict of CPU tensors (state_dicts become dicts)."""
     root = os.fspath(path)
     if not os.path.isdir(root):
@@ -323,7 +339,8 @@ def _restore_into(
     missing = [k for k in keys if k not in tree]
     if missing and strict:
         raise IncompatibleStateError(
-            f"{where}: the checkpoint has no entry for {', '.join(map(repr, missing))} (it holds: {', '.join(map(repr, tree))})"
+            f"{where}: the checkpoint has no entry for {', '.join(map(repr, missing))} "
+            f"(it holds: {', '.join(map(repr, tree))})"
         )
     decoded: dict[str, Any] = {}
     for key in keys:
@@ -346,7 +363,9 @@ def _restore_into(
             live.load_state_dict(value)
         elif not _update_in_place(live, value):
             if not isinstance(state, MutableMapping):
-                raise IncompatibleStateError(f"{where}: cannot restore {key!r} in place and the state mapping is read-only")
+                raise IncompatibleStateError(
+                    f"{where}: cannot restore {key!r} in place and the state mapping is read-only"
+                )
             state[key] = value
 
 

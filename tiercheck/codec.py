@@ -97,7 +97,7 @@ def zarr_documents(records: Iterable[ArrayRecord]) -> dict[str, bytes]:
     return {key: buf.to_bytes() for key, buf in backing.items()}  # type: ignore[attr-defined]
 
 
-def checksum(data: memoryview | bytes) -> int:
+def checksum(data: memoryview | bytes | bytearray) -> int:
     # google_crc32c refuses memoryviews but takes numpy arrays: wrap without copying.
     return int(google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
 
@@ -107,7 +107,9 @@ def checksum_trailer(crc: int) -> bytes:
     return struct.pack("<I", crc)
 
 
-def verify_chunk(raw: memoryview | bytes, *, expected_crc: int | None, nbytes: int, where: str) -> memoryview:
+def verify_chunk(
+    raw: memoryview | bytes | bytearray, *, expected_crc: int | None, nbytes: int, where: str
+) -> memoryview:
     """Check a stored chunk (data + trailer) and return a view of its data bytes."""
     view = memoryview(raw)
     if len(view) != nbytes + CHECKSUM_BYTES:
@@ -120,7 +122,8 @@ def verify_chunk(raw: memoryview | bytes, *, expected_crc: int | None, nbytes: i
     if actual != stored or (expected_crc is not None and actual != expected_crc):
         raise CorruptCheckpointError(
             f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x}, "
-            f"manifest says {expected_crc:#010x})" if expected_crc is not None else
-            f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x})"
+            f"manifest says {expected_crc:#010x})"
+            if expected_crc is not None
+            else f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x})"
         )
     return data

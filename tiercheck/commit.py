@@ -30,7 +30,8 @@ class StepListing:
 
 
 def list_steps(tier: Tier) -> StepListing:
-    committed, partial = [], []
+    committed: list[int] = []
+    partial: list[int] = []
     for name in tier.list_dir(""):
         m = _STEP_DIR.match(name)
         if not m:

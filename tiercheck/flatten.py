@@ -23,7 +23,7 @@ import math
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
 
 
-def is_stateful(obj: object) -> bool:
+def is_stateful(obj: object) -> TypeGuard[Stateful]:
     return not isinstance(obj, Mapping) and isinstance(obj, Stateful)
 
 
@@ -184,8 +184,13 @@ def decode(node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, 
     if isinstance(node, list):
         live_list = live if isinstance(live, list) else []
         return [
-            decode(v, source, allow_pickle=allow_pickle, where=f"{where}/{i}",
-                   live=live_list[i] if i < len(live_list) else None)
+            decode(
+                v,
+                source,
+                allow_pickle=allow_pickle,
+                where=f"{where}/{i}",
+                live=live_list[i] if i < len(live_list) else None,
+            )
             for i, v in enumerate(node)
         ]
     if not isinstance(node, dict):

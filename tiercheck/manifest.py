@@ -134,9 +134,7 @@ class Manifest:
             arrays_doc = doc["arrays"]
             if not isinstance(arrays_doc, dict):
                 raise TypeError("arrays must be an object")
-            arrays = {
-                path: ArrayRecord.from_json(path, rec, where=where) for path, rec in arrays_doc.items()
-            }
+            arrays = {path: ArrayRecord.from_json(path, rec, where=where) for path, rec in arrays_doc.items()}
             return cls(
                 step=_nonneg_int(doc["step"]),
                 library_version=str(doc["library_version"]),
@@ -170,7 +168,7 @@ class CommitMarker:
         ).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, where: str) -> CommitMarker:
+    def from_bytes(cls, data: bytes | bytearray, *, where: str) -> CommitMarker:
         try:
             doc = json.loads(data)
             return cls(

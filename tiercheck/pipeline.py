@@ -259,7 +259,7 @@ class Pipeline:
                 task, region = staged
                 if event is not None:
                     event.synchronize()
-                data = memoryview(self.pool.view(region, task.nbytes).numpy())
+                data = memoryview(self.pool.view(region, task.nbytes).numpy())  # type: ignore[arg-type]
                 crc = checksum(data)
                 self.tier.write(path, [data, checksum_trailer(crc)])
                 with job._lock:
@@ -293,7 +293,11 @@ class Pipeline:
             t0 = time.perf_counter()
             records = {
                 r.path: ArrayRecord(
-                    path=r.path, dtype=r.dtype, kind=r.kind, shape=r.shape, chunks=r.chunks,
+                    path=r.path,
+                    dtype=r.dtype,
+                    kind=r.kind,
+                    shape=r.shape,
+                    chunks=r.chunks,
                     checksums=dict(sorted(job.checksums.get(r.path, {}).items())),
                 )
                 for r in job.plan.records
@@ -314,8 +318,12 @@ class Pipeline:
             self.counters["bytes_written"] += h.nbytes
             log.info(
                 "step %d committed to %s: %.1f MiB, durable after %.3f s (stage %.3f s, persist %.3f s)",
-                job.step, self.tier.url, h.nbytes / 2**20, h.timings["durable_s"],
-                h.timings.get("stage_s", 0.0), h.timings["persist_s"],
+                job.step,
+                self.tier.url,
+                h.nbytes / 2**20,
+                h.timings["durable_s"],
+                h.timings.get("stage_s", 0.0),
+                h.timings["persist_s"],
             )
             try:
                 self.on_commit(job.step)
@@ -355,9 +363,7 @@ def plan_save(
         rec = ArrayRecord(path=leaf.path, dtype=dtype, kind=leaf.kind, shape=shape, chunks=cshape)
         records.append(rec)
         nbytes = chunk_nbytes(rec)
-        (lazy if leaf.lazy else eager).extend(
-            ChunkTask(i, leaf.path, c, cshape, nbytes) for c in chunks(shape, cshape)
-        )
+        (lazy if leaf.lazy else eager).extend(ChunkTask(i, leaf.path, c, cshape, nbytes) for c in chunks(shape, cshape))
     tasks = eager + lazy
     return Plan(
         signature=signature,

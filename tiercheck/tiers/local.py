@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -81,10 +82,8 @@ class LocalTier(Tier):
 
     def delete_tree(self, path: str) -> None:
         target = self._abs(path)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(target)
-        except FileNotFoundError:
-            pass
         self._sync_dir(target.parent)
 
     def sync_dirs(self, path: str) -> None:
@@ -110,4 +109,3 @@ class LocalTier(Tier):
                 raise
         finally:
             os.close(fd)
-
