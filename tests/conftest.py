@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _tiercheck_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tiercheck")
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+def assert_identical(a: Any, b: Any, where: str = "state") -> None:
+    """Bit-identical equality for nested states (NaNs compare equal to themselves)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        assert a.device == b.device or b.device.type == "cpu", where
+        ua, ub = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+        assert torch.equal(ua.reshape(-1).view(torch.uint8), ub.reshape(-1).view(torch.uint8)), f"{where}: bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), f"{where}: bytes differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, where
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"

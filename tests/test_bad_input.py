@@ -1,0 +1,154 @@
+"""Bad input gets a clear error naming what is wrong, and nothing committed is lost (invariant 5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tiercheck import Checkpointer, WriteOptions
+from tiercheck.codec import checksum
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    TiercheckError,
+)
+
+
+def saved(ckpt_dir: Path, step: int = 3) -> dict[str, torch.Tensor]:
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=4096)) as ck:
+        ck.save(step).wait()
+    return state["model"]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_in_a_chunk_names_step_array_and_chunk(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    flip_byte(ckpt_dir / "step-00000003/model/w/c/2/0", 100)
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: array 'model/w' chunk c/2/0: checksum mismatch"):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(ValueError, match="checksum mismatch"):
+        ck.restore()
+
+
+def test_flipped_checksum_trailer_and_truncated_chunk_are_caught(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    chunk = ckpt_dir / "step-00000003/model/b/c/0"
+    flip_byte(chunk, chunk.stat().st_size - 1)
+    with pytest.raises(CorruptCheckpointError, match="model/b.*checksum mismatch"):
+        tiercheck.load(ckpt_dir)
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    with pytest.raises(CorruptCheckpointError, match="model/b.*truncated"):
+        tiercheck.load(ckpt_dir)
+    chunk.unlink()
+    with pytest.raises(CorruptCheckpointError, match="model/b.*missing"):
+        tiercheck.load(ckpt_dir)
+
+
+def test_damaged_manifest_and_marker_are_reported_not_parsed(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    manifest = ckpt_dir / "step-00000003/manifest.json"
+    original = manifest.read_bytes()
+    flip_byte(manifest, 40)
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: manifest.json is damaged"):
+        tiercheck.load(ckpt_dir)
+    manifest.write_bytes(original)
+    (ckpt_dir / "step-00000003/COMMIT").write_text("{not json")
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: commit marker is damaged"):
+        tiercheck.load(ckpt_dir)
+
+
+def test_missing_step_and_missing_directory(ckpt_dir: Path, tmp_path: Path) -> None:
+    saved(ckpt_dir)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 7 is not committed .*committed: 3"):
+        tiercheck.load(ckpt_dir, step=7)
+    with Checkpointer({"x": torch.zeros(1)}, local=ckpt_dir) as ck, pytest.raises(FileNotFoundError, match="step 7"):
+        ck.restore(7)
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint directory"):
+        tiercheck.load(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="holds no committed step"):
+        tiercheck.load(empty)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError):
+        Checkpointer({}, local=afile)
+
+
+@pytest.mark.parametrize(
+    ("live", "message"),
+    [
+        ({"w": torch.zeros(64, 32), "b": torch.zeros(64)}, r"model/w: checkpoint has float32\[64, 64\], the state .* has float32\[64, 32\]"),
+        ({"w": torch.zeros(64, 64, dtype=torch.float64), "b": torch.zeros(64)}, r"model/w: checkpoint has float32\[64, 64\], .* float64\[64, 64\]"),
+    ],
+)  # fmt: skip
+def test_incompatible_shapes_or_dtypes_are_refused_before_anything_is_overwritten(
+    ckpt_dir: Path, live: dict[str, torch.Tensor], message: str
+) -> None:
+    saved(ckpt_dir)
+    before = {k: v.clone() for k, v in live.items()}
+    with Checkpointer({"model": live}, local=ckpt_dir) as ck, pytest.raises(IncompatibleStateError, match=message):
+        ck.restore()
+    assert_identical(before, live)
+
+
+def test_missing_keys_and_tensors_are_named(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    with (
+        Checkpointer({"model": {}, "optimizer": {}}, local=ckpt_dir) as ck,
+        pytest.raises(IncompatibleStateError, match=r"no entry for 'optimizer' \(it holds: 'model'\)"),
+    ):
+        ck.restore()
+    module = torch.nn.Linear(64, 64)  # has weight and bias; the checkpoint has w and b
+    with (
+        Checkpointer({"model": module}, local=ckpt_dir) as ck,
+        pytest.raises(IncompatibleStateError, match="missing from the checkpoint: model/weight, model/bias"),
+    ):
+        ck.restore()
+    with Checkpointer({"model": {"w": torch.zeros(64, 64)}}, local=ckpt_dir) as ck:
+        ck.restore(strict=False)  # non-strict: what the checkpoint has is restored
+
+
+def test_bad_arguments(ckpt_dir: Path) -> None:
+    with Checkpointer({"x": torch.zeros(1)}, local=ckpt_dir) as ck:
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(ValueError, match="non-negative int"):
+                ck.save(bad)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="closed"):
+        ck.save(1)
+    with pytest.raises(TypeError, match="mapping"):
+        Checkpointer([torch.zeros(1)], local=ckpt_dir)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode"):
+        tiercheck.StagingOptions(mode="fast")  # type: ignore[arg-type]
+
+
+def test_a_manifest_from_a_newer_format_is_refused_clearly(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    rewrite_manifest(ckpt_dir, 3, lambda doc: doc.update(format_version=99))
+    with pytest.raises(CorruptCheckpointError, match="format version 99 is newer"):
+        tiercheck.load(ckpt_dir)
+    assert issubclass(CorruptCheckpointError, TiercheckError)
+
+
+def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
+    """Edit a manifest and re-sign its commit marker, as an attacker with write access could."""
+    d = ckpt_dir / f"step-{step:08d}"
+    doc = json.loads((d / "manifest.json").read_bytes())
+    edit(doc)  # type: ignore[operator]
+    data = json.dumps(doc).encode()
+    (d / "manifest.json").write_bytes(data)
+    marker = {"format": "tiercheck", "step": step, "manifest_crc32c": checksum(data), "manifest_size": len(data)}
+    (d / "COMMIT").write_text(json.dumps(marker))

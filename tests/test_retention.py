@@ -1,0 +1,100 @@
+"""Retention keeps the newest K (and every Mth) committed steps and cleans crash leftovers."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import Checkpointer, RetentionOptions
+from tiercheck.retention import steps_to_delete
+from tiercheck.tiers.local import LocalTier
+
+
+def test_policy() -> None:
+    assert steps_to_delete([1, 2, 3, 4, 5], RetentionOptions(keep_last=2)) == [1, 2, 3]
+    assert steps_to_delete([1, 2, 3, 4, 5], RetentionOptions(keep_last=1, keep_every=2)) == [1, 3]
+    assert steps_to_delete([7], RetentionOptions(keep_last=1)) == []
+    assert steps_to_delete([], RetentionOptions(keep_last=1)) == []
+    assert steps_to_delete([1, 2, 3], RetentionOptions(keep_last=None)) == []
+
+
+def test_keep_last_and_keep_every_on_disk(ckpt_dir: Path) -> None:
+    with Checkpointer(
+        {"x": torch.zeros(4)}, local=ckpt_dir, retention=RetentionOptions(keep_last=2, keep_every=3)
+    ) as ck:
+        for step in range(1, 8):
+            ck.save(step).wait()
+        assert ck.steps() == [3, 6, 7]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000003", "step-00000006", "step-00000007"]
+
+
+def test_partial_steps_are_never_reported_and_are_cleaned_at_start(ckpt_dir: Path) -> None:
+    with Checkpointer({"x": torch.ones(4)}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    leftover = ckpt_dir / "step-00000002"
+    (leftover / "x" / "c").mkdir(parents=True)
+    (leftover / "x" / "c" / "0").write_bytes(b"half")
+    assert tiercheck.load(ckpt_dir)["x"].sum() == 4  # the partial step 2 is invisible
+    with Checkpointer({"x": torch.zeros(4)}, local=ckpt_dir) as ck:
+        assert not leftover.exists()
+        assert ck.steps() == [1] and ck.restore() == 1
+        ck.save(2).wait()  # the number of a cleaned partial step can be saved normally
+        assert ck.steps() == [1, 2]
+
+
+class FullDiskTier(LocalTier):
+    """A real local tier that runs out of space after a byte budget, like a filling NVMe."""
+
+    def __init__(self, root: Path, budget: int) -> None:
+        super().__init__(root)
+        self.budget = budget
+
+    def write(self, path: str, parts):  # type: ignore[no-untyped-def]
+        size = sum(len(memoryview(p).cast("B")) for p in parts)
+        if size > self.budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / path))
+        self.budget -= size
+        super().write(path, parts)
+
+
+def test_full_disk_fails_the_save_with_its_error_and_keeps_the_committed_step(ckpt_dir: Path) -> None:
+    state = {"w": torch.ones(64 << 10)}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        ck.tier = FullDiskTier(ckpt_dir, budget=100_000)
+        ck._pipeline.tier = ck.tier  # type: ignore[union-attr]
+        state["w"].fill_(2)
+        handle = ck.save(2)
+        with pytest.raises(OSError) as info:
+            handle.wait()
+        assert info.value.errno == errno.ENOSPC
+        assert ck.stats()["failed"] == 1
+        assert ck.steps() == [1]
+    assert torch.equal(tiercheck.load(ckpt_dir)["w"], torch.ones(64 << 10))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_full_real_tmpfs(tmp_path: Path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=False).returncode:
+        pytest.skip("this sandbox does not allow mounting a tmpfs")
+    try:
+        state = {"w": torch.ones(256 << 10)}  # 1 MiB
+        with Checkpointer(state, local=mnt, retention=RetentionOptions(keep_last=None)) as ck:
+            ck.save(1).wait()
+            ck.save(2).wait()
+            with pytest.raises(OSError) as info:
+                ck.save(3).wait()  # the third MiB does not fit next to two committed steps
+            assert info.value.errno == errno.ENOSPC
+            assert ck.steps() == [1, 2]
+        assert torch.equal(tiercheck.load(mnt, step=2)["w"], torch.ones(256 << 10))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -1,0 +1,190 @@
+"""Round trips are bit-identical: every dtype, nested state, Stateful model + Adam, edge shapes."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import tiercheck
+from tests.conftest import assert_identical
+from tiercheck import Checkpointer, StagingOptions, WriteOptions
+
+DTYPES = [
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+]  # fmt: skip
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),), generator=g)
+    t = raw.to(torch.uint8).view(dtype).reshape(shape)
+    if dtype == torch.bool:
+        t = raw.to(torch.uint8).remainder(2).to(torch.bool).reshape(shape)
+    return t
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_every_dtype_round_trips_bit_identical(ckpt_dir: Path, dtype: torch.dtype, mode: str) -> None:
+    # Random bytes include NaN payloads and subnormals: the comparison is on bits, not values.
+    state = {
+        "big": random_tensor((37, 19, 3), dtype, 1),
+        "scalar": random_tensor((), dtype, 2),
+        "empty": random_tensor((0, 4), dtype, 3),
+        "vector": random_tensor((1000,), dtype, 4),
+    }
+    expected = copy.deepcopy(state)
+    # Tiny chunks force many chunks per array, edge padding and cuts below the first dimension.
+    with Checkpointer(
+        state, local=ckpt_dir, write=WriteOptions(chunk_bytes=4096), staging=StagingOptions(mode=mode)
+    ) as ck:
+        ck.save(1).wait()
+    loaded = tiercheck.load(ckpt_dir)
+    assert_identical(expected, loaded)
+    for t in state.values():
+        t.zero_() if t.dtype != torch.float8_e4m3fn else t.view(torch.uint8).zero_()
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        assert ck.restore() == 1
+    assert_identical(expected, state)
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "auto"])
+def test_model_and_adam_restore_bit_identical_and_continue_identically(ckpt_dir: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    model, opt = make_model()
+    info = {"epoch": 3, "seen": [1, 2.5, "x"], "rng": torch.get_rng_state()}
+    with Checkpointer({"model": model, "optimizer": opt, "info": info}, local=ckpt_dir,
+                      staging=StagingOptions(mode=mode)) as ck:  # fmt: skip
+        train(model, opt, 3, seed=1)
+        ck.save(3)
+        train(model, opt, 2, seed=2)  # the lazy copy must still capture the step-3 state
+    saved = tiercheck.load(ckpt_dir, step=3)
+
+    torch.manual_seed(123)
+    model2, opt2 = make_model()
+    info2: dict[str, object] = {"epoch": 0}
+    with Checkpointer({"model": model2, "optimizer": opt2, "info": info2}, local=ckpt_dir) as ck:
+        assert ck.restore(3) == 3
+    assert_identical(saved["model"], {k: v for k, v in model2.state_dict().items()})
+    assert_identical(saved["optimizer"]["state"], opt2.state_dict()["state"])
+    assert info2["epoch"] == 3 and info2["seen"] == [1, 2.5, "x"]
+    assert_identical(info["rng"], info2["rng"])
+
+    # Continuing from the restored state matches continuing from the original at step 3.
+    torch.manual_seed(0)
+    ref_model, ref_opt = make_model()
+    train(ref_model, ref_opt, 3, seed=1)
+    train(ref_model, ref_opt, 2, seed=2)
+    train(model2, opt2, 2, seed=2)
+    assert_identical(ref_model.state_dict(), model2.state_dict())
+
+
+def test_nested_plain_values_round_trip_without_pickle(ckpt_dir: Path) -> None:
+    np_rng = np.random.RandomState(5)
+    nested = {
+        "ints": [0, -1, 2**62, True, False, None],
+        "floats": (0.1, float("inf"), float("-inf"), float("nan"), -0.0),
+        "text": "ünïcode",
+        "bytes": b"\x00\xff",
+        "int_keys": {0: "a", 1: {"deep": torch.arange(5)}},
+        "dollar": {"$tensor": "not a reference"},
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "np_array": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "np_scalar": np.float32(1.5),
+        "np_rng": np_rng.get_state(),
+        "py_rng": random.Random(7).getstate(),
+        "torch_rng": torch.Generator().manual_seed(3).get_state(),
+        "non_contiguous": torch.arange(24.0).reshape(4, 6).t(),
+    }
+    expected = copy.deepcopy(nested)
+    with Checkpointer({"nested": nested}, local=ckpt_dir) as ck:
+        ck.save(0).wait()
+    loaded = tiercheck.load(ckpt_dir)["nested"]
+    assert_identical(expected["ints"], loaded["ints"])
+    assert_identical(expected["floats"], loaded["floats"])
+    assert str(loaded["floats"][4]) == "-0.0"
+    for key in ("text", "bytes", "dollar", "size", "dtype"):
+        assert loaded[key] == expected[key] and type(loaded[key]) is type(expected[key]), key
+    assert_identical(expected["int_keys"], loaded["int_keys"])
+    assert_identical(expected["np_array"], loaded["np_array"])
+    assert loaded["np_scalar"] == expected["np_scalar"] and loaded["np_scalar"].dtype == np.float32
+    assert_identical(expected["np_rng"], loaded["np_rng"])
+    assert loaded["py_rng"] == expected["py_rng"]
+    assert_identical(expected["torch_rng"], loaded["torch_rng"])
+    assert_identical(expected["non_contiguous"].contiguous(), loaded["non_contiguous"])
+
+    restored = {"nested": {"text": "old", "gone": 1}}
+    inner = restored["nested"]
+    with Checkpointer(restored, local=ckpt_dir) as ck:
+        ck.restore()
+    assert restored["nested"] is inner, "plain dicts are restored in place"
+    assert "gone" not in inner and inner["text"] == "ünïcode"
+
+
+def test_plain_zarr_reads_a_step(ckpt_dir: Path) -> None:
+    w = torch.randn(100, 30).to(torch.bfloat16)
+    state = {"model": {"w": w, "b": torch.arange(7, dtype=torch.int32)}}
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=4096)) as ck:
+        ck.save(12).wait()
+    group = zarr.open_group(ckpt_dir / "step-00000012", mode="r")
+    stored = group["model/w"]
+    assert stored.attrs["tiercheck"]["dtype"] == "bfloat16"
+    assert stored.dtype == np.uint16 and stored.nchunks > 1  # zarr also verified every crc32c
+    assert np.array_equal(stored[:], w.view(torch.uint16).numpy())
+    assert np.array_equal(group["model/b"][:], np.arange(7, dtype=np.int32))
+
+
+def test_restore_returns_none_on_empty_tier_and_steps_are_listed(ckpt_dir: Path) -> None:
+    state = {"x": torch.zeros(3)}
+    with Checkpointer(state, local=ckpt_dir, retention=tiercheck.RetentionOptions(keep_last=None)) as ck:
+        assert ck.restore() is None and ck.latest_step() is None
+        for step in (5, 1, 9):
+            state["x"].fill_(step)
+            ck.save(step)
+        ck.wait()
+        assert ck.steps() == [1, 5, 9] and ck.latest_step() == 9
+        assert ck.restore() == 9 and state["x"][0] == 9
+        assert ck.restore(5) == 5 and state["x"][0] == 5
+
+
+def test_saving_a_committed_step_again_is_refused(ckpt_dir: Path) -> None:
+    with Checkpointer({"x": torch.zeros(3)}, local=ckpt_dir) as ck:
+        ck.save(4).wait()
+        with pytest.raises(tiercheck.StepExistsError, match="step 4 is already committed"):
+            ck.save(4)
+    with Checkpointer({"x": torch.zeros(3)}, local=ckpt_dir) as ck, pytest.raises(FileExistsError):
+        ck.save(4)
+
+
+def test_handle_reports_timings_and_metadata_is_stored(ckpt_dir: Path) -> None:
+    with Checkpointer({"x": torch.ones(1000)}, local=ckpt_dir) as ck:
+        h = ck.save(2, metadata={"loss": 1.25, "tokens": 10})
+        h.wait()
+        assert h.done() and h.staged.done() and not h.skipped and h.nbytes == 4000
+        for key in ("plan_s", "blocked_s", "stage_s", "persist_s", "commit_s", "durable_s"):
+            assert h.timings[key] >= 0.0, key
+        assert h.timings["durable_s"] >= h.timings["blocked_s"]
+    manifest = (ckpt_dir / "step-00000002" / "manifest.json").read_text()
+    assert '"metadata":{"loss":1.25,"tokens":10}' in manifest

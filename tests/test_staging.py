@@ -1,0 +1,129 @@
+"""Host staging: bounded and reused memory (invariant 3), lazy copies, busy policies."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tiercheck import Checkpointer, StagingOptions, WriteOptions
+from tiercheck.staging import HostPool
+from tiercheck.tiers.local import LocalTier
+
+
+def test_pool_stays_within_its_bound_over_many_saves(ckpt_dir: Path) -> None:
+    bound = 64 << 10
+    state = {"w": torch.zeros(256, 1024)}  # 1 MiB: 16x the bound
+    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(max_host_bytes=bound)) as ck:
+        for step in range(20):
+            state["w"].fill_(step)
+            ck.save(step)
+        ck.wait()
+        stats = ck.stats()
+    assert 0 < stats["pool_peak_bytes"] <= stats["pool_capacity_bytes"] <= bound
+    assert stats["pool_allocations"] == 1, "the pool is allocated once and reused"
+    assert stats["committed"] == 20
+    assert torch.equal(tiercheck.load(ckpt_dir)["w"], torch.full((256, 1024), 19.0))
+
+
+def test_default_pool_is_one_snapshot_allocated_once(ckpt_dir: Path) -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(10, 10, dtype=torch.float64)}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        for step in range(10):
+            ck.save(step)
+        ck.wait()
+        stats = ck.stats()
+    assert stats["pool_allocations"] == 1
+    assert 4000 + 800 <= stats["pool_capacity_bytes"] <= 4000 + 800 + 2 * 64
+
+
+def test_ring_pool_reuses_out_of_order_releases_and_blocks_when_full() -> None:
+    pool = HostPool(pin_memory=False)
+    pool.reserve(1024)
+    a, b, c = pool.acquire(256), pool.acquire(256), pool.acquire(512)
+    assert (a.offset, b.offset, c.offset) == (0, 256, 512) and pool.in_use == 1024
+    pool.release(b)  # out of order: reclaimed only once `a` goes too
+    assert pool.in_use == 1024
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(512).offset))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got, "a full pool must block the stager"
+    pool.release(a)
+    waiter.join(timeout=10)
+    assert got == [0] and pool.peak_in_use == 1024
+    with pytest.raises(tiercheck.StagingError, match="does not fit"):
+        pool.acquire(2048)
+
+
+def test_lazy_save_captures_the_state_of_the_save_call(ckpt_dir: Path) -> None:
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(
+        {"model": model, "optimizer": opt}, local=ckpt_dir, write=WriteOptions(chunk_bytes=64 << 10)
+    ) as ck:
+        assert ck.lazy, "auto mode is lazy when an optimizer is in the state"
+        h = ck.save(1)
+        model(torch.ones(1, 512)).sum().backward()
+        opt.step()  # the pre-step hook waits for the copy before parameters change
+        assert h.staged.done()
+        h.wait()
+        assert not torch.equal(model.weight, before["weight"])
+    assert_identical(before, tiercheck.load(ckpt_dir)["model"])
+
+
+def test_eager_mode_is_staged_when_save_returns(ckpt_dir: Path) -> None:
+    state = {"w": torch.ones(100_000)}
+    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(mode="eager")) as ck:
+        h = ck.save(1)
+        assert h.staged.done()
+        state["w"].zero_()
+        h.wait()
+    assert torch.equal(tiercheck.load(ckpt_dir)["w"], torch.ones(100_000))
+
+
+class GatedTier(LocalTier):
+    """A real local tier whose chunk writes wait for a gate: a save stays in flight on demand."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+
+    def write(self, path: str, parts):  # type: ignore[no-untyped-def]
+        self.gate.wait(timeout=60)
+        super().write(path, parts)
+
+
+def test_busy_policy_skip_drops_the_save_with_a_warning(ckpt_dir: Path) -> None:
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(if_busy="skip", mode="eager")) as ck:
+        ck.tier = tier = GatedTier(ckpt_dir)
+        first = ck.save(1)
+        with pytest.warns(RuntimeWarning, match="skipped the save of step 2"):
+            second = ck.save(2)
+        assert second.skipped and second.done() and not first.done()
+        tier.gate.set()
+        first.wait()
+        assert ck.steps() == [1] and ck.stats()["skipped"] == 1
+
+
+def test_busy_policy_wait_blocks_until_the_pool_has_room(ckpt_dir: Path) -> None:
+    state = {"w": torch.zeros(1000)}
+    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(if_busy="wait", mode="eager")) as ck:
+        ck.tier = tier = GatedTier(ckpt_dir)
+        first = ck.save(1)
+        handles: list[tiercheck.SaveHandle] = []
+        saver = threading.Thread(target=lambda: handles.append(ck.save(2)))
+        saver.start()
+        saver.join(timeout=0.2)
+        assert saver.is_alive() and not first.done(), "the second save waits: the pool holds one snapshot"
+        tier.gate.set()
+        saver.join(timeout=60)
+        first.wait()
+        handles[0].wait()
+        assert ck.steps() == [1, 2] and ck.stats()["skipped"] == 0
