@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Quick start: kill a training run at a random moment, resume it, and check the result is
+# bit-identical to an uninterrupted run. Creates .venv in the repo root if it is missing.
+#
+#   bash scripts/demo.sh              # arguments are passed on to examples/demo.py
+#   bash scripts/demo.sh --seed 7     # replay one kill moment
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if [[ ! -x .venv/bin/python ]]; then
+    echo "==> creating .venv"
+    python3 -m venv .venv
+fi
+
+echo "==> installing torch 2.13.0 (CPU) and tiercheck (editable) into .venv (first time: a few minutes)"
+# pip's and the build backend's chatter goes to a log that is shown only if the install fails.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+pip_install() {
+    if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@" >>"$log" 2>&1; then
+        cat "$log" >&2
+        echo "pip install $* failed" >&2
+        exit 1
+    fi
+}
+# torch is pinned: 2.13.0 is the CPU build this project is tested with; an unpinned
+# install could pull a multi-gigabyte CUDA build instead.
+pip_install torch==2.13.0
+pip_install -e .
+
+echo "==> running examples/demo.py"
+.venv/bin/python examples/demo.py "$@"
