@@ -198,7 +198,9 @@ class Checkpointer:
     def _clean_partial_steps(self) -> list[int]:
         listing = list_steps(self.tier)
         for step in listing.partial:
-            log.warning("removing partial step %d from %s (left by an interrupted save)", step, self.tier.url)
+            log.warning(
+                "removing partial step %d from %s (left by an interrupted save or deletion)", step, self.tier.url
+            )
             self.tier.delete_tree(f"step-{step:08d}")
         return listing.committed
 

@@ -325,17 +325,18 @@ class Pipeline:
                 h.timings.get("stage_s", 0.0),
                 h.timings["persist_s"],
             )
+            h.committed.set_result(None)  # before retention: the step is durable, deletions can wait
             try:
                 self.on_commit(job.step)
             except Exception:  # retention trouble must not turn a committed save into a failed one
                 log.exception("retention after step %d failed", job.step)
-            h.committed.set_result(None)
         except BaseException as e:
             self.counters["failed"] += 1
             log.error("saving step %d to %s failed: %r", job.step, self.tier.url, e)
             if not h.staged.done():
                 h.staged.set_exception(e)
-            h.committed.set_exception(e)
+            if not h.committed.done():
+                h.committed.set_exception(e)
         finally:
             with self._idle:
                 self._inflight.pop(job.step, None)
