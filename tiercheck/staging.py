@@ -8,6 +8,7 @@ blocks while the pool is full, which is how a bound smaller than a snapshot stay
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ import torch
 
 from .errors import StagingError
 from .layout import Chunk, is_edge
+
+log = logging.getLogger("tiercheck")
 
 ALIGN = 64  # keeps every region aligned for any dtype view and for fast copies
 
@@ -55,6 +58,11 @@ class HostPool:
             self._buf = None  # free the old buffer before allocating the new one
             self._buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.allocations += 1
+            log.info(
+                "staging pool: %.1f MiB of %s host memory",
+                capacity / 2**20,
+                "pinned" if self.pin_memory else "pageable",
+            )
 
     def acquire(self, nbytes: int) -> Region:
         n = align_up(max(nbytes, 1))
