@@ -11,7 +11,7 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tiercheck import Checkpointer, StagingOptions, WriteOptions
-from tiercheck.staging import HostPool
+from tiercheck.staging import HostPool, align_up
 from tiercheck.tiers.local import LocalTier
 
 
@@ -38,26 +38,28 @@ def test_default_pool_is_one_snapshot_allocated_once(ckpt_dir: Path) -> None:
         ck.wait()
         stats = ck.stats()
     assert stats["pool_allocations"] == 1
-    assert 4000 + 800 <= stats["pool_capacity_bytes"] <= 4000 + 800 + 2 * 64
+    assert stats["pool_capacity_bytes"] == align_up(4000) + align_up(800)  # one region per chunk
 
 
 def test_ring_pool_reuses_out_of_order_releases_and_blocks_when_full() -> None:
+    page = align_up(1)
     pool = HostPool(pin_memory=False)
-    pool.reserve(1024)
-    a, b, c = pool.acquire(256), pool.acquire(256), pool.acquire(512)
-    assert (a.offset, b.offset, c.offset) == (0, 256, 512) and pool.in_use == 1024
+    pool.reserve(4 * page)
+    a, b, c = pool.acquire(page), pool.acquire(page - 100), pool.acquire(2 * page)
+    assert (a.offset, b.offset, c.offset) == (0, page, 2 * page) and pool.in_use == 4 * page
+    assert pool.view(a, page).data_ptr() % page == 0, "regions are page-aligned for O_DIRECT"
     pool.release(b)  # out of order: reclaimed only once `a` goes too
-    assert pool.in_use == 1024
+    assert pool.in_use == 4 * page
     got: list[int] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(512).offset))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(2 * page).offset))
     waiter.start()
     waiter.join(timeout=0.2)
     assert waiter.is_alive() and not got, "a full pool must block the stager"
     pool.release(a)
     waiter.join(timeout=10)
-    assert got == [0] and pool.peak_in_use == 1024
+    assert got == [0] and pool.peak_in_use == 4 * page
     with pytest.raises(tiercheck.StagingError, match="does not fit"):
-        pool.acquire(2048)
+        pool.acquire(8 * page)
 
 
 def test_lazy_save_captures_the_state_of_the_save_call(ckpt_dir: Path) -> None:
@@ -127,3 +129,16 @@ def test_busy_policy_wait_blocks_until_the_pool_has_room(ckpt_dir: Path) -> None
         first.wait()
         handles[0].wait()
         assert ck.steps() == [1, 2] and ck.stats()["skipped"] == 0
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, direct_io: bool) -> None:
+    # 1 MiB + 100 bytes per chunk: an aligned head goes around the page cache, the tail does not.
+    state = {"w": torch.randn(3, (1 << 18) + 25)}
+    opts = WriteOptions(chunk_bytes=(1 << 20) + 100, direct_io=direct_io)
+    with Checkpointer(state, local=tmp_path / "d", write=opts) as ck:
+        ck.save(1).wait()
+        assert ck.stats()["pool_capacity_bytes"] % 4096 == 0
+    assert_identical(state, tiercheck.load(tmp_path / "d"))
+    chunks = sorted((tmp_path / "d/step-00000001/w/c").rglob("*"))
+    assert [c.stat().st_size for c in chunks if c.is_file()] == [(1 << 20) + 100 + 4] * 3

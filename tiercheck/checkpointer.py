@@ -72,7 +72,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         if os.path.exists(local) and not os.path.isdir(local):
             raise NotADirectoryError(f"local tier {os.fspath(local)!r} exists and is not a directory")
-        self.tier = LocalTier(local, fsync=self.write.fsync)
+        self.tier = LocalTier(local, fsync=self.write.fsync, direct_io=self.write.direct_io)
         self.tier.create()
         self.lazy = self.staging.mode == "lazy" or (
             self.staging.mode == "auto" and any(isinstance(v, torch.optim.Optimizer) for v in state.values())

@@ -55,11 +55,16 @@ class WriteOptions:
     io_threads: concurrent chunk writes and reads.
     fsync: fsync every file and directory before commit. Turning it off forfeits crash safety
         and exists only for measurements.
+    direct_io: write large chunks to the local tier with O_DIRECT, straight from the staging
+        pool to the device. This skips the kernel's copy into the page cache (CPU time the
+        training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
+        Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered writes.
     """
 
     chunk_bytes: int = 64 * MiB
     io_threads: int = 4
     fsync: bool = True
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:

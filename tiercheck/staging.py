@@ -20,7 +20,7 @@ from .layout import Chunk, is_edge
 
 log = logging.getLogger("tiercheck")
 
-ALIGN = 64  # keeps every region aligned for any dtype view and for fast copies
+ALIGN = 4096  # page-aligned regions: any dtype view, and writes that bypass the page cache (O_DIRECT)
 
 
 def align_up(n: int) -> int:
@@ -56,7 +56,9 @@ class HostPool:
                 return
             self._cond.wait_for(lambda: not self._live)
             self._buf = None  # free the old buffer before allocating the new one
-            self._buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin_memory)
+            raw = torch.empty(capacity + ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
+            shift = -raw.data_ptr() % ALIGN  # the allocator aligns to 64 bytes; O_DIRECT wants pages
+            self._buf = raw[shift : shift + capacity]
             self.allocations += 1
             log.info(
                 "staging pool: %.1f MiB of %s host memory",

@@ -9,16 +9,22 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import UnsafeCheckpointError
 from .base import Buffer, Tier
 
+BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
+DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct write
+
 
 class LocalTier(Tier):
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, direct_io: bool = False) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.durable = fsync
         self._fsync = fsync
+        self._direct = direct_io and hasattr(os, "O_DIRECT")
 
     def create(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -32,22 +38,39 @@ class LocalTier(Tier):
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         target = self._abs(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        offset = self._write_direct(target, views) if self._direct and views else 0
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | (0 if offset else os.O_TRUNC)
+        fd = os.open(target, flags, 0o644)
         try:
-            views = [memoryview(p).cast("B") for p in parts if len(p)]
-            while views:
-                written = os.writev(fd, views[:1024])
-                while written and views:  # drop what was written; a short write resumes mid-buffer
-                    if written >= len(views[0]):
-                        written -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][written:]
-                        written = 0
+            _write_all(fd, views, offset)
             if self._fsync:
-                os.fsync(fd)
+                os.fsync(fd)  # also covers the metadata (size, extents) of a direct write before it
         finally:
             os.close(fd)
+
+    def _write_direct(self, target: Path, views: list[memoryview]) -> int:
+        """Write the block-aligned head of the first buffer with O_DIRECT; return how many bytes
+        that covered (0 when it does not apply), and leave the rest of ``views`` to write."""
+        head = views[0]
+        n = len(head) // BLOCK * BLOCK
+        if n < DIRECT_MIN_BYTES or np.frombuffer(head, dtype=np.uint8).ctypes.data % BLOCK:
+            return 0
+        try:
+            fd = os.open(
+                target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct = False  # this filesystem (tmpfs, some network mounts) has no O_DIRECT
+            return 0
+        try:
+            _write_all(fd, [head[:n]], 0)
+        finally:
+            os.close(fd)
+        views[0] = head[n:]
+        return n
 
     def read(self, path: str) -> bytearray:
         with open(self._abs(path), "rb") as f:
@@ -109,3 +132,18 @@ class LocalTier(Tier):
                 raise
         finally:
             os.close(fd)
+
+
+def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """pwritev everything in ``views`` at ``offset``, resuming after short writes."""
+    views = [v for v in views if len(v)]
+    while views:
+        written = os.pwritev(fd, views[:1024], offset)
+        offset += written
+        while written and views:  # drop what was written; a short write resumes mid-buffer
+            if written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][written:]
+                written = 0
