@@ -52,6 +52,16 @@ class Plan:
     max_chunk_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class WriteRequest:
+    """One file for the I/O threads: small bytes as they are, or a staged chunk in the pool."""
+
+    path: str
+    parts: list[bytes] = field(default_factory=list)
+    staged: tuple[ChunkTask, Region] | None = None
+    event: torch.cuda.Event | None = None  # the chunk's device-to-host copy, on CUDA
+
+
 class SaveHandle:
     """What ``Checkpointer.save`` returns: completion futures and per-stage timings.
 
@@ -177,7 +187,7 @@ class Pipeline:
         bound = self.max_host_bytes
         self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))
         for path, doc in plan.zarr_docs.items():
-            self._submit_write(job, f"{d}/{path}", [doc], None, None)
+            self._submit_write(job, WriteRequest(f"{d}/{path}", parts=[doc]))
         events: list[torch.cuda.Event] = []
         if plan.n_eager == 0:
             job.eager_staged.set()
@@ -197,7 +207,9 @@ class Pipeline:
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
-            self._submit_write(job, f"{d}/{task.path}/{task.chunk.key}", None, (task, region), event)
+            self._submit_write(
+                job, WriteRequest(f"{d}/{task.path}/{task.chunk.key}", staged=(task, region), event=event)
+            )
             if i + 1 == plan.n_eager:
                 self._wait_events(events)
                 job.eager_staged.set()
@@ -226,50 +238,35 @@ class Pipeline:
 
     # --- I/O threads ------------------------------------------------------------------------
 
-    def _submit_write(
-        self,
-        job: SaveJob,
-        path: str,
-        parts: list[bytes] | None,
-        staged: tuple[ChunkTask, Region] | None,
-        event: torch.cuda.Event | None,
-    ) -> None:
+    def _submit_write(self, job: SaveJob, write: WriteRequest) -> None:
         with job._lock:
             job._pending += 1
-        self._io.submit(self._write, job, path, parts, staged, event)
+        self._io.submit(self._write, job, write)
 
-    def _write(
-        self,
-        job: SaveJob,
-        path: str,
-        parts: list[bytes] | None,
-        staged: tuple[ChunkTask, Region] | None,
-        event: torch.cuda.Event | None,
-    ) -> None:
+    def _write(self, job: SaveJob, write: WriteRequest) -> None:
         try:
             if job.error is not None:
                 return
             t0 = time.perf_counter()
             if not job.t_write0:
                 job.t_write0 = t0
-            if staged is None:
-                assert parts is not None
-                self.tier.write(path, parts)
+            if write.staged is None:
+                self.tier.write(write.path, write.parts)
             else:
-                task, region = staged
-                if event is not None:
-                    event.synchronize()
+                task, region = write.staged
+                if write.event is not None:
+                    write.event.synchronize()
                 data = memoryview(self.pool.view(region, task.nbytes).numpy())  # type: ignore[arg-type]
                 crc = checksum(data)
-                self.tier.write(path, [data, checksum_trailer(crc)])
+                self.tier.write(write.path, [data, checksum_trailer(crc)])
                 with job._lock:
                     job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
             job.t_write1 = time.perf_counter()
         except BaseException as e:
             self._fail(job, e)
         finally:
-            if staged is not None:
-                self.pool.release(staged[1])
+            if write.staged is not None:
+                self.pool.release(write.staged[1])
             self._done_one(job)
 
     def _fail(self, job: SaveJob, e: BaseException) -> None:
