@@ -142,3 +142,18 @@ def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, direct_
     assert_identical(state, tiercheck.load(tmp_path / "d"))
     chunks = sorted((tmp_path / "d/step-00000001/w/c").rglob("*"))
     assert [c.stat().st_size for c in chunks if c.is_file()] == [(1 << 20) + 100 + 4] * 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="per-thread niceness is read from Linux /proc")
+def test_background_threads_yield_the_cpu_to_training(ckpt_dir: Path) -> None:
+    def nice_of(tid: int) -> int:
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[16])  # field 19 of proc(5), after the command name
+
+    base = nice_of(threading.get_native_id())
+    with Checkpointer({"w": torch.zeros(1000)}, local=ckpt_dir, write=WriteOptions(nice=7)) as ck:
+        ck.save(1).wait()
+        workers = [t for t in threading.enumerate() if t.name.startswith("tiercheck-")]
+        assert {t.name.split("_")[0] for t in workers} >= {"tiercheck-stage", "tiercheck-io"}
+        assert all(nice_of(t.native_id) == min(base + 7, 19) for t in workers if t.native_id), workers
+    assert nice_of(threading.get_native_id()) == base, "the training thread keeps its priority"

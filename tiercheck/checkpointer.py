@@ -181,6 +181,7 @@ class Checkpointer:
                 self._pool,
                 io_threads=self.write.io_threads,
                 max_host_bytes=self.staging.max_host_bytes,
+                nice=self.write.nice,
                 on_commit=self._after_commit,
             )
         return self._pipeline

@@ -59,16 +59,23 @@ class WriteOptions:
         pool to the device. This skips the kernel's copy into the page cache (CPU time the
         training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
         Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered writes.
+    nice: niceness added to tiercheck's background threads (Linux), so that when CPU is short
+        the training loop's threads win and the checkpoint waits instead; 0 runs them at the
+        training's priority. Staging never waits long on it: a training thread that has to wait
+        for a copy leaves its core to the copy.
     """
 
     chunk_bytes: int = 64 * MiB
     io_threads: int = 4
     fsync: bool = True
     direct_io: bool = True
+    nice: int = 10
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
             raise ValueError(f"WriteOptions.chunk_bytes must be at least 4096, not {self.chunk_bytes}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"WriteOptions.nice must be between 0 and 19, not {self.nice}")
         if self.io_threads < 1:
             raise ValueError(f"WriteOptions.io_threads must be at least 1, not {self.io_threads}")
 

@@ -9,7 +9,9 @@ committed independently, but staged strictly in order, and staging waits while t
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -124,6 +126,7 @@ class Pipeline:
         *,
         io_threads: int,
         max_host_bytes: int | None,
+        nice: int,
         on_commit: Callable[[int], None],
     ) -> None:
         self.tier = tier
@@ -131,7 +134,11 @@ class Pipeline:
         self.max_host_bytes = max_host_bytes
         self.on_commit = on_commit
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-io")
+        # Absolute target: threads the stager spawns would otherwise inherit its raised niceness.
+        self._niceness = (
+            min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19) if nice and sys.platform == "linux" else None
+        )
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-io", initializer=self._lower_priority)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._inflight: dict[int, SaveJob] = {}
         self._inflight_lock = threading.Lock()
@@ -167,7 +174,16 @@ class Pipeline:
 
     # --- stager thread ----------------------------------------------------------------------
 
+    def _lower_priority(self) -> None:
+        """Make the calling background thread yield the CPU to training threads (Linux: per thread)."""
+        if self._niceness is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._niceness)
+            except OSError:  # e.g. a sandbox without setpriority: run at normal priority
+                log.debug("could not lower the priority of %s", threading.current_thread().name)
+
     def _stage_loop(self) -> None:
+        self._lower_priority()
         while (job := self._queue.get()) is not None:
             try:
                 self._stage(job)
