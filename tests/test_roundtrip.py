@@ -188,3 +188,18 @@ def test_handle_reports_timings_and_metadata_is_stored(ckpt_dir: Path) -> None:
         assert h.timings["durable_s"] >= h.timings["blocked_s"]
     manifest = (ckpt_dir / "step-00000002" / "manifest.json").read_text()
     assert '"metadata":{"loss":1.25,"tokens":10}' in manifest
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "chunks"),
+    [("bfloat16", (100, 30), (34, 30)), ("bool", (0, 4), (1, 4)), ("float32", (), ()), ("int64", (5, 6, 7), (1, 6, 7)),
+     ("complex64", (3,), (3,)), ("float8_e5m2", (9, 9), (9, 9))],
+)  # fmt: skip
+def test_array_metadata_is_exactly_what_zarr_writes(
+    dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...]
+) -> None:
+    from tiercheck.codec import _zarr_array_document, zarr_documents
+    from tiercheck.manifest import ArrayRecord
+
+    rec = ArrayRecord(path="model/x", dtype=dtype, kind="tensor", shape=shape, chunks=chunks)
+    assert zarr_documents([rec])["model/x/zarr.json"] == _zarr_array_document(rec)
