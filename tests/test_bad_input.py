@@ -35,8 +35,8 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def test_flipped_byte_in_a_chunk_names_step_array_and_chunk(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
-    flip_byte(ckpt_dir / "step-00000003/model/w/c/2/0", 100)
-    with pytest.raises(CorruptCheckpointError, match=r"step 3: array 'model/w' chunk c/2/0: checksum mismatch"):
+    flip_byte(ckpt_dir / "step-00000003/model/w/c.2.0", 100)
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: array 'model/w' chunk c\.2\.0: checksum mismatch"):
         tiercheck.load(ckpt_dir)
     live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
     with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(ValueError, match="checksum mismatch"):
@@ -45,7 +45,7 @@ def test_flipped_byte_in_a_chunk_names_step_array_and_chunk(ckpt_dir: Path) -> N
 
 def test_flipped_checksum_trailer_and_truncated_chunk_are_caught(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
-    chunk = ckpt_dir / "step-00000003/model/b/c/0"
+    chunk = ckpt_dir / "step-00000003/model/b/c.0"
     flip_byte(chunk, chunk.stat().st_size - 1)
     with pytest.raises(CorruptCheckpointError, match="model/b.*checksum mismatch"):
         tiercheck.load(ckpt_dir)

@@ -27,4 +27,4 @@ def test_chunks_cover_the_array_exactly_once_within_target(shape: tuple[int, ...
 
 def test_zero_dim_has_one_chunk_named_c() -> None:
     assert [c.key for c in chunks((), ())] == ["c"]
-    assert [c.key for c in chunks((5, 3), (2, 3))] == ["c/0/0", "c/1/0", "c/2/0"]
+    assert [c.key for c in chunks((5, 3), (2, 3))] == ["c.0.0", "c.1.0", "c.2.0"]

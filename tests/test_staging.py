@@ -140,7 +140,7 @@ def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, direct_
         ck.save(1).wait()
         assert ck.stats()["pool_capacity_bytes"] % 4096 == 0
     assert_identical(state, tiercheck.load(tmp_path / "d"))
-    chunks = sorted((tmp_path / "d/step-00000001/w/c").rglob("*"))
+    chunks = sorted((tmp_path / "d/step-00000001/w").glob("c.*"))
     assert [c.stat().st_size for c in chunks if c.is_file()] == [(1 << 20) + 100 + 4] * 3
 
 

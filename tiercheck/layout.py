@@ -60,8 +60,9 @@ class Chunk:
 
     @property
     def key(self) -> str:
-        """The chunk's key under the array, in zarr v3's default encoding with "/" separator."""
-        return "/".join(["c", *map(str, self.coords)])
+        """The chunk's key under the array: zarr v3's default encoding with "." as separator, so a
+        chunk is a file right in its array's directory (no directory per grid row to create and fsync)."""
+        return ".".join(["c", *map(str, self.coords)])
 
 
 def chunks(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Chunk]:

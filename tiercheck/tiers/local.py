@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,12 @@ class LocalTier(Tier):
         if not self._fsync:
             return
         top = self._abs(path)
-        for dirpath, _dirnames, _files in os.walk(top):
-            self._sync_dir(Path(dirpath))
+        dirs = [Path(dirpath) for dirpath, _dirnames, _files in os.walk(top)]
         if top != self.root:
-            self._sync_dir(top.parent)
+            dirs.append(top.parent)
+        # One fsync per directory, many directories per step (one per tensor): overlap them.
+        with ThreadPoolExecutor(min(8, len(dirs)) or 1, thread_name_prefix="tiercheck-dirsync") as pool:
+            list(pool.map(self._sync_dir, dirs))
 
     def _sync_dir(self, d: Path) -> None:
         if not self._fsync:
