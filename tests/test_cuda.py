@@ -26,7 +26,9 @@ def test_cuda_state_round_trips_through_a_pinned_pool(ckpt_dir: Path, mode: str)
     model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters())
     state = {"model": model, "optimizer": opt, "extra": {"t": torch.arange(10, device="cuda")}}
-    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(mode=mode), write=WriteOptions(chunk_bytes=64 << 10)) as ck:  # type: ignore[arg-type]
+    with Checkpointer(
+        state, local=ckpt_dir, staging=StagingOptions(mode=mode), write=WriteOptions(chunk_bytes=64 << 10)
+    ) as ck:  # type: ignore[arg-type]
         model(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
         opt.step()
         expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

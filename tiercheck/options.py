@@ -59,10 +59,10 @@ class WriteOptions:
         pool to the device. This skips the kernel's copy into the page cache (CPU time the
         training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
         Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered writes.
-    nice: niceness added to tiercheck's background threads (Linux), so that when CPU is short
-        the training loop's threads win and the checkpoint waits instead; 0 runs them at the
-        training's priority. Staging never waits long on it: a training thread that has to wait
-        for a copy leaves its core to the copy.
+    nice: niceness added to tiercheck's I/O threads (Linux), which checksum and write chunks and
+        have until the next save to do it: when CPU is short the training loop's threads win.
+        0 runs them at the training's priority. The staging copy is not niced: training waits
+        for it.
     """
 
     chunk_bytes: int = 64 * MiB

@@ -183,7 +183,8 @@ class Pipeline:
                 log.debug("could not lower the priority of %s", threading.current_thread().name)
 
     def _stage_loop(self) -> None:
-        self._lower_priority()
+        # Not niced: the copy is on the training's critical path (save() or the next
+        # optimizer.step() waits for it); only the I/O threads' work has slack.
         while (job := self._queue.get()) is not None:
             try:
                 self._stage(job)
