@@ -83,6 +83,7 @@ class Checkpointer:
         self._last: SaveHandle | None = None
         self._last_job: SaveJob | None = None
         self._lock = threading.Lock()  # save() and restore() from several threads stay serialised
+        self._retention_lock = threading.Lock()  # commits of overlapping saves finish on different threads
         self._closed = False
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self._committed = set(self._clean_partial_steps())
@@ -193,8 +194,6 @@ class Checkpointer:
                 withdraw_step(self.tier, old)
                 self._committed.discard(old)
                 log.info("retention: deleted step %d from %s", old, self.tier.url)
-
-    _retention_lock = threading.Lock()
 
     def _clean_partial_steps(self) -> list[int]:
         listing = list_steps(self.tier)
