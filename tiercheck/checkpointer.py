@@ -222,7 +222,8 @@ class Checkpointer:
         """
         self._check_open()
         with self._lock:
-            self.wait()
+            if self._pipeline is not None:
+                self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             committed = self.steps()
             if step is None:
                 if not committed:
