@@ -16,8 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
-from .codec import zarr_documents
-from .commit import list_steps, read_manifest, withdraw_step
+from .commit import list_steps, read_manifest, step_dir, withdraw_step
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -98,14 +97,14 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         with self._lock:
-            pipeline = self._ensure_pipeline()
             if step in self._committed:
                 raise StepExistsError(
                     f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
                 )
-            if step in pipeline.inflight_steps():
+            inflight = self._pipeline.inflight_steps() if self._pipeline is not None else set()
+            if step in inflight:
                 raise StepExistsError(f"step {step} is already being saved")
-            if self.staging.if_busy == "skip" and pipeline.busy():
+            if self.staging.if_busy == "skip" and inflight:
                 self._counters["skipped"] += 1
                 warnings.warn(
                     f"tiercheck: skipped the save of step {step}: the previous save is still being written "
@@ -115,6 +114,7 @@ class Checkpointer:
                 )
                 return SaveHandle(step, skipped=True)
             tree, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
+            pipeline = self._ensure_pipeline(leaves)
             plan = self._plan_for(leaves)
             handle = SaveHandle(step, nbytes=sum(t.nbytes for t in plan.tasks))
             job = SaveJob(
@@ -168,14 +168,14 @@ class Checkpointer:
             target = self.write.chunk_bytes
             if self.staging.max_host_bytes is not None:
                 target = min(target, max(self.staging.max_host_bytes // 2, 4096))
-            self._plan = plan_save(leaves, signature=signature, target_chunk_bytes=target, zarr_docs=zarr_documents)
+            self._plan = plan_save(leaves, signature=signature, target_chunk_bytes=target)
         return self._plan
 
-    def _ensure_pipeline(self) -> Pipeline:
+    def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:
         if self._pipeline is None:
             pin = self.staging.pin_memory
             if pin is None:
-                pin = torch.cuda.is_available() and _has_cuda_tensor(self.state)
+                pin = any(leaf.tensor.is_cuda for leaf in leaves)
             self._pool = HostPool(pin_memory=bool(pin))
             self._pipeline = Pipeline(
                 self.tier,
@@ -201,7 +201,7 @@ class Checkpointer:
             log.warning(
                 "removing partial step %d from %s (left by an interrupted save or deletion)", step, self.tier.url
             )
-            self.tier.delete_tree(f"step-{step:08d}")
+            self.tier.delete_tree(step_dir(step))
         return listing.committed
 
     # ------------------------------------------------------------------------------ restoring
@@ -225,14 +225,9 @@ class Checkpointer:
             if self._pipeline is not None:
                 self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             committed = self.steps()
+            step = _choose_step(committed, step, where=self.tier.url)
             if step is None:
-                if not committed:
-                    return None
-                step = committed[-1]
-            elif step not in committed:
-                raise CheckpointNotFoundError(
-                    f"step {step} is not committed in {self.tier.url} (committed: {_fmt_steps(committed)})"
-                )
+                return None
             manifest = read_manifest(self.tier, step)
             pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
             _restore_into(
@@ -288,13 +283,9 @@ def load(
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
     tier = LocalTier(root, fsync=False)
-    committed = list_steps(tier).committed
+    step = _choose_step(list_steps(tier).committed, step, where=repr(root))
     if step is None:
-        if not committed:
-            raise CheckpointNotFoundError(f"{root!r} holds no committed step")
-        step = committed[-1]
-    elif step not in committed:
-        raise CheckpointNotFoundError(f"step {step} is not committed in {root!r} (committed: {_fmt_steps(committed)})")
+        raise CheckpointNotFoundError(f"{root!r} holds no committed step")
     manifest = read_manifest(tier, step)
     out: dict[str, Any] = {}
     _restore_into(out, manifest, tier, strict=False, allow_pickle=allow_pickle, io_threads=io_threads, fresh=True)
@@ -404,11 +395,6 @@ def _update_in_place(live: Any, new: Any) -> bool:
     return False
 
 
-def _has_cuda_tensor(state: Mapping[str, Any]) -> bool:
-    _, leaves = flatten(state, allow_pickle=True)
-    return any(leaf.tensor.is_cuda for leaf in leaves)
-
-
 def _record_ready(leaves: list[Leaf]) -> torch.cuda.Event | None:
     if not any(leaf.tensor.is_cuda for leaf in leaves):
         return None
@@ -419,6 +405,15 @@ def _record_ready(leaves: list[Leaf]) -> torch.cuda.Event | None:
 
 def _wait_staged(handle: SaveHandle) -> None:
     handle.staged.exception()  # waits; a failed copy surfaces through handle.wait()/committed
+
+
+def _choose_step(committed: list[int], step: int | None, *, where: str) -> int | None:
+    """``step`` if it is committed, the newest committed step if ``step`` is None (None if none)."""
+    if step is None:
+        return committed[-1] if committed else None
+    if step not in committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {where} (committed: {_fmt_steps(committed)})")
+    return step
 
 
 def _fmt_steps(steps: list[int]) -> str:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .codec import checksum, checksum_trailer, chunk_nbytes
+from .codec import checksum, checksum_trailer, chunk_nbytes, itemsize, zarr_documents
 from .commit import commit_step, step_dir
-from .flatten import Leaf
-from .layout import Chunk
+from .flatten import Leaf, dtype_name
+from .layout import Chunk, chunk_shape, chunks
 from .manifest import JSON, ArrayRecord, Manifest
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.base import Tier
@@ -51,7 +51,6 @@ class Plan:
     n_eager: int
     zarr_docs: dict[str, bytes]
     pool_bytes: int  # host memory one whole snapshot needs
-    max_chunk_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +156,6 @@ class Pipeline:
     def inflight_steps(self) -> set[int]:
         with self._inflight_lock:
             return set(self._inflight)
-
-    def busy(self) -> bool:
-        with self._inflight_lock:
-            return bool(self._inflight)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._idle:
@@ -362,17 +357,13 @@ def plan_save(
     *,
     signature: tuple[Any, ...],
     target_chunk_bytes: int,
-    zarr_docs: Callable[[list[ArrayRecord]], dict[str, bytes]],
 ) -> Plan:
     """Chunk every leaf and order the copies: eager leaves first, then lazy ones."""
-    from .codec import itemsize
-    from .layout import chunk_shape, chunks
-
     records: list[ArrayRecord] = []
     eager: list[ChunkTask] = []
     lazy: list[ChunkTask] = []
     for i, leaf in enumerate(leaves):
-        dtype = str(leaf.tensor.dtype).removeprefix("torch.")
+        dtype = dtype_name(leaf.tensor.dtype)
         shape = tuple(leaf.tensor.shape)
         cshape = chunk_shape(shape, itemsize(dtype), target_chunk_bytes)
         rec = ArrayRecord(path=leaf.path, dtype=dtype, kind=leaf.kind, shape=shape, chunks=cshape)
@@ -385,7 +376,6 @@ def plan_save(
         records=records,
         tasks=tasks,
         n_eager=len(eager),
-        zarr_docs=zarr_docs(records),
+        zarr_docs=zarr_documents(records),
         pool_bytes=sum(align_up(t.nbytes) for t in tasks),
-        max_chunk_bytes=max((t.nbytes for t in tasks), default=0),
     )
