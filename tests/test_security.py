@@ -52,7 +52,7 @@ class Boom:
 def test_a_planted_pickle_is_not_executed(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     payload = base64.b64encode(pickle.dumps(Boom())).decode()
-    rewrite_manifest(ckpt_dir, 3, lambda doc: doc["tree"]["model"].update(evil={"$pickle": payload}))
+    rewrite_manifest(ckpt_dir, 3, lambda doc: doc["trees"][0]["model"].update(evil={"$pickle": payload}))
     with pytest.raises(UnsafeCheckpointError, match="model/evil: this value was stored with pickle"):
         tiercheck.load(ckpt_dir)
 
@@ -63,7 +63,7 @@ def test_manifest_paths_cannot_escape_the_step(ckpt_dir: Path, bad: str) -> None
 
     def retarget(doc: dict[str, Any]) -> None:
         doc["arrays"][bad] = doc["arrays"].pop("model/w")
-        doc["tree"]["model"]["w"] = {"$tensor": bad}
+        doc["trees"][0]["model"]["w"] = {"$tensor": bad}
 
     rewrite_manifest(ckpt_dir, 3, retarget)
     with pytest.raises(UnsafeCheckpointError, match="array path"):
@@ -75,6 +75,6 @@ def test_manifest_paths_cannot_escape_the_step(ckpt_dir: Path, bad: str) -> None
 
 def test_a_tree_referring_to_an_unlisted_array_is_refused(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
-    rewrite_manifest(ckpt_dir, 3, lambda doc: doc["tree"]["model"].update(x={"$tensor": "../secret"}))
+    rewrite_manifest(ckpt_dir, 3, lambda doc: doc["trees"][0]["model"].update(x={"$tensor": "../secret"}))
     with pytest.raises(tiercheck.CorruptCheckpointError, match="manifest lacks"):
         tiercheck.load(ckpt_dir)

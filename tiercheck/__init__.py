@@ -6,6 +6,7 @@ from . import errors
 from .checkpointer import Checkpointer, load
 from .errors import (
     CheckpointNotFoundError,
+    CoordinationError,
     CorruptCheckpointError,
     IncompatibleStateError,
     StagingError,
@@ -14,16 +15,20 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .options import RetentionOptions, StagingOptions, WriteOptions
+from .options import DistributedOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import SaveHandle
+from .sharding import Shard
 
 __all__ = [
     "CheckpointNotFoundError",
     "Checkpointer",
+    "CoordinationError",
     "CorruptCheckpointError",
+    "DistributedOptions",
     "IncompatibleStateError",
     "RetentionOptions",
     "SaveHandle",
+    "Shard",
     "StagingError",
     "StagingOptions",
     "StepExistsError",

@@ -41,12 +41,22 @@ def list_steps(tier: Tier) -> StepListing:
     return StepListing(sorted(committed), sorted(partial))
 
 
-def commit_step(tier: Tier, step: int, manifest: bytes) -> None:
-    """Publish a step whose data files are all durably written."""
+def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...] = (0,), world_size: int = 1) -> None:
+    """Publish a step whose data files are all durably written (by every saving rank).
+
+    ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
+    ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
+    """
     d = step_dir(step)
     tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
     tier.sync_dirs(d)
-    marker = CommitMarker(step=step, manifest_crc32c=checksum(manifest), manifest_size=len(manifest))
+    marker = CommitMarker(
+        step=step,
+        manifest_crc32c=checksum(manifest),
+        manifest_size=len(manifest),
+        ranks=tuple(ranks),
+        world_size=world_size,
+    )
     tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
 
 
@@ -57,8 +67,7 @@ def withdraw_step(tier: Tier, step: int) -> None:
     tier.delete_tree(d)
 
 
-def read_manifest(tier: Tier, step: int) -> Manifest:
-    """The manifest of a committed step, checked against its commit marker."""
+def read_marker(tier: Tier, step: int) -> CommitMarker:
     d = step_dir(step)
     where = f"{tier.url}: step {step}"
     try:
@@ -66,6 +75,16 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} is not committed (no {d}/{COMMIT_FILE})") from None
     marker = CommitMarker.from_bytes(marker_bytes, where=where)
+    if marker.step != step or not set(marker.ranks) <= set(range(marker.world_size)):
+        raise CorruptCheckpointError(f"{where}: the commit marker names step {marker.step} or ranks out of range")
+    return marker
+
+
+def read_manifest(tier: Tier, step: int) -> Manifest:
+    """The manifest of a committed step, checked against its commit marker."""
+    d = step_dir(step)
+    where = f"{tier.url}: step {step}"
+    marker = read_marker(tier, step)
     try:
         data = tier.read(f"{d}/{MANIFEST_FILE}")
     except FileNotFoundError:
@@ -75,6 +94,6 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
             f"{where}: {MANIFEST_FILE} is damaged (size or checksum differs from the commit marker)"
         )
     manifest = Manifest.from_bytes(bytes(data), where=where)
-    if manifest.step != step or marker.step != step:
-        raise CorruptCheckpointError(f"{where}: manifest or marker names step {manifest.step}, not {step}")
+    if manifest.step != step or manifest.world_size != marker.world_size:
+        raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")
     return manifest

@@ -38,3 +38,7 @@ class UnsupportedValueError(TiercheckError, TypeError):
 
 class StagingError(TiercheckError, RuntimeError):
     """Host staging cannot proceed as configured (e.g. the memory bound is too small)."""
+
+
+class CoordinationError(TiercheckError, RuntimeError):
+    """Ranks could not agree: one failed, died, or took longer than DistributedOptions.timeout_s."""

@@ -35,7 +35,8 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .manifest import JSON, ArrayRecord, check_array_path
+from .manifest import JSON, check_array_path
+from .sharding import local_tensor, placement_of
 
 
 @runtime_checkable
@@ -64,9 +65,11 @@ class Leaf:
     """A tensor of the state to be stored as one array."""
 
     path: str
-    tensor: torch.Tensor  # live tensor (any device); numpy arrays are wrapped with torch.from_numpy
+    tensor: torch.Tensor  # this rank's live tensor (any device); numpy arrays wrapped with torch.from_numpy
     kind: str  # "tensor" or "ndarray"
     lazy: bool  # may be copied after save() returns (changes only in optimizer.step())
+    global_shape: tuple[int, ...]  # the whole array's shape (the tensor's own shape unless sharded)
+    offsets: tuple[int, ...]  # where the tensor sits in the whole array
 
 
 def _escape(component: str) -> str:
@@ -99,11 +102,13 @@ class _Encoder:
         return check_array_path(path, where="encoding the state")
 
     def encode(self, obj: Any, parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
-        if isinstance(obj, torch.Tensor):
-            if dtype_name(obj.dtype) not in STORAGE_DTYPES:
-                raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {obj.dtype} cannot be stored")
+        placed = placement_of(obj, where="/".join(parts))
+        if placed is not None:
+            tensor, global_shape, offsets = placed
+            if dtype_name(tensor.dtype) not in STORAGE_DTYPES:
+                raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {tensor.dtype} cannot be stored")
             path = self._path(parts)
-            self.leaves.append(Leaf(path, obj.detach(), "tensor", lazy(obj)))
+            self.leaves.append(Leaf(path, tensor, "tensor", lazy(tensor), global_shape, offsets))
             return {"$tensor": path}
         if obj is None or isinstance(obj, bool | str):
             return obj
@@ -125,7 +130,8 @@ class _Encoder:
             return {"$bytes": base64.b64encode(obj).decode()}
         if isinstance(obj, np.ndarray) and obj.dtype.name in STORAGE_DTYPES:
             path = self._path(parts)
-            self.leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj)), "ndarray", False))
+            t = torch.from_numpy(np.ascontiguousarray(obj))
+            self.leaves.append(Leaf(path, t, "ndarray", False, tuple(t.shape), (0,) * t.dim()))
             return {"$ndarray": path}
         if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
             return {"$npscalar": [obj.dtype.str, base64.b64encode(obj.tobytes()).decode()]}
@@ -152,7 +158,7 @@ def _lazy_predicate(obj: object) -> Callable[[torch.Tensor], bool]:
         return lambda t: True
     if isinstance(obj, torch.nn.Module):
         # Parameters change only in the optimizer; buffers may change in forward (BatchNorm).
-        params = {(p.data_ptr(), p.shape) for p in obj.parameters()}
+        params = {(local_tensor(p).data_ptr(), local_tensor(p).shape) for p in obj.parameters()}
         return lambda t: (t.data_ptr(), t.shape) in params
     return lambda t: False
 
@@ -263,13 +269,3 @@ def tensor_paths(node: JSON) -> list[str]:
             else:
                 stack.extend(n.values())
     return out
-
-
-def expected_record_for(leaf_tensor: torch.Tensor, record: ArrayRecord, *, where: str) -> None:
-    """Raise if a live tensor cannot receive the stored array in place."""
-    shape, dtype = tuple(leaf_tensor.shape), dtype_name(leaf_tensor.dtype)
-    if shape != record.shape or dtype != record.dtype:
-        raise IncompatibleStateError(
-            f"{where}: checkpoint has {record.dtype}{list(record.shape)}, "
-            f"the state to restore into has {dtype}{list(shape)}"
-        )

@@ -80,3 +80,80 @@ def chunks(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Chunk]:
 def is_edge(chunk: Chunk, chunk_shape: Sequence[int]) -> bool:
     """Whether the chunk holds less than a full chunk of data (and so is padded on storage)."""
     return chunk.valid_shape != tuple(chunk_shape)
+
+
+# ------------------------------------------------------------------------------ sharded arrays
+
+
+def grid_for_boxes(
+    shape: Sequence[int],
+    boxes: Sequence[tuple[Sequence[int], Sequence[int]]],
+    itemsize: int,
+    target_bytes: int,
+) -> Shape:
+    """A chunk shape for a global array whose pieces (``(offsets, extents)`` boxes) live on
+    different ranks: every chunk lies inside each box it touches, so one rank can write it.
+
+    Along a dimension that boxes cut, the chunk extent divides every cut position (their gcd);
+    elsewhere it is free, as in :func:`chunk_shape`. Within that, chunks stay near the target.
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape or any(d == 0 for d in shape):
+        return chunk_shape(shape, itemsize, target_bytes)
+    cuts: list[int] = [0] * len(shape)  # gcd of cut positions per dimension; 0 when uncut
+    for offsets, extents in boxes:
+        for d, (o, n) in enumerate(zip(offsets, extents, strict=True)):
+            for pos in (o, o + n):
+                if 0 < pos < shape[d]:
+                    cuts[d] = math.gcd(cuts[d], pos)
+    block = [g or d for g, d in zip(cuts, shape, strict=True)]
+    chunk = list(block)
+    for i in range(len(shape)):
+        row_bytes = itemsize * math.prod(chunk[i + 1 :])
+        if row_bytes * chunk[i] <= target_bytes:
+            break
+        if row_bytes <= target_bytes:
+            rows = max(target_bytes // row_bytes, 1)
+            if cuts[i]:
+                chunk[i] = _largest_divisor_at_most(block[i], rows)
+                if chunk[i] * 4 < rows and block[i] * row_bytes <= 4 * target_bytes:
+                    chunk[i] = block[i]  # an awkward divisor: one larger chunk beats many tiny ones
+            else:
+                chunk[i] = math.ceil(block[i] / math.ceil(block[i] / rows))
+            break
+        chunk[i] = 1
+    return tuple(chunk)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    for a in range(1, math.isqrt(n) + 1):
+        if n % a == 0:
+            for d in (a, n // a):
+                if best < d <= limit:
+                    best = d
+    return best
+
+
+def chunks_in_box(
+    shape: Sequence[int], chunk: Sequence[int], offsets: Sequence[int], extents: Sequence[int]
+) -> Iterator[Chunk]:
+    """The chunks of the grid that intersect the box, in C order."""
+    if any(n == 0 for n in extents) or any(d == 0 for d in shape):
+        return
+    ranges = [range(o // c, math.ceil((o + n) / c)) for o, n, c in zip(offsets, extents, chunk, strict=True)]
+    for coords in itertools.product(*ranges):
+        starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))
+        stops = tuple(min(s + c, d) for s, c, d in zip(starts, chunk, shape, strict=True))
+        yield Chunk(coords=tuple(coords), starts=starts, stops=stops)
+
+
+def overlap(
+    a_starts: Sequence[int], a_stops: Sequence[int], b_starts: Sequence[int], b_stops: Sequence[int]
+) -> tuple[Shape, Shape] | None:
+    """The intersection of two boxes as ``(starts, stops)``, or None when they do not meet."""
+    starts = tuple(max(a, b) for a, b in zip(a_starts, b_starts, strict=True))
+    stops = tuple(min(a, b) for a, b in zip(a_stops, b_stops, strict=True))
+    if any(s >= e for s, e in zip(starts, stops, strict=True)) and starts:
+        return None
+    return starts, stops

@@ -15,7 +15,7 @@ from typing import Any
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
 FORMAT_NAME = "tiercheck"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-rank trees and chunk owners (distributed saves); 1 is still read
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMIT"
 
@@ -51,6 +51,7 @@ class ArrayRecord:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     checksums: dict[str, int] = field(default_factory=dict)  # chunk key -> crc32c of its data
+    owners: dict[str, int] = field(default_factory=dict)  # chunk key -> saving rank that wrote it (default 0)
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -59,7 +60,11 @@ class ArrayRecord:
             "shape": list(self.shape),
             "chunks": list(self.chunks),
             "crc32c": self.checksums,
+            "owner": self.owners,
         }
+
+    def owner(self, key: str) -> int:
+        return self.owners.get(key, 0)
 
     @classmethod
     def from_json(cls, path: str, doc: JSON, *, where: str) -> ArrayRecord:
@@ -70,13 +75,14 @@ class ArrayRecord:
             chunk = tuple(_nonneg_int(v) for v in doc["chunks"])
             dtype, kind = doc["dtype"], doc["kind"]
             checksums = {str(k): int(v) for k, v in doc["crc32c"].items()}
+            owners = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{here}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
             raise CorruptCheckpointError(f"{here}: malformed record")
         if any(c == 0 for c in chunk):
             raise CorruptCheckpointError(f"{here}: chunk extents must be positive")
-        return cls(path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk, checksums=checksums)
+        return cls(path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk, checksums=checksums, owners=owners)
 
     @property
     def numel(self) -> int:
@@ -96,7 +102,8 @@ class Manifest:
     step: int
     library_version: str
     created_unix: float
-    tree: JSON  # the encoded state: nested JSON whose leaves refer to arrays (see flatten.py)
+    trees: list[JSON]  # encoded states (nested JSON whose leaves refer to arrays, see flatten.py); no repeats
+    tree_of_rank: list[int]  # saving rank -> index into trees
     arrays: dict[str, ArrayRecord]
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
@@ -112,9 +119,19 @@ class Manifest:
             "topology": self.topology,
             "metadata": self.metadata,
             "arrays": {path: rec.to_json() for path, rec in self.arrays.items()},
-            "tree": self.tree,
+            "trees": self.trees,
+            "tree_of_rank": self.tree_of_rank,
         }
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks that saved this step."""
+        return len(self.tree_of_rank)
+
+    def tree(self, rank: int = 0) -> JSON:
+        """The encoded state saving ``rank`` held."""
+        return self.trees[self.tree_of_rank[rank]]
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
@@ -135,11 +152,16 @@ class Manifest:
             if not isinstance(arrays_doc, dict):
                 raise TypeError("arrays must be an object")
             arrays = {path: ArrayRecord.from_json(path, rec, where=where) for path, rec in arrays_doc.items()}
+            trees = [doc["tree"]] if version < 2 else list(doc["trees"])
+            tree_of_rank = [0] if version < 2 else [int(i) for i in doc["tree_of_rank"]]
+            if not tree_of_rank or any(not 0 <= i < len(trees) for i in tree_of_rank):
+                raise ValueError("tree_of_rank must map every saving rank to one of the trees")
             return cls(
                 step=_nonneg_int(doc["step"]),
                 library_version=str(doc["library_version"]),
                 created_unix=float(doc["created_unix"]),
-                tree=doc["tree"],
+                trees=trees,
+                tree_of_rank=tree_of_rank,
                 arrays=arrays,
                 metadata=doc.get("metadata"),
                 topology=dict(doc.get("topology") or {}),
@@ -156,6 +178,8 @@ class CommitMarker:
     step: int
     manifest_crc32c: int
     manifest_size: int
+    ranks: tuple[int, ...] = (0,)  # saving ranks whose chunk files are in this directory (its node's)
+    world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -164,6 +188,8 @@ class CommitMarker:
                 "step": self.step,
                 "manifest_crc32c": self.manifest_crc32c,
                 "manifest_size": self.manifest_size,
+                "ranks": list(self.ranks),
+                "world_size": self.world_size,
             }
         ).encode()
 
@@ -175,6 +201,8 @@ class CommitMarker:
                 step=_nonneg_int(doc["step"]),
                 manifest_crc32c=_nonneg_int(doc["manifest_crc32c"]),
                 manifest_size=_nonneg_int(doc["manifest_size"]),
+                ranks=tuple(_nonneg_int(r) for r in doc.get("ranks", [0])),
+                world_size=_nonneg_int(doc.get("world_size", 1)),
             )
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: commit marker is damaged ({e!r})") from None

@@ -98,3 +98,23 @@ class RetentionOptions:
             raise ValueError(f"RetentionOptions.keep_last must be at least 1 or None, not {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:
             raise ValueError(f"RetentionOptions.keep_every must be at least 1 or None, not {self.keep_every}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedOptions:
+    """How the ranks of a ``torch.distributed`` job cooperate.
+
+    timeout_s: how long a rank waits for the others (to agree on a save plan, to finish writing
+        a step, to agree on a restore) before it gives the step up with ``CoordinationError``.
+        A rank that died mid-save is noticed after this long: no step it was part of commits.
+    read_once: on restore, each needed chunk is read from storage by one rank and sent to every
+        other rank needing it over the process group, instead of every rank on a node that holds
+        it reading it; less storage traffic, more network traffic.
+    """
+
+    timeout_s: float = 900.0
+    read_once: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"DistributedOptions.timeout_s must be positive, not {self.timeout_s}")

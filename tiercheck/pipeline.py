@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from .codec import checksum, checksum_trailer, chunk_nbytes, itemsize, zarr_documents
-from .commit import commit_step, step_dir
-from .flatten import Leaf, dtype_name
-from .layout import Chunk, chunk_shape, chunks
-from .manifest import JSON, ArrayRecord, Manifest
+from .codec import checksum, checksum_trailer, chunk_nbytes, zarr_documents
+from .commit import step_dir
+from .flatten import Leaf
+from .layout import Chunk
+from .manifest import JSON, ArrayRecord
+from .planner import WritePlan
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.base import Tier
 
@@ -36,21 +37,22 @@ log = logging.getLogger("tiercheck")
 class ChunkTask:
     leaf: int  # index into the save's leaves
     path: str  # array path
-    chunk: Chunk
+    chunk: Chunk  # in the global array (its key names the file)
+    local: Chunk  # the same chunk in the leaf tensor's own coordinates
     chunk_shape: tuple[int, ...]
     nbytes: int  # full (padded) chunk bytes
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What a save writes, computed once and reused while the state's layout is unchanged."""
+    """What this rank writes, computed once and reused while the layout of every rank is unchanged."""
 
     signature: tuple[Any, ...]
-    records: list[ArrayRecord]  # checksums empty; filled per save
-    tasks: list[ChunkTask]  # eager tasks first, then lazy ones
+    records: dict[str, ArrayRecord]  # every global array with its chunk owners; checksums filled per save
+    tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
     n_eager: int
-    zarr_docs: dict[str, bytes]
-    pool_bytes: int  # host memory one whole snapshot needs
+    zarr_docs: dict[str, bytes]  # written by the node's first rank only
+    pool_bytes: int  # host memory this rank's whole snapshot needs
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +104,7 @@ class SaveJob:
     leaves: list[Leaf]
     tree: JSON
     metadata: JSON
-    topology: dict[str, JSON]
-    library_version: str
+    attempt: int  # how many earlier saves of this step number this Checkpointer started
     handle: SaveHandle
     t_call: float
     ready: torch.cuda.Event | None = None  # recorded on the training stream at save()
@@ -126,11 +127,15 @@ class Pipeline:
         io_threads: int,
         max_host_bytes: int | None,
         nice: int,
+        own_dir: bool,
+        commit: Callable[[SaveJob], None],
         on_commit: Callable[[int], None],
     ) -> None:
         self.tier = tier
         self.pool = pool
         self.max_host_bytes = max_host_bytes
+        self.own_dir = own_dir  # no other rank writes into this tier
+        self.commit = commit  # publishes a written save (or reports its failure) and waits for the other ranks
         self.on_commit = on_commit
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         # Absolute target: threads the stager spawns would otherwise inherit its raised niceness.
@@ -138,6 +143,8 @@ class Pipeline:
             min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19) if nice and sys.platform == "linux" else None
         )
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-io", initializer=self._lower_priority)
+        # Commits wait for the other ranks; they do it here, in order, not on an I/O thread.
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-commit")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._inflight: dict[int, SaveJob] = {}
         self._inflight_lock = threading.Lock()
@@ -166,6 +173,7 @@ class Pipeline:
         self._queue.put(None)
         self._stager.join()
         self._io.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
 
     # --- stager thread ----------------------------------------------------------------------
 
@@ -194,7 +202,7 @@ class Pipeline:
     def _stage(self, job: SaveJob) -> None:
         job.t_stage0 = time.perf_counter()
         plan, d = job.plan, step_dir(job.step)
-        if self.tier.list_dir(d):  # a partial step of this number left by a crash: start clean
+        if self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
             self.tier.delete_tree(d)
         bound = self.max_host_bytes
         self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))
@@ -210,7 +218,7 @@ class Pipeline:
             stream = self._stream_for(src, job)
             region = self.pool.acquire(task.nbytes)
             try:
-                copy_chunk(src, task.chunk, task.chunk_shape, self.pool.view(region, task.nbytes), stream)
+                copy_chunk(src, task.local, task.chunk_shape, self.pool.view(region, task.nbytes), stream)
             except BaseException:
                 self.pool.release(region)
                 raise
@@ -294,33 +302,14 @@ class Pipeline:
             self._finish(job)
 
     def _finish(self, job: SaveJob) -> None:
+        self._committer.submit(self._commit, job)
+
+    def _commit(self, job: SaveJob) -> None:
         h = job.handle
         try:
-            if job.error is not None:
-                raise job.error
             h.timings["persist_s"] = job.t_write1 - job.t_write0 if job.t_write0 else 0.0
             t0 = time.perf_counter()
-            records = {
-                r.path: ArrayRecord(
-                    path=r.path,
-                    dtype=r.dtype,
-                    kind=r.kind,
-                    shape=r.shape,
-                    chunks=r.chunks,
-                    checksums=dict(sorted(job.checksums.get(r.path, {}).items())),
-                )
-                for r in job.plan.records
-            }
-            manifest = Manifest(
-                step=job.step,
-                library_version=job.library_version,
-                created_unix=time.time(),
-                tree=job.tree,
-                arrays=records,
-                metadata=job.metadata,
-                topology=job.topology,
-            )
-            commit_step(self.tier, job.step, manifest.to_bytes())
+            self.commit(job)  # raises job.error, if any, once the other ranks know
             h.timings["commit_s"] = time.perf_counter() - t0
             h.timings["durable_s"] = time.perf_counter() - job.t_call
             self.counters["committed"] += 1
@@ -352,30 +341,28 @@ class Pipeline:
                 self._idle.notify_all()
 
 
-def plan_save(
+def rank_plan(
     leaves: list[Leaf],
+    write_plan: WritePlan,
+    rank: int,
     *,
     signature: tuple[Any, ...],
-    target_chunk_bytes: int,
+    zarr_docs: bool,
 ) -> Plan:
-    """Chunk every leaf and order the copies: eager leaves first, then lazy ones."""
-    records: list[ArrayRecord] = []
+    """This rank's part of a write plan: its chunks in copy order, eager leaves first."""
     eager: list[ChunkTask] = []
     lazy: list[ChunkTask] = []
-    for i, leaf in enumerate(leaves):
-        dtype = dtype_name(leaf.tensor.dtype)
-        shape = tuple(leaf.tensor.shape)
-        cshape = chunk_shape(shape, itemsize(dtype), target_chunk_bytes)
-        rec = ArrayRecord(path=leaf.path, dtype=dtype, kind=leaf.kind, shape=shape, chunks=cshape)
-        records.append(rec)
-        nbytes = chunk_nbytes(rec)
-        (lazy if leaf.lazy else eager).extend(ChunkTask(i, leaf.path, c, cshape, nbytes) for c in chunks(shape, cshape))
+    for t in write_plan.tasks[rank]:
+        leaf = leaves[t.leaf]
+        rec = write_plan.records[leaf.path]
+        task = ChunkTask(t.leaf, leaf.path, t.chunk, t.local, rec.chunks, chunk_nbytes(rec))
+        (lazy if leaf.lazy else eager).append(task)
     tasks = eager + lazy
     return Plan(
         signature=signature,
-        records=records,
+        records=write_plan.records,
         tasks=tasks,
         n_eager=len(eager),
-        zarr_docs=zarr_documents(records),
+        zarr_docs=zarr_documents(list(write_plan.records.values())) if zarr_docs else {},
         pool_bytes=sum(align_up(t.nbytes) for t in tasks),
     )

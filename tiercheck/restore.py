@@ -1,57 +1,129 @@
-"""Reading a committed step back: verified chunk reads into destination tensors.
+"""Reading a committed step back: verified chunk reads into destination tensors, across ranks.
 
-Callers plan first (match every stored array to a destination and check shapes and dtypes)
-and read second, so an incompatible state is refused before a single byte is overwritten.
+Callers plan first (match every stored array to a destination and check shapes and dtypes, then
+``planner.plan_reads`` decides who reads and who sends each chunk) and move bytes second, so an
+incompatible state is refused before a single byte is overwritten. A destination is any box of a
+global array: a whole tensor, a tensor-parallel shard, a ZeRO partition. Each chunk read is
+copied into the part of every destination it overlaps; a chunk some rank needs but cannot read
+(its file is on another node) arrives point-to-point over the process group.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .codec import chunk_nbytes, verify_chunk
 from .commit import step_dir
 from .errors import CorruptCheckpointError
 from .flatten import torch_dtype
-from .layout import Chunk, chunks
+from .layout import Chunk, overlap
 from .manifest import ArrayRecord
+from .planner import Need, ReadPlan
 from .tiers.base import Tier
 
 
 @dataclass(frozen=True, slots=True)
 class ReadItem:
     record: ArrayRecord
-    dest: torch.Tensor  # shape and dtype already checked against the record; any device
+    dest: torch.Tensor  # shape and dtype already checked; any device
+    offsets: tuple[int, ...]  # where dest sits in the global array
+
+    @property
+    def need(self) -> Need:
+        return Need(self.record.path, self.offsets, tuple(self.dest.shape))
 
 
-def read_arrays(tier: Tier, step: int, items: list[ReadItem], *, io_threads: int) -> int:
-    """Fill every destination from storage, verifying each chunk. Returns the bytes read."""
-    jobs = [(item, c) for item in items for c in chunks(item.record.shape, item.record.chunks)]
-    if not jobs:
-        return 0
-    d = step_dir(step)
+def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk) -> memoryview:
+    """One chunk's data (full chunk size, padding included), its checksum verified."""
+    key = c.key
+    where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
+    try:
+        raw = tier.read(f"{step_dir(step)}/{rec.path}/{key}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+    if key not in rec.checksums:
+        raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
+    return verify_chunk(raw, expected_crc=rec.checksums[key], nbytes=chunk_nbytes(rec), where=where)
 
-    def read_one(job: tuple[ReadItem, Chunk]) -> int:
-        item, c = job
-        rec = item.record
-        key = c.key
-        where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
-        nbytes = chunk_nbytes(rec)
-        try:
-            raw = tier.read(f"{d}/{rec.path}/{key}")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
-        if key not in rec.checksums:
-            raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
-        data = verify_chunk(raw, expected_crc=rec.checksums[key], nbytes=nbytes, where=where)
-        src = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(rec.dtype)).view(rec.chunks)
-        valid = src[tuple(slice(0, v) for v in c.valid_shape)]
-        item.dest[c.slices()].copy_(valid)
-        return len(raw)
 
-    if io_threads <= 1 or len(jobs) == 1:
-        return sum(read_one(j) for j in jobs)
-    with ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-read") as pool:
-        return sum(pool.map(read_one, jobs))
+def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
+    """Copy the part of chunk ``c`` (``data``: its bytes, uint8) that each destination covers."""
+    src = data.view(torch_dtype(rec.dtype)).view(rec.chunks)
+    for item in items:
+        stops = tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
+        box = overlap(c.starts, c.stops, item.offsets, stops)
+        if box is None:
+            continue
+        lo, hi = box
+        dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets, strict=True))
+        src_idx = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, c.starts, strict=True))
+        item.dest[dst_idx].copy_(src[src_idx])
+
+
+def move_chunks(
+    tier: Tier,
+    step: int,
+    records: dict[str, ArrayRecord],
+    items: Sequence[ReadItem],
+    plan: ReadPlan,
+    *,
+    rank: int,
+    group: Any = None,
+    io_threads: int = 4,
+) -> int:
+    """Carry out this rank's part of ``plan``: read, send, receive, fill. Returns the bytes read."""
+    by_path: dict[str, list[ReadItem]] = defaultdict(list)
+    for item in items:
+        by_path[item.record.path].append(item)
+    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = defaultdict(list)
+    recvs: list[tuple[str, Chunk, torch.Tensor]] = []
+    ops: list[Any] = []
+    device = _comm_device(group) if plan.transfers else torch.device("cpu")
+    for t in plan.transfers:
+        if t.dst == rank:
+            buf = torch.empty(chunk_nbytes(records[t.path]), dtype=torch.uint8, device=device)
+            ops.append(dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag))
+            recvs.append((t.path, t.chunk, buf))
+        elif t.src == rank:
+            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
+
+    keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
+
+    def read_and_fill(job: tuple[str, Chunk]) -> tuple[str, Chunk, torch.Tensor]:
+        path, c = job
+        rec = records[path]
+        data = torch.frombuffer(read_chunk(tier, step, rec, c), dtype=torch.uint8)
+        fill(rec, c, data, by_path.get(path, ()))
+        return path, c, data
+
+    reads = plan.reads[rank]
+    total = 0
+    with ThreadPoolExecutor(max(1, min(io_threads, len(reads))), thread_name_prefix="tiercheck-read") as pool:
+        for path, c, data in pool.map(read_and_fill, reads):
+            total += data.numel()
+            for dst, tag in sends.get((path, c.coords), ()):
+                out = data if device.type == "cpu" else data.to(device)
+                keep.append(out)
+                ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
+    for op in ops:
+        op.wait()
+    for path, c, buf in recvs:
+        fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
+    return total
+
+
+def _comm_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
