@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .codec import chunk_nbytes, verify_chunk
 from .commit import step_dir
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, TiercheckError
 from .flatten import torch_dtype
 from .layout import Chunk, overlap
 from .manifest import ArrayRecord
@@ -95,11 +95,18 @@ def move_chunks(
             sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
 
     keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
+    errors: list[BaseException] = []
 
     def read_and_fill(job: tuple[str, Chunk]) -> tuple[str, Chunk, torch.Tensor]:
         path, c = job
         rec = records[path]
-        data = torch.frombuffer(read_chunk(tier, step, rec, c), dtype=torch.uint8)
+        try:
+            data = torch.frombuffer(read_chunk(tier, step, rec, c), dtype=torch.uint8)
+        except (TiercheckError, OSError) as e:
+            # Ranks waiting for this chunk still get the bytes they expect (they would hang
+            # otherwise); the error reaches every rank once the transfers are over.
+            errors.append(e)
+            return path, c, torch.zeros(chunk_nbytes(rec), dtype=torch.uint8)
         fill(rec, c, data, by_path.get(path, ()))
         return path, c, data
 
@@ -114,6 +121,8 @@ def move_chunks(
                 ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
     for op in ops:
         op.wait()
+    if errors:
+        raise errors[0]
     for path, c, buf in recvs:
         fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
     return total

@@ -73,6 +73,12 @@ def placement_of(obj: Any, *, where: str) -> tuple[torch.Tensor, tuple[int, ...]
                 f"{where}: a DTensor with a Partial placement holds unreduced values; "
                 "redistribute it to Shard or Replicate before checkpointing"
             )
+        if any(type(p).__name__ == "_StridedShard" for p in obj.placements[1:]):
+            # torch reports the wrong slice for these (only FSDP2's strided first dimension is right).
+            raise UnsupportedValueError(
+                f"{where}: a DTensor with a strided shard placement after the first mesh dimension "
+                f"({obj.placements}) is not supported; redistribute it first"
+            )
         local = obj._local_tensor.detach()
         (meta,) = obj.__create_chunk_list__()
         return local, tuple(obj.shape), tuple(int(o) for o in meta.offsets)

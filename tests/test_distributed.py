@@ -1,0 +1,428 @@
+"""Sharded saves and resharding restores with real processes (gloo, CPU), one directory per node.
+
+A "model" here is a set of global tensors fixed by a seed. A layout (TP x PP x DP, Megatron's rank
+order: TP fastest, then DP, then PP) decides which slice of which tensor each rank holds, as a
+``tiercheck.Shard``. Saving on one layout and restoring on another must give every rank exactly
+the slices of the saved global tensors that its new layout asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import Shard
+
+from .distributed import run_ranks
+
+LAYERS = 4
+HIDDEN = 8
+FFN = 12
+VOCAB = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+
+def global_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"embed": torch.randn(VOCAB, HIDDEN, generator=g)}
+    for i in range(LAYERS):
+        out[f"layers.{i}.fc1"] = torch.randn(FFN, HIDDEN, generator=g)  # column parallel: rows split
+        out[f"layers.{i}.fc2"] = torch.randn(HIDDEN, FFN, generator=g).to(torch.bfloat16)  # row parallel: cols split
+        out[f"layers.{i}.norm"] = torch.randn(HIDDEN, generator=g)  # replicated over TP
+    return out
+
+
+def _split(extent: int, parts: int, i: int) -> tuple[int, int]:
+    """torch.tensor_split's boundaries: uneven parts differ by one, larger first."""
+    bounds = [0, *(b.numel() for b in torch.arange(extent).tensor_split(parts))]
+    start = sum(bounds[: i + 1])
+    return start, start + bounds[i + 1]
+
+
+def _shard(full: torch.Tensor, dim: int, parts: int, i: int, fill: float | None) -> Shard:
+    a, b = _split(full.shape[dim], parts, i)
+    local = full.narrow(dim, a, b - a).clone()
+    if fill is not None:
+        local.fill_(fill)
+    offsets = [0] * full.dim()
+    offsets[dim] = a
+    return Shard(local, global_shape=full.shape, offsets=offsets)
+
+
+def model_state(layout: Layout, rank: int, *, seed: int, fill: float | None = None) -> dict[str, Any]:
+    """What ``rank`` holds under ``layout``; with ``fill``, the right shapes but junk values."""
+    t, _, p = layout.coords(rank)
+    full = global_tensors(seed)
+    stage_layers = [i for i in range(LAYERS) if i * layout.pp // LAYERS == p]
+    model: dict[str, Any] = {}
+    if p == 0:
+        model["embed"] = _shard(full["embed"], 0, layout.tp, t, fill)
+    for i in stage_layers:
+        model[f"layers.{i}.fc1"] = _shard(full[f"layers.{i}.fc1"], 0, layout.tp, t, fill)
+        model[f"layers.{i}.fc2"] = _shard(full[f"layers.{i}.fc2"], 1, layout.tp, t, fill)
+        norm = full[f"layers.{i}.norm"].clone()
+        model[f"layers.{i}.norm"] = norm.fill_(fill) if fill is not None else norm
+    return {"model": model, "rank_info": {"rank": rank, "coords": list(layout.coords(rank))}, "iteration": seed}
+
+
+def check_model(state: dict[str, Any], seed: int) -> int:
+    """Every tensor equals its slice of the seed's global tensors, bit for bit. Returns how many."""
+    full = global_tensors(seed)
+    for name, value in state["model"].items():
+        if isinstance(value, Shard):
+            idx = tuple(slice(o, o + n) for o, n in zip(value.offsets, value.local.shape, strict=True))
+            assert torch.equal(value.local, full[name][idx]), name
+        else:
+            assert torch.equal(value, full[name]), name
+    return len(state["model"])
+
+
+def node_dir(root: str, rank: int, ranks_per_node: int) -> str:
+    return os.path.join(root, f"node{rank // ranks_per_node}")
+
+
+def _save(rank: int, world: int, layout: Layout, root: str, per_node: int, steps: list[int], seed: int) -> Any:
+    state = model_state(layout, rank, seed=seed)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node)) as ck:
+        for s in steps:
+            ck.save(s, metadata={"note": "test"}).wait()
+        return ck.stats()["plan_bytes_per_save"]
+
+
+def _restore(
+    rank: int, world: int, layout: Layout, root: str, per_node: int, seed: int, read_once: bool = False
+) -> tuple[int | None, int, dict[str, Any], int, int]:
+    state = model_state(layout, rank, seed=seed, fill=-1.0)
+    opts = tiercheck.DistributedOptions(read_once=read_once)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node), distributed=opts) as ck:
+        step = ck.restore()
+        n = check_model(state, seed) if step is not None else 0
+        stats = ck.stats()
+        return step, n, state["rank_info"], stats["restore_bytes_read"], stats["restore_chunks_received"]
+
+
+SAVED = Layout(tp=2, pp=2, dp=2)
+
+
+@pytest.fixture(scope="module")
+def saved_8(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Steps 1 and 2 saved by TP=2 x PP=2 x DP=2 on 8 ranks, two ranks per node (4 node dirs)."""
+    root = str(tmp_path_factory.mktemp("tp2pp2dp2"))
+    run_ranks(_save, 8, SAVED, root, 2, [1, 2], 2, start_method="forkserver")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("layout", "per_node", "read_once"),
+    [
+        (Layout(tp=4, pp=1, dp=1), 2, False),
+        (Layout(tp=4, pp=1, dp=1), 2, True),
+        (Layout(tp=3, pp=1, dp=1), 1, False),  # uneven splits, 3 nodes
+        (Layout(tp=1, pp=1, dp=1), 1, False),
+        (Layout(tp=2, pp=2, dp=2), 2, False),  # the same layout
+    ],
+    ids=["tp4", "tp4-read-once", "tp3-uneven", "single", "same"],
+)
+def test_restore_onto_another_layout_is_bit_identical(
+    saved_8: str, tmp_path: Path, layout: Layout, per_node: int, read_once: bool
+) -> None:
+    # The new job has fewer nodes; each was given the files of some of the old nodes (as a pre-staging
+    # copy would), so that together they hold every chunk, but no node holds all of them.
+    root = str(tmp_path)
+    n_nodes = math.ceil(layout.world / per_node)
+    for j in range(4):
+        _merge_into(Path(saved_8) / f"node{j}", tmp_path / f"node{j % n_nodes}")
+    results = run_ranks(_restore, layout.world, layout, root, per_node, 2, read_once, start_method="forkserver")
+    for rank, (step, n, info, _, _) in enumerate(results):
+        assert step == 2
+        assert n > 0
+        if layout.world == SAVED.world:
+            assert info == {"rank": rank, "coords": list(SAVED.coords(rank))}  # each rank's own plain values
+        else:
+            assert info["rank"] == rank  # rank r's plain values come from saving rank r
+    read = sum(r[3] for r in results)
+    received = sum(r[4] for r in results)
+    unique = sum(t.nbytes for t in global_tensors(2).values())
+    if layout.world == 1:
+        assert (read, received) == (unique, 0)
+    elif read_once:
+        assert read == unique and received > 0  # every chunk read by exactly one rank, the rest sent
+    else:
+        assert read >= unique and received > 0  # chunks on the other node arrive over the process group
+
+
+def test_each_chunk_is_written_once_and_replicas_share_the_writing(saved_8: str) -> None:
+    nodes = sorted(Path(saved_8).glob("node*"))
+    assert len(nodes) == 4
+    manifests = [json.loads((n / "step-00000002" / "manifest.json").read_bytes()) for n in nodes]
+    assert all(m == manifests[0] for m in manifests), "every node has the same manifest"
+    arrays = manifests[0]["arrays"]
+    unique = sum(t.nbytes for t in global_tensors(2).values())
+    itemsizes = {"float32": 4, "bfloat16": 2}
+    stored = sum(len(a["crc32c"]) * math.prod(a["chunks"]) * itemsizes[a["dtype"]] for a in arrays.values())
+    assert stored == unique  # the grid matches the shards: no padding, no second copy
+
+    files: dict[str, list[str]] = {}
+    on_disk = 0
+    for n in nodes:
+        for f in (n / "step-00000002").rglob("c.*"):
+            files.setdefault(str(f.relative_to(n)), []).append(n.name)
+            on_disk += f.stat().st_size - 4  # minus the CRC32C trailer
+    assert on_disk == unique
+    assert all(len(where) == 1 for where in files.values()), "no chunk file exists on two nodes"
+    assert len(files) == sum(len(a["crc32c"]) for a in arrays.values())
+
+    written = [0] * 8
+    for a in arrays.values():
+        for owner in a["owner"].values():
+            written[owner] += math.prod(a["chunks"]) * itemsizes[a["dtype"]]
+    assert all(w > 0 for w in written), f"every rank writes a share: {written}"
+    # DP replicas hold the same shards; the plan splits them rather than leaving them to DP rank 0.
+    for pp in range(2):
+        for tp in range(2):
+            pair = [written[pp * 4 + dp * 2 + tp] for dp in range(2)]
+            assert max(pair) <= 2 * min(pair), f"replicas (tp={tp}, pp={pp}) wrote {pair}"
+
+
+def _restore_embed_only(rank: int, world: int, root: str) -> tuple[bool, int]:
+    full = global_tensors(2)["embed"]
+    state = {"model": {"embed": Shard(torch.zeros(4, HIDDEN), global_shape=full.shape, offsets=(8, 0))}}
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
+        assert ck.restore(strict=False) == 2
+        return torch.equal(state["model"]["embed"].local, full[8:12]), ck.stats()["restore_bytes_read"]
+
+
+def test_only_the_chunks_a_rank_needs_are_read(saved_8: str, tmp_path: Path) -> None:
+    for j in range(4):
+        _merge_into(Path(saved_8) / f"node{j}", tmp_path / "node0")
+    [(ok, nbytes)] = run_ranks(_restore_embed_only, 1, str(tmp_path), start_method="forkserver")
+    assert ok
+    assert nbytes == 8 * HIDDEN * 4  # the one saved TP shard (rows 8-15) that holds rows 8-11; nothing else
+
+
+# ---------------------------------------------------------------------------------- ZeRO, DTensor
+
+
+def _zero_state(rank: int, world: int, numel: int, fill: float | None) -> dict[str, Any]:
+    flat = torch.arange(numel, dtype=torch.float32) * 0.5
+    part = math.ceil(numel / world)  # DeepSpeed-style equal partitions, the last one short
+    a, b = min(rank * part, numel), min((rank + 1) * part, numel)
+    local = flat[a:b].clone()
+    if fill is not None:
+        local.fill_(fill)
+    return {"optim": {"fp32_flat": Shard(local, global_shape=(numel,), offsets=(a,)), "step": 10}}
+
+
+def _zero(rank: int, world: int, root: str, save: bool) -> bool:
+    state = _zero_state(rank, world, 1001, None if save else 0.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
+        if save:
+            ck.save(5).wait()
+            return True
+        assert ck.restore() == 5
+    expect = _zero_state(rank, world, 1001, None)["optim"]["fp32_flat"]
+    return torch.equal(state["optim"]["fp32_flat"].local, expect.local) and state["optim"]["step"] == 10
+
+
+def test_zero1_partitions_over_4_ranks_restore_on_2(tmp_path: Path) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert run_ranks(_zero, 4, str(old), True, start_method="forkserver") == [True] * 4
+    for j in range(4):  # node k of the 2-rank job holds what nodes k and k+2 of the 4-rank job wrote
+        _merge_into(old / f"node{j}", new / f"node{j % 2}")
+    assert run_ranks(_zero, 2, str(new), False, start_method="forkserver") == [True] * 2
+
+
+def _merge_into(src: Path, dst: Path) -> None:
+    """Hard-link one node directory's files into another; commit markers name the ranks of both."""
+    for f in src.rglob("*"):
+        if f.is_dir() or f.name == ".tiercheck-node":
+            continue
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if f.name == "COMMIT":
+            marker = json.loads(f.read_text())
+            if target.exists():
+                marker["ranks"] = sorted(set(marker["ranks"]) | set(json.loads(target.read_text())["ranks"]))
+            target.write_text(json.dumps(marker))
+        elif not target.exists():
+            os.link(f, target)
+
+
+def _dtensor(
+    rank: int, world: int, root: str, per_node: int, mesh_shape: list[int], placements: list[str], save: bool
+) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = init_device_mesh("cpu", tuple(mesh_shape))
+    place = [Replicate() if p == "R" else DShard(int(p[1:])) for p in placements]
+    full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6) / 7
+    w = distribute_tensor(full if save else torch.zeros_like(full), mesh, place)
+    state = {
+        "w": w,
+        "bias": distribute_tensor(torch.ones(6) * (1 if save else 0), mesh, [Replicate()] * len(mesh_shape)),
+    }
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node)) as ck:
+        if save:
+            ck.save(1).wait()
+            return True
+        assert ck.restore() == 1
+    return torch.equal(state["w"].full_tensor(), full) and torch.equal(state["bias"].full_tensor(), torch.ones(6))
+
+
+def test_dtensor_2d_mesh_restores_onto_a_1d_mesh(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert run_ranks(_dtensor, 4, root, 2, [2, 2], ["S0", "S1"], True, start_method="forkserver") == [True] * 4
+    # The 2-rank job runs on the same two nodes, one rank each.
+    assert run_ranks(_dtensor, 2, root, 1, [2], ["S1"], False, start_method="forkserver") == [True] * 2
+
+
+# ------------------------------------------------------------------------------ failures and loss
+
+SMALL = Layout(tp=2, pp=1, dp=2)  # 4 ranks on 2 nodes: DP replicas on different nodes
+
+
+def _save_and_die(rank: int, world: int, root: str, victim: int) -> str:
+    state = model_state(SMALL, rank, seed=1)
+    opts = tiercheck.DistributedOptions(timeout_s=5)
+    ck = tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), distributed=opts)
+    ck.save(1).wait()
+    for value in state["model"].values():
+        (value.local if isinstance(value, Shard) else value).fill_(99.0)
+    if rank == victim:
+        write = ck.tier.write
+
+        def write_then_die(path: str, parts: Any) -> None:
+            write(path, parts)
+            os._exit(17)  # dies after its first file of step 2, like a SIGKILL: no cleanup at all
+
+        ck.tier.write = write_then_die  # type: ignore[method-assign]
+    handle = ck.save(2)
+    try:
+        handle.wait()
+        return "committed"
+    except tiercheck.CoordinationError as e:
+        return f"failed: {e}"
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["node-leader", "other-rank"])
+def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_restores(tmp_path: Path, victim: int) -> None:
+    outcomes = run_ranks(_save_and_die, 4, str(tmp_path), victim, check=False, start_method="forkserver")
+    assert outcomes[victim].exitcode == 17
+    for o in outcomes:
+        if o.rank != victim:
+            assert o.error is None, o.error
+            assert o.result.startswith("failed: "), o.result
+            assert "step 2 was not committed" in o.result
+    assert not list(tmp_path.glob("node*/step-00000002/COMMIT"))
+    results = run_ranks(_restore, 4, SMALL, str(tmp_path), 2, 1, start_method="forkserver")
+    assert [r[0] for r in results] == [1, 1, 1, 1]  # values checked bit for bit against step 1 inside
+
+
+def _restore_or_error(rank: int, world: int, root: str) -> tuple[int | None, str]:
+    state = model_state(SMALL, rank, seed=1, fill=0.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
+        try:
+            step = ck.restore()
+        except tiercheck.CheckpointNotFoundError as e:
+            return None, str(e)
+        check_model(state, 1)
+        return step, ""
+
+
+def test_a_wiped_node_makes_ranks_agree_on_an_older_step_or_say_what_is_missing(tmp_path: Path) -> None:
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    # Node 1 lost its copy of step 2 only: step 1 is whole everywhere, so every rank takes it.
+    import shutil
+
+    shutil.rmtree(tmp_path / "node1" / "step-00000002")
+    assert run_ranks(_restore_or_error, 4, str(tmp_path), start_method="forkserver") == [(1, "")] * 4
+    # Node 1 was replaced (empty directory): no step is whole, and every rank says what is missing.
+    shutil.rmtree(tmp_path / "node1")
+    for step, message in run_ranks(_restore_or_error, 4, str(tmp_path), start_method="forkserver"):
+        assert step is None
+        assert "no committed step is whole" in message
+        assert "newest: step 2: the files of saving rank(s) 2-3 are on no rank's local tier" in message
+        assert "restoring rank(s) 2-3 have no copy of the step" in message
+
+
+def _restore_mismatch(rank: int, world: int, root: str, case: str) -> tuple[str, str]:
+    state = model_state(SMALL, rank, seed=1, fill=0.0)
+    if rank == 1 and case == "shape":
+        state["model"]["embed"] = Shard(torch.zeros(9, HIDDEN), global_shape=(18, HIDDEN), offsets=(9, 0))
+    if rank == 1 and case == "absent":
+        state["model"]["extra"] = torch.zeros(3)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
+        try:
+            ck.restore()
+        except tiercheck.TiercheckError as e:
+            untouched = all(bool((v.local if isinstance(v, Shard) else v).eq(0).all()) for v in state["model"].values())
+            return type(e).__name__, f"{e} untouched={untouched}"
+    return "restored", ""
+
+
+@pytest.mark.parametrize("case", ["shape", "absent"])
+def test_an_incompatible_rank_fails_every_rank_before_anything_is_overwritten(tmp_path: Path, case: str) -> None:
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
+    results = run_ranks(_restore_mismatch, 4, str(tmp_path), case, start_method="forkserver")
+    kind, message = results[1]
+    assert kind == "IncompatibleStateError"
+    if case == "shape":
+        assert "model/embed: checkpoint has float32[16, 8], the state to restore into has float32[18, 8]" in message
+    else:
+        assert "tensors of the state are missing from the checkpoint: model/extra" in message
+    for rank in (0, 2, 3):
+        assert results[rank][0] == "CoordinationError"
+        assert "rank 1 failed" in results[rank][1]
+    assert all(m.endswith("untouched=True") for _, m in results)
+
+
+def _restore_expect_failure(rank: int, world: int, root: str) -> tuple[str, str]:
+    state = model_state(SMALL, rank, seed=1, fill=0.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
+        try:
+            ck.restore()
+        except tiercheck.TiercheckError as e:
+            return type(e).__name__, str(e)
+    return "restored", ""
+
+
+def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
+    manifest = json.loads((tmp_path / "node1" / "step-00000001" / "manifest.json").read_bytes())
+    # A chunk written by a rank of node 1 that node 0's ranks need too (replicated norm, or a TP shard).
+    path, key = next(
+        (p, k) for p, a in manifest["arrays"].items() for k, owner in a["owner"].items() if owner in (2, 3)
+    )
+    chunk = tmp_path / "node1" / "step-00000001" / path / key
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    results = run_ranks(_restore_expect_failure, 4, str(tmp_path), timeout=60, start_method="forkserver")
+    kinds = {kind for kind, _ in results}
+    assert kinds <= {"CorruptCheckpointError", "CoordinationError"} and "CorruptCheckpointError" in kinds
+    assert all(f"array {path!r} chunk {key}" in message for _, message in results), results

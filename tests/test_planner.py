@@ -1,0 +1,107 @@
+"""The pure planning behind distributed saves and restores: chunk grids, who writes, who reads."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from tiercheck.errors import IncompatibleStateError
+from tiercheck.layout import chunks, chunks_in_box, grid_for_boxes
+from tiercheck.planner import LeafDesc, Need, plan_reads, plan_writes
+
+
+def split(extent: int, parts: int) -> list[tuple[int, int]]:
+    size = math.ceil(extent / parts)
+    return [(min(i * size, extent), min(size, extent - min(i * size, extent))) for i in range(parts)]
+
+
+@pytest.mark.parametrize(
+    ("shape", "boxes"),
+    [
+        ((1000,), [((o,), (n,)) for o, n in split(1000, 4)]),  # ZeRO partitions: 250 each
+        ((1001,), [((o,), (n,)) for o, n in split(1001, 4)]),  # last one short: 251, 251, 251, 248
+        ((64, 48), [((0, 0), (32, 48)), ((32, 0), (32, 48))]),  # TP rows
+        ((64, 48), [((0, 0), (64, 24)), ((0, 24), (64, 24))]),  # TP columns
+        ((64, 48), [((r, c), (32, 24)) for r in (0, 32) for c in (0, 24)]),  # 2-D mesh
+        ((10, 6), [((0, 0), (4, 6)), ((4, 0), (3, 6)), ((7, 0), (3, 6))]),  # uneven: boundaries 4 and 7
+    ],
+)
+def test_the_grid_never_crosses_a_shard_boundary(shape: tuple[int, ...], boxes: list) -> None:  # type: ignore[type-arg]
+    for target in (64, 4096, 1 << 20):
+        grid = grid_for_boxes(shape, boxes, 4, target)
+        for offsets, extents in boxes:
+            for c in chunks_in_box(shape, grid, offsets, extents):
+                inside = all(
+                    o <= a and b <= o + n for a, b, o, n in zip(c.starts, c.stops, offsets, extents, strict=True)
+                )
+                assert inside, (grid, c, offsets, extents)
+
+
+def test_the_grid_stays_near_the_target_where_shards_allow() -> None:
+    assert grid_for_boxes((1000,), [((0,), (500,)), ((500,), (500,))], 4, 4000) == (500,)
+    assert grid_for_boxes((1000,), [((0,), (500,)), ((500,), (500,))], 4, 400) == (100,)
+    # 4 x 251 floats: 251 is prime, so a chunk is one whole partition rather than 251 one-float files.
+    assert grid_for_boxes((1001,), [((o,), (n,)) for o, n in split(1001, 4)], 4, 400) == (251,)
+
+
+def descs(path: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[LeafDesc]:
+    return [LeafDesc(path, "float32", "tensor", shape, o, n, False) for o, n in boxes]
+
+
+def test_replicated_data_is_written_once_and_spread_over_the_replicas() -> None:
+    world = 4
+    per_rank = [descs("w", (4096,), [((0,), (4096,))]) + descs("b", (16,), [((0,), (16,))]) for _ in range(world)]
+    plan = plan_writes(per_rank, target_chunk_bytes=1024)
+    written = Counter((t.leaf, t.chunk.key) for rank_tasks in plan.tasks for t in rank_tasks)
+    assert all(n == 1 for n in written.values())
+    assert sum(plan.nbytes) == (4096 + 16) * 4  # no chunk twice
+    assert max(plan.nbytes) - min(plan.nbytes) <= 1024  # within one chunk of even
+    owners = plan.records["w"].owners
+    assert set(owners.values()) == set(range(world))
+    for rank, rank_tasks in enumerate(plan.tasks):
+        for t in rank_tasks:
+            assert plan.records[per_rank[rank][t.leaf].path].owners[t.chunk.key] == rank
+
+
+def test_sharded_data_is_written_by_its_holder_in_local_coordinates() -> None:
+    per_rank = [descs("w", (8, 4), [((4 * r, 0), (4, 4))]) for r in range(2)]
+    plan = plan_writes(per_rank, target_chunk_bytes=1 << 20)
+    assert plan.records["w"].chunks == (4, 4)
+    [t0], [t1] = plan.tasks
+    assert (t0.chunk.starts, t0.local.starts) == ((0, 0), (0, 0))
+    assert (t1.chunk.starts, t1.local.starts, t1.local.stops) == ((4, 0), (0, 0), (4, 4))
+
+
+def test_a_hole_or_a_disagreement_between_ranks_is_refused() -> None:
+    with pytest.raises(IncompatibleStateError, match=r"array 'w'\[8, 4\]: \[4:8, 0:4\] is held by no rank"):
+        plan_writes([descs("w", (8, 4), [((0, 0), (4, 4))])], target_chunk_bytes=1 << 20)
+    with pytest.raises(IncompatibleStateError, match=r"rank 0 has float32\[8\] but rank 1 has float32\[9\]"):
+        plan_writes([descs("w", (8,), [((0,), (8,))]), descs("w", (9,), [((0,), (9,))])], target_chunk_bytes=64)
+
+
+def test_reads_go_to_ranks_that_can_read_and_the_rest_is_sent() -> None:
+    per_rank = [descs("w", (8,), [((0,), (8,))]) for _ in range(2)]  # replicated, 2 chunks of 4
+    records = plan_writes(per_rank, target_chunk_bytes=16).records
+    assert sorted(records["w"].owners.values()) == [0, 1]
+    needs = [[Need("w", (0,), (8,))] for _ in range(3)]
+    readable = [frozenset({0}), frozenset({1}), frozenset()]  # restoring rank 2 sits on a fresh node
+    each = plan_reads(records, needs, readable, read_once=False)
+    assert [len(r) for r in each.reads] == [1, 1, 0]
+    assert sorted((t.src, t.dst) for t in each.transfers) == [(0, 1), (0, 2), (1, 0), (1, 2)]
+    assert len({t.tag for t in each.transfers}) == len(each.transfers)
+    with pytest.raises(IncompatibleStateError, match="whose files no restoring rank can read"):
+        plan_reads(records, needs, [frozenset({0})] * 3, read_once=False)
+
+
+def test_read_once_reads_every_chunk_once() -> None:
+    per_rank = [descs("w", (64,), [((0,), (64,))])]
+    records = plan_writes(per_rank, target_chunk_bytes=64).records  # 4 chunks of 16 floats
+    needs = [[Need("w", (0,), (64,))] for _ in range(4)]
+    plan = plan_reads(records, needs, [frozenset({0})] * 4, read_once=True)
+    assert sorted(c.key for r in plan.reads for _, c in r) == sorted(c.key for c in chunks((64,), (16,)))
+    assert all(len(r) == 1 for r in plan.reads)  # balanced: one chunk per rank
+    assert len(plan.transfers) == 4 * 3
+    every = plan_reads(records, needs, [frozenset({0})] * 4, read_once=False)
+    assert all(len(r) == 4 for r in every.reads) and not every.transfers
