@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,8 +358,6 @@ def _restore_or_error(rank: int, world: int, root: str) -> tuple[int | None, str
 def test_a_wiped_node_makes_ranks_agree_on_an_older_step_or_say_what_is_missing(tmp_path: Path) -> None:
     run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
     # Node 1 lost its copy of step 2 only: step 1 is whole everywhere, so every rank takes it.
-    import shutil
-
     shutil.rmtree(tmp_path / "node1" / "step-00000002")
     assert run_ranks(_restore_or_error, 4, str(tmp_path), start_method="forkserver") == [(1, "")] * 4
     # Node 1 was replaced (empty directory): no step is whole, and every rank says what is missing.
@@ -426,3 +425,70 @@ def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: P
     kinds = {kind for kind, _ in results}
     assert kinds <= {"CorruptCheckpointError", "CoordinationError"} and "CorruptCheckpointError" in kinds
     assert all(f"array {path!r} chunk {key}" in message for _, message in results), results
+
+
+# ---------------------------------------------------------------------- training loops, plan cache
+
+
+def _train(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """Data-parallel replicas of one model + Adam (lazy staging): save at step 3, restore, continue."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(1))
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        model(data[i]).pow(2).mean().backward()
+        opt.step()
+
+    state = {"model": model, "optim": opt}
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
+        assert ck.lazy
+        start = 0
+        if phase == "resume":
+            start = ck.restore() or 0
+            assert start == 3
+        for i in range(start, 6):
+            if i == 3 and phase == "first":
+                ck.save(3)
+                # The plan is cached: steady-state saves exchange nothing with the other ranks.
+                ck._coord.exchange = None  # type: ignore[assignment]
+            step(i)
+        ck.save(6).wait()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_data_parallel_replicas_with_adam_resume_bit_identically(tmp_path: Path) -> None:
+    first = run_ranks(_train, 2, str(tmp_path / "a"), "first", start_method="forkserver")
+    for j in range(2):
+        shutil.rmtree(tmp_path / "a" / f"node{j}" / "step-00000006")  # resume from step 3
+    resumed = run_ranks(_train, 2, str(tmp_path / "a"), "resume", start_method="forkserver")
+    for a, b in zip(first, resumed, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _relayout(rank: int, world: int, root: str) -> tuple[int | None, bool, bool]:
+    state = model_state(SMALL, rank, seed=1)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
+        ck.save(1).wait()
+        # Every rank adds tensors: a new plan. A plain tensor is a replica (one rank writes it);
+        # per_rank() makes it this rank's own slice of a [world, ...] tensor.
+        state["model"]["head"] = torch.full((3,), 7.0)
+        state["rng"] = tiercheck.per_rank(torch.full((2,), float(rank)))
+        ck.save(2).wait()
+    fresh = model_state(SMALL, rank, seed=1, fill=0.0)
+    fresh["model"]["head"] = torch.zeros(3)
+    fresh["rng"] = tiercheck.per_rank(torch.zeros(2))
+    with tiercheck.Checkpointer(fresh, local=node_dir(root, rank, 2)) as ck:
+        step = ck.restore()
+        check_model({"model": {k: v for k, v in fresh["model"].items() if k != "head"}}, 1)
+        return (
+            step,
+            torch.equal(fresh["model"]["head"], torch.full((3,), 7.0)),
+            torch.equal(fresh["rng"].local, torch.full((1, 2), float(rank))),
+        )
+
+
+def test_a_layout_change_on_every_rank_makes_a_new_plan(tmp_path: Path) -> None:
+    assert run_ranks(_relayout, 4, str(tmp_path), start_method="forkserver") == [(2, True, True)] * 4

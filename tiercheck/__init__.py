@@ -17,7 +17,7 @@ from .errors import (
 )
 from .options import DistributedOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import SaveHandle
-from .sharding import Shard
+from .sharding import Shard, per_rank
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -39,4 +39,5 @@ __all__ = [
     "__version__",
     "errors",
     "load",
+    "per_rank",
 ]

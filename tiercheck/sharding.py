@@ -86,3 +86,19 @@ def placement_of(obj: Any, *, where: str) -> tuple[torch.Tensor, tuple[int, ...]
         t = obj.detach()
         return t, tuple(t.shape), (0,) * t.dim()
     return None
+
+
+def per_rank(tensor: torch.Tensor, *, process_group: Any = None) -> Shard:
+    """Mark a tensor as this rank's own, not a replica: e.g. a per-rank RNG state or data position.
+
+    Plain tensors are taken as replicated (as by torch.distributed.checkpoint): only one rank's copy
+    is written. ``per_rank(t)`` is row ``rank`` of a ``[world_size, *t.shape]`` tensor instead, so
+    every rank's value is kept; restore it on the same world size (``.local[0]`` is the value).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    else:
+        rank, world = 0, 1
+    return Shard(tensor.unsqueeze(0), global_shape=(world, *tensor.shape), offsets=(rank, *([0] * tensor.dim())))
