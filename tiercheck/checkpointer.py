@@ -23,11 +23,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import __version__
 from .commit import commit_step, list_steps, read_manifest, read_marker, step_dir, withdraw_step
 from .coordination import Coordinator, default_store, node_id
+from .drain import Drainer, pending_steps
 from .errors import (
     CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
     IncompatibleStateError,
+    RemoteStorageError,
     StepExistsError,
     TiercheckError,
 )
@@ -42,14 +44,16 @@ from .flatten import (
     torch_dtype,
 )
 from .manifest import JSON, Manifest
-from .options import DistributedOptions, RetentionOptions, StagingOptions, WriteOptions
+from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc, Need, plan_reads, plan_writes
 from .restore import ReadItem, move_chunks
 from .retention import steps_to_delete
 from .sharding import placement_of
 from .staging import HostPool
+from .tiers.base import Tier
 from .tiers.local import LocalTier
+from .tiers.remote import open_tier
 
 log = logging.getLogger("tiercheck")
 
@@ -75,11 +79,14 @@ class Checkpointer:
         state: Mapping[str, Any],
         *,
         local: str | os.PathLike[str],
+        remote: str | None = None,
+        remote_options: dict[str, Any] | None = None,
         process_group: Any = None,
         staging: StagingOptions | None = None,
         write: WriteOptions | None = None,
         retention: RetentionOptions | None = None,
         distributed: DistributedOptions | None = None,
+        drain: DrainOptions | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if not isinstance(state, Mapping):
@@ -89,6 +96,7 @@ class Checkpointer:
         self.write = write or WriteOptions()
         self.retention = retention or RetentionOptions()
         self.distributed = distributed or DistributedOptions()
+        self.drain_options = drain or DrainOptions()
         self.allow_pickle = allow_pickle
         if os.path.exists(local) and not os.path.isdir(local):
             raise NotADirectoryError(f"local tier {os.fspath(local)!r} exists and is not a directory")
@@ -136,6 +144,21 @@ class Checkpointer:
         self._closed = False
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self._committed = set(self._clean_partial_steps() if self._leader else list_steps(self.tier).committed)
+        self.remote: Tier | None = None
+        self._drainer: Drainer | None = None
+        self._drain_failures_seen = 0
+        if remote is not None:
+            self.remote = open_tier(remote, storage_options=remote_options, retry=self.drain_options.retry)
+            self._drainer = Drainer(
+                self.tier,
+                self.remote,
+                self.drain_options,
+                coord=self._coord.connect_again(),
+                node_ranks=self.node_ranks,
+                uploads=self._leader,
+            )
+            if self._leader:
+                threading.Thread(target=self._resume_drains, name="tiercheck-resume", daemon=True).start()
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
 
     # ------------------------------------------------------------------------------- saving
@@ -341,10 +364,30 @@ class Checkpointer:
             topology={"world_size": self.world_size, "nodes": self.nodes},
         )
 
-    def _after_commit(self, step: int) -> None:
+    def _resume_drains(self) -> None:
+        """Queue the local steps a previous run committed but did not finish draining."""
+        assert self._drainer is not None and self.remote is not None
+        try:
+            steps = pending_steps(self.tier, self.remote, self.drain_options)
+        except Exception as e:  # an unreachable remote must not stop training: drains retry later
+            log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
+            return
+        for s in steps:
+            log.info("resuming the drain of step %d to %s", s, self.remote.url)
+            self._drainer.submit(s)
+
+    def _after_commit(self, job: SaveJob) -> None:
+        step = job.step
+        if self._drainer is not None:
+            self._drainer.submit(step, job.handle.drained)
+        else:
+            job.handle.drained.set_result(False)
         with self._retention_lock:
             self._committed.add(step)
+            pinned = self._drainer.pinned() if self._drainer is not None else set()
             for old in steps_to_delete(self._committed, self.retention):
+                if old in pinned:
+                    continue  # still to be drained; a later pass deletes it
                 if self._leader:
                     withdraw_step(self.tier, old)
                     log.info("retention: deleted step %d from %s", old, self.tier.url)
@@ -382,12 +425,15 @@ class Checkpointer:
                 self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             n = self._restores
             self._restores += 1
-            held = self._held_steps()
-            everyone = self._coord.exchange(f"restore{n}/held", held, what="every rank's committed steps")
-            step = _agree_on_step(everyone, step, self.nodes, where=self.tier.url)
+            mine_held: JSON = {"held": self._held_steps(), "remote": self._remote_steps() if self.rank == 0 else []}
+            exchanged = self._coord.exchange(f"restore{n}/held", mine_held, what="every rank's committed steps")
+            everyone = [e["held"] for e in exchanged]
+            remote_steps = set(exchanged[0]["remote"])
+            step = _agree_on_step(everyone, step, remote_steps, where=self.tier.url)
             if step is None:
                 return None
-            manifest = self._fetch_manifest(f"restore{n}", step, everyone)
+            use_remote = step in remote_steps
+            manifest = self._fetch_manifest(f"restore{n}", step, everyone, use_remote)
             pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
             where = f"{self.tier.url}: step {step}"
             try:
@@ -407,7 +453,8 @@ class Checkpointer:
             _raise_first_error(needs_all, failure, self.rank)
             needs = [[Need(p, tuple(o), tuple(s)) for p, o, s in r["needs"]] for r in needs_all]
             readable = [frozenset(h[str(step)][0]) if str(step) in h else frozenset() for h in everyone]
-            plan = plan_reads(manifest.arrays, needs, readable, read_once=self.distributed.read_once)
+            plan = plan_reads(manifest.arrays, needs, readable, read_once=self.distributed.read_once, remote=use_remote)
+            moved: dict[str, int] = {}
             try:
                 with torch.no_grad():
                     nbytes = move_chunks(
@@ -419,6 +466,8 @@ class Checkpointer:
                         rank=self.rank,
                         group=self.group,
                         io_threads=self.write.io_threads,
+                        remote=self.remote if use_remote else None,
+                        counters=moved,
                     )
             except TiercheckError as e:
                 if self.world_size == 1:
@@ -428,14 +477,32 @@ class Checkpointer:
                 mine = {"ok": nbytes}
                 self._counters["restore_bytes_read"] = nbytes
                 self._counters["restore_chunks_received"] = sum(t.dst == self.rank for t in plan.transfers)
+                self._counters["restore_remote_reads"] = moved.get("remote_reads", 0)
+                self._counters["restore_fallbacks"] = moved.get("fallbacks", 0)
             if self.world_size > 1:
                 _raise_first_error(
                     self._coord.exchange(f"restore{n}/done", mine, what="every rank to read step"), failure, self.rank
                 )
             _apply(self.state, decoded, where=where)
             self._committed.update(self.steps())
-            log.info("restored step %d from %s (%s)", step, self.tier.url, _plural(len(items), "array"))
+            log.info(
+                "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
+                step,
+                _plural(len(items), "array"),
+                moved.get("remote_reads", 0),
+                self.remote.url if self.remote is not None else "no remote tier",
+                moved.get("fallbacks", 0),
+            )
             return step
+
+    def _remote_steps(self) -> list[int]:
+        if self.remote is None:
+            return []
+        try:
+            return list_steps(self.remote).committed
+        except (OSError, TiercheckError) as e:  # restore from the local tier alone, and say so
+            log.error("cannot list %s, restoring from local tiers only: %s", self.remote.url, e)
+            return []
 
     def _held_steps(self) -> dict[str, JSON]:
         """This node's committed steps: ``{step: [saving ranks whose files are here, saving world size]}``."""
@@ -449,14 +516,23 @@ class Checkpointer:
             held[str(s)] = [list(marker.ranks), marker.world_size]
         return held
 
-    def _fetch_manifest(self, key: str, step: int, everyone: list[dict[str, JSON]]) -> Manifest:
-        """Read the manifest here, or receive it from the first rank that has it (via the store)."""
+    def _fetch_manifest(self, key: str, step: int, everyone: list[dict[str, JSON]], use_remote: bool) -> Manifest:
+        """Read the manifest here (or from the remote tier), or receive it from the first rank that
+        has it (via the store)."""
         holders = [r for r, h in enumerate(everyone) if str(step) in h]
         if self.rank in holders:
-            manifest = read_manifest(self.tier, step)
-            if self.rank == holders[0] and len(holders) < self.world_size:
+            try:
+                manifest = read_manifest(self.tier, step)
+            except TiercheckError as e:
+                if not use_remote or self.remote is None:
+                    raise
+                log.warning("%s; reading it from %s instead", e, self.remote.url)
+                manifest = read_manifest(self.remote, step)
+            if self.rank == holders[0] and len(holders) < self.world_size and not use_remote:
                 self._coord.set(self._coord.key(key, "manifest"), manifest.to_bytes())
             return manifest
+        if use_remote and self.remote is not None:
+            return read_manifest(self.remote, step)
         k = self._coord.key(key, "manifest")
         self._coord.wait([k], what=f"rank {holders[0]} to share the manifest of step {step}")
         return Manifest.from_bytes(self._coord.get(k), where=f"step {step} (manifest from rank {holders[0]})")
@@ -478,8 +554,41 @@ class Checkpointer:
         out["plan_bytes_per_save"] = sum(t.nbytes for t in self._plan.tasks) if self._plan else 0
         return out
 
-    def close(self) -> None:
-        """Wait for in-flight saves, then stop the background threads. Idempotent."""
+    def drain(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until every committed step the policy selects is on the remote tier (or failed).
+
+        Returns the remote status (see ``status()``); raises ``RemoteStorageError`` if a drain
+        failed since the last call. Steps an earlier run left undrained are included.
+        """
+        self._check_open()
+        if self._drainer is None:
+            raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
+        if self._pipeline is not None:
+            self._pipeline.wait_idle(timeout)
+        if not self._drainer.wait(timeout):
+            raise TimeoutError(f"drains still running after {timeout} s")
+        status = self._drainer.snapshot()
+        if status["failed"] > self._drain_failures_seen:
+            self._drain_failures_seen = status["failed"]
+            raise RemoteStorageError(f"draining to {status['url']} failed: {status['last_error']}")
+        return status
+
+    def status(self) -> dict[str, Any]:
+        """Where each tier stands: committed local steps, in-flight saves, and the remote drain
+        (pending, draining, last drained, skipped, failed with the last error, retries, bytes)."""
+        return {
+            "rank": self.rank,
+            "local": {
+                "url": self.tier.url,
+                "committed": self.steps(),
+                "inflight": sorted(self._pipeline.inflight_steps()) if self._pipeline else [],
+            },
+            "remote": self._drainer.snapshot() if self._drainer is not None else None,
+        }
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Wait for in-flight saves and (with ``drain``) for drains to the remote tier, then stop
+        the background threads. Idempotent. A drain still unfinished resumes in the next run."""
         if self._closed:
             return
         self._closed = True
@@ -487,6 +596,8 @@ class Checkpointer:
             self._hook.remove()
         if self._pipeline is not None:
             self._pipeline.close()
+        if self._drainer is not None:
+            self._drainer.close(drain=drain, timeout=timeout)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -502,17 +613,23 @@ class Checkpointer:
 
 
 def load(
-    path: str | os.PathLike[str], step: int | None = None, *, allow_pickle: bool = False, io_threads: int = 4
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    allow_pickle: bool = False,
+    io_threads: int = 4,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read a committed step into a plain nested dict of CPU tensors (state_dicts become dicts).
 
-    Sharded tensors come back whole. The directory must hold every chunk: a step saved by ranks
-    on several nodes is spread over their local directories.
+    ``path`` is a local directory or any remote URL (``s3://``, ``az://``, ``file://``;
+    ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
+    hold every chunk: a step saved by ranks on several nodes is spread over their directories.
     """
     root = os.fspath(path)
-    if not os.path.isdir(root):
+    tier = open_tier(root, storage_options=storage_options)
+    if isinstance(tier, LocalTier) and not tier.root.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
-    tier = LocalTier(root, fsync=False)
     committed = list_steps(tier).committed
     if step is None and not committed:
         raise CheckpointNotFoundError(f"{root!r} holds no committed step")
@@ -545,9 +662,10 @@ def load(
 
 
 def _agree_on_step(
-    everyone: list[dict[str, JSON]], requested: int | None, nodes: list[str], *, where: str
+    everyone: list[dict[str, JSON]], requested: int | None, remote: set[int], *, where: str
 ) -> int | None:
-    """The step to restore: whole across the ranks' directories (same answer on every rank)."""
+    """The step to restore: committed on the remote tier, or whole across the ranks' local
+    directories (the same answer on every rank)."""
     have: dict[int, set[int]] = defaultdict(set)  # step -> saving ranks whose files some rank can read
     world: dict[int, int] = {}
     holders: dict[int, list[int]] = defaultdict(list)  # step -> restoring ranks holding a copy
@@ -566,14 +684,15 @@ def _agree_on_step(
             f" (restoring rank(s) {_ranges(without)} have no copy of the step)" if without else ""
         )
 
-    whole = sorted(s for s in have if not missing(s))
+    whole = sorted(remote | {s for s in have if not missing(s)})
     if requested is not None:
         if requested in whole:
             return requested
         if requested in have:
             raise CheckpointNotFoundError(f"{where}: cannot restore {lacking(requested)}")
         raise CheckpointNotFoundError(
-            f"step {requested} is not committed on any rank's local tier ({where}; committed: {_fmt_steps(whole)})"
+            f"step {requested} is not committed on any rank's local tier or the remote tier "
+            f"({where}; committed: {_fmt_steps(whole)})"
         )
     newer = [s for s in have if whole and s > whole[-1]]
     if newer:

@@ -42,3 +42,7 @@ class StagingError(TiercheckError, RuntimeError):
 
 class CoordinationError(TiercheckError, RuntimeError):
     """Ranks could not agree: one failed, died, or took longer than DistributedOptions.timeout_s."""
+
+
+class RemoteStorageError(TiercheckError, OSError):
+    """The remote tier refused (access denied, no such bucket) or kept failing past the retry limits."""

@@ -118,3 +118,58 @@ class DistributedOptions:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"DistributedOptions.timeout_s must be positive, not {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetryOptions:
+    """Retries of remote-tier requests that failed transiently (throttling such as SlowDown, 5xx,
+    connection resets, timeouts, a server that is down), with exponential backoff and full jitter.
+
+    attempts: tries per request, the first included.
+    initial_backoff_s / max_backoff_s: the backoff grows from the first to at most the second.
+    deadline_s: give a request up after this long, whatever ``attempts`` says.
+    Permanent failures (no such bucket, access denied) are never retried.
+    """
+
+    attempts: int = 10
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    deadline_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryOptions.attempts must be at least 1, not {self.attempts}")
+        if not (0 < self.initial_backoff_s <= self.max_backoff_s) or not self.deadline_s > 0:
+            raise ValueError("RetryOptions: need 0 < initial_backoff_s <= max_backoff_s and deadline_s > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrainOptions:
+    """How committed local steps are copied to the remote tier, in the background.
+
+    every: drain only steps divisible by this (1: every step).
+    backlog: what to do when newer steps commit locally while a drain is still running:
+        ``"newest"`` drains only the newest waiting step and skips the others (reported in
+        ``status()`` and on their handles); ``"all"`` drains every waiting step in order.
+    concurrency: files uploaded at once per node (each large file is also a parallel multipart upload).
+    part_bytes: multipart part size for large files.
+    retention: which remote steps to keep; the newest committed one is never deleted.
+    retry: retries of each request.
+    """
+
+    every: int = 1
+    backlog: Literal["newest", "all"] = "newest"
+    concurrency: int = 8
+    part_bytes: int = 16 * MiB
+    retention: RetentionOptions = RetentionOptions(keep_last=None)
+    retry: RetryOptions = RetryOptions()
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"DrainOptions.every must be at least 1, not {self.every}")
+        if self.backlog not in ("newest", "all"):
+            raise ValueError(f"DrainOptions.backlog must be 'newest' or 'all', not {self.backlog!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"DrainOptions.concurrency must be at least 1, not {self.concurrency}")
+        if self.part_bytes < 5 * MiB:
+            raise ValueError(f"DrainOptions.part_bytes must be at least 5 MiB (the S3 minimum), not {self.part_bytes}")

@@ -69,8 +69,10 @@ class SaveHandle:
     """What ``Checkpointer.save`` returns: completion futures and per-stage timings.
 
     ``staged`` completes when the host copy is done (the state may change from then on);
-    ``committed`` when the step is durable and visible. Both carry the original exception of a
-    failed save. ``timings`` holds seconds: plan_s, blocked_s (how long save() blocked),
+    ``committed`` when the step is durable and visible on the local tier; ``drained`` with True
+    once it is committed on the remote tier, False if it will not be (no remote tier, not a step
+    DrainOptions.every selects, or skipped for a newer one), or the drain's error. Futures carry
+    the original exception of a failed save. ``timings`` holds seconds: plan_s, blocked_s (how long save() blocked),
     stage_s, persist_s, commit_s and durable_s (from the save() call to commit).
     """
 
@@ -80,10 +82,12 @@ class SaveHandle:
         self.nbytes = nbytes
         self.staged: Future[None] = Future()
         self.committed: Future[None] = Future()
+        self.drained: Future[bool] = Future()
         self.timings: dict[str, float] = {}
         if skipped:
             self.staged.set_result(None)
             self.committed.set_result(None)
+            self.drained.set_result(False)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; re-raise the failure of the save with its original type."""
@@ -129,7 +133,7 @@ class Pipeline:
         nice: int,
         own_dir: bool,
         commit: Callable[[SaveJob], None],
-        on_commit: Callable[[int], None],
+        on_commit: Callable[[SaveJob], None],
     ) -> None:
         self.tier = tier
         self.pool = pool
@@ -325,7 +329,7 @@ class Pipeline:
             )
             h.committed.set_result(None)  # before retention: the step is durable, deletions can wait
             try:
-                self.on_commit(job.step)
+                self.on_commit(job)
             except Exception:  # retention trouble must not turn a committed save into a failed one
                 log.exception("retention after step %d failed", job.step)
         except BaseException as e:

@@ -172,8 +172,15 @@ class Transfer:
 
 
 @dataclass(frozen=True, slots=True)
+class Read:
+    path: str
+    chunk: Chunk
+    remote: bool  # from the remote tier (no restoring rank's node holds the file)
+
+
+@dataclass(frozen=True, slots=True)
 class ReadPlan:
-    reads: list[list[tuple[str, Chunk]]]  # per restoring rank: chunks it reads from its own storage
+    reads: list[list[Read]]  # per restoring rank: chunks it reads from storage
     transfers: list[Transfer]
     read_bytes: list[int]  # per restoring rank
 
@@ -184,12 +191,14 @@ def plan_reads(
     readable: Sequence[frozenset[int]],
     *,
     read_once: bool,
+    remote: bool = False,
 ) -> ReadPlan:
     """Who reads each needed chunk, and who sends it to whom.
 
-    ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read.
-    With ``read_once``, each chunk is read by one rank and sent to every other rank needing it;
-    otherwise every rank that needs a chunk and can read it reads it itself.
+    ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
+    on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
+    needing it; otherwise every rank that needs a chunk and can read it reads it itself. A chunk
+    no node holds is read from the remote tier (when ``remote``) by the ranks needing it.
     """
     needers: dict[tuple[str, tuple[int, ...]], tuple[Chunk, set[int]]] = {}
     for rank, rank_needs in enumerate(needs):
@@ -198,22 +207,25 @@ def plan_reads(
             for c in chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape):
                 needers.setdefault((n.path, c.coords), (c, set()))[1].add(rank)
 
-    reads: list[list[tuple[str, Chunk]]] = [[] for _ in needs]
+    reads: list[list[Read]] = [[] for _ in needs]
     load = [0] * len(needs)
     transfers: list[Transfer] = []
     for (path, _), (c, who) in sorted(needers.items()):
         rec = records[path]
         owner = rec.owner(c.key)
         able = [r for r in range(len(needs)) if owner in readable[r]]
-        if not able:
-            raise IncompatibleStateError(
-                f"array {path!r} chunk {c.key}: saved by rank {owner}, whose files no restoring rank can read"
-            )
+        from_remote = not able
+        if from_remote:
+            if not remote:
+                raise IncompatibleStateError(
+                    f"array {path!r} chunk {c.key}: saved by rank {owner}, whose files no restoring rank can read"
+                )
+            able = sorted(who)
         nbytes = chunk_nbytes(rec)
         local = sorted(who.intersection(able))
         readers = [min(local or able, key=lambda r: (load[r], r))] if read_once or not local else local
         for r in readers:
-            reads[r].append((path, c))
+            reads[r].append(Read(path, c, from_remote))
             load[r] += nbytes
         src = min(readers, key=lambda r: (load[r], r))
         for dst in sorted(who.difference(readers)):

@@ -10,6 +10,7 @@ copied into the part of every destination it overlaps; a chunk some rank needs b
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,10 @@ from .errors import CorruptCheckpointError, TiercheckError
 from .flatten import torch_dtype
 from .layout import Chunk, overlap
 from .manifest import ArrayRecord
-from .planner import Need, ReadPlan
+from .planner import Need, Read, ReadPlan
 from .tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,16 @@ def move_chunks(
     rank: int,
     group: Any = None,
     io_threads: int = 4,
+    remote: Tier | None = None,
+    counters: dict[str, int] | None = None,
 ) -> int:
-    """Carry out this rank's part of ``plan``: read, send, receive, fill. Returns the bytes read."""
+    """Carry out this rank's part of ``plan``: read, send, receive, fill. Returns the bytes read.
+
+    A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
+    """
+    counts = counters if counters is not None else {}
+    for k in ("remote_reads", "fallbacks"):
+        counts.setdefault(k, 0)
     by_path: dict[str, list[ReadItem]] = defaultdict(list)
     for item in items:
         by_path[item.record.path].append(item)
@@ -97,11 +108,24 @@ def move_chunks(
     keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
     errors: list[BaseException] = []
 
-    def read_and_fill(job: tuple[str, Chunk]) -> tuple[str, Chunk, torch.Tensor]:
-        path, c = job
+    def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
+        path, c = job.path, job.chunk
         rec = records[path]
         try:
-            data = torch.frombuffer(read_chunk(tier, step, rec, c), dtype=torch.uint8)
+            if job.remote:
+                assert remote is not None
+                counts["remote_reads"] += 1
+                raw = read_chunk(remote, step, rec, c)
+            else:
+                try:
+                    raw = read_chunk(tier, step, rec, c)
+                except (CorruptCheckpointError, OSError) as e:
+                    if remote is None:
+                        raise
+                    log.warning("%s; reading it from %s instead", e, remote.url)
+                    counts["fallbacks"] += 1
+                    raw = read_chunk(remote, step, rec, c)
+            data = torch.frombuffer(raw, dtype=torch.uint8)
         except (TiercheckError, OSError) as e:
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
             # otherwise); the error reaches every rank once the transfers are over.

@@ -1,0 +1,278 @@
+"""Copying committed steps from the node-local tier to the remote tier, in the background.
+
+Each node uploads the files in its own directory (with several nodes they are disjoint: each chunk
+was written once, on one node), then leaves a ``__drained.<first rank>.json`` object naming the
+saving ranks whose files it uploaded. The node that finds every rank accounted for uploads the
+manifest and writes the remote ``COMMIT`` last, then applies remote retention. The remote tier
+is thus its own record: a drain cut short by a crash resumes from what the remote already holds
+(files of the right size are not sent again), in this job or the next.
+
+Nothing here blocks training: uploads run on their own threads with their own retries, a failing
+remote fails the drain of a step (reported on its handle, in ``status()`` and in the log) and
+never the local checkpoint, and local retention keeps any step still waiting to be drained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .commit import commit_step, list_steps, read_marker, step_dir, withdraw_step
+from .coordination import Coordinator
+from .errors import CoordinationError
+from .manifest import COMMIT_FILE, MANIFEST_FILE
+from .options import DrainOptions
+from .retention import steps_to_delete
+from .tiers.base import Tier
+from .tiers.local import LocalTier
+
+log = logging.getLogger("tiercheck")
+
+DRAINED_PREFIX = "__drained."
+
+
+class Drainer:
+    """One per rank. The first rank of a node uploads; the others learn the outcome via the store."""
+
+    def __init__(
+        self,
+        local: LocalTier,
+        remote: Tier,
+        options: DrainOptions,
+        *,
+        coord: Coordinator,
+        node_ranks: tuple[int, ...],
+        uploads: bool,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.options = options
+        self.coord = coord
+        self.node_ranks = node_ranks
+        self.uploads = uploads
+        self._cond = threading.Condition()
+        self._queue: dict[int, list[Future[bool]]] = {}
+        self._current: int | None = None
+        self._stop = False
+        self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
+        self.status: dict[str, Any] = {
+            "url": remote.url,
+            "last_drained": None,
+            "drained": 0,
+            "skipped": 0,
+            "failed": 0,
+            "last_error": None,
+            "bytes_uploaded": 0,
+            "files_uploaded": 0,
+            "files_already_there": 0,
+            "last_drain_s": None,
+        }
+        self._thread = threading.Thread(target=self._loop, name="tiercheck-drain", daemon=True)
+        self._thread.start()
+
+    # --- caller side --------------------------------------------------------------------------
+
+    def submit(self, step: int, future: Future[bool] | None = None) -> None:
+        """Drain ``step`` (committed locally) unless the policy skips it; ``future`` gets the outcome."""
+        if step % self.options.every:
+            if future is not None:
+                future.set_result(False)
+            return
+        with self._cond:
+            self._queue.setdefault(step, [])
+            if future is not None:
+                self._queue[step].append(future)
+            self._cond.notify_all()
+
+    def pinned(self) -> set[int]:
+        """Steps local retention must keep: waiting to be drained, or being drained."""
+        with self._cond:
+            return set(self._queue) | ({self._current} if self._current is not None else set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and self._current is None, timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            out = dict(self.status)
+            out["pending"] = sorted(self._queue)
+            out["draining"] = self._current
+        counters = getattr(self.remote, "counters", None)
+        if counters is not None:
+            out["retries"] = counters["retries"]
+            out["requests"] = counters["requests"]
+        return out
+
+    def close(self, *, drain: bool, timeout: float | None = None) -> None:
+        if drain:
+            self.wait(timeout)
+        with self._cond:
+            self._stop = True
+            for futures in self._queue.values():
+                for f in futures:
+                    f.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # --- drain thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stop)
+                if self._stop:
+                    return
+                waiting = sorted(self._queue)
+                chosen = self._choose(waiting)
+                skipped = {s: self._queue.pop(s) for s in waiting if s < chosen}
+                futures = self._queue.pop(chosen)
+                self._current = chosen
+            for s, fs in skipped.items():
+                self.status["skipped"] += 1
+                log.info("drain: skipping step %d, step %d is newer (DrainOptions(backlog='newest'))", s, chosen)
+                for f in fs:
+                    f.set_result(False)
+            try:
+                t0 = time.perf_counter()
+                self._drain(chosen)
+                with self._cond:
+                    self.status.update(drained=self.status["drained"] + 1, last_drained=chosen)
+                    self.status["last_drain_s"] = time.perf_counter() - t0
+                for f in futures:
+                    f.set_result(True)
+            except BaseException as e:
+                with self._cond:
+                    self.status["failed"] += 1
+                    self.status["last_error"] = f"step {chosen}: {type(e).__name__}: {e}"
+                log.error("drain of step %d to %s failed (the local copy is kept): %s", chosen, self.remote.url, e)
+                for f in futures:
+                    if not f.cancelled():
+                        f.set_exception(e)
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
+
+    def _choose(self, waiting: list[int]) -> int:
+        """The step to drain next. With several nodes, the nodes must pick the same steps: the
+        first node to decide about a step decides for all (through the store)."""
+        if self.options.backlog == "all":
+            return waiting[0]
+        newest = waiting[-1]
+        if self.coord.world_size == 1:
+            return newest
+        for s in waiting:
+            wanted = "go" if s == newest else "skip"
+            try:
+                decided = self.coord.decide(self.coord.key("drain", s, "decision"), wanted)
+            except (RuntimeError, CoordinationError):  # the job's store is gone: decide alone
+                decided = wanted
+            if decided == "go":
+                return s
+        return newest
+
+    def _drain(self, step: int) -> None:
+        if not self.uploads:
+            self._follow(step)
+            return
+        outcome = self.coord.key("drain", step, "node", self.node_ranks[0])
+        try:
+            self._upload(step)
+        except BaseException as e:
+            self._tell(outcome, f"error: {type(e).__name__}: {e}")
+            raise
+        self._tell(outcome, "ok")
+
+    def _tell(self, key: str, value: str, *, everyone: bool = False) -> None:
+        if self.coord.world_size > 1 and (everyone or len(self.node_ranks) > 1):
+            try:
+                self.coord.set(key, value)
+            except (RuntimeError, CoordinationError):
+                log.debug("could not post the drain outcome to the store")
+
+    def _follow(self, step: int) -> None:
+        """A rank that does not upload: wait for its node's first rank to say how it went."""
+        key = self.coord.key("drain", step, "node", self.node_ranks[0])
+        self.coord.wait([key], what=f"rank {self.node_ranks[0]} to drain step {step}", timeout_s=7 * 24 * 3600)
+        verdict = self.coord.get(key).decode()
+        if verdict != "ok":
+            raise CoordinationError(f"rank {self.node_ranks[0]} could not drain step {step}: {verdict}")
+
+    def _upload(self, step: int) -> None:
+        d = step_dir(step)
+        if self.remote.exists(f"{d}/{COMMIT_FILE}"):
+            log.info("drain: step %d is already committed on %s", step, self.remote.url)
+            return
+        marker = read_marker(self.local, step)
+        root = self.local.root / d
+        files = sorted(
+            os.path.relpath(os.path.join(dirpath, f), root)
+            for dirpath, _, names in os.walk(root)
+            for f in names
+            if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")
+        )
+        there = self.remote.sizes(d) if hasattr(self.remote, "sizes") else {}
+        todo = [f for f in files if there.get(f) != os.path.getsize(root / f)]
+        self.status["files_already_there"] += len(files) - len(todo)
+        t0 = time.perf_counter()
+        assert self._pool is not None
+        for nbytes in self._pool.map(lambda f: self._copy(f"{d}/{f}"), todo):
+            with self._cond:
+                self.status["bytes_uploaded"] += nbytes
+                self.status["files_uploaded"] += 1
+        log.info(
+            "drain: step %d: %d files (%d already on %s) in %.2f s",
+            step,
+            len(todo),
+            len(files) - len(todo),
+            self.remote.url,
+            time.perf_counter() - t0,
+        )
+        mine = f"{DRAINED_PREFIX}{marker.ranks[0]:06d}.json"
+        self.remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks)}).encode()])
+        have: set[int] = set()
+        for name in self.remote.list_dir(d):
+            if name.startswith(DRAINED_PREFIX):
+                have.update(json.loads(self.remote.read(f"{d}/{name}"))["ranks"])
+        committed = self.coord.key("drain", step, "remote-commit")
+        if have != set(range(marker.world_size)):
+            # Another node will find every rank accounted for and commit; wait for its word.
+            log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, marker.ranks)
+            self.coord.wait(
+                [committed], what=f"the remote commit of step {step}", timeout_s=self.options.retry.deadline_s
+            )
+            if not self.remote.exists(f"{d}/{COMMIT_FILE}"):
+                raise CoordinationError(f"step {step} was not committed on {self.remote.url}")
+            return
+        manifest = bytes(self.local.read(f"{d}/{MANIFEST_FILE}"))
+        commit_step(self.remote, step, manifest, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
+        log.info("drain: step %d committed on %s", step, self.remote.url)
+        self._tell(committed, "ok", everyone=True)
+        self._retain()
+
+    def _copy(self, path: str) -> int:
+        data = self.local.read(path)
+        self.remote.write(path, [data])
+        return len(data)
+
+    def _retain(self) -> None:
+        committed = list_steps(self.remote).committed
+        for old in steps_to_delete(committed, self.options.retention):
+            withdraw_step(self.remote, old)
+            log.info("remote retention: deleted step %d from %s", old, self.remote.url)
+
+
+def pending_steps(local: Tier, remote: Tier, options: DrainOptions) -> list[int]:
+    """Locally committed steps newer than the newest remote one and not drained: a resumed drain."""
+    remote_steps = list_steps(remote).committed
+    newest = remote_steps[-1] if remote_steps else -1
+    return [s for s in list_steps(local).committed if s > newest and s % options.every == 0]

@@ -1,0 +1,253 @@
+"""The remote tier: any fsspec URL (``s3://`` through s3fs, ``az://`` / ``abfs://`` through adlfs).
+
+Object stores have no directories and no rename, but a PUT is atomic: an object is visible whole
+or not at all, which is all ``publish`` needs. Every call is retried with exponential backoff and
+jitter (tenacity) while the error is transient (throttling, 5xx, resets, timeouts, a server that
+is down); a permanent one (no such bucket, access denied) is raised at once. Credentials live in
+the fsspec filesystem object only: never in a URL we log, a message we raise, or a checkpoint.
+
+A ``file://`` URL (a parallel filesystem mount) is served by :class:`LocalTier`, which fsyncs and
+renames atomically; fsspec's local filesystem does neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import fsspec
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_after_delay
+from tenacity.wait import wait_random_exponential
+
+from ..errors import RemoteStorageError, UnsafeCheckpointError
+from ..options import RetryOptions
+from .base import Buffer, Tier
+from .local import LocalTier
+
+log = logging.getLogger("tiercheck")
+
+T = TypeVar("T")
+
+# Error codes object stores use for "slow down / try again" and for their own failures.
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "ServerBusy",
+    "OperationTimedOut", "InternalServerError", "BadGateway", "GatewayTimeout",
+    "500", "502", "503", "504", "429", "408",
+}  # fmt: skip
+_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EBUSY}  # fmt: skip
+_TRANSIENT_NAMES = {
+    # botocore, aiohttp and azure-core connection-level failures
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "ClientConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+    "ClientPayloadError", "ServerTimeoutError", "ServiceRequestError", "ServiceResponseError",
+    "IncompleteReadError", "ResponseStreamingError",
+}  # fmt: skip
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FileNotFoundError | PermissionError | FileExistsError | IsADirectoryError):
+            return False  # no such bucket / key, access denied: the same answer next time
+        if isinstance(e, ConnectionError | TimeoutError | asyncio.TimeoutError):
+            return True
+        if type(e).__name__ in _TRANSIENT_NAMES or any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        code = _error_code(e)
+        if code is not None:
+            return code in _TRANSIENT_CODES
+        status = getattr(e, "status_code", None) or getattr(e, "status", None)
+        if isinstance(status, int):
+            return status in (408, 429) or status >= 500
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _error_code(e: BaseException) -> str | None:
+    response = getattr(e, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if code:
+            return str(code)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return str(status) if status else None
+    code = getattr(e, "error_code", None)  # azure-core HttpResponseError
+    return str(code) if code else None
+
+
+def redact(url: str) -> str:
+    """The URL without any user or password part (what we log and put in messages)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+
+
+def open_tier(url: str, *, storage_options: dict[str, Any] | None = None, retry: RetryOptions | None = None) -> Tier:
+    """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
+    scheme = urlsplit(url).scheme
+    if scheme in ("", "file", "local"):
+        return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
+    return RemoteTier(url, storage_options=storage_options, retry=retry)
+
+
+class RemoteTier(Tier):
+    """An fsspec filesystem under a root prefix, with retries. Thread-safe."""
+
+    durable = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryOptions | None = None,
+        part_bytes: int = 16 * 2**20,
+        part_concurrency: int = 4,
+    ) -> None:
+        self.url = redact(url).rstrip("/")
+        self.retry = retry or RetryOptions()
+        self.part_bytes = part_bytes
+        self.part_concurrency = part_concurrency
+        options = {"skip_instance_cache": True, "use_listings_cache": False, **(storage_options or {})}
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError) as e:
+            raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
+        self.root = root.rstrip("/")
+        self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0}
+        self._lock = threading.Lock()
+
+    def _p(self, path: str) -> str:
+        if path.startswith("/") or "\\" in path or ".." in path.split("/"):
+            raise UnsafeCheckpointError(f"path {path!r} would leave the checkpoint root {self.url}")
+        return f"{self.root}/{path}" if path else self.root
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        def count_retry(state: RetryCallState) -> None:
+            with self._lock:
+                self.counters["retries"] += 1
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("%s %s: attempt %d failed (%s), retrying", self.url, what, state.attempt_number, _brief(exc))
+
+        r = self.retry
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            wait=wait_random_exponential(multiplier=r.initial_backoff_s, max=r.max_backoff_s),
+            stop=stop_after_attempt(r.attempts) | stop_after_delay(r.deadline_s),
+            before_sleep=count_retry,
+            reraise=True,
+        )
+        with self._lock:
+            self.counters["requests"] += 1
+        try:
+            return retrying(fn)
+        except (FileNotFoundError, UnsafeCheckpointError):
+            raise
+        except PermissionError as e:
+            raise RemoteStorageError(f"{self.url}: {what}: access denied ({_brief(e)})") from e
+        except OSError as e:
+            if is_transient(e):
+                raise RemoteStorageError(
+                    f"{self.url}: {what}: still failing after {r.attempts} attempts / {r.deadline_s:.0f} s "
+                    f"({_brief(e)})"
+                ) from e
+            raise
+
+    # ------------------------------------------------------------------------------ Tier API
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        data = bytes(data) if isinstance(data, memoryview) else data
+        kwargs: dict[str, Any] = {}
+        if len(data) >= 2 * self.part_bytes:  # big objects: a multipart upload, parts in parallel
+            kwargs = {"chunksize": self.part_bytes, "max_concurrency": self.part_concurrency}
+            if "adlfs" in type(self.fs).__module__:
+                kwargs = {"max_concurrency": self.part_concurrency}
+        target = self._p(path)
+        self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data, **kwargs))
+        with self._lock:
+            self.counters["bytes_up"] += len(data)
+
+    def read(self, path: str) -> bytearray:
+        target = self._p(path)
+        data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(target))
+        with self._lock:
+            self.counters["bytes_down"] += len(data)
+        return bytearray(data)  # writable, as tensors made from it must be
+
+    def exists(self, path: str) -> bool:
+        target = self._p(path)
+        return bool(self._call(f"checking {path}", lambda: self.fs.exists(target)))
+
+    def list_dir(self, path: str = "") -> list[str]:
+        target = self._p(path)
+
+        def ls() -> list[str]:
+            try:
+                entries = self.fs.ls(target, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries if str(e).rstrip("/") != target})
+
+        return self._call(f"listing {path or '/'}", ls)
+
+    def sizes(self, path: str) -> dict[str, int]:
+        """Every object under ``path`` with its size, keyed by path relative to ``path``."""
+        target = self._p(path)
+
+        def find() -> dict[str, int]:
+            try:
+                found = self.fs.find(target, detail=True)
+            except FileNotFoundError:
+                return {}
+            prefix = target + "/"
+            return {k[len(prefix) :]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(prefix)}
+
+        return self._call(f"listing {path}", find)
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.write(path, [data])  # a PUT is atomic: readers see the whole object or none
+
+    def delete(self, path: str) -> None:
+        target = self._p(path)
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(target)
+
+        self._call(f"deleting {path}", rm)
+
+    def delete_tree(self, path: str) -> None:
+        target = self._p(path)
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(target, recursive=True)
+
+        self._call(f"deleting {path}/", rm)
+
+    def sync_dirs(self, path: str) -> None:
+        """Object stores have no directories; an acknowledged PUT is durable."""
+
+
+def _brief(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no error"
+    code = _error_code(exc) or (exc.__cause__ is not None and _error_code(exc.__cause__))
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}{f' {code}' if code else ''}: {text}"
