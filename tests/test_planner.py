@@ -100,7 +100,7 @@ def test_read_once_reads_every_chunk_once() -> None:
     records = plan_writes(per_rank, target_chunk_bytes=64).records  # 4 chunks of 16 floats
     needs = [[Need("w", (0,), (64,))] for _ in range(4)]
     plan = plan_reads(records, needs, [frozenset({0})] * 4, read_once=True)
-    assert sorted(c.key for r in plan.reads for _, c in r) == sorted(c.key for c in chunks((64,), (16,)))
+    assert sorted(x.chunk.key for r in plan.reads for x in r) == sorted(c.key for c in chunks((64,), (16,)))
     assert all(len(r) == 1 for r in plan.reads)  # balanced: one chunk per rank
     assert len(plan.transfers) == 4 * 3
     every = plan_reads(records, needs, [frozenset({0})] * 4, read_once=False)

@@ -9,13 +9,21 @@ from .errors import (
     CoordinationError,
     CorruptCheckpointError,
     IncompatibleStateError,
+    RemoteStorageError,
     StagingError,
     StepExistsError,
     TiercheckError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .options import DistributedOptions, RetentionOptions, StagingOptions, WriteOptions
+from .options import (
+    DistributedOptions,
+    DrainOptions,
+    RetentionOptions,
+    RetryOptions,
+    StagingOptions,
+    WriteOptions,
+)
 from .pipeline import SaveHandle
 from .sharding import Shard, per_rank
 
@@ -25,8 +33,11 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "DistributedOptions",
+    "DrainOptions",
     "IncompatibleStateError",
+    "RemoteStorageError",
     "RetentionOptions",
+    "RetryOptions",
     "SaveHandle",
     "Shard",
     "StagingError",

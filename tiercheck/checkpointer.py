@@ -79,7 +79,7 @@ class Checkpointer:
         state: Mapping[str, Any],
         *,
         local: str | os.PathLike[str],
-        remote: str | None = None,
+        remote: str | Tier | None = None,
         remote_options: dict[str, Any] | None = None,
         process_group: Any = None,
         staging: StagingOptions | None = None,
@@ -146,9 +146,14 @@ class Checkpointer:
         self._committed = set(self._clean_partial_steps() if self._leader else list_steps(self.tier).committed)
         self.remote: Tier | None = None
         self._drainer: Drainer | None = None
+        self._resumer: threading.Thread | None = None
         self._drain_failures_seen = 0
         if remote is not None:
-            self.remote = open_tier(remote, storage_options=remote_options, retry=self.drain_options.retry)
+            self.remote = (
+                remote
+                if isinstance(remote, Tier)
+                else open_tier(remote, storage_options=remote_options, retry=self.drain_options.retry)
+            )
             self._drainer = Drainer(
                 self.tier,
                 self.remote,
@@ -158,7 +163,8 @@ class Checkpointer:
                 uploads=self._leader,
             )
             if self._leader:
-                threading.Thread(target=self._resume_drains, name="tiercheck-resume", daemon=True).start()
+                self._resumer = threading.Thread(target=self._resume_drains, name="tiercheck-resume", daemon=True)
+                self._resumer.start()
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
 
     # ------------------------------------------------------------------------------- saving
@@ -372,9 +378,9 @@ class Checkpointer:
         except Exception as e:  # an unreachable remote must not stop training: drains retry later
             log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
             return
-        for s in steps:
-            log.info("resuming the drain of step %d to %s", s, self.remote.url)
-            self._drainer.submit(s)
+        if steps:
+            log.info("resuming the drain of step(s) %s to %s", _fmt_steps(steps), self.remote.url)
+            self._drainer.submit_many(steps)
 
     def _after_commit(self, job: SaveJob) -> None:
         step = job.step
@@ -565,6 +571,8 @@ class Checkpointer:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         if self._pipeline is not None:
             self._pipeline.wait_idle(timeout)
+        if self._resumer is not None:
+            self._resumer.join(timeout)
         if not self._drainer.wait(timeout):
             raise TimeoutError(f"drains still running after {timeout} s")
         status = self._drainer.snapshot()
@@ -597,6 +605,8 @@ class Checkpointer:
         if self._pipeline is not None:
             self._pipeline.close()
         if self._drainer is not None:
+            if self._resumer is not None:
+                self._resumer.join(timeout)
             self._drainer.close(drain=drain, timeout=timeout)
 
     def __enter__(self) -> Checkpointer:

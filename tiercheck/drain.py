@@ -89,6 +89,14 @@ class Drainer:
                 self._queue[step].append(future)
             self._cond.notify_all()
 
+    def submit_many(self, steps: list[int]) -> None:
+        """Queue several steps at once (a resumed drain): the backlog policy sees them together."""
+        with self._cond:
+            for step in steps:
+                if step % self.options.every == 0:
+                    self._queue.setdefault(step, [])
+            self._cond.notify_all()
+
     def pinned(self) -> set[int]:
         """Steps local retention must keep: waiting to be drained, or being drained."""
         with self._cond:
@@ -220,7 +228,7 @@ class Drainer:
             for f in names
             if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")
         )
-        there = self.remote.sizes(d) if hasattr(self.remote, "sizes") else {}
+        there = self.remote.sizes(d)
         todo = [f for f in files if there.get(f) != os.path.getsize(root / f)]
         self.status["files_already_there"] += len(files) - len(todo)
         t0 = time.perf_counter()

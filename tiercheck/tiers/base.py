@@ -57,3 +57,8 @@ class Tier(ABC):
     def sync_dirs(self, path: str) -> None:
         """Make the entries of ``path``, of every directory below it, and ``path``'s own entry in
         its parent durable (a no-op where directories do not exist, e.g. object stores)."""
+
+    def sizes(self, path: str) -> dict[str, int]:
+        """Every file under ``path`` with its size, keyed by path relative to ``path`` (used to
+        resume a copy). The default knows nothing, so everything is copied again."""
+        return {}

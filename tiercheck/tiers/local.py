@@ -89,6 +89,16 @@ class LocalTier(Tier):
         except FileNotFoundError:
             return []
 
+    def sizes(self, path: str) -> dict[str, int]:
+        top = self._abs(path)
+        out: dict[str, int] = {}
+        for dirpath, _, files in os.walk(top):
+            for f in files:
+                full = os.path.join(dirpath, f)
+                with contextlib.suppress(FileNotFoundError):
+                    out[os.path.relpath(full, top)] = os.path.getsize(full)
+        return out
+
     def publish(self, path: str, data: bytes) -> None:
         target = self._abs(path)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")

@@ -179,7 +179,10 @@ class RemoteTier(Tier):
             if "adlfs" in type(self.fs).__module__:
                 kwargs = {"max_concurrency": self.part_concurrency}
         target = self._p(path)
-        self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data, **kwargs))
+        try:
+            self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data, **kwargs))
+        except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
+            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({_brief(e)})") from e
         with self._lock:
             self.counters["bytes_up"] += len(data)
 

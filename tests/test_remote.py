@@ -1,0 +1,234 @@
+"""The remote tier behind a Checkpointer: drains, retention, resume, failures and restore from it.
+
+Every test runs against each remote: a parallel-filesystem directory (file://), and the real S3
+(SeaweedFS) and Azure Blob (Azurite) servers started by the session fixtures.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tiercheck import Checkpointer
+from tiercheck.commit import list_steps, step_dir
+from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions
+from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import open_tier
+
+FAST_RETRY = RetryOptions(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=20)
+
+
+@dataclass
+class Remote:
+    url: str
+    options: dict[str, Any]
+
+    def tier(self) -> Tier:
+        return open_tier(self.url, storage_options=self.options, retry=FAST_RETRY)
+
+
+@pytest.fixture(params=["file", "s3", "azure"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
+    name = f"t{abs(hash(request.node.nodeid)) % 10**10}"
+    if request.param == "file":
+        return Remote(f"file://{tmp_path / 'remote'}", {})
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        server.make_bucket(name)
+        return Remote(f"s3://{name}/ckpt", server.storage_options())
+    server = request.getfixturevalue("azurite_server")
+    server.make_container(name)
+    return Remote(f"az://{name}/ckpt", server.storage_options())
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300, 70, generator=g),
+        "b": torch.randn(70, generator=g).to(torch.bfloat16),
+        "meta": {"seed": seed, "name": "x"},
+    }
+
+
+def checkpointer(state: dict[str, Any], local: Path, remote: Remote | Tier, **kw: Any) -> Checkpointer:
+    kw.setdefault("drain", DrainOptions(retry=FAST_RETRY))
+    if isinstance(remote, Remote):
+        return Checkpointer(state, local=local, remote=remote.url, remote_options=remote.options, **kw)
+    return Checkpointer(state, local=local, remote=remote, **kw)
+
+
+def set_values(state: dict[str, Any], seed: int) -> None:
+    fresh = make_state(seed)
+    state["w"].copy_(fresh["w"])
+    state["b"].copy_(fresh["b"])
+    state["meta"]["seed"] = seed
+
+
+def test_committed_steps_drain_and_load_back_from_the_remote(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(1)
+    with checkpointer(state, tmp_path / "local", remote, drain=DrainOptions(every=2, retry=FAST_RETRY)) as ck:
+        handles = []
+        for step in range(1, 6):
+            set_values(state, step)
+            handles.append(ck.save(step))
+        assert [h.drained.result(timeout=60) for h in handles] == [False, True, False, True, False]
+        status = ck.drain()
+        assert (status["drained"], status["failed"], status["last_drained"]) == (2, 0, 4)
+    assert list_steps(remote.tier()).committed == [2, 4]
+    assert_identical(tiercheck.load(remote.url, storage_options=remote.options), make_state(4))
+    assert_identical(tiercheck.load(remote.url, step=2, storage_options=remote.options), make_state(2))
+
+
+def test_remote_retention_is_its_own_policy(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(1)
+    drain = DrainOptions(retention=RetentionOptions(keep_last=1, keep_every=3), retry=FAST_RETRY)
+    with checkpointer(state, tmp_path / "local", remote, drain=drain, retention=RetentionOptions(keep_last=2)) as ck:
+        for step in range(1, 6):
+            ck.save(step).drained.result(timeout=60)
+        assert ck.steps() == [4, 5]
+    assert list_steps(remote.tier()).committed == [3, 5]
+
+
+def test_a_fresh_node_restores_from_the_remote(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(7)
+    with checkpointer(state, tmp_path / "old-node", remote) as ck:
+        ck.save(10)
+        ck.drain()
+    fresh = make_state(0)
+    with checkpointer(fresh, tmp_path / "new-node", remote) as ck:
+        assert ck.restore() == 10
+        assert ck.stats()["restore_remote_reads"] > 0
+    assert_identical(fresh, make_state(7))
+
+
+def test_a_corrupt_local_chunk_is_read_from_the_remote(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(3)
+    with checkpointer(state, tmp_path / "local", remote) as ck:
+        ck.save(1)
+        ck.drain()
+    chunk = next((tmp_path / "local" / step_dir(1) / "w").glob("c.*"))
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    fresh = make_state(0)
+    with checkpointer(fresh, tmp_path / "local", remote) as ck:
+        assert ck.restore() == 1
+        assert ck.stats()["restore_fallbacks"] == 1
+    assert_identical(fresh, make_state(3))
+
+
+def test_an_interrupted_drain_resumes_without_sending_complete_files_again(tmp_path: Path, remote: Remote) -> None:
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(6)}
+    local = tmp_path / "local"
+    with Checkpointer(state, local=local) as ck:  # a run whose drain never happened
+        ck.save(1)
+        ck.save(2)
+    # Half of step 2's files reached the remote before the job ended.
+    tier = remote.tier()
+    files = sorted(p for p in (local / step_dir(2)).rglob("*") if p.is_file() and p.name not in ("COMMIT",))
+    chunks = [p for p in files if p.name.startswith("c")]
+    for p in chunks[:3]:
+        tier.write(str(p.relative_to(local)), [p.read_bytes()])
+    with checkpointer(dict(state), local, remote) as ck:
+        status = ck.drain()
+    assert status["last_drained"] == 2  # the newest; step 1 is older than what the remote will have
+    assert status["files_already_there"] == 3
+    assert list_steps(remote.tier()).committed == [2]
+    assert_identical(tiercheck.load(remote.url, storage_options=remote.options), state)
+
+
+class GatedTier(Tier):
+    """Wraps a tier; writes wait until the test opens the gate."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        self.waiting.set()
+        self.gate.wait()
+        self.inner.write(path, parts)
+
+    def read(self, path: str) -> bytes | bytearray:
+        return self.inner.read(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.write(path, [data])
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def sync_dirs(self, path: str) -> None:
+        self.inner.sync_dirs(path)
+
+
+def test_a_slow_drain_never_blocks_training_and_a_backlog_skips_to_the_newest(tmp_path: Path) -> None:
+    gated = GatedTier(open_tier(str(tmp_path / "remote")))
+    state = make_state(0)
+    with checkpointer(state, tmp_path / "local", gated, retention=RetentionOptions(keep_last=1)) as ck:
+        first = ck.save(1)
+        assert gated.waiting.wait(30)  # step 1 is being drained, and stuck
+        later = []
+        for step in (2, 3, 4):
+            set_values(state, step)
+            later.append(ck.save(step))
+            later[-1].wait()  # committed locally while the remote is stuck
+        assert ck.steps() == [1, 4], "step 1 is kept until drained, despite keep_last=1"
+        assert ck.status()["remote"]["pending"] == [2, 3, 4]
+        gated.gate.set()
+        assert first.drained.result(timeout=60) is True
+        assert [h.drained.result(timeout=60) for h in later] == [False, False, True]
+        status = ck.drain()
+        assert status["skipped"] == 2
+    assert list_steps(gated.inner).committed == [1, 4]
+    assert_identical(tiercheck.load(tmp_path / "remote"), make_state(4))
+
+
+def test_a_missing_bucket_fails_the_drain_fast_and_keeps_training(tmp_path: Path, remote: Remote) -> None:
+    if remote.url.startswith("file://"):
+        pytest.skip("a directory is created on demand; there is no bucket to be missing")
+    scheme, rest = remote.url.split("://", 1)
+    wrong = Remote(f"{scheme}://no-such-bucket-{rest.split('/')[0]}/ckpt", remote.options)
+    state = make_state(2)
+    with checkpointer(state, tmp_path / "local", wrong) as ck:
+        handle = ck.save(1)
+        handle.wait()  # committed locally regardless
+        with pytest.raises(tiercheck.RemoteStorageError):
+            handle.drained.result(timeout=60)
+        ck.save(2).wait()  # training goes on
+        status = ck.status()["remote"]
+        assert status["failed"] == 2 and "no-such-bucket" in status["last_error"]
+        assert status["retries"] == 0, "a missing bucket is not worth retrying"
+        with pytest.raises(tiercheck.RemoteStorageError, match="no-such-bucket"):
+            ck.drain()
+    assert_identical(tiercheck.load(tmp_path / "local"), make_state(2))
+
+
+def test_load_from_an_empty_remote_says_so(remote: Remote) -> None:
+    with pytest.raises(tiercheck.CheckpointNotFoundError, match="holds no committed step"):
+        tiercheck.load(remote.url, storage_options=remote.options)
+
+
+def test_file_url_is_a_durable_local_directory(tmp_path: Path) -> None:
+    tier = open_tier(f"file://{tmp_path}")
+    assert isinstance(tier, LocalTier) and tier.durable and tier.root == tmp_path
