@@ -492,3 +492,39 @@ def _relayout(rank: int, world: int, root: str) -> tuple[int | None, bool, bool]
 
 def test_a_layout_change_on_every_rank_makes_a_new_plan(tmp_path: Path) -> None:
     assert run_ranks(_relayout, 4, str(tmp_path), start_method="forkserver") == [(2, True, True)] * 4
+
+
+# --------------------------------------------------------------------------------- remote tier
+
+
+def _save_drain(rank: int, world: int, root: str, remote: str) -> dict[str, Any]:
+    state = model_state(SMALL, rank, seed=5)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), remote=remote) as ck:
+        handle = ck.save(1)
+        assert handle.drained.result(timeout=60) is True  # on every rank, uploader or not
+        return ck.drain()
+
+
+def _restore_remote(rank: int, world: int, root: str, remote: str) -> tuple[int | None, int]:
+    state = model_state(SMALL, rank, seed=5, fill=0.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), remote=remote) as ck:
+        step = ck.restore()
+        check_model(state, 5)
+        return step, ck.stats()["restore_remote_reads"]
+
+
+def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remote(tmp_path: Path) -> None:
+    remote = f"file://{tmp_path / 'shared'}"
+    statuses = run_ranks(_save_drain, 4, str(tmp_path), remote, start_method="forkserver")
+    uploaded = [s["files_uploaded"] for s in statuses]
+    assert uploaded[1] == uploaded[3] == 0 and uploaded[0] > 0 and uploaded[2] > 0  # one uploader per node
+    marker = json.loads((tmp_path / "shared" / "step-00000001" / "COMMIT").read_text())
+    assert marker["ranks"] == [0, 1, 2, 3]
+    full = tiercheck.load(tmp_path / "shared")  # the remote copy is whole: global tensors
+    for name, t in global_tensors(5).items():
+        assert torch.equal(full["model"][name], t), name
+
+    shutil.rmtree(tmp_path / "node1")  # node 1 was replaced: an empty local directory
+    results = run_ranks(_restore_remote, 4, str(tmp_path), remote, start_method="forkserver")
+    assert [step for step, _ in results] == [1, 1, 1, 1]  # values checked against step 1 inside
+    assert results[2][1] > 0 and results[3][1] > 0  # the replaced node's ranks read from the remote

@@ -210,7 +210,9 @@ class Drainer:
     def _follow(self, step: int) -> None:
         """A rank that does not upload: wait for its node's first rank to say how it went."""
         key = self.coord.key("drain", step, "node", self.node_ranks[0])
-        self.coord.wait([key], what=f"rank {self.node_ranks[0]} to drain step {step}", timeout_s=7 * 24 * 3600)
+        self.coord.wait(
+            [key], what=f"rank {self.node_ranks[0]} to drain step {step}", timeout_s=4 * self.options.retry.deadline_s
+        )
         verdict = self.coord.get(key).decode()
         if verdict != "ok":
             raise CoordinationError(f"rank {self.node_ranks[0]} could not drain step {step}: {verdict}")
