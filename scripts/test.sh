@@ -11,6 +11,16 @@ fi
 # multi-GB CUDA build).
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
+# npm ci only when node_modules was not installed from this very lock file.
+if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
+    if ! command -v npm >/dev/null; then
+        echo "scripts/test.sh: npm (Node.js 20 or newer) is needed to install Azurite for the storage tests" >&2
+        exit 1
+    fi
+    npm ci --no-audit --no-fund --loglevel=error
+    cp package-lock.json node_modules/.tiercheck-installed-lock
+fi
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
 exec .venv/bin/python -m pytest "$@"

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.servers import azure_container, azurite_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
+
 
 @pytest.fixture(autouse=True)
 def _tiercheck_logs(caplog: pytest.LogCaptureFixture) -> None:

@@ -161,9 +161,12 @@ class Checkpointer:
                 coord=self._coord.connect_again(),
                 node_ranks=self.node_ranks,
                 uploads=self._leader,
+                on_settled=self._retain,
             )
             if self._leader:
-                self._resumer = threading.Thread(target=self._resume_drains, name="tiercheck-resume", daemon=True)
+                self._resumer = threading.Thread(
+                    target=self._resume_drains, args=(sorted(self._committed),), name="tiercheck-resume", daemon=True
+                )
                 self._resumer.start()
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
 
@@ -370,11 +373,11 @@ class Checkpointer:
             topology={"world_size": self.world_size, "nodes": self.nodes},
         )
 
-    def _resume_drains(self) -> None:
+    def _resume_drains(self, committed_before: list[int]) -> None:
         """Queue the local steps a previous run committed but did not finish draining."""
         assert self._drainer is not None and self.remote is not None
         try:
-            steps = pending_steps(self.tier, self.remote, self.drain_options)
+            steps = pending_steps(committed_before, self.remote, self.drain_options)
         except Exception as e:  # an unreachable remote must not stop training: drains retry later
             log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
             return
@@ -390,6 +393,11 @@ class Checkpointer:
             job.handle.drained.set_result(False)
         with self._retention_lock:
             self._committed.add(step)
+        self._retain()
+
+    def _retain(self) -> None:
+        """Apply local retention; steps still waiting to be drained are kept for a later pass."""
+        with self._retention_lock:
             pinned = self._drainer.pinned() if self._drainer is not None else set()
             for old in steps_to_delete(self._committed, self.retention):
                 if old in pinned:

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +49,7 @@ class Drainer:
         coord: Coordinator,
         node_ranks: tuple[int, ...],
         uploads: bool,
+        on_settled: Callable[[], None] = lambda: None,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -55,9 +57,11 @@ class Drainer:
         self.coord = coord
         self.node_ranks = node_ranks
         self.uploads = uploads
+        self.on_settled = on_settled  # a drain finished or steps were skipped: local retention may act
         self._cond = threading.Condition()
         self._queue: dict[int, list[Future[bool]]] = {}
         self._current: int | None = None
+        self._settling = False
         self._stop = False
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
         self.status: dict[str, Any] = {
@@ -104,7 +108,9 @@ class Drainer:
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and self._current is None, timeout)
+            return self._cond.wait_for(
+                lambda: not self._queue and self._current is None and not self._settling, timeout
+            )
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
@@ -168,6 +174,13 @@ class Drainer:
             finally:
                 with self._cond:
                     self._current = None
+                    self._settling = True
+                try:
+                    self.on_settled()
+                except Exception:
+                    log.exception("local retention after draining step %d failed", chosen)
+                with self._cond:
+                    self._settling = False
                     self._cond.notify_all()
 
     def _choose(self, waiting: list[int]) -> int:
@@ -281,8 +294,9 @@ class Drainer:
             log.info("remote retention: deleted step %d from %s", old, self.remote.url)
 
 
-def pending_steps(local: Tier, remote: Tier, options: DrainOptions) -> list[int]:
-    """Locally committed steps newer than the newest remote one and not drained: a resumed drain."""
+def pending_steps(local_steps: list[int], remote: Tier, options: DrainOptions) -> list[int]:
+    """Of the steps a previous run committed locally, those newer than the remote's newest: the
+    drains that run did not finish."""
     remote_steps = list_steps(remote).committed
     newest = remote_steps[-1] if remote_steps else -1
-    return [s for s in list_steps(local).committed if s > newest and s % options.every == 0]
+    return [s for s in local_steps if s > newest and s % options.every == 0]

@@ -88,6 +88,17 @@ def _error_code(e: BaseException) -> str | None:
     return str(code) if code else None
 
 
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status_code", None)
+    if isinstance(status, int):
+        return status
+    response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(code) if code else None
+    return None
+
+
 def redact(url: str) -> str:
     """The URL without any user or password part (what we log and put in messages)."""
     parts = urlsplit(url)
@@ -124,6 +135,11 @@ class RemoteTier(Tier):
         self.part_bytes = part_bytes
         self.part_concurrency = part_concurrency
         options = {"skip_instance_cache": True, "use_listings_cache": False, **(storage_options or {})}
+        if urlsplit(url).scheme in ("s3", "s3a"):
+            # One attempt per botocore call: the retries (and their count) are ours, with our limits.
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("retries", {"total_max_attempts": 1})
+            options["config_kwargs"] = config
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as e:
@@ -156,23 +172,26 @@ class RemoteTier(Tier):
             self.counters["requests"] += 1
         try:
             return retrying(fn)
-        except (FileNotFoundError, UnsafeCheckpointError):
+        except (FileNotFoundError, UnsafeCheckpointError, RemoteStorageError):
             raise
-        except PermissionError as e:
-            raise RemoteStorageError(f"{self.url}: {what}: access denied ({_brief(e)})") from e
-        except OSError as e:
+        except Exception as e:  # botocore / azure-core errors are not all OSErrors: one type for callers
             if is_transient(e):
                 raise RemoteStorageError(
                     f"{self.url}: {what}: still failing after {r.attempts} attempts / {r.deadline_s:.0f} s "
                     f"({_brief(e)})"
                 ) from e
-            raise
+            status = _status(e)
+            if isinstance(e, PermissionError) or status in (401, 403):
+                raise RemoteStorageError(f"{self.url}: {what}: access denied ({_brief(e)})") from e
+            if status == 404:  # azure: a missing container on write comes back as a bare 404
+                raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({_brief(e)})") from e
+            raise RemoteStorageError(f"{self.url}: {what}: {_brief(e)}") from e
 
     # ------------------------------------------------------------------------------ Tier API
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        data = bytes(data) if isinstance(data, memoryview) else data
+        # bytes, not bytearray: azure-storage takes a bytearray for an iterable of ints.
+        data = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
         kwargs: dict[str, Any] = {}
         if len(data) >= 2 * self.part_bytes:  # big objects: a multipart upload, parts in parallel
             kwargs = {"chunksize": self.part_bytes, "max_concurrency": self.part_concurrency}
