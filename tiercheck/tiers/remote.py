@@ -136,7 +136,8 @@ class RemoteTier(Tier):
         self.part_concurrency = part_concurrency
         options = {"skip_instance_cache": True, "use_listings_cache": False, **(storage_options or {})}
         if urlsplit(url).scheme in ("s3", "s3a"):
-            # One attempt per botocore call: the retries (and their count) are ours, with our limits.
+            # One attempt per call in botocore and in s3fs: the retries (and their count) are ours,
+            # with our limits and jitter. Set them in storage_options to have it otherwise.
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})
             options["config_kwargs"] = config
@@ -145,6 +146,8 @@ class RemoteTier(Tier):
         except (ImportError, ValueError) as e:
             raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
         self.root = root.rstrip("/")
+        if urlsplit(url).scheme in ("s3", "s3a") and hasattr(self.fs, "retries"):
+            self.fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
         self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0}
         self._lock = threading.Lock()
 

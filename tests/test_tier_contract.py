@@ -1,0 +1,98 @@
+"""One contract, every tier: a local directory, a file:// URL, S3 (SeaweedFS) and Azure (Azurite)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tiercheck.commit import commit_step, list_steps, read_manifest, withdraw_step
+from tiercheck.errors import UnsafeCheckpointError
+from tiercheck.manifest import Manifest
+from tiercheck.options import RetryOptions
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import RemoteTier, open_tier
+
+
+@pytest.fixture(params=["local", "file", "s3", "azure"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+    retry = RetryOptions(attempts=3, initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=20)
+    if request.param == "local":
+        t = LocalTier(tmp_path / "tier", fsync=True)
+        t.create()
+        return t
+    if request.param == "file":
+        return open_tier(f"file://{tmp_path / 'tier'}")
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        bucket = request.getfixturevalue("s3_bucket")
+        return RemoteTier(f"s3://{bucket}/p", storage_options=server.storage_options(), retry=retry, part_bytes=5 << 20)
+    server = request.getfixturevalue("azurite_server")
+    container = request.getfixturevalue("azure_container")
+    return RemoteTier(f"az://{container}/p", storage_options=server.storage_options(), retry=retry, part_bytes=5 << 20)
+
+
+def test_write_then_read_back_concatenated_parts(tier: Tier) -> None:
+    tier.write("a/b/c.0", [b"hello ", bytearray(b"wide "), memoryview(b"world")])
+    assert bytes(tier.read("a/b/c.0")) == b"hello wide world"
+    tier.write("a/b/c.0", [b"replaced"])
+    assert bytes(tier.read("a/b/c.0")) == b"replaced"
+
+
+def test_large_objects_go_up_in_parts_and_come_back_whole(tier: Tier) -> None:
+    data = os.urandom(11 << 20)  # over two 5 MiB parts on the remote tiers: a multipart upload
+    tier.write("big/c.0", [memoryview(data)[:100], memoryview(data)[100:]])
+    assert bytes(tier.read("big/c.0")) == data
+    assert tier.sizes("big") == {"c.0": len(data)}
+
+
+def test_missing_files_and_directories(tier: Tier) -> None:
+    with pytest.raises(FileNotFoundError):
+        tier.read("nope/c.0")
+    assert not tier.exists("nope/c.0")
+    assert tier.list_dir("nope") == []
+    assert tier.sizes("nope") == {}
+    tier.delete("nope/c.0")  # no error when already gone
+    tier.delete_tree("nope")
+
+
+def test_listing_names_direct_children_only(tier: Tier) -> None:
+    for path in ("s/x/c.0", "s/x/c.1", "s/y/zarr.json", "s/top"):
+        tier.write(path, [b"1"])
+    assert tier.list_dir("s") == ["top", "x", "y"]
+    assert tier.list_dir("s/x") == ["c.0", "c.1"]
+    assert tier.sizes("s") == {"x/c.0": 1, "x/c.1": 1, "y/zarr.json": 1, "top": 1}
+
+
+def test_publish_delete_and_delete_tree(tier: Tier) -> None:
+    tier.write("d/data", [b"x" * 10])
+    tier.publish("d/MARK", b"marker")
+    assert tier.exists("d/MARK") and bytes(tier.read("d/MARK")) == b"marker"
+    tier.delete("d/MARK")
+    assert not tier.exists("d/MARK") and tier.exists("d/data")
+    tier.delete_tree("d")
+    assert tier.list_dir("d") == [] and not tier.exists("d/data")
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../x", "a\\b"])
+def test_paths_cannot_leave_the_root(tier: Tier, path: str) -> None:
+    with pytest.raises(UnsafeCheckpointError):
+        tier.write(path, [b"x"])
+    with pytest.raises(UnsafeCheckpointError):
+        tier.read(path)
+
+
+def test_the_commit_protocol_works_on_every_tier(tier: Tier) -> None:
+    manifest = Manifest(
+        step=7, library_version="t", created_unix=0.0, trees=[{}], tree_of_rank=[0], arrays={}
+    ).to_bytes()
+    tier.write("step-00000007/zarr.json", [b"{}"])
+    tier.write("step-00000008/zarr.json", [b"{}"])  # never committed
+    commit_step(tier, 7, manifest)
+    listing = list_steps(tier)
+    assert (listing.committed, listing.partial) == ([7], [8])
+    assert read_manifest(tier, 7).step == 7
+    withdraw_step(tier, 7)
+    assert list_steps(tier).committed == []
