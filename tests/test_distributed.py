@@ -528,3 +528,21 @@ def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remot
     results = run_ranks(_restore_remote, 4, str(tmp_path), remote, start_method="forkserver")
     assert [step for step, _ in results] == [1, 1, 1, 1]  # values checked against step 1 inside
     assert results[2][1] > 0 and results[3][1] > 0  # the replaced node's ranks read from the remote
+
+
+def _two_groups(rank: int, world: int, root: str) -> tuple[int, float]:
+    """Ranks {0, 1} and {2, 3} are separate jobs in one world (e.g. two pipeline stages that
+    checkpoint on their own), each with its own Checkpointer on its own process group."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    mine = groups[rank // 2]
+    state = {"w": torch.full((4 + rank // 2,), float(rank // 2))}  # different layouts, same step
+    with tiercheck.Checkpointer(state, local=os.path.join(root, f"g{rank // 2}"), process_group=mine) as ck:
+        ck.save(1).wait()
+        assert ck.world_size == 2
+    state["w"].zero_()
+    with tiercheck.Checkpointer(state, local=os.path.join(root, f"g{rank // 2}"), process_group=mine) as ck:
+        return ck.restore() or -1, float(state["w"].sum())
+
+
+def test_checkpointers_on_different_process_groups_do_not_mix(tmp_path: Path) -> None:
+    assert run_ranks(_two_groups, 4, str(tmp_path), start_method="forkserver") == [(1, 0.0)] * 2 + [(1, 5.0)] * 2

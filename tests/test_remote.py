@@ -105,9 +105,16 @@ def test_a_fresh_node_restores_from_the_remote(tmp_path: Path, remote: Remote) -
         ck.drain()
     fresh = make_state(0)
     with checkpointer(fresh, tmp_path / "new-node", remote) as ck:
-        assert ck.restore() == 10
+        assert ck.restore(populate_local=True) == 10
         assert ck.stats()["restore_remote_reads"] > 0
     assert_identical(fresh, make_state(7))
+    # The node copied the step for next time: the next restore reads nothing from the remote.
+    again = make_state(0)
+    with checkpointer(again, tmp_path / "new-node", remote) as ck:
+        assert ck.steps() == [10]
+        assert ck.restore() == 10
+        assert ck.stats()["restore_remote_reads"] == 0
+    assert_identical(again, make_state(7))
 
 
 def test_a_corrupt_local_chunk_is_read_from_the_remote(tmp_path: Path, remote: Remote) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -54,10 +55,12 @@ from .staging import HostPool
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier
+from .transfer import copy_step
 
 log = logging.getLogger("tiercheck")
 
-_namespaces = itertools.count()  # one per distributed Checkpointer; ranks create them in the same order
+_namespaces: dict[tuple[int, ...], itertools.count[int]] = defaultdict(itertools.count)
+# One namespace per Checkpointer of a group: its ranks create them in the same order.
 
 
 class Checkpointer:
@@ -110,7 +113,7 @@ class Checkpointer:
                 default_store(),
                 rank=self.rank,
                 world_size=self.world_size,
-                namespace=f"ckpt{next(_namespaces)}",
+                namespace=_namespace(process_group),
                 timeout_s=self.distributed.timeout_s,
             )
         elif process_group is not None:
@@ -147,6 +150,7 @@ class Checkpointer:
         self.remote: Tier | None = None
         self._drainer: Drainer | None = None
         self._resumer: threading.Thread | None = None
+        self._populate: threading.Thread | None = None
         self._drain_failures_seen = 0
         if remote is not None:
             self.remote = (
@@ -426,12 +430,21 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None = None, *, strict: bool = True, allow_pickle: bool | None = None) -> int | None:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        allow_pickle: bool | None = None,
+        populate_local: bool = False,
+    ) -> int | None:
         """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
 
-        Returns the restored step, or None when no rank's tier holds a committed step (and ``step``
-        was not given). With ``strict``, every tensor of the state must be in the checkpoint. Under
+        Returns the restored step, or None when no tier holds a committed step (and ``step`` was
+        not given). With ``strict``, every tensor of the state must be in the checkpoint. Under
         ``torch.distributed`` every rank calls it; the saved layout may differ from the current one.
+        With ``populate_local``, a node that lacked part of the step copies all of it from the
+        remote tier into its local directory in the background, so the next restart reads locally.
         """
         self._check_open()
         with self._lock:
@@ -499,6 +512,13 @@ class Checkpointer:
                 )
             _apply(self.state, decoded, where=where)
             self._committed.update(self.steps())
+            if populate_local and use_remote and self._leader:
+                mine_here = everyone[self.rank].get(str(step), [[], 0])
+                if set(mine_here[0]) != set(range(manifest.world_size)):
+                    self._populate = threading.Thread(
+                        target=self._populate_local, args=(step,), name="tiercheck-populate", daemon=True
+                    )
+                    self._populate.start()
             log.info(
                 "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
                 step,
@@ -508,6 +528,16 @@ class Checkpointer:
                 moved.get("fallbacks", 0),
             )
             return step
+
+    def _populate_local(self, step: int) -> None:
+        assert self.remote is not None
+        try:
+            copy_step(self.remote, self.tier, step, concurrency=self.drain_options.concurrency)
+        except Exception as e:  # the restore succeeded; a failed copy only costs the next restart
+            log.error("could not copy step %d from %s to %s: %s", step, self.remote.url, self.tier.url, e)
+            return
+        with self._retention_lock:
+            self._committed.add(step)
 
     def _remote_steps(self) -> list[int]:
         if self.remote is None:
@@ -612,6 +642,8 @@ class Checkpointer:
             self._hook.remove()
         if self._pipeline is not None:
             self._pipeline.close()
+        if self._populate is not None:
+            self._populate.join(timeout)
         if self._drainer is not None:
             if self._resumer is not None:
                 self._resumer.join(timeout)
@@ -677,6 +709,13 @@ def load(
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def _namespace(group: Any) -> str:
+    """Store keys of this Checkpointer: distinct per process group, and per Checkpointer in a group."""
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    members = "-".join(map(str, ranks)) if len(ranks) <= 8 else hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+    return f"g{members}/ckpt{next(_namespaces[ranks])}"
 
 
 def _agree_on_step(

@@ -94,14 +94,14 @@ def move_chunks(
     for item in items:
         by_path[item.record.path].append(item)
     sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = defaultdict(list)
-    recvs: list[tuple[str, Chunk, torch.Tensor]] = []
-    ops: list[Any] = []
+    recvs: list[tuple[str, Chunk, torch.Tensor, Any]] = []
+    ops: list[Any] = []  # sends
     device = _comm_device(group) if plan.transfers else torch.device("cpu")
     for t in plan.transfers:
         if t.dst == rank:
             buf = torch.empty(chunk_nbytes(records[t.path]), dtype=torch.uint8, device=device)
-            ops.append(dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag))
-            recvs.append((t.path, t.chunk, buf))
+            op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
+            recvs.append((t.path, t.chunk, buf, op))
         elif t.src == rank:
             sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
 
@@ -143,12 +143,14 @@ def move_chunks(
                 out = data if device.type == "cpu" else data.to(device)
                 keep.append(out)
                 ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
+    for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
+        op.wait()
+        if not errors:
+            fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
     for op in ops:
         op.wait()
     if errors:
         raise errors[0]
-    for path, c, buf in recvs:
-        fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
     return total
 
 
