@@ -546,3 +546,19 @@ def _two_groups(rank: int, world: int, root: str) -> tuple[int, float]:
 
 def test_checkpointers_on_different_process_groups_do_not_mix(tmp_path: Path) -> None:
     assert run_ranks(_two_groups, 4, str(tmp_path), start_method="forkserver") == [(1, 0.0)] * 2 + [(1, 5.0)] * 2
+
+
+def _alone(rank: int, world: int, root: str) -> float | None:
+    """Only rank 0 checkpoints (a consolidated copy, say): no other rank has to take part."""
+    if rank != 0:
+        return None
+    state = {"w": torch.arange(3.0)}
+    opts = tiercheck.DistributedOptions(enabled=False)
+    with tiercheck.Checkpointer(state, local=root, distributed=opts) as ck:
+        ck.save(1).wait()
+        assert (ck.rank, ck.world_size) == (0, 1)
+    return float(tiercheck.load(root)["w"].sum())
+
+
+def test_a_rank_may_checkpoint_alone(tmp_path: Path) -> None:
+    assert run_ranks(_alone, 2, str(tmp_path), start_method="forkserver") == [3.0, None]

@@ -107,7 +107,10 @@ class Checkpointer:
         self.tier.create()
 
         self.group = process_group
-        if dist.is_available() and dist.is_initialized():
+        cooperate = self.distributed.enabled is not False and dist.is_available() and dist.is_initialized()
+        if self.distributed.enabled and not cooperate:
+            raise ValueError("DistributedOptions(enabled=True) but torch.distributed is not initialized")
+        if cooperate:
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
             self._coord = Coordinator(
                 default_store(),
@@ -117,7 +120,7 @@ class Checkpointer:
                 timeout_s=self.distributed.timeout_s,
             )
         elif process_group is not None:
-            raise ValueError("process_group was given but torch.distributed is not initialized")
+            raise ValueError("process_group was given, but this Checkpointer does not cooperate with other ranks")
         else:
             self.rank, self.world_size = 0, 1
             self._coord = Coordinator.single(self.distributed.timeout_s)

@@ -110,10 +110,14 @@ class DistributedOptions:
     read_once: on restore, each needed chunk is read from storage by one rank and sent to every
         other rank needing it over the process group, instead of every rank on a node that holds
         it reading it; less storage traffic, more network traffic.
+    enabled: None (default): cooperate with the other ranks whenever torch.distributed is
+        initialized. False: this process checkpoints alone even then (say, rank 0 saving a
+        consolidated copy); its tensors are then all its own.
     """
 
     timeout_s: float = 900.0
     read_once: bool = False
+    enabled: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
