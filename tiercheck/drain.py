@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .commit import commit_step, list_steps, read_marker, step_dir, withdraw_step
@@ -231,61 +231,26 @@ class Drainer:
             raise CoordinationError(f"rank {self.node_ranks[0]} could not drain step {step}: {verdict}")
 
     def _upload(self, step: int) -> None:
-        d = step_dir(step)
-        if self.remote.exists(f"{d}/{COMMIT_FILE}"):
-            log.info("drain: step %d is already committed on %s", step, self.remote.url)
-            return
-        marker = read_marker(self.local, step)
-        root = self.local.root / d
-        files = sorted(
-            os.path.relpath(os.path.join(dirpath, f), root)
-            for dirpath, _, names in os.walk(root)
-            for f in names
-            if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")
-        )
-        there = self.remote.sizes(d)
-        todo = [f for f in files if there.get(f) != os.path.getsize(root / f)]
-        self.status["files_already_there"] += len(files) - len(todo)
-        t0 = time.perf_counter()
-        assert self._pool is not None
-        for nbytes in self._pool.map(lambda f: self._copy(f"{d}/{f}"), todo):
+        def count(nbytes: int) -> None:
             with self._cond:
                 self.status["bytes_uploaded"] += nbytes
                 self.status["files_uploaded"] += 1
-        log.info(
-            "drain: step %d: %d files (%d already on %s) in %.2f s",
-            step,
-            len(todo),
-            len(files) - len(todo),
-            self.remote.url,
-            time.perf_counter() - t0,
-        )
-        mine = f"{DRAINED_PREFIX}{marker.ranks[0]:06d}.json"
-        self.remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks)}).encode()])
-        have: set[int] = set()
-        for name in self.remote.list_dir(d):
-            if name.startswith(DRAINED_PREFIX):
-                have.update(json.loads(self.remote.read(f"{d}/{name}"))["ranks"])
+
+        assert self._pool is not None
+        result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count)
+        with self._cond:
+            self.status["files_already_there"] += result.files_already_there
         committed = self.coord.key("drain", step, "remote-commit")
-        if have != set(range(marker.world_size)):
+        if result.committed:
+            self._tell(committed, "ok", everyone=True)
+            self._retain()
+        elif not result.was_committed:
             # Another node will find every rank accounted for and commit; wait for its word.
-            log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, marker.ranks)
             self.coord.wait(
                 [committed], what=f"the remote commit of step {step}", timeout_s=self.options.retry.deadline_s
             )
-            if not self.remote.exists(f"{d}/{COMMIT_FILE}"):
+            if not self.remote.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
                 raise CoordinationError(f"step {step} was not committed on {self.remote.url}")
-            return
-        manifest = bytes(self.local.read(f"{d}/{MANIFEST_FILE}"))
-        commit_step(self.remote, step, manifest, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
-        log.info("drain: step %d committed on %s", step, self.remote.url)
-        self._tell(committed, "ok", everyone=True)
-        self._retain()
-
-    def _copy(self, path: str) -> int:
-        data = self.local.read(path)
-        self.remote.write(path, [data])
-        return len(data)
 
     def _retain(self) -> None:
         committed = list_steps(self.remote).committed
@@ -300,3 +265,63 @@ def pending_steps(local_steps: list[int], remote: Tier, options: DrainOptions) -
     remote_steps = list_steps(remote).committed
     newest = remote_steps[-1] if remote_steps else -1
     return [s for s in local_steps if s > newest and s % options.every == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    files_uploaded: int
+    files_already_there: int
+    bytes_uploaded: int
+    committed: bool  # this call wrote the remote commit marker
+    was_committed: bool  # the remote already had the step
+
+
+def upload_step(
+    local: LocalTier,
+    remote: Tier,
+    step: int,
+    *,
+    pool: ThreadPoolExecutor,
+    on_file: Callable[[int], None] = lambda n: None,
+) -> UploadResult:
+    """Upload this node's files of a locally committed step, mark them drained, and commit the
+    step on the remote if every saving rank's files are now there. Resumable."""
+    d = step_dir(step)
+    if remote.exists(f"{d}/{COMMIT_FILE}"):
+        log.info("drain: step %d is already committed on %s", step, remote.url)
+        return UploadResult(0, 0, 0, committed=False, was_committed=True)
+    marker = read_marker(local, step)
+    files = local.sizes(d)
+    files = {f: n for f, n in files.items() if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")}
+    there = remote.sizes(d)
+    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    t0 = time.perf_counter()
+
+    def copy(f: str) -> int:
+        data = local.read(f"{d}/{f}")
+        remote.write(f"{d}/{f}", [data])
+        on_file(len(data))
+        return len(data)
+
+    nbytes = sum(pool.map(copy, todo))
+    log.info(
+        "drain: step %d: %d files (%d already on %s) in %.2f s",
+        step,
+        len(todo),
+        len(files) - len(todo),
+        remote.url,
+        time.perf_counter() - t0,
+    )
+    mine = f"{DRAINED_PREFIX}{marker.ranks[0]:06d}.json"
+    remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks)}).encode()])
+    have: set[int] = set()
+    for name in remote.list_dir(d):
+        if name.startswith(DRAINED_PREFIX):
+            have.update(json.loads(remote.read(f"{d}/{name}"))["ranks"])
+    if have != set(range(marker.world_size)):
+        log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, list(marker.ranks))
+        return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=False, was_committed=False)
+    manifest = bytes(local.read(f"{d}/{MANIFEST_FILE}"))
+    commit_step(remote, step, manifest, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
+    log.info("drain: step %d committed on %s", step, remote.url)
+    return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=True, was_committed=False)
