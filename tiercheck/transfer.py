@@ -34,25 +34,44 @@ class CopyReport:
     seconds: float
 
 
-def copy_step(src: Tier, dst: Tier, step: int, *, concurrency: int = 8, progress: Progress | None = None) -> CopyReport:
-    """Copy committed ``step`` from ``src`` (which must hold every rank's files) to ``dst``."""
+def copy_step(
+    src: Tier,
+    dst: Tier,
+    step: int,
+    *,
+    ranks: set[int] | None = None,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy committed ``step`` from ``src`` to ``dst``: all of it, or with ``ranks`` only the chunk
+    files those saving ranks wrote (a node's share: its restore gets the rest from other ranks
+    or the remote tier). ``src`` must hold the files asked for."""
     t0 = time.perf_counter()
     d = step_dir(step)
     marker = read_marker(src, step)
-    if set(marker.ranks) != set(range(marker.world_size)):
+    wanted = set(range(marker.world_size)) if ranks is None else set(ranks)
+    if not wanted <= set(range(marker.world_size)):
+        raise ValueError(f"step {step} was saved by ranks 0-{marker.world_size - 1}; asked for {sorted(wanted)}")
+    if not wanted <= set(marker.ranks):
         raise CheckpointNotFoundError(
             f"{src.url}: step {step} holds the files of ranks {list(marker.ranks)} of {marker.world_size} only"
         )
     manifest = read_manifest(src, step)
     manifest_bytes = bytes(src.read(f"{d}/{MANIFEST_FILE}"))
-    files = {f: n for f, n in src.sizes(d).items() if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith("__")}
-    there = dst.sizes(d)
-    todo = sorted(f for f, n in files.items() if there.get(f) != n)
-    total = sum(files[f] for f in todo)
     chunk_records = {}
     for rec in manifest.arrays.values():
         for key in rec.checksums:
             chunk_records[f"{rec.path}/{key}"] = (rec, key)
+    files = {
+        f: n
+        for f, n in src.sizes(d).items()
+        if f not in (COMMIT_FILE, MANIFEST_FILE)
+        and not f.startswith("__")
+        and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
+    }
+    there = dst.sizes(d)
+    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    total = sum(files[f] for f in todo)
     done = 0
 
     def copy(f: str) -> int:
@@ -70,7 +89,7 @@ def copy_step(src: Tier, dst: Tier, step: int, *, concurrency: int = 8, progress
             done += n
             if progress is not None:
                 progress(done, total)
-    commit_step(dst, step, manifest_bytes, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
+    commit_step(dst, step, manifest_bytes, ranks=tuple(sorted(wanted)), world_size=marker.world_size)
     report = CopyReport(step, len(todo), len(files) - len(todo), done, time.perf_counter() - t0)
     log.info(
         "copied step %d from %s to %s: %d files (%d already there), %.1f MiB in %.2f s",
