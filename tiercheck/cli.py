@@ -1,0 +1,535 @@
+"""The ``tiercheck`` command: pre-stage restores, list, inspect, verify, drain, collect garbage, plan.
+
+Every subcommand takes local directories and remote URLs alike (``s3://``, ``az://``, ``file://``);
+``-o key=value`` passes fsspec options (endpoint, credentials) for remote URLs, which otherwise come
+from the environment as s3fs / adlfs read it. Errors end the command with one line on stderr and
+exit status 1; nothing committed is ever deleted or overwritten except by ``gc`` without
+``--dry-run``, which never deletes the newest committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from . import __version__
+from .checkpointer import _fmt_steps, _plural, _ranges
+from .codec import chunk_nbytes
+from .commit import list_steps, read_manifest, read_marker, step_dir, withdraw_step
+from .drain import upload_step
+from .errors import CheckpointNotFoundError, TiercheckError
+from .manifest import Manifest
+from .options import RetentionOptions, RetryOptions
+from .restore import read_chunk
+from .retention import steps_to_delete
+from .tiers.base import Tier
+from .tiers.local import LocalTier
+from .tiers.remote import open_tier, redact
+from .transfer import copy_step
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Context:
+    def __init__(self, options: dict[str, str], retry: RetryOptions, quiet: bool) -> None:
+        self.options = options
+        self.retry = retry
+        self.quiet = quiet
+
+    def tier(self, url: str, *, must_exist: bool = True) -> Tier:
+        tier = open_tier(url, storage_options=_typed(self.options) or None, retry=self.retry)
+        if must_exist and isinstance(tier, LocalTier) and not tier.root.is_dir():
+            raise CheckpointNotFoundError(f"no such directory: {tier.root}")
+        return tier
+
+
+def _typed(options: dict[str, str]) -> dict[str, Any]:
+    """``-o key=value`` strings as JSON where they parse (numbers, booleans), else strings."""
+    typed: dict[str, Any] = {}
+    for k, v in options.items():
+        try:
+            typed[k] = json.loads(v)
+        except ValueError:
+            typed[k] = v
+    return typed
+
+
+def fail(message: str) -> NoReturn:
+    err.print(f"tiercheck: error: {message}", markup=False)
+    sys.exit(1)
+
+
+@contextmanager
+def errors_as_one_line() -> Iterator[None]:
+    try:
+        yield
+    except (TiercheckError, OSError, ValueError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume")
+
+
+def _parse_options(values: tuple[str, ...]) -> dict[str, str]:
+    options = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected key=value, got {item!r}", param_hint="-o/--option")
+        options[key] = value
+    return options
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tiercheck")
+@click.option(
+    "-o",
+    "--option",
+    "options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec option for remote URLs (e.g. -o endpoint_url=http://... -o key=...); repeatable.",
+)
+@click.option(
+    "--retry-deadline",
+    type=float,
+    default=120.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Give up on a remote request that keeps failing transiently after this long.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-v", "--verbose", is_flag=True, help="Log what tiercheck does (to stderr).")
+@click.pass_context
+def main(ctx: click.Context, options: tuple[str, ...], retry_deadline: float, quiet: bool, verbose: bool) -> None:
+    """Checkpoints on local disks and in object stores: inspect them, move them, size them.
+
+    URL_OR_DIR is a local directory, or a remote URL: s3://bucket/prefix, az://container/prefix,
+    abfs://..., file:///path (credentials from -o options or the environment).
+    """  # fmt: skip
+    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
+    retry = RetryOptions(attempts=50, initial_backoff_s=0.2, max_backoff_s=10.0, deadline_s=retry_deadline)
+    ctx.obj = Context(_parse_options(options), retry, quiet or not sys.stderr.isatty())
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+def _pick_step(tier: Tier, step: str) -> int:
+    committed = list_steps(tier).committed
+    if not committed:
+        raise CheckpointNotFoundError(f"{tier.url} holds no committed step")
+    if step == "latest":
+        return committed[-1]
+    try:
+        n = int(step)
+    except ValueError:
+        raise click.BadParameter(f"expected a step number or 'latest', got {step!r}", param_hint="--step") from None
+    if n not in committed:
+        raise CheckpointNotFoundError(f"step {n} is not committed in {tier.url} (committed: {_fmt_steps(committed)})")
+    return n
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _age(created: float) -> str:
+    s = max(0.0, time.time() - created)
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= n:
+            return f"{s / n:.1f} {unit}"
+    return f"{s:.0f} s"
+
+
+def _step_bytes(manifest: Manifest) -> int:
+    return sum(len(rec.checksums) * chunk_nbytes(rec) for rec in manifest.arrays.values())
+
+
+@contextmanager
+def _progress(ctx: Context, what: str, total: int) -> Iterator[Callable[[int, int], None]]:
+    if ctx.quiet or total == 0:
+        yield lambda done, total: None
+        return
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+# ----------------------------------------------------------------------------------------- ls
+
+
+@main.command("ls")
+@click.argument("locations", nargs=-1, required=True, metavar="URL_OR_DIR...")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_context
+def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
+    """Steps in one or more tiers: committed, partial or draining, size, age, which tier holds them.
+
+    Give a node's local directory and the remote URL together to see both tiers side by side: a
+    step committed locally and partial on the remote is "draining".
+    """
+    with errors_as_one_line():
+        rows: dict[int, dict[str, Any]] = {}
+        names = [redact(loc) for loc in locations]
+        for loc, name in zip(locations, names, strict=True):
+            tier = ctx.tier(loc)
+            listing = list_steps(tier)
+            for s in listing.committed:
+                row = rows.setdefault(s, {"step": s, "tiers": {}})
+                try:
+                    manifest = read_manifest(tier, s)
+                    marker = read_marker(tier, s)
+                except TiercheckError as e:
+                    row["tiers"][name] = {"status": "damaged", "error": str(e)}
+                    continue
+                whole = set(marker.ranks) == set(range(marker.world_size))
+                row.setdefault("bytes", _step_bytes(manifest))
+                row.setdefault("created_unix", manifest.created_unix)
+                row["tiers"][name] = {
+                    "status": "committed" if whole else f"committed (ranks {_ranges(sorted(marker.ranks))})",
+                    "ranks": list(marker.ranks),
+                    "world_size": marker.world_size,
+                }
+            for s in listing.partial:
+                rows.setdefault(s, {"step": s, "tiers": {}})["tiers"][name] = {"status": "partial"}
+        for row in rows.values():  # committed on one tier, partial on another: a drain in progress
+            statuses = [t["status"] for t in row["tiers"].values()]
+            if any(st.startswith("committed") for st in statuses):
+                for t in row["tiers"].values():
+                    if t["status"] == "partial":
+                        t["status"] = "draining"
+        ordered = [rows[s] for s in sorted(rows)]
+        if as_json:
+            click.echo(json.dumps({"locations": names, "steps": ordered}, indent=2))
+            return
+        if not ordered:
+            out.print(f"no steps in {', '.join(names)}")
+            return
+        table = Table(box=None, pad_edge=False)
+        table.add_column("step", justify="right")
+        for name in names:
+            table.add_column(name)
+        table.add_column("size", justify="right")
+        table.add_column("age", justify="right")
+        for row in ordered:
+            cells = [row["tiers"].get(n, {}).get("status", "-") for n in names]
+            size = _human(row["bytes"]) if "bytes" in row else "-"
+            age = _age(row["created_unix"]) if "created_unix" in row else "-"
+            table.add_row(str(row["step"]), *cells, size, age)
+        out.print(table)
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+@main.command("inspect")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_context
+def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> None:
+    """Tensors, shapes, dtypes, shard layout, saving topology and user metadata of a step."""
+    with errors_as_one_line():
+        tier = ctx.tier(location)
+        n = _pick_step(tier, step)
+        manifest = read_manifest(tier, n)
+        marker = read_marker(tier, n)
+        arrays: list[dict[str, Any]] = []
+        for rec in manifest.arrays.values():
+            writers = sorted(set(rec.owners.values())) if rec.owners else [0]
+            arrays.append({
+                "path": rec.path, "dtype": rec.dtype, "kind": rec.kind, "shape": list(rec.shape),
+                "chunks": list(rec.chunks), "n_chunks": len(rec.checksums),
+                "bytes": len(rec.checksums) * chunk_nbytes(rec), "written_by_ranks": writers,
+            })  # fmt: skip
+        doc = {
+            "location": redact(location),
+            "step": n,
+            "format_version": manifest.format_version,
+            "library_version": manifest.library_version,
+            "created_utc": datetime.fromtimestamp(manifest.created_unix, timezone.utc).isoformat(timespec="seconds"),
+            "bytes": _step_bytes(manifest),
+            "topology": manifest.topology,
+            "this_tier_holds_ranks": list(marker.ranks),
+            "metadata": manifest.metadata,
+            "distinct_rank_states": len(manifest.trees),
+            "arrays": arrays,
+        }
+        if as_json:
+            click.echo(json.dumps(doc, indent=2))
+            return
+        world = manifest.world_size
+        nodes = len(set(manifest.topology.get("nodes", []))) or 1
+        out.print(f"step {n} in {doc['location']}: {_human(doc['bytes'])} in {len(arrays)} arrays")
+        out.print(
+            f"  saved {doc['created_utc']} by tiercheck {manifest.library_version} (format {doc['format_version']})"
+        )
+        out.print(f"  saving topology: {world} rank(s) on {nodes} node(s); this tier holds the files of ranks "
+                  f"{_ranges(sorted(marker.ranks))}")  # fmt: skip
+        out.print(f"  metadata: {json.dumps(manifest.metadata)}", markup=False)
+        table = Table(box=None, pad_edge=False)
+        for col, just in (("array", "left"), ("dtype", "left"), ("shape", "left"), ("chunks", "left"),
+                          ("n", "right"), ("size", "right"), ("written by ranks", "left")):  # fmt: skip
+            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        for a in arrays:
+            table.add_row(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]),
+                          _human(a["bytes"]), _ranges(a["written_by_ranks"]))  # fmt: skip
+        out.print(table)
+
+
+# ------------------------------------------------------------------------------------- verify
+
+
+@main.command("verify")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--all", "every", is_flag=True, help="Verify every committed step.")
+@click.option("--threads", default=8, show_default=True, help="Chunks read at once.")
+@pass_context
+def verify_command(ctx: Context, location: str, step: str, every: bool, threads: int) -> None:
+    """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
+
+    Names every damaged array and chunk. A node's local directory holds only its ranks' chunks:
+    those are the ones checked there.
+    """
+    with errors_as_one_line():
+        tier = ctx.tier(location)
+        steps = list_steps(tier).committed if every else [_pick_step(tier, step)]
+        if not steps:
+            raise CheckpointNotFoundError(f"{tier.url} holds no committed step")
+        damaged: list[str] = []
+        for n in steps:
+            damaged.extend(_verify_step(ctx, tier, n, threads))
+        if damaged:
+            for line in damaged:
+                err.print(f"damaged: {line}", markup=False)
+            fail(f"{len(damaged)} damaged chunk(s) in {tier.url}")
+        out.print(f"ok: {_plural(len(steps), 'step')} intact in {tier.url}")
+
+
+def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
+    try:
+        manifest = read_manifest(tier, n)
+        marker = read_marker(tier, n)
+    except TiercheckError as e:
+        return [f"step {n}: {e}"]
+    mine = set(marker.ranks)
+    jobs = [(rec, c) for rec in manifest.arrays.values() for c in _chunks_of(rec) if rec.owner(c.key) in mine]
+    total = sum(chunk_nbytes(rec) for rec, _ in jobs)
+    bad: list[str] = []
+
+    def check(job: Any) -> int:
+        rec, c = job
+        try:
+            read_chunk(tier, n, rec, c)
+        except TiercheckError as e:
+            bad.append(f"step {n}: array {rec.path!r} chunk {c.key}: {str(e).rsplit(': ', 1)[-1]}")
+        return chunk_nbytes(rec)
+
+    done = 0
+    with _progress(ctx, f"step {n}", total) as report, ThreadPoolExecutor(max(1, threads)) as pool:
+        for nbytes in pool.map(check, jobs):
+            done += nbytes
+            report(done, total)
+    return sorted(bad)
+
+
+def _chunks_of(rec: Any) -> Iterator[Any]:
+    from .layout import chunks
+
+    return chunks(rec.shape, rec.chunks)
+
+
+# ------------------------------------------------------------------------------------ restore
+
+
+@main.command("restore")
+@click.argument("source", metavar="SRC")
+@click.option("--to", "target", required=True, metavar="DIR", help="The node's local checkpoint directory.")
+@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option(
+    "--ranks",
+    default=None,
+    metavar="A-B[,C]",
+    help="Only the chunk files these saving ranks wrote (this node's share, e.g. 0-7).",
+)
+@click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
+@click.option("--threads", default=8, show_default=True, help="Files copied at once.")
+@pass_context
+def restore_command(
+    ctx: Context, source: str, target: str, step: str, ranks: str | None, verify_after: bool, threads: int
+) -> None:
+    """Pre-stage a committed step from SRC onto a node's local tier before a job restarts.
+
+    Copies in parallel, verifies every chunk's checksum on the way, and commits the step in DIR
+    only when every file is there, so the job's restore() then reads locally. Interrupted, it
+    resumes: files already in DIR with the right size are not copied again.
+    """  # fmt: skip
+    with errors_as_one_line():
+        src = ctx.tier(source)
+        dst = ctx.tier(target, must_exist=False)
+        if isinstance(dst, LocalTier):
+            dst.create()
+        n = _pick_step(src, step)
+        if n in list_steps(dst).committed:
+            out.print(f"step {n} is already committed in {dst.url}; nothing to do")
+            return
+        wanted = _parse_ranks(ranks) if ranks else None
+        total_hint = _step_bytes(read_manifest(src, n))
+        with _progress(ctx, f"step {n}", total_hint) as report:
+            result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+        out.print(
+            f"restored step {n} to {dst.url}: {result.files_copied} files copied "
+            f"({_human(result.bytes_copied)}), {result.files_already_there} already there, {result.seconds:.1f} s"
+        )
+        if verify_after:
+            bad = _verify_step(ctx, dst, n, threads)
+            if bad:
+                for line in bad:
+                    err.print(f"damaged: {line}", markup=False)
+                fail(f"{len(bad)} damaged chunk(s) in {dst.url} after the copy")
+            out.print(f"ok: step {n} intact in {dst.url}")
+
+
+def _parse_ranks(text: str) -> set[int]:
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            a, _, b = part.strip().partition("-")
+            ranks.update(range(int(a), int(b or a) + 1))
+    except ValueError:
+        raise click.BadParameter(f"expected ranks like 0-7 or 0,2,4-5, got {text!r}", param_hint="--ranks") from None
+    return ranks
+
+
+# -------------------------------------------------------------------------------------- drain
+
+
+@main.command("drain")
+@click.argument("local", metavar="DIR")
+@click.option("--to", "remote", required=True, metavar="URL", help="The remote tier.")
+@click.option("--step", default=None, help="Drain this step (default: every committed step newer than the remote's).")
+@click.option("--threads", default=8, show_default=True, help="Files uploaded at once.")
+@pass_context
+def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:
+    """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
+
+    Uploads what is missing (files already there with the right size are skipped) and commits
+    the step on the remote once every saving rank's files are there; with several nodes, run it
+    on each.
+    """
+    with errors_as_one_line():
+        src = ctx.tier(local)
+        assert isinstance(src, LocalTier)
+        dst = ctx.tier(remote, must_exist=False)
+        if step is not None:
+            steps = [_pick_step(src, step)]
+        else:
+            remote_steps = list_steps(dst).committed
+            newest = remote_steps[-1] if remote_steps else -1
+            steps = [s for s in list_steps(src).committed if s > newest]
+        if not steps:
+            out.print(f"nothing to drain: {dst.url} has every step of {src.url}")
+            return
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for n in steps:
+                total = _step_bytes(read_manifest(src, n))
+                done = 0
+                with _progress(ctx, f"step {n}", total) as report:
+
+                    def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
+                        nonlocal done
+                        done += nbytes
+                        report(done, total)
+
+                    result = upload_step(src, dst, n, pool=pool, on_file=on_file)
+                state = (
+                    "already committed there" if result.was_committed
+                    else "committed" if result.committed
+                    else "uploaded; waiting for the other nodes' files before it can commit"
+                )  # fmt: skip
+                out.print(
+                    f"step {n} -> {dst.url}: {result.files_uploaded} files ({_human(result.bytes_uploaded)}), "
+                    f"{result.files_already_there} already there; {state}"
+                )
+
+
+# ----------------------------------------------------------------------------------------- gc
+
+
+@main.command("gc")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--keep-last", type=int, default=None, help="Keep this many newest committed steps.")
+@click.option("--keep-every", type=int, default=None, help="Also keep every step divisible by this.")
+@click.option(
+    "--grace-hours",
+    type=float,
+    default=24.0,
+    show_default=True,
+    help="Remove partial steps only when older than the newest committed step and this old.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@pass_context
+def gc_command(
+    ctx: Context, location: str, keep_last: int | None, keep_every: int | None, grace_hours: float, dry_run: bool
+) -> None:
+    """Apply retention: delete committed steps the policy lets go, and abandoned partial steps.
+
+    Never removes the newest committed step. A partial step counts as abandoned when it is older
+    than the newest committed step and older than the grace period (a drain may still be writing it).
+    """
+    with errors_as_one_line():
+        if keep_last is None and keep_every is None:
+            raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
+        tier = ctx.tier(location)
+        listing = list_steps(tier)
+        policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+        doomed = steps_to_delete(listing.committed, policy)
+        newest = listing.committed[-1] if listing.committed else None
+        abandoned = [
+            s for s in listing.partial
+            if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600)
+        ]  # fmt: skip
+        verb = "would remove" if dry_run else "removed"
+        for s in doomed:
+            if not dry_run:
+                withdraw_step(tier, s)
+            out.print(f"{verb} committed step {s}")
+        for s in abandoned:
+            if not dry_run:
+                tier.delete_tree(step_dir(s))
+            out.print(f"{verb} partial step {s}")
+        kept = [s for s in listing.committed if s not in doomed]
+        out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {_fmt_steps(kept)}")
+
+
+def _older_than(tier: Tier, step: int, seconds: float) -> bool:
+    """Whether every file of a partial step is older than ``seconds`` (local: by mtime)."""
+    if not isinstance(tier, LocalTier):
+        return True  # object stores: age is judged by being older than the newest committed step
+    root = tier.root / step_dir(step)
+    newest = max((p.stat().st_mtime for p in root.rglob("*")), default=root.stat().st_mtime)
+    return time.time() - newest > seconds
+
+
+if __name__ == "__main__":
+    main()
