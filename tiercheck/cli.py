@@ -39,8 +39,9 @@ from .tiers.local import LocalTier
 from .tiers.remote import open_tier, redact
 from .transfer import copy_step
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output (scripts, logs, tests) gets wide lines rather than tables wrapped at 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 
 class Context:
@@ -390,10 +391,13 @@ def restore_command(
         if isinstance(dst, LocalTier):
             dst.create()
         n = _pick_step(src, step)
+        wanted = _parse_ranks(ranks) if ranks else None
+        world = read_marker(src, n).world_size
+        if wanted is not None and not wanted <= set(range(world)):
+            raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {_ranges(sorted(wanted))}")
         if n in list_steps(dst).committed:
             out.print(f"step {n} is already committed in {dst.url}; nothing to do")
             return
-        wanted = _parse_ranks(ranks) if ranks else None
         total_hint = _step_bytes(read_manifest(src, n))
         with _progress(ctx, f"step {n}", total_hint) as report:
             result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
@@ -529,6 +533,160 @@ def _older_than(tier: Tier, step: int, seconds: float) -> bool:
     root = tier.root / step_dir(step)
     newest = max((p.stat().st_mtime for p in root.rglob("*")), default=root.stat().st_mtime)
     return time.time() - newest > seconds
+
+
+# --------------------------------------------------------------------------------------- plan
+
+_PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+@main.command("plan")
+@click.option("--params", type=float, default=None, help="Total parameters (e.g. 7e9); or give the layer sizes.")
+@click.option("--layers", type=int, default=None)
+@click.option("--hidden", type=int, default=None)
+@click.option("--vocab", type=int, default=None)
+@click.option("--ffn", type=int, default=None, help="MLP width (default 4 x hidden).")
+@click.option(
+    "--precision", type=click.Choice(sorted(_PRECISION)), default="bf16", show_default=True, help="Weight precision."
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["adam", "sgd", "none"]),
+    default="adam",
+    show_default=True,
+    help="adam: fp32 master weights + 2 moments (12 B/param more); sgd: 8; none: 0.",
+)
+@click.option("--tp", type=int, default=1, show_default=True)
+@click.option("--pp", type=int, default=1, show_default=True)
+@click.option("--dp", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option(
+    "--node-mtbf-hours",
+    type=float,
+    default=5000.0,
+    show_default=True,
+    help="Mean time between failures of one node; the job's is this divided by the node count.",
+)
+@click.option(
+    "--restart-s", type=float, default=None, help="Time to restart the job (default: the tier's restore time)."
+)
+@click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    metavar="NAME:WRITE_GBPS:READ_GBPS:node|shared",
+    help="A tier's bandwidth in GB/s, per node or shared by the job; repeatable (default: typical figures).",
+)
+@click.option(
+    "--measure",
+    "measured",
+    multiple=True,
+    metavar="DIR_OR_URL",
+    help="Measure a tier with a short real write and read (256 MiB); repeatable.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_context
+def plan_command(ctx: Context, **kw: Any) -> None:
+    """Size a model's checkpoints: bytes in total, per rank and per node, save and restore time on
+    each tier, and the checkpoint interval that loses the least work (Young / Daly).
+
+    Example: tiercheck plan --layers 96 --hidden 12288 --vocab 50257 --tp 8 --pp 16 --dp 8
+    """  # fmt: skip
+    from . import sizing
+
+    with errors_as_one_line():
+        params = kw["params"]
+        spec = sizing.ModelSpec(
+            params=int(params) if params is not None else None,
+            layers=kw["layers"], hidden=kw["hidden"], vocab=kw["vocab"], ffn=kw["ffn"],
+            weight_bytes=_PRECISION[kw["precision"]], optimizer=kw["optimizer"],
+            tp=kw["tp"], pp=kw["pp"], dp=kw["dp"], gpus_per_node=kw["gpus_per_node"],
+        )  # fmt: skip
+        tiers = [_parse_tier(t) for t in kw["tiers"]]
+        for loc in kw["measured"]:
+            if not ctx.quiet:
+                err.print(f"measuring {redact(loc)} ...", markup=False)
+            tiers.append(sizing.measure(loc, storage_options=_typed(ctx.options) or None))
+        table = sizing.plan_table(
+            spec,
+            tiers or sizing.DEFAULT_TIERS,
+            node_mtbf_hours=kw["node_mtbf_hours"],
+            restart_s=kw["restart_s"],
+            staging=sizing.HOST_MEMORY_TIER,
+        )
+        if kw["as_json"]:
+            click.echo(json.dumps(table, indent=2))
+            return
+        _print_plan(table, defaults=not tiers)
+
+
+def _parse_tier(text: str) -> Any:
+    from . import sizing
+
+    try:
+        name, w, r, kind = text.split(":")
+        if kind not in ("node", "shared"):
+            raise ValueError
+        return sizing.Tier(name, float(w) * 1e9, float(r) * 1e9, shared=kind == "shared")
+    except ValueError:
+        raise click.BadParameter(f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared, got {text!r}") from None
+
+
+def _dec(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _dur(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
+    m, z = t["model"], t["sizes"]
+    out.print(
+        f"model: {m['n_params'] / 1e9:.2f} B parameters, {m['weight_bytes']} B/param weights, "
+        f"optimizer {m['optimizer']}; TP={m['tp']} PP={m['pp']} DP={m['dp']} on {z['ranks']} GPUs, {z['nodes']} node(s)"
+    )
+    out.print(
+        f"checkpoint: {_dec(z['total_bytes'])} in all (weights {_dec(z['weights_bytes'])}, optimizer "
+        f"{_dec(z['optimizer_bytes'])}); written per rank {_dec(z['per_rank_bytes'])}, "
+        f"per node {_dec(z['per_node_bytes'])}"
+    )
+    out.print(f"job MTBF: {_dur(t['job_mtbf_s'])} ({t['node_mtbf_hours']:.0f} h per node)")
+    table = Table(box=None, pad_edge=False)
+    for col in (
+        "tier",
+        "write",
+        "read",
+        "save",
+        "restore",
+        "interval (Daly)",
+        "lost work",
+        "async interval",
+        "async lost",
+    ):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for row in t["tiers"]:
+        tier = row["tier"]
+        per = "shared" if tier["shared"] else "/node"
+        a = row.get("async") or {}
+        table.add_row(
+            tier["name"], f"{tier['write_bytes_per_s'] / 1e9:.2f} GB/s {per}",
+            f"{tier['read_bytes_per_s'] / 1e9:.2f} GB/s",
+            _dur(row["save_s"]), _dur(row["restore_s"]), _dur(row["daly_interval_s"]),
+            f"{100 * row['waste_fraction_daly']:.1f} %",
+            _dur(a["interval_s"]) if a else "-", f"{100 * a['waste_fraction']:.1f} %" if a else "-",
+        )  # fmt: skip
+    out.print(table)
+    out.print(
+        "interval: Daly's optimum for a blocking checkpoint of that tier; async: tiercheck blocks only for the "
+        "copy to host memory and writes in the background."
+    )
+    if defaults:
+        out.print("bandwidths are typical figures, not measurements: give --tier or --measure for yours.")
 
 
 if __name__ == "__main__":

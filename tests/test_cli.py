@@ -1,0 +1,231 @@
+"""The ``tiercheck`` command, run as a subprocess against a local directory and the real S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tests.servers import SeaweedS3
+from tiercheck.commit import list_steps, step_dir
+from tiercheck.tiers.remote import open_tier
+
+
+def run(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tiercheck {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def s3_args(server: SeaweedS3) -> list[str]:
+    return ["-o", f"endpoint_url={server.endpoint_url}", "-o", f"key={server.key}", "-o", f"secret={server.secret}"]
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"layer{i}": torch.randn(128, 96, generator=g) for i in range(8)},
+        "step": seed,
+    }
+
+
+def save_steps(local: Path, steps: list[int], remote: str | None = None, **kw: Any) -> None:
+    state = make_state(0)
+    retention = tiercheck.RetentionOptions(keep_last=None)
+    with tiercheck.Checkpointer(state, local=local, remote=remote, retention=retention, **kw) as ck:
+        for s in steps:
+            state.update(make_state(s))
+            ck.save(s, metadata={"loss": s / 10})
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    local = tmp_path / "local"
+    save_steps(local, [10, 20, 30])
+    return local
+
+
+def test_help_lists_every_subcommand() -> None:
+    text = run("--help").stdout
+    for sub in ("ls", "inspect", "verify", "restore", "drain", "gc", "plan"):
+        assert f"  {sub} " in text, sub
+    assert "Pre-stage" in run("restore", "--help").stdout
+
+
+def test_ls_and_inspect_a_local_directory(saved: Path) -> None:
+    listing = json.loads(run("ls", str(saved), "--json").stdout)
+    assert [s["step"] for s in listing["steps"]] == [10, 20, 30]
+    assert all(s["tiers"][str(saved)]["status"] == "committed" for s in listing["steps"])
+    doc = json.loads(run("inspect", str(saved), "--step", "20", "--json").stdout)
+    assert doc["step"] == 20 and doc["metadata"] == {"loss": 2.0}
+    assert {a["path"]: a["shape"] for a in doc["arrays"]} == {f"model/layer{i}": [128, 96] for i in range(8)}
+    assert doc["bytes"] == 8 * 128 * 96 * 4
+    table = run("ls", str(saved)).stdout
+    assert "committed" in table and "384.0 KiB" in table
+
+
+def test_verify_catches_a_flipped_byte_and_names_the_array(saved: Path) -> None:
+    assert run("verify", str(saved), "--all").stdout.startswith("ok: 3 steps intact")
+    chunk = next((saved / step_dir(20) / "model" / "layer3").glob("c.*"))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    proc = run("verify", str(saved), "--all", check=False)
+    assert proc.returncode == 1
+    assert "damaged: step 20: array 'model/layer3' chunk c.0" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"tiercheck: error: 1 damaged chunk(s) in {saved}"
+    assert run("verify", str(saved), "--step", "30").returncode == 0
+
+
+def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None:
+    before = sorted(p.relative_to(saved) for p in saved.rglob("*"))
+    text = run("gc", str(saved), "--keep-last", "1", "--dry-run").stdout
+    assert "would remove committed step 10" in text and "would remove committed step 20" in text
+    assert sorted(p.relative_to(saved) for p in saved.rglob("*")) == before
+    (saved / step_dir(5)).mkdir()  # an abandoned partial step, older than the newest committed one
+    run("gc", str(saved), "--keep-last", "1", "--grace-hours", "0")
+    assert list_steps(open_tier(str(saved))).committed == [30]
+    assert not (saved / step_dir(5)).exists()
+    assert_identical(tiercheck.load(saved), make_state(30))
+
+
+def test_bad_input_gives_one_line_and_a_nonzero_exit(tmp_path: Path, saved: Path) -> None:
+    cases = [
+        (["ls", "s3x://bucket/x"], "Protocol not known: s3x"),
+        (["inspect", str(saved), "--step", "7"], "step 7 is not committed"),
+        (["ls", str(tmp_path / "nope")], "no such directory"),
+        (["restore", str(tmp_path / "nope"), "--to", str(tmp_path / "x")], "no such directory"),
+    ]
+    for args, message in cases:
+        proc = run(*args, check=False)
+        assert proc.returncode == 1, args
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("tiercheck: error: "), proc.stderr
+        assert message in proc.stderr
+
+
+def test_restore_prestages_from_s3_and_the_job_then_reads_locally(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/run"
+    save_steps(tmp_path / "old-node", [1, 2], remote=url, remote_options=s3_server.storage_options())
+    listing = json.loads(run(*s3_args(s3_server), "ls", url, "--json").stdout)
+    assert [s["step"] for s in listing["steps"]] == [1, 2]
+    new_node = tmp_path / "new-node"
+    text = run(*s3_args(s3_server), "restore", url, "--to", str(new_node), "--verify").stdout
+    assert "restored step 2" in text and "0 already there" in text and "ok: step 2 intact" in text
+    state = make_state(0)
+    with tiercheck.Checkpointer(state, local=new_node, remote=url, remote_options=s3_server.storage_options()) as ck:
+        assert ck.restore() == 2
+        assert ck.stats()["restore_remote_reads"] == 0
+    assert_identical(state, make_state(2))
+
+
+def test_an_interrupted_restore_resumes(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
+    url = f"s3://{s3_bucket}/run"
+    save_steps(tmp_path / "old-node", [1], remote=url, remote_options=s3_server.storage_options())
+    new_node = tmp_path / "new-node"
+    # Killed while copying: SIGKILL once the first file has landed.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiercheck",
+            *s3_args(s3_server),
+            "restore",
+            url,
+            "--to",
+            str(new_node),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = 60.0
+        t0 = time.monotonic()
+        while not any(new_node.glob("step-*/model/*/c.*")) and proc.poll() is None:
+            assert time.monotonic() - t0 < deadline, "no file was copied"
+            time.sleep(0.01)  # polling for a file to appear, not standing in for synchronisation
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    if proc.returncode == -signal.SIGKILL:
+        assert list_steps(open_tier(str(new_node))).committed == []  # not committed: incomplete
+        assert list_steps(open_tier(str(new_node))).partial == [1]
+    text = run(*s3_args(s3_server), "restore", url, "--to", str(new_node)).stdout
+    assert "restored step 1" in text
+    if proc.returncode == -signal.SIGKILL:
+        already = int(text.split("files copied")[1].split(",")[1].split()[0])
+        assert already >= 1, text
+    assert_identical(tiercheck.load(new_node), make_state(1))
+
+
+def test_drain_finishes_what_a_job_left_and_restore_of_a_node_share(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/run"
+    local = tmp_path / "local"
+    save_steps(local, [1, 2])  # the job ended before any drain
+    text = run(*s3_args(s3_server), "drain", str(local), "--to", url).stdout
+    assert "step 1 -> " in text and "step 2 -> " in text and text.count("committed") == 2
+    assert "nothing to drain" in run(*s3_args(s3_server), "drain", str(local), "--to", url).stdout
+    opts = s3_server.storage_options()
+    assert list_steps(open_tier(url, storage_options=opts)).committed == [1, 2]
+    assert_identical(tiercheck.load(url, storage_options=opts), make_state(2))
+    # --ranks: only the files rank 0 wrote (all of them here: one rank saved this step).
+    share = tmp_path / "share"
+    run(*s3_args(s3_server), "restore", url, "--to", str(share), "--ranks", "0")
+    marker = json.loads((share / step_dir(2) / "COMMIT").read_text())
+    assert marker["ranks"] == [0]
+    proc = run(*s3_args(s3_server), "restore", url, "--to", str(share), "--ranks", "0-3", check=False)
+    assert proc.returncode == 1 and "saved by ranks 0-0" in proc.stderr
+
+
+def test_unreachable_server_and_wrong_credentials_fail_with_one_line(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/run"
+    wrong = ["-o", f"endpoint_url={s3_server.endpoint_url}", "-o", f"key={s3_server.key}", "-o", "secret=nope"]
+    proc = run(*wrong, "ls", url, check=False)
+    assert proc.returncode == 1 and "access denied" in proc.stderr and "nope" not in proc.stderr
+    closed = ["-o", "endpoint_url=http://127.0.0.1:9", "-o", "key=k", "-o", "secret=s"]
+    proc = run("--retry-deadline", "2", *closed, "ls", url, check=False)
+    assert proc.returncode == 1 and "still failing after" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_plan_sizes_gpt3_and_a_7b_model_by_hand(tmp_path: Path) -> None:
+    gpt3 = json.loads(
+        run("plan", "--layers", "96", "--hidden", "12288", "--vocab", "50257", "--tp", "8", "--pp", "16", "--dp", "8",
+            "--json").stdout
+    )  # fmt: skip
+    # 12*L*h^2 + 13*L*h + V*h = 12*96*12288^2 + 13*96*12288 + 50257*12288 = 174,579,068,928
+    assert gpt3["model"]["n_params"] == 174_579_068_928
+    assert gpt3["sizes"]["weights_bytes"] == 2 * 174_579_068_928  # ~350 GB of bf16 weights
+    assert gpt3["sizes"]["total_bytes"] == 14 * 174_579_068_928  # + 12 B/param of Adam: ~2.4 TB
+    assert gpt3["sizes"]["ranks"] == 1024 and gpt3["sizes"]["nodes"] == 128
+    assert gpt3["sizes"]["per_rank_bytes"] == 14 * 174_579_068_928 // 1024  # 2,386,823,208 B
+    # 7e9 params, DP=8 on one node, a local tier of 2 GB/s write per node: 98 GB per node / 2 GB/s = 49 s.
+    small = json.loads(run("plan", "--params", "7e9", "--dp", "8", "--tier", "nvme:2:4:node", "--json").stdout)
+    [row] = small["tiers"]
+    assert small["sizes"]["total_bytes"] == 98_000_000_000 and small["sizes"]["per_node_bytes"] == 98_000_000_000
+    assert row["save_s"] == pytest.approx(49.0) and row["restore_s"] == pytest.approx(24.5)
+    measured = json.loads(run("plan", "--params", "1e9", "--measure", str(tmp_path), "--json").stdout)
+    assert measured["tiers"][0]["tier"]["write_bytes_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []  # the measurement cleaned up after itself
+    table = run("plan", "--params", "7e9", "--dp", "8").stdout
+    assert "interval (Daly)" in table and "typical figures" in table
