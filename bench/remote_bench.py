@@ -19,8 +19,9 @@ filesystem) on one synthetic LLM-like state (64 MiB matrices and many small vect
    ``pipe_file``, TCP loopback, the local disk).
 2. Restore. A fresh ``Checkpointer`` on the same local directory (reads local), one on an empty
    local directory with the same remote (reads the remote), ``tiercheck.load(URL)``, against
-   ``fs.get`` of the step prefix (to disk) and ``fs.cat`` of its files (into memory). The page
-   cache is dropped before each (root only). Every restore is compared bit for bit with the state.
+   ``fs.get`` of the step prefix (to disk) and ``fs.cat`` of its files (into memory). Each is timed
+   with a fresh client, as a restarting job has (the Checkpointer's construction included), after
+   dropping the page cache (root only). Every result is compared bit for bit with the state.
 
 Markdown tables on stdout (progress on stderr), raw data in ``bench/results/remote_bench.json``.
 See bench/README.md ("Remote-tier benchmark").
