@@ -337,7 +337,7 @@ class Remote:
         self.server: Any = None
         self.options: dict[str, Any] | None = None
         self.fs: Any = None
-        self._close: Callable[[], None] = lambda: None
+        self._close: Callable[[], object] = lambda: None
 
     def start(self) -> None:
         from tests.servers import Azurite, SeaweedS3, open_adlfs, open_s3fs
@@ -591,10 +591,11 @@ def one_chunk_file(remote: Remote, args: argparse.Namespace, rounds: int = 2) ->
 
 def small_request_latency(remote: Remote, n: int = 20) -> dict[str, float]:
     """Median ms of small requests through tiercheck's RemoteTier / LocalTier, as the drain makes them."""
+    from tiercheck.tiers.local import LocalTier
     from tiercheck.tiers.remote import open_tier
 
     tier = open_tier(remote.url("latency"), storage_options=remote.options)
-    if remote.kind == "file":
+    if isinstance(tier, LocalTier):
         tier.create()
     out: dict[str, float] = {}
     try:

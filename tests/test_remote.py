@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tiercheck
+import tiercheck.tiers.remote
 from tests.conftest import assert_identical
 from tiercheck import Checkpointer
 from tiercheck.commit import list_steps, step_dir
@@ -250,3 +251,11 @@ def test_load_from_an_empty_remote_says_so(remote: Remote) -> None:
 def test_file_url_is_a_durable_local_directory(tmp_path: Path) -> None:
     tier = open_tier(f"file://{tmp_path}")
     assert isinstance(tier, LocalTier) and tier.durable and tier.root == tmp_path
+
+
+def test_drain_options_set_the_multipart_part_size(tmp_path: Path) -> None:
+    drain = DrainOptions(part_bytes=64 << 20)
+    opts = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}  # never contacted
+    with Checkpointer({"w": torch.zeros(2)}, local=tmp_path, remote="s3://b/p", remote_options=opts, drain=drain) as ck:
+        assert isinstance(ck.remote, tiercheck.tiers.remote.RemoteTier)
+        assert ck.remote.part_bytes == 64 << 20

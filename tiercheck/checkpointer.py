@@ -159,7 +159,12 @@ class Checkpointer:
             self.remote = (
                 remote
                 if isinstance(remote, Tier)
-                else open_tier(remote, storage_options=remote_options, retry=self.drain_options.retry)
+                else open_tier(
+                    remote,
+                    storage_options=remote_options,
+                    retry=self.drain_options.retry,
+                    part_bytes=self.drain_options.part_bytes,
+                )
             )
             self._drainer = Drainer(
                 self.tier,

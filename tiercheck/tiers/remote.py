@@ -108,12 +108,18 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
 
 
-def open_tier(url: str, *, storage_options: dict[str, Any] | None = None, retry: RetryOptions | None = None) -> Tier:
+def open_tier(
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryOptions | None = None,
+    part_bytes: int = 16 * 2**20,
+) -> Tier:
     """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
     scheme = urlsplit(url).scheme
     if scheme in ("", "file", "local"):
         return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
-    return RemoteTier(url, storage_options=storage_options, retry=retry)
+    return RemoteTier(url, storage_options=storage_options, retry=retry, part_bytes=part_bytes)
 
 
 class RemoteTier(Tier):
