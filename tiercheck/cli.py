@@ -143,11 +143,15 @@ def _pick_step(tier: Tier, step: str) -> int:
     return n
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
+def _human(n: float, *, binary: bool = True) -> str:
+    """Bytes with a unit: KiB, MiB... (``binary``) or kB, MB... (decimal, as bandwidths are quoted)."""
+    base, units = (
+        (1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB", "PB"))
+    )
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= base
     raise AssertionError
 
 
@@ -632,14 +636,6 @@ def _parse_tier(text: str) -> Any:
         raise click.BadParameter(f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared, got {text!r}") from None
 
 
-def _dec(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
-
-
 def _dur(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
@@ -650,10 +646,11 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
         f"model: {m['n_params'] / 1e9:.2f} B parameters, {m['weight_bytes']} B/param weights, "
         f"optimizer {m['optimizer']}; TP={m['tp']} PP={m['pp']} DP={m['dp']} on {z['ranks']} GPUs, {z['nodes']} node(s)"
     )
+    dec = {k: _human(z[k], binary=False) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
+                                                    "per_rank_bytes", "per_node_bytes")}  # fmt: skip
     out.print(
-        f"checkpoint: {_dec(z['total_bytes'])} in all (weights {_dec(z['weights_bytes'])}, optimizer "
-        f"{_dec(z['optimizer_bytes'])}); written per rank {_dec(z['per_rank_bytes'])}, "
-        f"per node {_dec(z['per_node_bytes'])}"
+        f"checkpoint: {dec['total_bytes']} in all (weights {dec['weights_bytes']}, optimizer "
+        f"{dec['optimizer_bytes']}); written per rank {dec['per_rank_bytes']}, per node {dec['per_node_bytes']}"
     )
     out.print(f"job MTBF: {_dur(t['job_mtbf_s'])} ({t['node_mtbf_hours']:.0f} h per node)")
     table = Table(box=None, pad_edge=False)
