@@ -11,7 +11,7 @@ import threading
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -445,6 +445,7 @@ class Checkpointer:
         strict: bool = True,
         allow_pickle: bool | None = None,
         populate_local: bool = False,
+        others: bool | Callable[[list[str]], Iterable[str]] = False,
     ) -> int | None:
         """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
 
@@ -453,6 +454,11 @@ class Checkpointer:
         ``torch.distributed`` every rank calls it; the saved layout may differ from the current one.
         With ``populate_local``, a node that lacked part of the step copies all of it from the
         remote tier into its local directory in the background, so the next restart reads locally.
+
+        ``others`` is for frameworks whose ranks save different top-level entries (DeepSpeed's
+        per-rank files) and read each other's: entries of the saved state that this state lacks are
+        added to it (the state must be a mutable mapping) and restored too: all of them with
+        ``True``, or those a callable picks from the list of their names.
         """
         self._check_open()
         with self._lock:
@@ -472,6 +478,8 @@ class Checkpointer:
             pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
             where = f"{self.tier.url}: step {step}"
             try:
+                if others:
+                    _add_entries(self.state, manifest, others, where=where)
                 tree = _tree_for(manifest, self.rank, self.world_size, self.state)
                 items, decoded = _prepare(
                     self.state, manifest, tree, strict=strict, allow_pickle=pickle_ok, where=where
@@ -797,6 +805,20 @@ def _tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str
             trees.append(manifest.trees[i])
     live = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
     return _merge(trees[0], trees[1:], live, only_live=world_size != manifest.world_size)
+
+
+def _add_entries(
+    state: Mapping[str, Any], manifest: Manifest, others: bool | Callable[[list[str]], Iterable[str]], *, where: str
+) -> None:
+    """Add to ``state`` (as None, to be filled) the saved top-level entries ``others`` selects."""
+    names = sorted({k for t in manifest.trees if _plain_dict(t) for k in t} - set(state))
+    chosen = [n for n in others(names) if n in names] if callable(others) else names
+    if not chosen:
+        return
+    if not isinstance(state, MutableMapping):
+        raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+    for name in chosen:
+        state[name] = None
 
 
 def _merge(node: JSON, others: list[JSON], live: Any, *, only_live: bool) -> JSON:

@@ -1,0 +1,610 @@
+"""DeepSpeed: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through tiercheck's tiers.
+
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+
+    engine, *_ = deepspeed.initialize(model=model, config=config, ...)
+    tiercheck_ds.install(engine, local="/nvme/ckpt", remote="s3://bucket/run1")
+    ...
+    engine.save_checkpoint("checkpoints")   # returns at once; staged at the next engine.step()
+    engine.load_checkpoint("checkpoints")   # the newest step every rank can get, from the fastest tier
+
+:func:`install` replaces the engine's checkpoint engine with :class:`TiercheckCheckpointEngine`
+and wraps ``engine.load_checkpoint``. DeepSpeed still decides what goes into its files
+(``mp_rank_00_model_states.pt``, ``zero_pp_rank_N_..._optim_states.pt``, ...); instead of one
+``torch.save`` per file, every rank's files of one ``save_checkpoint`` become one tiercheck step,
+numbered by ``engine.global_steps`` and committed only when every rank's part is durable:
+
+* Saving is decoupled (DeepSpeed's own term): ``save_checkpoint`` only records the state dicts
+  (no clone); the next ``engine.step()`` commits them, which copies the tensors into tiercheck's
+  host buffers before the optimizer changes them, and returns. Writing, fsync and the commit
+  happen in the background; ``latest`` and the small pointer files in ``<save_dir>/<tag>/`` are
+  written once the step is committed, so ``latest`` never names a step that is not there.
+* ``load_checkpoint(dir)`` without a tag restores the newest step that every rank can get (from
+  node-local directories, another rank's node, or the remote tier), not what ``latest`` says.
+  Each rank reads only the files it will load (its own ZeRO partition, its model-parallel rank's
+  model states). Checkpoints DeepSpeed wrote itself (``torch.save`` files) still load.
+* Plain objects DeepSpeed stores (its loss scaler, ``torch.Size``, ...) are kept with
+  ``torch.save`` and read back with ``torch.load(weights_only=True)``, which only rebuilds an
+  allow-list of types (DeepSpeed's loss scalers and ``safe_globals``); anything else needs
+  ``allow_pickle=True``.
+* :func:`export` writes a step back as DeepSpeed's own files, to switch back at any time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..checkpointer import Checkpointer, load
+from ..commit import list_steps, read_manifest
+from ..errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
+from ..pipeline import SaveHandle
+from ..tiers.base import Tier
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+except ImportError as e:  # pragma: no cover - exercised only without deepspeed
+    raise ImportError(
+        "tiercheck.integrations.deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
+    ) from e
+
+__all__ = ["TiercheckCheckpointEngine", "export", "install"]
+
+log = logging.getLogger("tiercheck.deepspeed")
+
+POINTER_FORMAT = "tiercheck-deepspeed-pointer"
+_META = "tiercheck.deepspeed"  # the entry of each rank's saved state naming the tag and this rank's files
+_OBJECT = "tiercheck.deepspeed.object"  # {_OBJECT: torch.save bytes}: a value tiercheck cannot store as JSON
+# Types DeepSpeed puts in its files, rebuilt by torch's weights-only unpickler (they run no code of the file's).
+_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, fragment_address)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One ``save_checkpoint`` whose files are recorded but not yet handed to tiercheck."""
+
+    tag: str
+    save_dir: str
+    save_latest: bool
+    step: int
+    files: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class TiercheckCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` whose checkpoints are tiercheck steps (see the module doc).
+
+    Use :func:`install` rather than constructing it. ``local`` is this node's checkpoint
+    directory (default: ``<save_dir>/tiercheck``); ``remote`` a URL the committed steps drain to;
+    other keyword arguments go to :class:`tiercheck.Checkpointer` (``staging``, ``retention``,
+    ``drain``, ...).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        local: str | os.PathLike[str] | None = None,
+        remote: str | Tier | None = None,
+        allow_pickle: bool = False,
+        safe_globals: Iterable[Any] = (),
+        **options: Any,
+    ) -> None:
+        super().__init__(None)
+        self.name = "TiercheckCheckpointEngine"
+        self.engine = engine
+        self.local = None if local is None else os.fspath(local)
+        self.remote = remote
+        self.allow_pickle = allow_pickle
+        self.safe_globals = (*_SAFE_GLOBALS, *safe_globals)
+        self.options = options
+        self._state: dict[str, Any] = {}  # what the Checkpointer saves / restores into: file name -> contents
+        self._checkpointers: dict[str, Checkpointer] = {}
+        self._pending: _Pending | None = None
+        self._legacy = False  # DeepSpeed < 0.17.1: create(tag) / commit(tag), and commit must be synchronous
+        self._restored: dict[str, Any] = {}  # absolute file path -> packed contents, during load_checkpoint
+        self._handles: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._saving: str | None = None  # save_dir, inside engine.save_checkpoint (set by install's wrapper)
+
+    # ------------------------------------------------------------------ DeepSpeed's interface
+
+    def create(self, info: Any) -> None:
+        """Start a checkpoint: ``info`` is a ``CheckpointCommitInfo`` (or the tag, before 0.17.1)."""
+        self._raise_failed_saves()
+        if self._pending is not None:
+            self._commit_pending()  # two save_checkpoint calls with no optimizer step between them
+        if self._saving is None:
+            return  # not engine.save_checkpoint (save_16bit_model, say): its files are written by torch.save
+        if isinstance(info, str):
+            self._legacy = True
+            self._pending = _Pending(info, self._saving, True, self._step())
+        else:
+            self._pending = _Pending(str(info.tag), os.fspath(info.save_dir), bool(info.save_latest), self._step())
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Record one of DeepSpeed's files; a file outside ``<save_dir>/<tag>/`` (``save_16bit_model``)
+        is not part of a checkpoint and is written with ``torch.save`` at once."""
+        p = self._pending
+        name = self._name_in_checkpoint(path)
+        if p is None or name is None:
+            torch.save(state_dict, path)
+            return
+        p.files[name] = _pack(state_dict)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """One of DeepSpeed's files: restored by ``load_checkpoint``, else DeepSpeed's own file."""
+        key = os.path.abspath(path)
+        if key not in self._restored:
+            pointer = _read_pointer(path)
+            if pointer is None:  # a checkpoint DeepSpeed wrote itself; read as DeepSpeed would
+                return torch.load(path, map_location=map_location, weights_only=False)
+            self._restored.update(self._read_alone(pointer, os.path.dirname(key)))
+            if key not in self._restored:
+                raise CheckpointNotFoundError(f"{path}: step {pointer['step']} in {pointer['root']} has no such file")
+        return _move(self._unpack(self._restored[key], where=path), map_location)
+
+    def commit(self, info: Any) -> bool:
+        """Hand the recorded files to tiercheck (fenced at the next optimizer step by DeepSpeed)."""
+        handle = self._commit_pending()
+        if self._legacy and handle is not None:
+            handle.wait()  # old DeepSpeed writes `latest` as soon as commit returns
+        return True
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # The tag directory holds the pointer files; tiercheck's step lives in the local directory.
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return bool(dp_rank == 0)  # as DeepSpeed: model states from data-parallel rank 0 only
+
+    def is_decoupled(self) -> bool:
+        return not self._legacy
+
+    def set_commit_info(self, info: Any) -> None:
+        pass
+
+    def get_commit_info(self) -> Any:
+        """The checkpoint DeepSpeed should commit at this optimizer step. ``save_latest`` is
+        cleared: this engine writes ``latest`` itself, once the step is durable."""
+        p = self._pending
+        if p is None:
+            return None  # every rank has one, files or not (ranks without files take part in the commit)
+        return _commit_info(p.tag, p.save_dir, save_latest=False)
+
+    def preserves_storage_sharing(self) -> bool:
+        # DeepSpeed clones tensors before torch.save so that views do not drag whole storages
+        # into the file; tiercheck copies only each tensor's own elements, so no clone is needed.
+        return False
+
+    def cleanup(self) -> None:
+        """Commit what is pending and wait for every save (``engine.destroy()`` calls this)."""
+        self.flush()
+        for ckpt in self._checkpointers.values():
+            ckpt.close()
+        self._checkpointers.clear()
+
+    # ------------------------------------------------------------------ tiercheck's side
+
+    def flush(self) -> None:
+        """Commit the pending checkpoint and wait until every save is committed; raise a failure."""
+        if self._pending is not None:
+            self._commit_pending()
+        for ckpt in self._checkpointers.values():
+            ckpt.wait()
+        self._raise_failed_saves()
+
+    def checkpointer(self, save_dir: str) -> Checkpointer:
+        """The Checkpointer for ``save_dir`` (every rank calls this together the first time)."""
+        root = self.local if self.local is not None else os.path.join(os.path.abspath(save_dir), "tiercheck")
+        ckpt = self._checkpointers.get(root)
+        if ckpt is None:
+            ckpt = Checkpointer(self._state, local=root, remote=self.remote, **self.options)
+            self._checkpointers[root] = ckpt
+        return ckpt
+
+    def prepare_load(self, load_dir: str, tag: str | None) -> str | None:
+        """Restore (every rank together) the files of ``tag`` (default: the newest step every rank
+        can get) and put pointer files where DeepSpeed looks for them; returns the tag, or None
+        when tiercheck holds no such checkpoint (DeepSpeed's own files are then loaded)."""
+        self.flush()
+        ckpt = self.checkpointer(load_dir)
+        step = None if tag is None else self._step_of_tag(ckpt, tag)
+        if tag is not None and step is None:
+            return tag  # not a tiercheck checkpoint: DeepSpeed's own files, if any
+        self._state.clear()
+        got = ckpt.restore(step, strict=False, others=self._wanted)
+        if got is None:
+            self._state.clear()
+            return None
+        meta = self._state.pop(_META, None)
+        if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
+            raise CheckpointNotFoundError(f"step {got} in {ckpt.tier.url} was not saved by the DeepSpeed integration")
+        tag = meta["tag"]
+        folder = os.path.join(os.path.abspath(load_dir), tag)
+        self._restored = {os.path.join(folder, name): value for name, value in self._state.items()}
+        _write_pointers(folder, ckpt, got, list(self._state))
+        self._state.clear()
+        log.info("tiercheck: restoring DeepSpeed checkpoint %r (step %d) from %s", tag, got, ckpt.tier.url)
+        return str(tag)
+
+    def finish_load(self) -> None:
+        self._restored = {}
+
+    def _commit_pending(self) -> SaveHandle | None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        ckpt = self.checkpointer(p.save_dir)
+        self._state.clear()
+        self._state.update(p.files)
+        self._state[_META] = {"tag": p.tag, "files": sorted(p.files)}
+        try:
+            handle = ckpt.save(p.step, metadata={"deepspeed": {"tag": p.tag}})
+        finally:
+            self._state.clear()  # the pipeline holds its own copy once save() returns
+        with self._lock:
+            self._handles.append(handle)
+        folder = os.path.join(p.save_dir, p.tag)
+        names = sorted(p.files)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        handle.committed.add_done_callback(
+            functools.partial(self._on_committed, ckpt, p, folder, names, rank0 and p.save_latest)
+        )
+        return handle
+
+    def _on_committed(
+        self, ckpt: Checkpointer, p: _Pending, folder: str, names: list[str], latest: bool, done: Future[Any]
+    ) -> None:
+        if done.exception() is not None:
+            log.error("tiercheck: DeepSpeed checkpoint %r (step %d) failed: %s", p.tag, p.step, done.exception())
+            return
+        try:
+            _write_pointers(folder, ckpt, p.step, names)
+            if latest:
+                _write_atomically(os.path.join(p.save_dir, "latest"), p.tag.encode())
+        except OSError as e:
+            log.error("tiercheck: step %d is committed, but writing its pointers in %s failed: %s", p.step, folder, e)
+
+    def _raise_failed_saves(self) -> None:
+        with self._lock:
+            done = [h for h in self._handles if h.committed.done()]
+            self._handles = [h for h in self._handles if not h.committed.done()]
+        for h in done:
+            exc = h.committed.exception()
+            if exc is not None:
+                raise exc
+
+    def _step(self) -> int:
+        return int(getattr(self.engine, "global_steps", 0))
+
+    def _name_in_checkpoint(self, path: str) -> str | None:
+        """``path`` relative to ``<save_dir>/<tag>``, or None for a file outside it."""
+        p = self._pending
+        if p is None:
+            return None
+        path = os.path.abspath(path)
+        folder = os.path.join(os.path.abspath(p.save_dir), p.tag)
+        rel = os.path.relpath(path, folder)
+        return None if rel.startswith("..") or os.path.isabs(rel) else rel
+
+    def _step_of_tag(self, ckpt: Checkpointer, tag: str) -> int | None:
+        """The step saved with ``tag``, from any rank's local tier or the remote (collective)."""
+        found = _find_tag(ckpt.tier, tag)
+        if found is None and ckpt.remote is not None:
+            try:
+                found = _find_tag(ckpt.remote, tag)
+            except (OSError, TiercheckError) as e:
+                log.error("tiercheck: cannot search %s for tag %r: %s", ckpt.remote.url, tag, e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list[int | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, found)
+            steps = {s for s in everyone if s is not None}
+            if len(steps) > 1:
+                raise CheckpointNotFoundError(f"tag {tag!r} names different steps on different ranks: {sorted(steps)}")
+            found = steps.pop() if steps else None
+        return found
+
+    def _wanted(self, names: list[str]) -> list[str]:
+        """Which other ranks' files this rank will load: not other data-parallel ranks' ZeRO
+        partitions (unless ZeRO's elastic checkpoint reads them all), not other model-parallel
+        ranks' model states (unless the model-parallel size changed)."""
+        engine = self.engine
+        elastic = bool(getattr(engine, "zero_elastic_checkpoint", lambda: False)())
+        group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
+        dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+        mp_rank = int(getattr(engine, "checkpoint_mp_rank", 0) or 0)
+        mp_ranks = {int(m.group(1)) for n in names if (m := re.search(r"mp_rank_(\d+)", n))}
+        same_mp = len(mp_ranks) == int(getattr(engine, "mp_world_size", 1) or 1)
+        out = []
+        for n in names:
+            z = re.search(r"zero_pp_rank_(\d+)_", n)
+            if z and not elastic and int(z.group(1)) != dp_rank:
+                continue
+            m = re.search(r"mp_rank_(\d+)", n)
+            if m and same_mp and int(m.group(1)) != mp_rank:
+                continue
+            out.append(n)
+        return out
+
+    def _read_alone(self, pointer: Mapping[str, Any], folder: str) -> dict[str, Any]:
+        """Every file of the pointer's step, read by this process alone (not collective)."""
+        source = pointer.get("remote") if not os.path.isdir(pointer["root"]) and pointer.get("remote") else None
+        step_state = load(source or pointer["root"], int(pointer["step"]), allow_pickle=False)
+        step_state.pop(_META, None)
+        return {os.path.join(folder, name): value for name, value in step_state.items()}
+
+    def _unpack(self, value: Any, *, where: str) -> Any:
+        return _unpack(value, allow_pickle=self.allow_pickle, safe_globals=self.safe_globals, where=where)
+
+
+# ------------------------------------------------------------------------------ installing
+
+
+_configs: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (DeepSpeed config dict, install options)
+
+
+def install(engine_or_config: Any, **options: Any) -> Any:
+    """Make DeepSpeed checkpoint through tiercheck; call it once, before or after ``deepspeed.initialize``.
+
+    With a ``DeepSpeedEngine``: its ``checkpoint_engine`` becomes a :class:`TiercheckCheckpointEngine`
+    and its ``load_checkpoint`` is wrapped (see the module doc); returns the checkpoint engine.
+    With a config dict: the engine ``deepspeed.initialize`` later builds from this very dict gets
+    the same; returns the dict. Keyword arguments: ``local``, ``remote``, ``allow_pickle``,
+    ``safe_globals``, and :class:`tiercheck.Checkpointer`'s options.
+    """
+    if isinstance(engine_or_config, DeepSpeedEngine):
+        return _attach(engine_or_config, options)
+    if isinstance(engine_or_config, dict):
+        _patch_configure_checkpointing()
+        _configs.append((engine_or_config, options))
+        return engine_or_config
+    raise TypeError(
+        "install() takes a DeepSpeedEngine or the config dict given to deepspeed.initialize, "
+        f"not {type(engine_or_config).__qualname__} (load a JSON config file into a dict first)"
+    )
+
+
+def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
+    current = getattr(engine, "checkpoint_engine", None)
+    if isinstance(current, TiercheckCheckpointEngine):
+        raise RuntimeError("tiercheck is already installed on this DeepSpeed engine")
+    if current is not None and current.is_decoupled():
+        current.cleanup()
+    ours = TiercheckCheckpointEngine(engine, **options)
+    engine.checkpoint_engine = ours
+    original_save, original = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
+        ours._saving = os.fspath(save_dir)
+        try:
+            return original_save(save_dir, *args, **kwargs)
+        finally:
+            ours._saving = None
+
+    @functools.wraps(original)
+    def load_checkpoint(load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        tag = ours.prepare_load(load_dir, tag)
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            return None, None  # nothing to restore: a fresh start
+        try:
+            return original(load_dir, tag, *args, **kwargs)
+        finally:
+            ours.finish_load()
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+    return ours
+
+
+@functools.cache
+def _patch_configure_checkpointing() -> None:
+    original = DeepSpeedEngine._configure_checkpointing
+
+    @functools.wraps(original)
+    def configure(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        given = getattr(self._config, "_param_dict", None)
+        for config, options in _configs:
+            if given is config:
+                _attach(self, options)
+                break
+        return out
+
+    DeepSpeedEngine._configure_checkpointing = configure
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def export(
+    source: str | os.PathLike[str],
+    save_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    allow_pickle: bool = False,
+    safe_globals: Iterable[Any] = (),
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """Write a tiercheck step of a DeepSpeed run as DeepSpeed's own files, in one process.
+
+    ``source`` is a local tiercheck directory holding every rank's chunks (one node, or a copy made
+    with ``tiercheck restore``) or a remote URL. Writes ``<save_dir>/<tag>/*.pt`` with
+    ``torch.save`` and ``<save_dir>/latest``; returns the tag. DeepSpeed (and its
+    ``zero_to_fp32.py``) then loads them without tiercheck.
+    """
+    state = load(source, step, allow_pickle=False, storage_options=storage_options)
+    meta = state.pop(_META, None)
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
+        raise CheckpointNotFoundError(f"{os.fspath(source)}: the step was not saved by the DeepSpeed integration")
+    tag = meta["tag"]
+    folder = Path(save_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    allowed = (*_SAFE_GLOBALS, *safe_globals)
+    for name, value in state.items():
+        target = folder / name
+        if not target.resolve().is_relative_to(folder.resolve()):
+            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        obj = _unpack(value, allow_pickle=allow_pickle, safe_globals=allowed, where=str(target))
+        torch.save(obj, target)
+    _write_atomically(os.path.join(save_dir, "latest"), tag.encode())
+    return str(tag)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _commit_info(tag: str, save_dir: str | None, *, save_latest: bool) -> Any:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    return CheckpointCommitInfo(tag=tag, save_dir=save_dir or "", save_latest=save_latest)
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _pack(obj: Any) -> Any:
+    """A copy of ``obj`` tiercheck can store: containers rebuilt (so plain values are captured now),
+    tensors kept by reference (copied when the step is staged), other objects serialised with
+    ``torch.save`` now."""
+    if isinstance(obj, (torch.Tensor, np.ndarray, *_PLAIN)):
+        return obj
+    if isinstance(obj, dict):  # OrderedDict too: tiercheck keeps the order, DeepSpeed needs no more
+        return {k: _pack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_pack(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_pack(v) for v in obj)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return {_OBJECT: buf.getvalue()}
+
+
+def _unpack(obj: Any, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
+    """The inverse of :func:`_pack`."""
+    again = functools.partial(_unpack, allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _OBJECT in obj:
+            return _load_object(obj[_OBJECT], allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
+        return {k: again(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [again(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(again(v) for v in obj)
+    return obj
+
+
+def _load_object(data: bytes, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
+    if allow_pickle:
+        return torch.load(io.BytesIO(data), weights_only=False)
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError (and others) for a type not allowed
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"of type {found.group(1)}" if found else f"that torch.load(weights_only=True) refuses ({e})"
+        raise UnsafeCheckpointError(
+            f"{where}: the checkpoint holds an object {what}, which is not allowed without pickle. "
+            "Pass safe_globals=[TheClass] to install()/export() if you trust it, or allow_pickle=True "
+            "only if you trust where the checkpoint came from"
+        ) from None
+
+
+def _move(obj: Any, map_location: Any) -> Any:
+    """Apply a ``torch.load``-style ``map_location`` that names a device (tensors come back on CPU)."""
+    if map_location is None or callable(map_location):
+        return obj
+    device = torch.device(map_location) if isinstance(map_location, str | torch.device) else None
+    if device is None or device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _move(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_move(v, map_location) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_move(v, map_location) for v in obj)
+    return obj
+
+
+def _find_tag(tier: Tier, tag: str) -> int | None:
+    """The newest committed step on ``tier`` whose metadata names ``tag``."""
+    guess = re.fullmatch(r"global_step(\d+)", tag)
+    steps = list_steps(tier).committed
+    if guess and int(guess.group(1)) in steps:  # DeepSpeed's default tags: try the step they name first
+        steps.remove(int(guess.group(1)))
+        steps.append(int(guess.group(1)))
+    for step in reversed(steps):
+        try:
+            meta = read_manifest(tier, step).metadata
+        except TiercheckError as e:
+            log.warning("tiercheck: ignoring step %d of %s: %s", step, tier.url, e)
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("deepspeed"), dict) and meta["deepspeed"].get("tag") == tag:
+            return step
+    return None
+
+
+def _pointer(ckpt: Checkpointer, step: int, name: str) -> bytes:
+    remote = ckpt.remote.url if ckpt.remote is not None else None
+    doc = {"format": POINTER_FORMAT, "root": str(ckpt.tier.root), "remote": remote, "step": step, "file": name}
+    return (json.dumps(doc) + "\n").encode()
+
+
+def _write_pointers(folder: str, ckpt: Checkpointer, step: int, names: Iterable[str]) -> None:
+    """Small JSON files named like DeepSpeed's, where DeepSpeed looks for them (it globs and
+    checks ``os.path.exists`` before calling ``load``); they say which tiercheck step holds the data."""
+    base = Path(folder).resolve()
+    for name in names:
+        target = (base / name).resolve()
+        if not target.is_relative_to(base):
+            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
+        if target.exists() and _read_pointer(str(target)) is None:
+            continue  # DeepSpeed's own file of the same tag: keep it
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(str(target), _pointer(ckpt, step, name))
+
+
+def _read_pointer(path: str) -> dict[str, Any] | None:
+    """The pointer file's contents, or None when ``path`` is not one (a torch.save file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if not head.startswith(b"{"):
+        return None
+    with contextlib.suppress(ValueError):
+        doc = json.loads(head)
+        if isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT:
+            return doc
+    return None
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
