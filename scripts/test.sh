@@ -10,7 +10,11 @@ fi
 # torch is pinned: 2.13.0 is the CPU build this project tests against (an unpinned torch pulls a
 # multi-GB CUDA build).
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# DeepSpeed builds from source against that torch: no build isolation (it would fetch another torch)
+# and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
+.venv/bin/python -m pip install -q --disable-pip-version-check setuptools wheel
+DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation deepspeed==0.19.8
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,frameworks]'
 # Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
 # npm ci only when node_modules was not installed from this very lock file.
 if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then

@@ -140,3 +140,125 @@ def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) ->
     if stage > 0:
         expected |= {f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(world_size)}
     assert {p["file"] for p in pointers} == expected
+
+
+class Opaque:
+    """A user's object in ``client_state``: not among the types allowed without pickle."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _switch_formats(rank: int, world_size: int, tmp: str) -> None:
+    """DeepSpeed's own checkpoints load with tiercheck installed, and tiercheck's export back to them."""
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    native, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(1, 1))
+    _train(native, range(2), rank)
+    native.save_checkpoint(os.path.join(tmp, "native"), tag="native")  # torch.save files, no tiercheck
+    expected = _snapshot(native)
+
+    engine = _engine(1, 1, seed=1, local=os.path.join(tmp, "node0"))
+    engine.load_checkpoint(os.path.join(tmp, "native"), tag="native")
+    _assert_identical(_snapshot(engine), expected)
+
+    # through tiercheck, then exported back to DeepSpeed's own files
+    _train(engine, range(2, 4), rank)
+    engine.save_checkpoint(os.path.join(tmp, "tc"), tag="mine")
+    engine.checkpoint_engine.flush()
+    expected = _snapshot(engine)
+    assert tiercheck_ds.export(os.path.join(tmp, "node0"), os.path.join(tmp, "exported")) == "mine"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(1, 1))
+    plain.load_checkpoint(os.path.join(tmp, "exported"))  # DeepSpeed alone, reading `latest`
+    _assert_identical(_snapshot(plain), expected)
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(tmp, "exported"))
+    _assert_identical({k: v for k, v in fp32.items()}, expected["module"])
+
+
+def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
+    run_ranks(_switch_formats, 1, str(tmp_path), timeout=120)
+
+
+def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+    from tiercheck.errors import CheckpointNotFoundError, UnsafeCheckpointError
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    save_dir, local = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "node0")
+    engine = _engine(2, 1, seed=0, local=local)
+    _train(engine, range(2), rank)
+    engine.save_checkpoint(save_dir, tag="first", client_state={"obj": Opaque(3)})
+    # decoupled: nothing is committed and `latest` is not written before the next optimizer step
+    assert not os.path.exists(os.path.join(save_dir, "latest"))
+    assert not os.listdir(os.path.join(save_dir, "first"))
+    at_first = _snapshot(engine)
+    _train(engine, range(2, 4), rank)
+    engine.save_checkpoint(save_dir, tag="second")
+    engine.checkpoint_engine.flush()
+    assert Path(save_dir, "latest").read_text() == "second"
+    at_second = _snapshot(engine)
+    engine.destroy()
+
+    fresh = _engine(2, 1, seed=1, local=local)
+    with pytest.raises(UnsafeCheckpointError, match=r"tests\.test_deepspeed\.Opaque"):
+        fresh.load_checkpoint(save_dir, tag="first")
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint with tag 'third'"):
+        fresh.load_checkpoint(save_dir, tag="third")
+    fresh.load_checkpoint(save_dir)  # no tag: the newest
+    _assert_identical(_snapshot(fresh), at_second)
+    fresh.destroy()
+
+    trusting = _engine(2, 1, seed=1, local=local, safe_globals=[Opaque])
+    _, client_state = trusting.load_checkpoint(save_dir, tag="first")
+    assert isinstance(client_state["obj"], Opaque) and client_state["obj"].value == 3
+    _assert_identical(_snapshot(trusting), at_first)
+
+    # DeepSpeed before 0.17.1 calls create(tag) and commit(tag), then writes `latest` itself:
+    # commit must return only once the step is committed
+    ce = trusting.checkpoint_engine
+    assert isinstance(ce, tiercheck_ds.TiercheckCheckpointEngine) and ce.is_decoupled()
+    trusting.global_steps = 9
+    with ce.saving(save_dir):
+        ce.create("legacy")
+        ce.save({"module": trusting.module.state_dict()}, os.path.join(save_dir, "legacy", "mp_rank_00_model_states.pt"))
+        assert not ce.is_decoupled()
+        ce.commit("legacy")
+    assert ce.checkpointer(save_dir).steps()[-1] == 9
+    got = ce.load(os.path.join(save_dir, "legacy", "mp_rank_00_model_states.pt"))  # read alone, by pointer
+    _assert_identical(got["module"], {k: v for k, v in trusting.module.state_dict().items()})
+
+
+def test_tags_latest_after_commit_and_no_unpickling(tmp_path: Path) -> None:
+    run_ranks(_tags_latest_and_pickle, 1, str(tmp_path), timeout=120)
+
+
+def _replaced_node(rank: int, world_size: int, tmp: str, remote: str, options: dict[str, Any]) -> None:
+    import shutil
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    save_dir, local = os.path.join(tmp, "checkpoints"), os.path.join(tmp, f"node{rank}")
+    engine = _engine(2, world_size, seed=0, local=local, remote=remote, remote_options=options)
+    _train(engine, range(2), rank)
+    engine.save_checkpoint(save_dir)
+    _train(engine, range(2, 4), rank)
+    expected = _snapshot(engine)
+    engine.destroy()  # waits for the drain to the remote tier too
+    if rank == 1:
+        shutil.rmtree(local)  # node 1 is replaced: its local copy is gone
+    torch.distributed.barrier()
+    fresh = _engine(2, world_size, seed=1, local=local, remote=remote, remote_options=options)
+    fresh.load_checkpoint(save_dir)
+    _train(fresh, range(2, 4), rank)
+    _assert_identical(_snapshot(fresh), expected)
+    fresh.destroy()
+
+
+def test_replaced_node_restores_from_the_remote_tier(tmp_path: Path, s3_server: Any, s3_bucket: str) -> None:
+    run_ranks(_replaced_node, 2, str(tmp_path), f"s3://{s3_bucket}/ds", s3_server.storage_options(), timeout=180)

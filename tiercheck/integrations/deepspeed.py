@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,6 @@ import torch.distributed as dist
 from ..checkpointer import Checkpointer, load
 from ..commit import list_steps, read_manifest
 from ..errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
-from ..pipeline import SaveHandle
 from ..tiers.base import Tier
 
 try:
@@ -120,7 +119,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         self._pending: _Pending | None = None
         self._legacy = False  # DeepSpeed < 0.17.1: create(tag) / commit(tag), and commit must be synchronous
         self._restored: dict[str, Any] = {}  # absolute file path -> packed contents, during load_checkpoint
-        self._handles: list[SaveHandle] = []
+        self._published: list[Future[None]] = []  # per save: done once committed and its pointers written
         self._lock = threading.Lock()
         self._saving: str | None = None  # save_dir, inside engine.save_checkpoint (set by install's wrapper)
 
@@ -163,9 +162,9 @@ class TiercheckCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: Any) -> bool:
         """Hand the recorded files to tiercheck (fenced at the next optimizer step by DeepSpeed)."""
-        handle = self._commit_pending()
-        if self._legacy and handle is not None:
-            handle.wait()  # old DeepSpeed writes `latest` as soon as commit returns
+        published = self._commit_pending()
+        if self._legacy and published is not None:
+            published.result()  # old DeepSpeed writes `latest` as soon as commit returns
         return True
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -207,9 +206,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         """Commit the pending checkpoint and wait until every save is committed; raise a failure."""
         if self._pending is not None:
             self._commit_pending()
-        for ckpt in self._checkpointers.values():
-            ckpt.wait()
-        self._raise_failed_saves()
+        self._raise_failed_saves(wait=True)
 
     def checkpointer(self, save_dir: str) -> Checkpointer:
         """The Checkpointer for ``save_dir`` (every rank calls this together the first time)."""
@@ -228,7 +225,13 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         ckpt = self.checkpointer(load_dir)
         step = None if tag is None else self._step_of_tag(ckpt, tag)
         if tag is not None and step is None:
-            return tag  # not a tiercheck checkpoint: DeepSpeed's own files, if any
+            if os.path.isdir(os.path.join(load_dir, tag)):
+                return tag  # not a tiercheck checkpoint: DeepSpeed's own files
+            raise CheckpointNotFoundError(
+                f"no checkpoint with tag {tag!r}: no tiercheck step of {ckpt.tier.url}"
+                + (f" or {ckpt.remote.url}" if ckpt.remote is not None else "")
+                + f" has it, and {os.path.join(load_dir, tag)} does not exist"
+            )
         self._state.clear()
         got = ckpt.restore(step, strict=False, others=self._wanted)
         if got is None:
@@ -245,10 +248,20 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         log.info("tiercheck: restoring DeepSpeed checkpoint %r (step %d) from %s", tag, got, ckpt.tier.url)
         return str(tag)
 
+    @contextlib.contextmanager
+    def saving(self, save_dir: str | os.PathLike[str]) -> Iterator[None]:
+        """Within this, ``create``/``save``/``commit`` make a checkpoint in ``save_dir`` (install()
+        wraps ``engine.save_checkpoint`` in it); outside, files are written with ``torch.save``."""
+        self._saving = os.fspath(save_dir)
+        try:
+            yield
+        finally:
+            self._saving = None
+
     def finish_load(self) -> None:
         self._restored = {}
 
-    def _commit_pending(self) -> SaveHandle | None:
+    def _commit_pending(self) -> Future[None] | None:
         p, self._pending = self._pending, None
         if p is None:
             return None
@@ -260,35 +273,42 @@ class TiercheckCheckpointEngine(CheckpointEngine):
             handle = ckpt.save(p.step, metadata={"deepspeed": {"tag": p.tag}})
         finally:
             self._state.clear()  # the pipeline holds its own copy once save() returns
+        published: Future[None] = Future()
         with self._lock:
-            self._handles.append(handle)
-        folder = os.path.join(p.save_dir, p.tag)
-        names = sorted(p.files)
+            self._published.append(published)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         handle.committed.add_done_callback(
-            functools.partial(self._on_committed, ckpt, p, folder, names, rank0 and p.save_latest)
+            functools.partial(self._on_committed, ckpt, p, rank0 and p.save_latest, published)
         )
-        return handle
+        return published
 
     def _on_committed(
-        self, ckpt: Checkpointer, p: _Pending, folder: str, names: list[str], latest: bool, done: Future[Any]
+        self, ckpt: Checkpointer, p: _Pending, latest: bool, published: Future[None], done: Future[Any]
     ) -> None:
-        if done.exception() is not None:
-            log.error("tiercheck: DeepSpeed checkpoint %r (step %d) failed: %s", p.tag, p.step, done.exception())
+        """On the commit thread: the pointer files, then ``latest``, once the step is committed."""
+        exc = done.exception()
+        if exc is not None:
+            log.error("tiercheck: DeepSpeed checkpoint %r (step %d) failed: %s", p.tag, p.step, exc)
+            published.set_exception(exc)
             return
+        folder = os.path.join(p.save_dir, p.tag)
         try:
-            _write_pointers(folder, ckpt, p.step, names)
+            _write_pointers(folder, ckpt, p.step, sorted(p.files))
             if latest:
                 _write_atomically(os.path.join(p.save_dir, "latest"), p.tag.encode())
         except OSError as e:
             log.error("tiercheck: step %d is committed, but writing its pointers in %s failed: %s", p.step, folder, e)
+            published.set_exception(e)
+            return
+        published.set_result(None)
 
-    def _raise_failed_saves(self) -> None:
+    def _raise_failed_saves(self, *, wait: bool = False) -> None:
+        """Raise the failure of a save (each once); with ``wait``, after waiting for every save."""
         with self._lock:
-            done = [h for h in self._handles if h.committed.done()]
-            self._handles = [h for h in self._handles if not h.committed.done()]
-        for h in done:
-            exc = h.committed.exception()
+            done = [f for f in self._published if wait or f.done()]
+            self._published = [f for f in self._published if f not in done]
+        for f in done:
+            exc = f.exception()  # waits
             if exc is not None:
                 raise exc
 
@@ -394,11 +414,8 @@ def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
 
     @functools.wraps(original_save)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
-        ours._saving = os.fspath(save_dir)
-        try:
+        with ours.saving(save_dir):
             return original_save(save_dir, *args, **kwargs)
-        finally:
-            ours._saving = None
 
     @functools.wraps(original)
     def load_checkpoint(load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any) -> Any:
