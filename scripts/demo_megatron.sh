@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Megatron-core + tiercheck: kill a tensor-parallel training run (2 ranks, CPU) with SIGKILL at a random
+# moment, start it again so it resumes from its newest finished checkpoint, and check that the result is
+# bit-identical to an uninterrupted run. Creates .venv in the repo root if it is missing.
+#
+#   bash scripts/demo_megatron.sh            # a random kill moment
+#   bash scripts/demo_megatron.sh 7          # replay one (the seed of the kill moment)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SEED="${1:-$RANDOM}"
+STEPS=60
+EVERY=10
+SLEEP=0.1  # seconds per iteration of run 1, so that the kill lands mid-run
+WORK="$ROOT/runs/demo-megatron"
+PY=.venv/bin/python
+
+if [[ ! -x $PY ]]; then
+    echo "==> creating .venv"
+    python3 -m venv .venv
+fi
+if ! $PY -c "import tiercheck, megatron.core, psutil" >/dev/null 2>&1; then
+    echo "==> installing torch 2.13.0 (CPU), megatron-core 0.16.1, psutil and tiercheck (editable) into .venv"
+    log="$(mktemp)"
+    # torch pinned to the CPU build this project is tested with; psutil is a dependency megatron-core
+    # does not declare.
+    if ! $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 megatron-core==0.16.1 psutil -e . \
+        >"$log" 2>&1; then
+        cat "$log" >&2
+        exit 1
+    fi
+    rm -f "$log"
+fi
+
+RANDOM=$SEED
+KILL_AT=$((2 * EVERY + RANDOM % (STEPS * 3 / 4 - 2 * EVERY)))
+rm -rf "$WORK"
+mkdir -p "$WORK"
+train=("$PY" -u examples/megatron_train.py "--steps=$STEPS" "--every=$EVERY")
+echo "tiercheck + Megatron-core kill-and-resume demo (seed $SEED; replay: bash scripts/demo_megatron.sh $SEED)"
+
+echo
+echo "==> 1/4  reference run: no checkpoints, never interrupted"
+"${train[@]}" "--out=$WORK/reference.pt" | sed 's/^/[reference] /'
+
+echo
+echo "==> 2/4  run 1: async checkpoints every $EVERY iterations in $WORK/ckpt; SIGKILL after iteration $KILL_AT"
+set -m  # run 1 gets a process group of its own: the kill takes its ranks and helper processes at once
+"${train[@]}" "--step-sleep=$SLEEP" "--ckpt-dir=$WORK/ckpt" >"$WORK/run1.log" 2>&1 &
+pid=$!
+set +m
+# Follow run 1's output until it reports the kill iteration (tail ends when run 1 does).
+while IFS= read -r line; do
+    echo "[run 1] $line"
+    if [[ $line == "step $KILL_AT "* ]]; then
+        break
+    fi
+done < <(tail -n +1 -f --pid="$pid" "$WORK/run1.log")
+kill -KILL -- "-$pid" 2>/dev/null || true
+status=0
+wait "$pid" || status=$?
+if [[ $status -ne 137 ]]; then
+    echo "run 1 was not killed (exit status $status); FAIL"
+    exit 2
+fi
+echo "==> KILLED run 1 with SIGKILL after iteration $KILL_AT"
+
+echo
+echo "==> 3/4  on disk after the kill"
+for d in "$WORK"/ckpt/iter_*; do
+    if [[ -f $d/metadata.json ]]; then
+        echo "    $(basename "$d")/  finished: $(tr -d '\n' <"$d/tiercheck.json" | grep -o '"step": *[0-9]*') in $WORK/ckpt/local"
+    else
+        echo "    $(basename "$d")/  never finished (no metadata.json): ignored"
+    fi
+done
+echo "    latest_checkpointed_iteration.txt: $(cat "$WORK/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null || echo none)"
+
+echo
+echo "==> 4/4  run 2: the same command again; it resumes and finishes"
+"${train[@]}" "--ckpt-dir=$WORK/ckpt" "--out=$WORK/resumed.pt" | sed 's/^/[run 2] /'
+
+echo
+echo "==> result"
+$PY - "$WORK/reference.pt" "$WORK/resumed.pt" <<'EOF'
+import sys
+
+import torch
+
+ref, got = (torch.load(p, weights_only=True) for p in sys.argv[1:3])
+bad = [
+    f"rank {r} {name}"
+    for r, (a, b) in enumerate(zip(ref["ranks"], got["ranks"], strict=True))
+    for name in a
+    if not torch.equal(a[name], b[name])
+]
+n = sum(len(r) for r in ref["ranks"])
+print(f"    final loss  reference {ref['final_loss']!r}, resumed {got['final_loss']!r}")
+print(f"    {n - len(bad)}/{n} tensors (parameters and Adam state of both ranks) bit-identical")
+if bad or ref["final_loss"] != got["final_loss"]:
+    print(f"FAIL: differ: {bad}")
+    sys.exit(1)
+print("PASS: the killed and resumed run ends bit-identical to the uninterrupted one")
+EOF

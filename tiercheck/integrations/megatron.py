@@ -1,0 +1,733 @@
+"""Megatron-core ``dist_checkpointing`` through tiercheck's tiers.
+
+``install()`` registers a save and a load strategy for the backend ``"tiercheck"``:
+
+    backend = tiercheck.integrations.megatron.install(local="/nvme/ckpt/run1", remote="s3://bucket/run1")
+    dist_checkpointing.save(sharded_state_dict, "ckpts/iter_0000100", sharded_strategy=("tiercheck", 1))
+    state = dist_checkpointing.load(sharded_state_dict, "ckpts/iter_0000100")  # metadata.json names tiercheck
+
+The ``ShardedTensor`` / ``ShardedObject`` part of the state becomes one tiercheck step, loadable into any
+TP / PP / DP layout. Megatron keeps its own files in the checkpoint directory (``common.pt``,
+``metadata.json``); ``tiercheck.json`` there names the tiercheck root and step holding the data.
+
+The mapping (``layouts_of``, ``merge_layouts``, ``shard_pieces``: plain functions, no strategy class):
+
+- A ShardedTensor's global shape and offset make it a ``tiercheck.Shard``: a box of a global tensor.
+  Replicas (``replica_id``) hold the same box; each chunk is written once, the writing spread over them
+  (as Megatron's fully-parallel save assumes, replicas hold equal values).
+- Prepended axes (stacked layers, experts) become one array per index, so a rank may hold any number of
+  layers of a key and another PP layout still finds them. Several pieces of one key in one layer on one
+  rank (Megatron's SwiGLU gate / up split) become one array per equal part of the axis they lie on.
+- ``flattened_range`` pieces (the legacy distributed-optimizer formats) are no box and are refused.
+- A ShardedObject is stored once per ``unique_key`` (by its main replica) as tagged JSON, tensors and numpy
+  arrays as arrays; values needing pickle only with ``allow_pickle=True``, for saving and for loading.
+
+Megatron-core 0.16 is supported. 0.17 removed the strategy registry and replaces save strategies that are
+not ``TorchDistSaveShardedStrategy``; it would take one more thin class (a ``TorchDistSaveShardedStrategy``
+subclass whose ``async_save`` calls :meth:`TiercheckBackend.async_save`), not a new mapping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import threading
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..checkpointer import Checkpointer
+from ..errors import (
+    CheckpointNotFoundError,
+    CoordinationError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    TiercheckError,
+    UnsupportedValueError,
+)
+from ..flatten import dtype_name, flatten, torch_dtype
+from ..pipeline import SaveHandle
+from ..sharding import Shard
+
+try:
+    with warnings.catch_warnings():
+        # Noise of megatron-core's own import: deprecated torch.jit APIs, and no Transformer Engine / Apex.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+        from megatron.core.dist_checkpointing.strategies import base as _strategies
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+        from megatron.core.package_info import __version__ as MEGATRON_CORE_VERSION
+except ImportError as _e:  # psutil is a dependency megatron-core does not declare
+    raise ImportError(
+        f"tiercheck.integrations.megatron needs megatron-core (pip install megatron-core psutil): {_e}"
+    ) from _e
+
+__all__ = [
+    "BACKEND",
+    "POINTER_FILE",
+    "VERSION",
+    "KeyLayout",
+    "TiercheckBackend",
+    "TiercheckLoadStrategy",
+    "TiercheckSaveStrategy",
+    "install",
+    "layouts_of",
+    "merge_layouts",
+    "read_pointer",
+    "shard_pieces",
+]
+
+BACKEND = "tiercheck"
+VERSION = 1
+POINTER_FILE = "tiercheck.json"
+_POINTER_FORMAT = "tiercheck-megatron"
+_CHECKPOINTER_OPTIONS = frozenset(
+    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "allow_pickle"}
+)
+_ITERATION = re.compile(r"(\d+)$")
+
+
+# ------------------------------------------------------------------------------- the mapping
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    """How the global tensor of one Megatron key is kept as tiercheck arrays.
+
+    ``prepend`` leading axes are split into one array per index (layers, experts); after them, with
+    ``parts = (axis, n)``, the axis is cut into ``n`` equal parts kept as separate arrays.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    prepend: int = 0
+    parts: tuple[int, int] | None = None
+
+    def to_json(self) -> list[Any]:
+        return [self.dtype, list(self.shape), self.prepend, list(self.parts) if self.parts else None]
+
+    @classmethod
+    def from_json(cls, doc: Any, *, where: str) -> KeyLayout:
+        try:
+            dtype, shape, prepend, parts = doc
+            a, n = parts if parts is not None else (0, 0)
+            return cls(str(dtype), tuple(int(s) for s in shape), int(prepend), (int(a), int(n)) if parts else None)
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed tensor layout {doc!r} ({e})") from None
+
+
+def _check_box(st: Any) -> None:
+    if getattr(st, "flattened_range", None) is not None:
+        raise UnsupportedValueError(
+            f"ShardedTensor {st.key!r} is flattened (flattened_range={st.flattened_range}): Megatron's legacy "
+            "distributed-optimizer formats keep slices of a flattened tensor, which are no box of the global "
+            "tensor. Save the optimizer with metadata={'distrib_optim_sharding_type': 'fully_reshardable'}"
+        )
+
+
+def layouts_of(tensors: Iterable[Any]) -> dict[str, KeyLayout]:
+    """Each key's layout as this rank's ``ShardedTensor``s show it (``merge_layouts`` joins the ranks')."""
+    first: dict[str, Any] = {}
+    groups: dict[tuple[str, tuple[int, ...]], list[Any]] = defaultdict(list)
+    for st in tensors:
+        _check_box(st)
+        f = first.setdefault(st.key, st)
+        if (st.dtype, tuple(st.global_shape), st.prepend_axis_num) != (
+            f.dtype,
+            tuple(f.global_shape),
+            f.prepend_axis_num,
+        ):
+            raise IncompatibleStateError(
+                f"ShardedTensor {st.key!r}: pieces on this rank disagree on the global tensor "
+                f"({f.dtype}{list(f.global_shape)}, {f.prepend_axis_num} prepended axes vs "
+                f"{st.dtype}{list(st.global_shape)}, {st.prepend_axis_num})"
+            )
+        groups[(st.key, tuple(st.global_offset[: st.prepend_axis_num]))].append(st)
+    parts: dict[str, tuple[int, int] | None] = {}
+    for (key, _), pieces in groups.items():
+        found = _equal_parts(key, pieces)
+        if parts.setdefault(key, found) != found:
+            raise UnsupportedValueError(f"ShardedTensor {key!r}: layers of it are split differently on this rank")
+    return {
+        key: KeyLayout(dtype_name(st.dtype), tuple(st.global_shape), st.prepend_axis_num, parts.get(key))
+        for key, st in first.items()
+    }
+
+
+def _equal_parts(key: str, pieces: list[Any]) -> tuple[int, int] | None:
+    """None for one piece per layer; (axis, n) when n pieces lie one in each of n equal parts of one axis
+    (SwiGLU's gate and up halves); else an error."""
+    p = pieces[0].prepend_axis_num
+    shape = tuple(pieces[0].global_shape)[p:]
+    boxes = sorted({(tuple(st.global_offset)[p:], tuple(st.local_shape)) for st in pieces})
+    n = len(boxes)
+    if n == 1:
+        return None
+    differ = [d for d in range(len(shape)) if len({o[d] for o, _ in boxes}) > 1]
+    if len(differ) == 1:
+        a = differ[0]
+        size = shape[a] // n
+        if size > 0 and shape[a] % n == 0:
+            boxes.sort(key=lambda b: b[0][a])
+            if all(j * size <= o[a] and o[a] + s[a] <= (j + 1) * size for j, (o, s) in enumerate(boxes)):
+                return a, n
+    raise UnsupportedValueError(
+        f"ShardedTensor {key!r}: this rank holds {n} pieces of it in one layer "
+        f"(offsets {[list(o) for o, _ in boxes]}) that do not lie one in each equal part of one axis, "
+        "so they cannot be named independently of the parallel layout"
+    )
+
+
+def merge_layouts(per_rank: Iterable[dict[str, KeyLayout]]) -> dict[str, KeyLayout]:
+    """Every rank's layouts as one: the same on every rank, so all name the arrays alike."""
+    out: dict[str, KeyLayout] = {}
+    for rank, layouts in enumerate(per_rank):
+        for key, lay in layouts.items():
+            have = out.setdefault(key, lay)
+            if (have.dtype, have.shape, have.prepend) != (lay.dtype, lay.shape, lay.prepend):
+                raise IncompatibleStateError(
+                    f"ShardedTensor {key!r}: rank {rank} has {lay.dtype}{list(lay.shape)} with {lay.prepend} "
+                    f"prepended axes, another rank {have.dtype}{list(have.shape)} with {have.prepend}"
+                )
+            if lay.parts is not None and have.parts != lay.parts:
+                if have.parts is not None:
+                    raise UnsupportedValueError(
+                        f"ShardedTensor {key!r}: ranks split it into different parts ({have.parts} vs {lay.parts})"
+                    )
+                out[key] = lay
+    return out
+
+
+def shard_pieces(
+    st: Any, layout: KeyLayout, data: torch.Tensor | None = None, *, clip: bool = False
+) -> list[tuple[tuple[str, ...], Shard]]:
+    """``st``'s local tensor (or ``data``) as tiercheck Shards: (place under the key, Shard) pairs.
+
+    Every Shard's local tensor is a view of the data, so restoring fills the data in place. With ``clip``
+    (loading), a tensor marked ``allow_shape_mismatch`` whose stored global shape differs gets the part of
+    it the checkpoint covers; the rest keeps its values.
+    """
+    _check_box(st)
+    full = st.data if data is None else data
+    for _ in range(st.prepend_axis_num):
+        full = full.unsqueeze(0)
+    offs = tuple(int(o) for o in st.global_offset)
+    shape = layout.shape
+    if len(shape) != len(offs) or (tuple(st.global_shape) != shape and not (clip and st.allow_shape_mismatch)):
+        raise IncompatibleStateError(
+            f"ShardedTensor {st.key!r}: the checkpoint holds a global tensor of shape {list(shape)}, "
+            f"the state asks for {list(st.global_shape)}"
+        )
+    for d in range(len(shape)):
+        full = full.narrow(d, 0, max(0, min(full.shape[d], shape[d] - offs[d])))
+    if full.numel() == 0 and math.prod(shape) > 0:
+        return []  # nothing of the stored tensor (a clipped piece wholly outside it)
+    p = layout.prepend
+    out: list[tuple[tuple[str, ...], Shard]] = []
+    for idx in itertools.product(*(range(offs[d], offs[d] + full.shape[d]) for d in range(p))):
+        piece = full[tuple(i - offs[d] for d, i in enumerate(idx))] if p else full
+        here, inner = tuple(str(i) for i in idx), shape[p:]
+        if layout.parts is None:
+            out.append((here, Shard(piece, global_shape=inner, offsets=offs[p:])))
+            continue
+        a, n = layout.parts
+        size = inner[a] // n
+        lo, hi = offs[p + a], offs[p + a] + piece.shape[a]
+        for j in range(lo // size, -(-hi // size)):
+            start, stop = max(lo, j * size), min(hi, (j + 1) * size)
+            o, g = list(offs[p:]), list(inner)
+            o[a], g[a] = start - j * size, size
+            out.append(
+                ((*here, f"part{j}"), Shard(piece.narrow(a, start - lo, stop - start), global_shape=g, offsets=o))
+            )
+    return out
+
+
+def _put(tree: dict[str, Any], place: tuple[str, ...], shard: Shard) -> Shard | None:
+    """Place ``shard`` in the nested state; returns the Shard already there (a second copy on this rank)."""
+    node = tree
+    for name in place[:-1]:
+        nxt = node.setdefault(name, {})
+        if not isinstance(nxt, dict):
+            raise IncompatibleStateError(f"ShardedTensor {place[0]!r}: pieces at {list(place)} clash")
+        node = nxt
+    have = node.get(place[-1])
+    if have is None:
+        node[place[-1]] = shard
+        return None
+    if not isinstance(have, Shard) or (have.offsets, have.local.shape) != (shard.offsets, shard.local.shape):
+        raise IncompatibleStateError(f"ShardedTensor {place[0]!r}: two different pieces at {list(place[1:])}")
+    return have
+
+
+def _tensor_state(
+    tensors: list[Any], layouts: dict[str, KeyLayout], *, loading: bool, where: str
+) -> tuple[dict[str, Any], dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The ``tensors`` entry of tiercheck's state; each ShardedTensor's local tensor (by id); and, when
+    loading, (copy, original) pairs of pieces a rank holds twice, to fill after the restore."""
+    tree: dict[str, Any] = {}
+    data: dict[int, torch.Tensor] = {}
+    twins: list[tuple[torch.Tensor, torch.Tensor]] = []
+    missing = sorted({st.key for st in tensors if st.key not in layouts})
+    if missing:
+        raise IncompatibleStateError(f"{where}: the checkpoint has no tensor {', '.join(map(repr, missing))}")
+    for st in tensors:
+        t = st.data
+        if t is None and loading:
+            t = torch.empty(st.local_shape, dtype=st.dtype)
+        data[id(st)] = t
+        for place, shard in shard_pieces(st, layouts[st.key], t, clip=loading):
+            first = _put(tree, (st.key, *place), shard)
+            if first is not None and first.local is not shard.local:
+                twins.append((shard.local, first.local))
+    return tree, data, twins
+
+
+# ------------------------------------------------------------------------------- async commits
+
+
+class _AwaitCommit:
+    """The ``async_fn`` of an AsyncRequest: returns once tiercheck committed the step (or failed).
+
+    tiercheck's threads do the writing; this only waits. Megatron's ``AsyncCallsQueue`` runs it in a forked
+    process, whose liveness it polls: the child learns the outcome through a pipe. In the saving process
+    (``AsyncRequest.execute_sync``) it waits on the handle. Pickled into another process (the persistent
+    worker) it returns at once. Either way the finalize function waits too, and raises the save's error.
+    """
+
+    def __init__(self, handle: SaveHandle) -> None:
+        self._handle: SaveHandle | None = handle
+        self._pid = os.getpid()
+        self._read: int | None
+        self._read, self._write = os.pipe()
+        self._pipe = os.fstat(self._read).st_ino
+        self._lock = threading.Lock()
+        self._written = self._closing = False
+        handle.committed.add_done_callback(self._signal)
+
+    def _signal(self, fut: Any) -> None:
+        with self._lock:
+            os.write(self._write, b"\x01" if fut.exception() is None else b"\x00")  # a pipe: never blocks
+            os.close(self._write)
+            self._written = True
+            if self._closing:
+                self._close_read()
+
+    def __call__(self) -> None:
+        if os.getpid() == self._pid and self._handle is not None:
+            self._handle.committed.exception()  # waits; the finalize function raises
+        elif self._read is not None:  # a forked child
+            try:  # drop its copy of the write end (if still open) so that the parent's death ends the read
+                if os.fstat(self._write).st_ino == self._pipe:
+                    os.close(self._write)
+            except OSError:
+                pass
+            os.read(self._read, 1)
+
+    def close(self) -> None:
+        """Close the read end, once the outcome is written (a reader-less pipe would fail the write)."""
+        with self._lock:
+            if self._written:
+                self._close_read()
+            else:
+                self._closing = True
+
+    def _close_read(self) -> None:
+        if self._read is not None:
+            os.close(self._read)
+            self._read = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_handle": None, "_pid": -1, "_read": None}
+
+
+# ------------------------------------------------------------------------------- the backend
+
+
+@dataclass
+class _Root:
+    ckpt: Checkpointer
+    state: dict[str, Any]  # the mapping the Checkpointer saves: refilled before every save / restore
+    one_shot: bool  # a Checkpointer for one checkpoint directory, closed after its save / load
+
+
+class TiercheckBackend:
+    """Saves and loads Megatron sharded state dicts as tiercheck steps; what ``install()`` registers.
+
+    ``local``: this node's tiercheck root (every rank passes its own node's path). One Checkpointer per
+    root is created on the first save or load (every rank together, as Megatron calls them) and reused,
+    so its host staging memory and save plan carry over between saves. ``None``: the data goes into each
+    checkpoint directory itself, with a Checkpointer per save (closed when the save is final).
+    ``remote``: a URL the local steps drain to. Other keyword options go to every ``tiercheck.Checkpointer``.
+
+    The tiercheck step of a save is the number ending the directory name (``iter_0000100`` -> 100) when that
+    step is free and newer than every step of the root, else the next free number; ``tiercheck.json`` in the
+    checkpoint directory records it.
+    """
+
+    def __init__(
+        self, *, local: str | os.PathLike[str] | None = None, remote: str | None = None, **checkpointer_options: Any
+    ) -> None:
+        unknown = sorted(set(checkpointer_options) - _CHECKPOINTER_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"unknown Checkpointer option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_CHECKPOINTER_OPTIONS))}"
+            )
+        self.local = None if local is None else Path(local).absolute()
+        self.remote = remote
+        self.options = checkpointer_options
+        self.allow_pickle = bool(checkpointer_options.get("allow_pickle", False))
+        self.group = checkpointer_options.get("process_group")
+        self.save_strategy = TiercheckSaveStrategy(self)
+        self.load_strategy = TiercheckLoadStrategy(self)
+        self._roots: dict[tuple[str, str | None], _Root] = {}
+        self._sent: str | None = None  # the description this rank last sent to the others
+        self._described: list[dict[str, Any]] = []  # every rank's latest description
+
+    # -- saving
+
+    def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> Any:
+        """Start saving; returns Megatron's ``AsyncRequest`` (schedule it, or ``execute_sync()`` it).
+
+        Returns once the state is copied to host memory; tiercheck writes and commits in the background.
+        The request's ``async_fn`` waits for the commit; its finalize function (on the training thread)
+        raises the save's error, if any, and writes ``tiercheck.json``.
+        """
+        try:
+            tensors, objects = _sharded_values(sharded_state_dict)
+            saved = {o.unique_key: o.data for o in objects if is_main_replica(o.replica_id)}
+            flatten({"objects": saved}, allow_pickle=self.allow_pickle)  # an object that cannot be stored fails here
+            mine: dict[str, Any] = {
+                "tensors": {k: v.to_json() for k, v in layouts_of(tensors).items()},
+                "objects": sorted(saved),
+            }
+            failure: BaseException | None = None
+        except (TiercheckError, CheckpointingException) as e:  # told to the other ranks, then raised
+            mine, failure = {}, e
+        root = self._root(Path(checkpoint_dir).absolute() if self.local is None else self.local, self.remote)
+        try:
+            step, layouts, object_keys = self._agree(root.ckpt, Path(checkpoint_dir), mine, failure)
+            tree, _, _ = _tensor_state(tensors, layouts, loading=False, where=str(checkpoint_dir))
+            root.state.clear()
+            root.state.update(tensors=tree, objects=saved)
+            description = {"tensors": {k: v.to_json() for k, v in layouts.items()}, "objects": object_keys}
+            handle = root.ckpt.save(step, metadata={"megatron": {"checkpoint_dir": str(checkpoint_dir), **description}})
+        except BaseException:
+            if root.one_shot:
+                root.ckpt.close()
+            raise
+        finally:
+            root.state.clear()  # the host copy is taken: hold no references to the model's tensors
+        pointer = {
+            "format": _POINTER_FORMAT,
+            "version": VERSION,
+            "step": step,
+            "local": "." if root.one_shot else str(self.local),
+            "remote": self.remote,
+            "tiercheck": __version__,
+            "megatron_core": MEGATRON_CORE_VERSION,
+            **description,
+        }
+        waiter = _AwaitCommit(handle)
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+
+        def finalize() -> None:
+            try:
+                handle.wait()
+            finally:
+                waiter.close()
+                if root.one_shot:
+                    root.ckpt.close()
+            if rank == 0:
+                _write_pointer(Path(checkpoint_dir), pointer)
+
+        return AsyncRequest(waiter, (), [finalize])
+
+    def _agree(
+        self, ckpt: Checkpointer, checkpoint_dir: Path, mine: dict[str, Any], failure: BaseException | None
+    ) -> tuple[int, dict[str, KeyLayout], list[str]]:
+        """Every rank's step proposal and (when changed) description, in one all-gather on the training
+        thread: the step number, the merged tensor layouts and the saved objects' keys. A rank that could
+        not describe its state says so here, and every rank raises."""
+        local = ckpt.status()["local"]
+        taken = set(local["committed"]) | set(local["inflight"])
+        m = _ITERATION.search(checkpoint_dir.name)
+        wanted = int(m.group(1)) if m else None
+        text = json.dumps(mine, sort_keys=True)
+        proposal = {
+            "wanted": wanted,
+            "free": wanted is not None and wanted not in taken and wanted > max(taken, default=-1),
+            "newest": max(taken, default=-1),
+            "described": None if text == self._sent or failure is not None else mine,
+            "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+        }
+        everyone = _all_gather(proposal, ckpt.world_size, self.group)
+        _raise_first(everyone, failure)
+        self._sent = text
+        if len(self._described) != len(everyone):
+            self._described = [{} for _ in everyone]
+        for r, p in enumerate(everyone):
+            if p["described"] is not None:
+                self._described[r] = p["described"]
+        if wanted is not None and all(p["wanted"] == wanted and p["free"] for p in everyone):
+            step = wanted
+        else:
+            step = max(p["newest"] for p in everyone) + 1
+        where = f"saving {checkpoint_dir}"
+        layouts = merge_layouts(
+            {k: KeyLayout.from_json(v, where=where) for k, v in d.get("tensors", {}).items()} for d in self._described
+        )
+        objects = sorted({k for d in self._described for k in d.get("objects", [])})
+        return step, layouts, objects
+
+    # -- loading
+
+    def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        """Fill the state dict's ShardedTensors (in place where they have data) and ShardedObjects from the
+        step ``tiercheck.json`` names; returns the same structure with tensors and values in their place."""
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        try:
+            pointer = read_pointer(checkpoint_dir)
+            where = f"{checkpoint_dir} (tiercheck step {pointer['step']})"
+            layouts = {k: KeyLayout.from_json(v, where=where) for k, v in pointer["tensors"].items()}
+            tensors, objects = _sharded_values(sharded_state_dict)
+            absent = sorted({o.unique_key for o in objects} - set(pointer["objects"]))
+            if absent:
+                raise IncompatibleStateError(f"{where}: the checkpoint has no object {', '.join(map(repr, absent))}")
+            tree, data, twins = _tensor_state(tensors, layouts, loading=True, where=where)
+            failure: BaseException | None = None
+        except (TiercheckError, CheckpointingException) as e:  # every rank learns it before a collective waits
+            failure = e
+        mine = {"error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+        _raise_first(_all_gather(mine, world, self.group), failure)
+        # Data saved into the checkpoint directory stays there; else this node's root (or the saver's).
+        local = Path(checkpoint_dir).absolute() if pointer["local"] == "." else self.local or Path(pointer["local"])
+        root = self._root(local, self.remote if self.remote is not None else pointer["remote"])
+        values: dict[str, Any] = {o.unique_key: None for o in objects}
+        try:
+            root.state.clear()
+            root.state.update(tensors=tree, objects=values)
+            root.ckpt.restore(pointer["step"], allow_pickle=self.allow_pickle)
+        finally:
+            root.state.clear()
+            if root.one_shot:
+                root.ckpt.close()
+        lost = sorted(set(o.unique_key for o in objects) - set(values))
+        if lost:
+            raise CorruptCheckpointError(f"{where}: no saving rank stored object {', '.join(map(repr, lost))}")
+        with torch.no_grad():
+            for copy, original in twins:
+                copy.copy_(original)
+
+        def loaded(v: Any) -> Any:
+            if isinstance(v, ShardedTensor):
+                return data[id(v)]
+            if isinstance(v, ShardedObject):
+                return values[v.unique_key]
+            return v
+
+        return dict_list_map_outplace(loaded, sharded_state_dict)  # type: ignore[no-any-return]
+
+    # -- Checkpointers
+
+    def _root(self, local: Path, remote: str | None) -> _Root:
+        """The Checkpointer for a local root (created by every rank together the first time)."""
+        one_shot = self.local is None or local != self.local
+        key = (str(local), remote)
+        root = self._roots.get(key)
+        if root is None:
+            state: dict[str, Any] = {}
+            ckpt = Checkpointer(state, local=local, remote=remote, **self.options)
+            root = _Root(ckpt, state, one_shot)
+            if not one_shot:
+                self._roots[key] = root
+        return root
+
+    def close(self) -> None:
+        """Wait for in-flight saves and drains of the reused Checkpointers, and close them."""
+        roots, self._roots = list(self._roots.values()), {}
+        for root in roots:
+            root.ckpt.close()
+
+
+def _all_gather(obj: Any, world_size: int, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (a collective on the training thread, as Megatron's own save and load run)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _raise_first(everyone: list[Any], own: BaseException | None) -> None:
+    if own is not None:
+        raise own
+    for rank, doc in enumerate(everyone):
+        if doc.get("error"):
+            raise CoordinationError(f"rank {rank} failed, so this rank stops too: {doc['error']}")
+
+
+def _sharded_values(sharded_state_dict: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    tensors: list[Any] = []
+    objects: list[Any] = []
+    for v in nested_values(sharded_state_dict):
+        if isinstance(v, ShardedTensor):
+            tensors.append(v)
+        elif isinstance(v, ShardedObject):
+            objects.append(v)
+        else:
+            raise UnsupportedValueError(
+                f"tiercheck's Megatron strategy got a {type(v).__qualname__} among the sharded values; "
+                "expected ShardedTensor or ShardedObject (factories are applied by dist_checkpointing.save/load)"
+            )
+    return tensors, objects
+
+
+# ------------------------------------------------------------------------------- tiercheck.json
+
+
+def _write_pointer(checkpoint_dir: Path, pointer: dict[str, Any]) -> None:
+    """Write ``tiercheck.json`` durably and atomically (before Megatron writes ``metadata.json``)."""
+    path = checkpoint_dir / POINTER_FILE
+    tmp = path.with_name(f".{POINTER_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(pointer, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(checkpoint_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_pointer(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The contents of a checkpoint directory's ``tiercheck.json``, checked."""
+    path = Path(checkpoint_dir) / POINTER_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{checkpoint_dir}: no {POINTER_FILE}; this checkpoint was not saved through tiercheck, "
+            "or its save never finished (the finalize functions of its AsyncRequest did not run)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: cannot read ({e})") from None
+    ok = (
+        isinstance(doc, dict)
+        and doc.get("format") == _POINTER_FORMAT
+        and isinstance(doc.get("step"), int)
+        and isinstance(doc.get("local"), str)
+        and isinstance(doc.get("tensors"), dict)
+        and isinstance(doc.get("objects"), list)
+    )
+    if not ok:
+        raise CorruptCheckpointError(f"{path}: not a tiercheck pointer file")
+    if doc.get("version") != VERSION:
+        raise CorruptCheckpointError(
+            f"{path}: pointer format version {doc.get('version')!r}; this tiercheck reads {VERSION}"
+        )
+    return doc  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------- strategies
+
+
+class TiercheckSaveStrategy(_strategies.AsyncSaveShardedStrategy):  # type: ignore[misc]
+    """Megatron's save strategy for the ``"tiercheck"`` backend (sync ``save`` and ``async_save``)."""
+
+    def __init__(self, backend: TiercheckBackend) -> None:
+        super().__init__(BACKEND, VERSION)  # Megatron's `backend` attribute: the name metadata.json records
+        self.tiercheck = backend
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> Any:
+        return self.tiercheck.async_save(sharded_state_dict, checkpoint_dir)
+
+
+class TiercheckLoadStrategy(_strategies.LoadShardedStrategy):  # type: ignore[misc]
+    """Megatron's load strategy for checkpoints whose ``metadata.json`` names the ``"tiercheck"`` backend."""
+
+    def __init__(self, backend: TiercheckBackend) -> None:
+        self.tiercheck = backend
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        return self.tiercheck.load(sharded_state_dict, checkpoint_dir)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        """Every saved tensor as a ShardedTensor without data or sharding (global shape and dtype)."""
+        pointer = read_pointer(checkpoint_dir)
+        out = {}
+        for key, doc in pointer["tensors"].items():
+            lay = KeyLayout.from_json(doc, where=str(checkpoint_dir))
+            meta = torch.empty(lay.shape, dtype=torch_dtype(lay.dtype), device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        out = {k: ShardedObject.empty_from_unique_key(k) for k in read_pointer(checkpoint_dir)["objects"]}
+        out.update(self.load_tensors_metadata(checkpoint_dir))
+        return out
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != BACKEND:
+            raise CheckpointingException(f"the tiercheck load strategy cannot load a {loaded_backend!r} checkpoint")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != VERSION:
+            raise CheckpointingException(f"tiercheck checkpoint format version {loaded_version}; this reads {VERSION}")
+
+
+# ------------------------------------------------------------------------------- install
+
+
+_installed: TiercheckBackend | None = None
+
+
+def install(
+    local: str | os.PathLike[str] | None = None, remote: str | None = None, **checkpointer_options: Any
+) -> TiercheckBackend:
+    """Register tiercheck's save and load strategies with Megatron-core as backend ``("tiercheck", 1)``.
+
+    Call it on every rank, before the first save or load. Save with
+    ``dist_checkpointing.save(..., sharded_strategy=("tiercheck", 1))`` (or ``backend.save_strategy``);
+    ``dist_checkpointing.load`` then picks tiercheck from the checkpoint's ``metadata.json``. Calling it again
+    replaces the registration and closes the previous backend's Checkpointers. Close the returned backend at
+    the end of training (it waits for in-flight saves and drains).
+    """
+    global _installed
+    if not hasattr(_strategies, "register_default_strategy"):
+        raise NotImplementedError(
+            f"megatron-core {MEGATRON_CORE_VERSION} has no strategy registry (removed in 0.17); "
+            "tiercheck's Megatron plugin supports megatron-core 0.16"
+        )
+    backend = TiercheckBackend(local=local, remote=remote, **checkpointer_options)
+    action = _strategies.StrategyAction
+    _strategies.register_default_strategy(action.SAVE_SHARDED, BACKEND, VERSION, backend.save_strategy)
+    _strategies.register_default_strategy(action.LOAD_SHARDED, BACKEND, VERSION, backend.load_strategy)
+    previous, _installed = _installed, backend
+    if previous is not None:
+        previous.close()
+    return backend
