@@ -115,7 +115,8 @@ def _save_train_restore(rank: int, world_size: int, stage: int, tmp: str, before
     before = fresh.module.state_dict()
     assert not all(torch.equal(before[k], v) for k, v in uninterrupted["module"].items())  # the load has work to do
     load_path, client_state = fresh.load_checkpoint(save_dir)
-    assert load_path == os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"), load_path
+    model_file = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    assert load_path == os.path.join(save_dir, tag, model_file), load_path
     assert client_state["epoch"] == 7, client_state
     assert fresh.global_steps == SAVE_AT
     _train(fresh, range(SAVE_AT, STEPS), rank)
@@ -124,7 +125,7 @@ def _save_train_restore(rank: int, world_size: int, stage: int, tmp: str, before
     return sorted(os.listdir(local))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) -> None:
     results = run_ranks(
@@ -137,7 +138,11 @@ def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) ->
     # DeepSpeed's files in the tag directory are pointers to the tiercheck step, not torch.save files
     pointers = [json.loads(p.read_text()) for p in (save_dir / f"global_step{SAVE_AT}").glob("*.pt")]
     assert all(p["step"] == SAVE_AT for p in pointers), pointers
-    expected = {"mp_rank_00_model_states.pt"}
+    expected = (
+        {f"zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(world_size)}
+        if stage == 3
+        else {"mp_rank_00_model_states.pt"}
+    )
     if stage > 0:
         expected |= {f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(world_size)}
     assert {p["file"] for p in pointers} == expected
@@ -189,7 +194,7 @@ def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
 
 def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
     import tiercheck.integrations.deepspeed as tiercheck_ds
-    from tiercheck.errors import CheckpointNotFoundError, UnsafeCheckpointError
+    from tiercheck.errors import CheckpointNotFoundError, StepExistsError, UnsafeCheckpointError
 
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     save_dir, local = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "node0")
@@ -204,6 +209,8 @@ def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
     engine.save_checkpoint(save_dir, tag="second")
     engine.checkpoint_engine.flush()
     assert Path(save_dir, "latest").read_text() == "second"
+    with pytest.raises(StepExistsError, match="step 4 .* is already committed"):
+        engine.save_checkpoint(save_dir, tag="again")  # same global step: never overwritten
     at_second = _snapshot(engine)
     engine.destroy()
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..checkpointer import Checkpointer, load
 from ..commit import list_steps, read_manifest
-from ..errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
+from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError, UnsafeCheckpointError
 from ..tiers.base import Tier
 
 try:
@@ -134,9 +134,17 @@ class TiercheckCheckpointEngine(CheckpointEngine):
             return  # not engine.save_checkpoint (save_16bit_model, say): its files are written by torch.save
         if isinstance(info, str):
             self._legacy = True
-            self._pending = _Pending(info, self._saving, True, self._step())
+            pending = _Pending(info, self._saving, True, self._step())
         else:
-            self._pending = _Pending(str(info.tag), os.fspath(info.save_dir), bool(info.save_latest), self._step())
+            pending = _Pending(str(info.tag), os.fspath(info.save_dir), bool(info.save_latest), self._step())
+        ckpt = self.checkpointer(pending.save_dir)
+        if pending.step in ckpt.steps():
+            raise StepExistsError(
+                f"DeepSpeed checkpoint {pending.tag!r}: step {pending.step} (engine.global_steps) is already "
+                f"committed in {ckpt.tier.url}; tiercheck numbers DeepSpeed checkpoints by global_steps and "
+                "never overwrites one"
+            )
+        self._pending = pending
 
     def save(self, state_dict: Any, path: str) -> None:
         """Record one of DeepSpeed's files; a file outside ``<save_dir>/<tag>/`` (``save_16bit_model``)
