@@ -6,8 +6,8 @@ One line puts DeepSpeed's checkpoints on tiercheck's tiers:
 
 after which the loop is plain DeepSpeed: ``engine.load_checkpoint(save_dir)`` at start (the newest
 step both ranks can get; ``(None, None)`` on a fresh start) and ``engine.save_checkpoint(save_dir)``
-every ``--every`` steps. ``save_checkpoint`` returns at once; the next ``engine.step()`` copies the
-state to host memory, and tiercheck writes and commits it in the background, then writes ``latest``.
+every ``--every`` steps. ``save_checkpoint`` returns once the state is copied to host memory;
+tiercheck writes and commits it in the background, then writes ``latest``.
 Each rank is a node here, with its own local directory. ``scripts/demo_deepspeed.sh`` kills a run
 with SIGKILL and resumes it.
 

@@ -5,7 +5,7 @@
     engine, *_ = deepspeed.initialize(model=model, config=config, ...)
     tiercheck_ds.install(engine, local="/nvme/ckpt", remote="s3://bucket/run1")
     ...
-    engine.save_checkpoint("checkpoints")   # returns at once; staged at the next engine.step()
+    engine.save_checkpoint("checkpoints")   # returns once the state is in host memory
     engine.load_checkpoint("checkpoints")   # the newest step every rank can get, from the fastest tier
 
 :func:`install` replaces the engine's checkpoint engine with :class:`TiercheckCheckpointEngine`
@@ -14,11 +14,13 @@ and wraps ``engine.load_checkpoint``. DeepSpeed still decides what goes into its
 ``torch.save`` per file, every rank's files of one ``save_checkpoint`` become one tiercheck step,
 numbered by ``engine.global_steps`` and committed only when every rank's part is durable:
 
-* Saving is decoupled (DeepSpeed's own term): ``save_checkpoint`` only records the state dicts
-  (no clone); the next ``engine.step()`` commits them, which copies the tensors into tiercheck's
-  host buffers before the optimizer changes them, and returns. Writing, fsync and the commit
-  happen in the background; ``latest`` and the small pointer files in ``<save_dir>/<tag>/`` are
+* ``save_checkpoint`` records DeepSpeed's state dicts without cloning them and, before it
+  returns, copies their tensors into tiercheck's reusable host buffers. Writing, fsync and the
+  commit happen in the background. The engine is "decoupled" (DeepSpeed's term), so DeepSpeed
+  leaves ``latest`` to it: ``latest`` and the small pointer files in ``<save_dir>/<tag>/`` are
   written once the step is committed, so ``latest`` never names a step that is not there.
+  (DeepSpeed's own decoupled commit, at the next ``engine.step()``, is not where the copy is
+  made: the pipeline engine steps its optimizer without it.)
 * ``load_checkpoint(dir)`` without a tag restores the newest step that every rank can get (from
   node-local directories, another rank's node, or the remote tier), not what ``latest`` says.
   Each rank reads only the files it will load (its own ZeRO partition, its model-parallel rank's
@@ -169,7 +171,8 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         return _move(self._unpack(self._restored[key], where=path), map_location)
 
     def commit(self, info: Any) -> bool:
-        """Hand the recorded files to tiercheck (fenced at the next optimizer step by DeepSpeed)."""
+        """Hand the recorded files to tiercheck, if ``save_checkpoint`` has not already (DeepSpeed
+        calls this at the next optimizer step; before 0.17.1, at the end of ``save_checkpoint``)."""
         published = self._commit_pending()
         if self._legacy and published is not None:
             published.result()  # old DeepSpeed writes `latest` as soon as commit returns
@@ -255,6 +258,12 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         self._state.clear()
         log.info("tiercheck: restoring DeepSpeed checkpoint %r (step %d) from %s", tag, got, ckpt.tier.url)
         return str(tag)
+
+    def stage(self) -> None:
+        """Hand the recorded checkpoint to tiercheck now: returns once its tensors are copied to
+        host memory; writing and committing go on in the background."""
+        if self._pending is not None:
+            self._commit_pending()
 
     @contextlib.contextmanager
     def saving(self, save_dir: str | os.PathLike[str]) -> Iterator[None]:
@@ -351,23 +360,30 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         return found
 
     def _wanted(self, names: list[str]) -> list[str]:
-        """Which other ranks' files this rank will load: not other data-parallel ranks' ZeRO
-        partitions (unless ZeRO's elastic checkpoint reads them all), not other model-parallel
-        ranks' model states (unless the model-parallel size changed)."""
+        """Which other ranks' files this rank will load, as DeepSpeed reads them: not other
+        data-parallel ranks' ZeRO partitions (unless ZeRO's elastic checkpoint reads them all),
+        of the model states only its model-parallel rank's and the first (DeepSpeed opens it to
+        check the model-parallel size), all when that size changed; of a pipeline's layer files
+        only its stage's."""
         engine = self.engine
         elastic = bool(getattr(engine, "zero_elastic_checkpoint", lambda: False)())
         group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
         dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
-        mp_rank = int(getattr(engine, "checkpoint_mp_rank", 0) or 0)
         mp_ranks = {int(m.group(1)) for n in names if (m := re.search(r"mp_rank_(\d+)", n))}
         same_mp = len(mp_ranks) == int(getattr(engine, "mp_world_size", 1) or 1)
+        mine = {int(getattr(engine, "checkpoint_mp_rank", 0) or 0), min(mp_ranks, default=0)}
+        module = getattr(engine, "module", None)
+        start, stop = getattr(module, "_local_start", None), getattr(module, "_local_stop", None)
         out = []
         for n in names:
             z = re.search(r"zero_pp_rank_(\d+)_", n)
             if z and not elastic and int(z.group(1)) != dp_rank:
                 continue
             m = re.search(r"mp_rank_(\d+)", n)
-            if m and same_mp and int(m.group(1)) != mp_rank:
+            if m and same_mp and int(m.group(1)) not in mine:
+                continue
+            layer = re.match(r"layer_(\d+)-", os.path.basename(n))
+            if layer and start is not None and stop is not None and not start <= int(layer.group(1)) < stop:
                 continue
             out.append(n)
         return out
@@ -423,7 +439,11 @@ def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
     @functools.wraps(original_save)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         with ours.saving(save_dir):
-            return original_save(save_dir, *args, **kwargs)
+            out = original_save(save_dir, *args, **kwargs)
+        # Copy the state now, not at DeepSpeed's decoupled commit in the next engine.step():
+        # the pipeline engine steps its optimizer without that commit, so the fence is not everywhere.
+        ours.stage()
+        return out
 
     @functools.wraps(original)
     def load_checkpoint(load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any) -> Any:
