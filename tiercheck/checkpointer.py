@@ -446,6 +446,7 @@ class Checkpointer:
         allow_pickle: bool | None = None,
         populate_local: bool = False,
         others: bool | Callable[[list[str]], Iterable[str]] = False,
+        extra: bool = True,
     ) -> int | None:
         """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
 
@@ -459,6 +460,11 @@ class Checkpointer:
         per-rank files) and read each other's: entries of the saved state that this state lacks are
         added to it (the state must be a mutable mapping) and restored too: all of them with
         ``True``, or those a callable picks from the list of their names.
+
+        On the saving world size, items this rank saved inside the state's entries that the state
+        lacks are added (a fresh optimizer gets its saved state); ``extra=False`` restores only
+        what the state holds, for frameworks that describe exactly what each rank needs (Megatron,
+        whose layout may change at the same world size).
         """
         self._check_open()
         with self._lock:
@@ -480,7 +486,7 @@ class Checkpointer:
             try:
                 if others:
                     _add_entries(self.state, manifest, others, where=where)
-                tree = _tree_for(manifest, self.rank, self.world_size, self.state)
+                tree = _tree_for(manifest, self.rank, self.world_size, self.state, extra=extra)
                 items, decoded = _prepare(
                     self.state, manifest, tree, strict=strict, allow_pickle=pickle_ok, where=where
                 )
@@ -785,7 +791,7 @@ def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: in
             raise CoordinationError(f"rank {r} failed, so rank {rank} stops too: {o['error']}")
 
 
-def _tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str, Any]) -> JSON:
+def _tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str, Any], *, extra: bool) -> JSON:
     """The saved tree to restore into ``rank``.
 
     On the saving world size it is the same rank's tree: entries the state lacks are added, as in
@@ -804,7 +810,7 @@ def _tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str
             seen.add(i)
             trees.append(manifest.trees[i])
     live = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
-    return _merge(trees[0], trees[1:], live, only_live=world_size != manifest.world_size)
+    return _merge(trees[0], trees[1:], live, only_live=not extra or world_size != manifest.world_size)
 
 
 def _add_entries(

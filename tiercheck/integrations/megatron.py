@@ -521,7 +521,8 @@ class TiercheckBackend:
         try:
             root.state.clear()
             root.state.update(tensors=tree, objects=values)
-            root.ckpt.restore(pointer["step"], allow_pickle=self.allow_pickle)
+            # only what this rank's layout holds, though the world size is the saver's (TP2 -> PP2)
+            root.ckpt.restore(pointer["step"], allow_pickle=self.allow_pickle, extra=False)
         finally:
             root.state.clear()
             if root.one_shot:
