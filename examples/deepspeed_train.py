@@ -52,10 +52,14 @@ def config() -> dict[str, Any]:
     }
 
 
+TEACHER = torch.randn(32, 1, generator=torch.Generator().manual_seed(123)) / 32**0.5
+
+
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 * step + rank)  # the data depends only on (step, rank)
+    """A regression task the model can learn; the data depends only on (step, rank)."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
     x = torch.randn(8, 32, generator=g)
-    return x, x.sin().sum(dim=1, keepdim=True)
+    return x, torch.tanh(3 * x @ TEACHER)
 
 
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:

@@ -6,33 +6,21 @@
 #   bash scripts/demo_deepspeed.sh            # a random kill moment
 #   bash scripts/demo_deepspeed.sh 7          # replay one (the seed of the kill moment)
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/demo_lib.sh"
 SEED="${1:-$RANDOM}"
 STEPS=40
 EVERY=5
 SLEEP=0.15  # seconds per step of run 1, so that the kill lands mid-run
 WORK="$ROOT/runs/demo-deepspeed"
-PY=.venv/bin/python
 
-if [[ ! -x $PY ]]; then
-    echo "==> creating .venv"
-    python3 -m venv .venv
-fi
-if ! $PY -c "import tiercheck, deepspeed" >/dev/null 2>&1; then
-    echo "==> installing torch 2.13.0 (CPU), DeepSpeed 0.19.8 and tiercheck (editable) into .venv"
-    log="$(mktemp)"
+install() {
     # torch pinned to the CPU build this project is tested with; DeepSpeed built against it, without
     # build isolation (which would fetch another torch) and without compiled ops.
-    if ! { $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 setuptools wheel &&
+    $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 setuptools wheel &&
         DS_BUILD_OPS=0 $PY -m pip install --quiet --disable-pip-version-check --no-build-isolation deepspeed==0.19.8 &&
-        $PY -m pip install --quiet --disable-pip-version-check -e .; } >"$log" 2>&1; then
-        cat "$log" >&2
-        exit 1
-    fi
-    rm -f "$log"
-fi
+        $PY -m pip install --quiet --disable-pip-version-check -e .
+}
+ensure_venv "tiercheck, deepspeed" "torch 2.13.0 (CPU), DeepSpeed 0.19.8 and tiercheck (editable)" install
 
 RANDOM=$SEED
 KILL_AT=$((2 * EVERY + RANDOM % (STEPS * 3 / 4 - 2 * EVERY)))
@@ -48,23 +36,8 @@ echo "==> 1/4  reference run: no checkpoints, never interrupted"
 
 echo
 echo "==> 2/4  run 1: engine.save_checkpoint every $EVERY steps through tiercheck; SIGKILL after step $KILL_AT"
-set -m  # run 1 gets a process group of its own: the kill takes its ranks at once
-"${train[@]}" "--step-sleep=$SLEEP" "--ckpt-dir=$WORK/ckpt" >"$WORK/run1.log" 2>&1 &
-pid=$!
-set +m
-while IFS= read -r line; do
-    [[ $line =~ ^(step |RESUMED) ]] && echo "[run 1] $line"
-    if [[ $line == "step $KILL_AT "* ]]; then
-        break
-    fi
-done < <(tail -n +1 -f --pid="$pid" "$WORK/run1.log")
-kill -KILL -- "-$pid" 2>/dev/null || true
-status=0
-wait "$pid" || status=$?
-if [[ $status -ne 137 ]]; then
-    echo "run 1 was not killed (exit status $status); FAIL"
-    exit 2
-fi
+KILL_LINE="step $KILL_AT "
+run_and_kill "$WORK/run1.log" '^(step |RESUMED)' "${train[@]}" "--step-sleep=$SLEEP" "--ckpt-dir=$WORK/ckpt"
 echo "==> KILLED run 1 with SIGKILL after step $KILL_AT"
 
 echo

@@ -6,32 +6,19 @@
 #   bash scripts/demo_megatron.sh            # a random kill moment
 #   bash scripts/demo_megatron.sh 7          # replay one (the seed of the kill moment)
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/demo_lib.sh"
 SEED="${1:-$RANDOM}"
 STEPS=60
 EVERY=10
 SLEEP=0.1  # seconds per iteration of run 1, so that the kill lands mid-run
 WORK="$ROOT/runs/demo-megatron"
-PY=.venv/bin/python
 
-if [[ ! -x $PY ]]; then
-    echo "==> creating .venv"
-    python3 -m venv .venv
-fi
-if ! $PY -c "import tiercheck, megatron.core, psutil" >/dev/null 2>&1; then
-    echo "==> installing torch 2.13.0 (CPU), megatron-core 0.16.1, psutil and tiercheck (editable) into .venv"
-    log="$(mktemp)"
+install() {
     # torch pinned to the CPU build this project is tested with; psutil is a dependency megatron-core
     # does not declare.
-    if ! $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 megatron-core==0.16.1 psutil -e . \
-        >"$log" 2>&1; then
-        cat "$log" >&2
-        exit 1
-    fi
-    rm -f "$log"
-fi
+    $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 megatron-core==0.16.1 psutil -e .
+}
+ensure_venv "tiercheck, megatron.core, psutil" "torch 2.13.0 (CPU), megatron-core 0.16.1, psutil and tiercheck (editable)" install
 
 RANDOM=$SEED
 KILL_AT=$((2 * EVERY + RANDOM % (STEPS * 3 / 4 - 2 * EVERY)))
@@ -46,24 +33,8 @@ echo "==> 1/4  reference run: no checkpoints, never interrupted"
 
 echo
 echo "==> 2/4  run 1: async checkpoints every $EVERY iterations in $WORK/ckpt; SIGKILL after iteration $KILL_AT"
-set -m  # run 1 gets a process group of its own: the kill takes its ranks and helper processes at once
-"${train[@]}" "--step-sleep=$SLEEP" "--ckpt-dir=$WORK/ckpt" >"$WORK/run1.log" 2>&1 &
-pid=$!
-set +m
-# Follow run 1's output until it reports the kill iteration (tail ends when run 1 does).
-while IFS= read -r line; do
-    echo "[run 1] $line"
-    if [[ $line == "step $KILL_AT "* ]]; then
-        break
-    fi
-done < <(tail -n +1 -f --pid="$pid" "$WORK/run1.log")
-kill -KILL -- "-$pid" 2>/dev/null || true
-status=0
-wait "$pid" || status=$?
-if [[ $status -ne 137 ]]; then
-    echo "run 1 was not killed (exit status $status); FAIL"
-    exit 2
-fi
+KILL_LINE="step $KILL_AT "
+run_and_kill "$WORK/run1.log" '' "${train[@]}" "--step-sleep=$SLEEP" "--ckpt-dir=$WORK/ckpt"
 echo "==> KILLED run 1 with SIGKILL after iteration $KILL_AT"
 
 echo
