@@ -37,8 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import io
-import json
 import logging
 import os
 import re
@@ -48,14 +46,21 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer, load
-from ..commit import list_steps, read_manifest
 from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError, UnsafeCheckpointError
 from ..tiers.base import Tier
+from .deepspeed_files import (
+    find_tag,
+    move,
+    pack,
+    read_pointer,
+    unpack,
+    write_atomically,
+    write_pointers,
+)
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -71,9 +76,7 @@ __all__ = ["TiercheckCheckpointEngine", "export", "install"]
 
 log = logging.getLogger("tiercheck.deepspeed")
 
-POINTER_FORMAT = "tiercheck-deepspeed-pointer"
 _META = "tiercheck.deepspeed"  # the entry of each rank's saved state naming the tag and this rank's files
-_OBJECT = "tiercheck.deepspeed.object"  # {_OBJECT: torch.save bytes}: a value tiercheck cannot store as JSON
 # Types DeepSpeed puts in its files, rebuilt by torch's weights-only unpickler (they run no code of the file's).
 _SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, fragment_address)
 
@@ -156,19 +159,19 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         if p is None or name is None:
             torch.save(state_dict, path)
             return
-        p.files[name] = _pack(state_dict)
+        p.files[name] = pack(state_dict)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """One of DeepSpeed's files: restored by ``load_checkpoint``, else DeepSpeed's own file."""
         key = os.path.abspath(path)
         if key not in self._restored:
-            pointer = _read_pointer(path)
+            pointer = read_pointer(path)
             if pointer is None:  # a checkpoint DeepSpeed wrote itself; read as DeepSpeed would
                 return torch.load(path, map_location=map_location, weights_only=False)
             self._restored.update(self._read_alone(pointer, os.path.dirname(key)))
             if key not in self._restored:
                 raise CheckpointNotFoundError(f"{path}: step {pointer['step']} in {pointer['root']} has no such file")
-        return _move(self._unpack(self._restored[key], where=path), map_location)
+        return move(self.unpack(self._restored[key], where=path), map_location)
 
     def commit(self, info: Any) -> bool:
         """Hand the recorded files to tiercheck, if ``save_checkpoint`` has not already (DeepSpeed
@@ -254,7 +257,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         tag = meta["tag"]
         folder = os.path.join(os.path.abspath(load_dir), tag)
         self._restored = {os.path.join(folder, name): value for name, value in self._state.items()}
-        _write_pointers(folder, ckpt, got, list(self._state))
+        write_pointers(folder, ckpt, got, list(self._state))
         self._state.clear()
         log.info("tiercheck: restoring DeepSpeed checkpoint %r (step %d) from %s", tag, got, ckpt.tier.url)
         return str(tag)
@@ -310,9 +313,9 @@ class TiercheckCheckpointEngine(CheckpointEngine):
             return
         folder = os.path.join(p.save_dir, p.tag)
         try:
-            _write_pointers(folder, ckpt, p.step, sorted(p.files))
+            write_pointers(folder, ckpt, p.step, sorted(p.files))
             if latest:
-                _write_atomically(os.path.join(p.save_dir, "latest"), p.tag.encode())
+                write_atomically(os.path.join(p.save_dir, "latest"), p.tag.encode())
         except OSError as e:
             log.error("tiercheck: step %d is committed, but writing its pointers in %s failed: %s", p.step, folder, e)
             published.set_exception(e)
@@ -344,10 +347,10 @@ class TiercheckCheckpointEngine(CheckpointEngine):
 
     def _step_of_tag(self, ckpt: Checkpointer, tag: str) -> int | None:
         """The step saved with ``tag``, from any rank's local tier or the remote (collective)."""
-        found = _find_tag(ckpt.tier, tag)
+        found = find_tag(ckpt.tier, tag)
         if found is None and ckpt.remote is not None:
             try:
-                found = _find_tag(ckpt.remote, tag)
+                found = find_tag(ckpt.remote, tag)
             except (OSError, TiercheckError) as e:
                 log.error("tiercheck: cannot search %s for tag %r: %s", ckpt.remote.url, tag, e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -395,8 +398,8 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         step_state.pop(_META, None)
         return {os.path.join(folder, name): value for name, value in step_state.items()}
 
-    def _unpack(self, value: Any, *, where: str) -> Any:
-        return _unpack(value, allow_pickle=self.allow_pickle, safe_globals=self.safe_globals, where=where)
+    def unpack(self, value: Any, *, where: str) -> Any:
+        return unpack(value, allow_pickle=self.allow_pickle, safe_globals=self.safe_globals, where=where)
 
 
 # ------------------------------------------------------------------------------ installing
@@ -508,9 +511,9 @@ def export(
         if not target.resolve().is_relative_to(folder.resolve()):
             raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        obj = _unpack(value, allow_pickle=allow_pickle, safe_globals=allowed, where=str(target))
+        obj = unpack(value, allow_pickle=allow_pickle, safe_globals=allowed, where=str(target))
         torch.save(obj, target)
-    _write_atomically(os.path.join(save_dir, "latest"), tag.encode())
+    write_atomically(os.path.join(save_dir, "latest"), tag.encode())
     return str(tag)
 
 
@@ -521,135 +524,3 @@ def _commit_info(tag: str, save_dir: str | None, *, save_latest: bool) -> Any:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     return CheckpointCommitInfo(tag=tag, save_dir=save_dir or "", save_latest=save_latest)
-
-
-_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-def _pack(obj: Any) -> Any:
-    """A copy of ``obj`` tiercheck can store: containers rebuilt (so plain values are captured now),
-    tensors kept by reference (copied when the step is staged), other objects serialised with
-    ``torch.save`` now."""
-    if isinstance(obj, (torch.Tensor, np.ndarray, *_PLAIN)):
-        return obj
-    if isinstance(obj, dict):  # OrderedDict too: tiercheck keeps the order, DeepSpeed needs no more
-        return {k: _pack(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_pack(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_pack(v) for v in obj)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return {_OBJECT: buf.getvalue()}
-
-
-def _unpack(obj: Any, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
-    """The inverse of :func:`_pack`."""
-    again = functools.partial(_unpack, allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _OBJECT in obj:
-            return _load_object(obj[_OBJECT], allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
-        return {k: again(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [again(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(again(v) for v in obj)
-    return obj
-
-
-def _load_object(data: bytes, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
-    if allow_pickle:
-        return torch.load(io.BytesIO(data), weights_only=False)
-    try:
-        with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError (and others) for a type not allowed
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        what = f"of type {found.group(1)}" if found else f"that torch.load(weights_only=True) refuses ({e})"
-        raise UnsafeCheckpointError(
-            f"{where}: the checkpoint holds an object {what}, which is not allowed without pickle. "
-            "Pass safe_globals=[TheClass] to install()/export() if you trust it, or allow_pickle=True "
-            "only if you trust where the checkpoint came from"
-        ) from None
-
-
-def _move(obj: Any, map_location: Any) -> Any:
-    """Apply a ``torch.load``-style ``map_location`` that names a device (tensors come back on CPU)."""
-    if map_location is None or callable(map_location):
-        return obj
-    device = torch.device(map_location) if isinstance(map_location, str | torch.device) else None
-    if device is None or device.type == "cpu":
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _move(v, map_location) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_move(v, map_location) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_move(v, map_location) for v in obj)
-    return obj
-
-
-def _find_tag(tier: Tier, tag: str) -> int | None:
-    """The newest committed step on ``tier`` whose metadata names ``tag``."""
-    guess = re.fullmatch(r"global_step(\d+)", tag)
-    steps = list_steps(tier).committed
-    if guess and int(guess.group(1)) in steps:  # DeepSpeed's default tags: try the step they name first
-        steps.remove(int(guess.group(1)))
-        steps.append(int(guess.group(1)))
-    for step in reversed(steps):
-        try:
-            meta = read_manifest(tier, step).metadata
-        except TiercheckError as e:
-            log.warning("tiercheck: ignoring step %d of %s: %s", step, tier.url, e)
-            continue
-        if isinstance(meta, dict) and isinstance(meta.get("deepspeed"), dict) and meta["deepspeed"].get("tag") == tag:
-            return step
-    return None
-
-
-def _pointer(ckpt: Checkpointer, step: int, name: str) -> bytes:
-    remote = ckpt.remote.url if ckpt.remote is not None else None
-    doc = {"format": POINTER_FORMAT, "root": str(ckpt.tier.root), "remote": remote, "step": step, "file": name}
-    return (json.dumps(doc) + "\n").encode()
-
-
-def _write_pointers(folder: str, ckpt: Checkpointer, step: int, names: Iterable[str]) -> None:
-    """Small JSON files named like DeepSpeed's, where DeepSpeed looks for them (it globs and
-    checks ``os.path.exists`` before calling ``load``); they say which tiercheck step holds the data."""
-    base = Path(folder).resolve()
-    for name in names:
-        target = (base / name).resolve()
-        if not target.is_relative_to(base):
-            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
-        if target.exists() and _read_pointer(str(target)) is None:
-            continue  # DeepSpeed's own file of the same tag: keep it
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(str(target), _pointer(ckpt, step, name))
-
-
-def _read_pointer(path: str) -> dict[str, Any] | None:
-    """The pointer file's contents, or None when ``path`` is not one (a torch.save file)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return None
-    if not head.startswith(b"{"):
-        return None
-    with contextlib.suppress(ValueError):
-        doc = json.loads(head)
-        if isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT:
-            return doc
-    return None
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-

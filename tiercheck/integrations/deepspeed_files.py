@@ -1,0 +1,164 @@
+"""The DeepSpeed plugin's files: its state dicts packed for tiercheck, and the pointer files.
+
+DeepSpeed's state dicts hold objects tiercheck cannot keep as JSON (its loss scaler, say):
+:func:`pack` stores them with ``torch.save`` and :func:`unpack` rebuilds them with
+``torch.load(weights_only=True)`` and an allow-list, or with pickle only if the caller allows it.
+Pointer files, named like DeepSpeed's own files in ``<save_dir>/<tag>/``, say which tiercheck step
+holds the data: DeepSpeed globs for its files and checks that they exist before it loads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpointer import Checkpointer
+from ..commit import list_steps, read_manifest
+from ..errors import TiercheckError, UnsafeCheckpointError
+from ..tiers.base import Tier
+
+log = logging.getLogger("tiercheck.deepspeed")
+
+POINTER_FORMAT = "tiercheck-deepspeed-pointer"
+OBJECT = "tiercheck.deepspeed.object"  # {OBJECT: torch.save bytes}: a value tiercheck cannot store as JSON
+
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def pack(obj: Any) -> Any:
+    """A copy of ``obj`` tiercheck can store: containers rebuilt (so plain values are captured now),
+    tensors kept by reference (copied when the step is staged), other objects serialised with
+    ``torch.save`` now."""
+    if isinstance(obj, (torch.Tensor, np.ndarray, *_PLAIN)):
+        return obj
+    if isinstance(obj, dict):  # OrderedDict too: tiercheck keeps the order, DeepSpeed needs no more
+        return {k: pack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [pack(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(pack(v) for v in obj)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return {OBJECT: buf.getvalue()}
+
+
+def unpack(obj: Any, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
+    """The inverse of :func:`_pack`."""
+    again = functools.partial(unpack, allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
+    if isinstance(obj, dict):
+        if len(obj) == 1 and OBJECT in obj:
+            return load_object(obj[OBJECT], allow_pickle=allow_pickle, safe_globals=safe_globals, where=where)
+        return {k: again(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [again(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(again(v) for v in obj)
+    return obj
+
+
+def load_object(data: bytes, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
+    if allow_pickle:
+        return torch.load(io.BytesIO(data), weights_only=False)
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError (and others) for a type not allowed
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"of type {found.group(1)}" if found else f"that torch.load(weights_only=True) refuses ({e})"
+        raise UnsafeCheckpointError(
+            f"{where}: the checkpoint holds an object {what}, which is not allowed without pickle. "
+            "Pass safe_globals=[TheClass] to install()/export() if you trust it, or allow_pickle=True "
+            "only if you trust where the checkpoint came from"
+        ) from None
+
+
+def move(obj: Any, map_location: Any) -> Any:
+    """Apply a ``torch.load``-style ``map_location`` that names a device (tensors come back on CPU)."""
+    if map_location is None or callable(map_location):
+        return obj
+    device = torch.device(map_location) if isinstance(map_location, str | torch.device) else None
+    if device is None or device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: move(v, map_location) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [move(v, map_location) for v in obj]
+    if type(obj) is tuple:
+        return tuple(move(v, map_location) for v in obj)
+    return obj
+
+
+def find_tag(tier: Tier, tag: str) -> int | None:
+    """The newest committed step on ``tier`` whose metadata names ``tag``."""
+    guess = re.fullmatch(r"global_step(\d+)", tag)
+    steps = list_steps(tier).committed
+    if guess and int(guess.group(1)) in steps:  # DeepSpeed's default tags: try the step they name first
+        steps.remove(int(guess.group(1)))
+        steps.append(int(guess.group(1)))
+    for step in reversed(steps):
+        try:
+            meta = read_manifest(tier, step).metadata
+        except TiercheckError as e:
+            log.warning("tiercheck: ignoring step %d of %s: %s", step, tier.url, e)
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("deepspeed"), dict) and meta["deepspeed"].get("tag") == tag:
+            return step
+    return None
+
+
+def _pointer(ckpt: Checkpointer, step: int, name: str) -> bytes:
+    remote = ckpt.remote.url if ckpt.remote is not None else None
+    doc = {"format": POINTER_FORMAT, "root": str(ckpt.tier.root), "remote": remote, "step": step, "file": name}
+    return (json.dumps(doc) + "\n").encode()
+
+
+def write_pointers(folder: str, ckpt: Checkpointer, step: int, names: Iterable[str]) -> None:
+    """Small JSON files named like DeepSpeed's, where DeepSpeed looks for them (it globs and
+    checks ``os.path.exists`` before calling ``load``); they say which tiercheck step holds the data."""
+    base = Path(folder).resolve()
+    for name in names:
+        target = (base / name).resolve()
+        if not target.is_relative_to(base):
+            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
+        if target.exists() and read_pointer(str(target)) is None:
+            continue  # DeepSpeed's own file of the same tag: keep it
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(str(target), _pointer(ckpt, step, name))
+
+
+def read_pointer(path: str) -> dict[str, Any] | None:
+    """The pointer file's contents, or None when ``path`` is not one (a torch.save file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if not head.startswith(b"{"):
+        return None
+    with contextlib.suppress(ValueError):
+        doc = json.loads(head)
+        if isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT:
+            return doc
+    return None
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
