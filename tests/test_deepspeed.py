@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,19 @@ def _switch_formats(rank: int, world_size: int, tmp: str) -> None:
 
 def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
     run_ranks(_switch_formats, 1, str(tmp_path), timeout=120)
+    # the same export from the command line gives the same files
+    cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "node0"), str(tmp_path / "cli")]
+    done = subprocess.run(cli, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "exported step 4 as DeepSpeed checkpoint 'mine'" in done.stdout
+    assert (tmp_path / "cli" / "latest").read_text() == "mine"
+    names = sorted(p.name for p in (tmp_path / "exported" / "mine").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "cli" / "mine").iterdir()) and len(names) == 2
+    for name in names:  # files this test wrote itself: full unpickling is fine here
+        a, b = (torch.load(tmp_path / d / "mine" / name, weights_only=False) for d in ("exported", "cli"))
+        _assert_identical(_clone(a), _clone(b))
+    missing = subprocess.run([*cli[:4], str(tmp_path / "nowhere"), "x"], capture_output=True, text=True, check=False)
+    assert missing.returncode == 1 and missing.stderr.startswith("tiercheck: error: no such directory")
 
 
 def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
@@ -314,3 +329,38 @@ def _pipeline(rank: int, world_size: int, tmp: str) -> None:
 
 def test_pipeline_engine_resumes_bit_identical(tmp_path: Path) -> None:
     run_ranks(_pipeline, 2, str(tmp_path), timeout=120)
+
+
+def _full_disk(rank: int, world_size: int, tmp: str) -> None:
+    import errno
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    save_dir, local = os.path.join(tmp, "checkpoints"), os.path.join(tmp, "node0")
+    engine = _engine(1, 1, seed=0, local=local)
+    _train(engine, range(2), rank)
+    engine.save_checkpoint(save_dir)
+    engine.checkpoint_engine.flush()
+    expected = _snapshot(engine)
+    tier = engine.checkpoint_engine.checkpointer(save_dir).tier
+
+    def full(path: str, parts: Any) -> None:  # the node's disk fills up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    tier.write = full
+    _train(engine, range(2, 4), rank)
+    engine.save_checkpoint(save_dir)  # returns: the copy to host memory worked
+    with pytest.raises(OSError) as info:
+        engine.checkpoint_engine.flush()  # the write did not
+    assert info.value.errno == errno.ENOSPC
+    assert Path(save_dir, "latest").read_text() == "global_step2"  # never names the failed step
+    assert not os.listdir(os.path.join(save_dir, "global_step4"))  # and it has no pointer files
+    engine.destroy()
+
+    fresh = _engine(1, 1, seed=1, local=local)
+    path, _ = fresh.load_checkpoint(save_dir)
+    assert path is not None and "global_step2" in path
+    _assert_identical(_snapshot(fresh), expected)
+
+
+def test_a_failed_write_raises_and_the_previous_checkpoint_restores(tmp_path: Path) -> None:
+    run_ranks(_full_disk, 1, str(tmp_path), timeout=120)

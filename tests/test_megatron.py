@@ -121,7 +121,7 @@ def sharded_state(
     return sd
 
 
-def check_loaded(sd: dict[str, Any], loaded: dict[str, Any], seed: int, rank: int) -> int:
+def check_loaded(sd: dict[str, Any], loaded: dict[str, Any], seed: int, rank: int, in_place: bool = True) -> int:
     """Every loaded tensor equals its slice of the seed's global tensors, bit for bit, and was filled in
     place; objects equal what was saved. Returns the number of tensors checked."""
     full = global_tensors(seed)
@@ -136,7 +136,7 @@ def check_loaded(sd: dict[str, Any], loaded: dict[str, Any], seed: int, rank: in
             for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 walk(x, y, f"{where}/{i}")
         elif isinstance(a, ShardedTensor):
-            assert b is a.data, f"{where}: not loaded in place"
+            assert b is a.data or not in_place, f"{where}: not loaded in place"
             expected = full[a.key][a.global_slice()]
             assert b.dtype == expected.dtype and torch.equal(b, expected), f"{where}: values differ"
             n += 1
@@ -150,6 +150,13 @@ def check_loaded(sd: dict[str, Any], loaded: dict[str, Any], seed: int, rank: in
 
     walk(sd, loaded, "state")
     return n
+
+
+def _may_have_children() -> None:
+    """The launcher starts ranks as daemon processes, and multiprocessing forbids those children; Megatron's
+    async caller forks one per save, its torch_dist writer starts a manager. This rank stops being
+    "daemonic" (the launcher still kills it on failure)."""
+    multiprocessing.current_process().daemon = False
 
 
 def _new_dir(path: Path) -> str:
@@ -211,6 +218,15 @@ def _load_tp2_and_pp2(rank: int, world: int, root: str) -> list[int]:
     for tp, pp in ((2, 1), (1, 2)):
         sd = sharded_state(tp, pp, rank, seed=1, blank=True, per_rank=False)
         counts.append(check_loaded(sd, dc.load(sd, str(Path(root) / "ckpt" / "iter_0000010")), seed=1, rank=rank))
+    # Switching back: what was loaded through tiercheck, saved in Megatron's own torch_dist format,
+    # loads without tiercheck's strategy (metadata.json names torch_dist).
+    native = _new_dir(Path(root) / "ckpt" / "native")
+    _may_have_children()
+    dc.save(sd, native, sharded_strategy=("torch_dist", 1))
+    assert json.loads((Path(native) / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    again = sharded_state(1, 2, rank, seed=1, blank=True, per_rank=False)
+    # (Megatron's own loader returns some pieces as new tensors rather than filling them in place.)
+    assert check_loaded(again, dc.load(again, native), seed=1, rank=rank, in_place=False) == counts[-1]
     return counts
 
 
@@ -222,9 +238,7 @@ def _save_tp2(rank: int, world: int, root: str) -> dict[str, Any]:
     ck1, ck2 = (_new_dir(Path(root) / "ckpt" / f"iter_000000{i}") for i in (1, 2))
     dc.save(sharded_state(2, 1, rank, seed=1), ck1, sharded_strategy=("tiercheck", 1))
 
-    # The launcher starts ranks as daemon processes, and multiprocessing forbids those children; Megatron's
-    # async caller forks one per save. This rank stops being "daemonic" (the launcher still kills it on failure).
-    multiprocessing.current_process().daemon = False
+    _may_have_children()
     queue = AsyncCallsQueue(persistent=False)
     request = dc.save(
         sharded_state(2, 1, rank, seed=2), ck2, sharded_strategy=("tiercheck", 1), async_sharded_save=True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -482,6 +483,33 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
 
 
 # ----------------------------------------------------------------------------------------- gc
+
+
+@main.command("export-deepspeed")
+@click.argument("source", metavar="SRC")
+@click.argument("save_dir", metavar="SAVE_DIR")
+@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Unpickle objects outside the allow-list (only for checkpoints you trust)."
+)
+@pass_context
+def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str, allow_pickle: bool) -> None:
+    """Write a step saved through the DeepSpeed plugin as DeepSpeed's own files.
+
+    SRC must hold every rank's chunks: a remote URL, a single node's directory, or one filled by
+    `tiercheck restore`. Writes SAVE_DIR/<tag>/*.pt with torch.save and SAVE_DIR/latest, which
+    DeepSpeed's load_checkpoint and zero_to_fp32.py read without tiercheck. Needs DeepSpeed.
+    """  # fmt: skip
+    with errors_as_one_line():
+        n = _pick_step(ctx.tier(source), step)
+        try:
+            from .integrations import deepspeed as tiercheck_ds
+        except ImportError as e:
+            fail(str(e))
+        tag = tiercheck_ds.export(
+            source, save_dir, step=n, allow_pickle=allow_pickle, storage_options=_typed(ctx.options) or None
+        )
+        out.print(f"exported step {n} as DeepSpeed checkpoint {tag!r}: {os.path.join(save_dir, tag)} and its latest")
 
 
 @main.command("gc")
