@@ -57,6 +57,22 @@ def test_flipped_checksum_trailer_and_truncated_chunk_are_caught(ckpt_dir: Path)
         tiercheck.load(ckpt_dir)
 
 
+def test_a_flipped_byte_in_an_edge_chunks_padding_is_caught(ckpt_dir: Path) -> None:
+    # 10 rows of 1024 fp32 in chunks of 4 rows: the last chunk holds 2 rows, then 2 rows of padding.
+    # Restore reads the 2 rows straight into the tensor and checks the padding with the checksum.
+    state = {"w": torch.randn(10, 1024)}
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=4 * 4096)) as ck:
+        ck.save(1).wait()
+    assert_identical(tiercheck.load(ckpt_dir), state)
+    flip_byte(ckpt_dir / "step-00000001/w/c.2.0", 2 * 4096 + 5)
+    live = {"w": torch.zeros(10, 1024)}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"w.*c\.2\.0: checksum mismatch"),
+    ):
+        ck.restore()
+
+
 def test_damaged_manifest_and_marker_are_reported_not_parsed(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     manifest = ckpt_dir / "step-00000003/manifest.json"

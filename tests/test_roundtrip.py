@@ -182,7 +182,9 @@ def test_restore_adds_saved_entries_unless_told_not_to_and_others_are_picked_by_
     grown: dict[str, Any] = {"m": {"a": torch.zeros(4)}}
     with Checkpointer(grown, local=ckpt_dir) as ck:
         assert ck.restore(1) == 1  # as a fresh optimizer gets its saved state
-        assert set(grown) == {"m"} and set(grown["m"]) == {"a", "b", "c"} and torch.equal(grown["m"]["b"], saved["m"]["b"])
+        assert (
+            set(grown) == {"m"} and set(grown["m"]) == {"a", "b", "c"} and torch.equal(grown["m"]["b"], saved["m"]["b"])
+        )
     picked: dict[str, Any] = {}
     with Checkpointer(picked, local=ckpt_dir) as ck:
         assert ck.restore(1, others=lambda names: [n for n in names if n != "m"]) == 1
@@ -223,3 +225,35 @@ def test_array_metadata_is_exactly_what_zarr_writes(
 
     rec = ArrayRecord(path="model/x", dtype=dtype, kind="tensor", shape=shape, chunks=chunks)
     assert zarr_documents([rec])["model/x/zarr.json"] == _zarr_array_document(rec)
+
+
+@pytest.mark.parametrize(
+    "name, dest",
+    [
+        # every chunk read straight into the tensor, the edge chunk's padding after it
+        ("whole tensor", lambda full: full.clone().zero_()),
+        # chunks that lie in the shard read in place; the two it cuts are read, then copied
+        ("rows 3..9", lambda full: tiercheck.Shard(torch.zeros(6, 1024), global_shape=(10, 1024), offsets=(3, 0))),
+        # a chunk's part of a column shard is not contiguous: read, then copied
+        (
+            "columns 512..",
+            lambda full: tiercheck.Shard(torch.zeros(10, 512), global_shape=(10, 1024), offsets=(0, 512)),
+        ),
+        # a transposed view: nothing contiguous to read into
+        ("transposed view", lambda full: torch.zeros(1024, 10).t()),
+    ],
+)
+def test_restore_into_whole_tensors_shards_and_views_is_bit_identical(tmp_path: Path, name: str, dest: Any) -> None:
+    # Restore reads a chunk straight into the destination where its part there is contiguous and
+    # copies it otherwise; each case below takes one or both ways.
+    full = torch.randn(10, 1024)  # chunks of 4 rows (16 KiB): 3 chunks, the last with 2 rows of padding
+    with Checkpointer({"w": full}, local=tmp_path, write=WriteOptions(chunk_bytes=4 * 4096)) as ck:
+        ck.save(1).wait()
+    target = dest(full)
+    with Checkpointer({"w": target}, local=tmp_path) as ck:
+        assert ck.restore() == 1
+    if isinstance(target, tiercheck.Shard):
+        rows, cols = (slice(o, o + n) for o, n in zip(target.offsets, target.local.shape, strict=True))
+        assert torch.equal(target.local, full[rows, cols]), name
+    else:
+        assert torch.equal(target, full), name

@@ -146,13 +146,25 @@ def verify_chunk(
 ) -> memoryview:
     """Check a stored chunk (data + trailer) and return a view of its data bytes."""
     view = memoryview(raw)
-    if len(view) != nbytes + CHECKSUM_BYTES:
+    return verify_parts(view[:nbytes], view[nbytes:], expected_crc=expected_crc, nbytes=nbytes, where=where)
+
+
+def verify_parts(
+    data: memoryview, rest: memoryview | bytes, *, expected_crc: int | None, nbytes: int, where: str
+) -> memoryview:
+    """Check a stored chunk read in two parts: the first bytes of its data (all of them, or the part
+    an edge chunk holds before its padding), read wherever they belong, and the rest of the file
+    (the padding, if any, and the checksum trailer). Returns ``data``."""
+    if len(data) + len(rest) != nbytes + CHECKSUM_BYTES or len(rest) < CHECKSUM_BYTES:
         raise CorruptCheckpointError(
-            f"{where}: chunk has {len(view)} bytes, expected {nbytes + CHECKSUM_BYTES} (truncated or damaged)"
+            f"{where}: chunk has {len(data) + len(rest)} bytes, expected {nbytes + CHECKSUM_BYTES} "
+            "(truncated or damaged)"
         )
-    data = view[:nbytes]
+    tail = memoryview(rest)
     actual = checksum(data)
-    (stored,) = struct.unpack("<I", view[nbytes:])
+    if len(tail) > CHECKSUM_BYTES:
+        actual = int(google_crc32c.extend(actual, np.frombuffer(tail[:-CHECKSUM_BYTES], dtype=np.uint8)))
+    (stored,) = struct.unpack("<I", tail[-CHECKSUM_BYTES:])
     if actual != stored or (expected_crc is not None and actual != expected_crc):
         raise CorruptCheckpointError(
             f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x}, "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .codec import chunk_nbytes, verify_chunk
+from .codec import chunk_nbytes, verify_chunk, verify_parts
 from .commit import step_dir
 from .errors import CorruptCheckpointError, TiercheckError
 from .flatten import torch_dtype
@@ -43,17 +43,24 @@ class ReadItem:
         return Need(self.record.path, self.offsets, tuple(self.dest.shape))
 
 
-def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk) -> memoryview:
-    """One chunk's data (full chunk size, padding included), its checksum verified."""
+def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryview | None = None) -> memoryview:
+    """One chunk's data (full chunk size, padding included), its checksum verified. With ``into``,
+    the chunk's first ``len(into)`` bytes (all its data, or all but an edge chunk's trailing
+    padding) are read there, and ``into`` is returned; when the chunk turns out damaged, ``into``
+    holds what was read."""
     key = c.key
     where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
-    try:
-        raw = tier.read(f"{step_dir(step)}/{rec.path}/{key}")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
     if key not in rec.checksums:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
-    return verify_chunk(raw, expected_crc=rec.checksums[key], nbytes=chunk_nbytes(rec), where=where)
+    path = f"{step_dir(step)}/{rec.path}/{key}"
+    nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
+    try:
+        if into is None:
+            return verify_chunk(tier.read(path), expected_crc=crc, nbytes=nbytes, where=where)
+        n, rest = tier.read_into(path, into)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+    return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
 
 
 def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
@@ -68,6 +75,36 @@ def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadIte
         dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets, strict=True))
         src_idx = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, c.starts, strict=True))
         item.dest[dst_idx].copy_(src[src_idx])
+
+
+def direct_target(rec: ArrayRecord, c: Chunk, items: Iterable[ReadItem], *, whole: bool) -> torch.Tensor | None:
+    """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
+    single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
+    tensor, or rows of one). An edge chunk qualifies when its padding trails its data (it is cut
+    short in its first dimension only), unless ``whole`` (the full chunk is sent to other ranks).
+    None otherwise: the chunk is read, then copied."""
+    valid = c.valid_shape
+    if valid[1:] != tuple(rec.chunks[1:]) or (whole and valid != tuple(rec.chunks)):
+        return None
+    hits = [i for i in items if overlap(c.starts, c.stops, i.offsets, _stops(i)) is not None]
+    if len(hits) != 1:
+        return None
+    item = hits[0]
+    if item.dest.device.type != "cpu" or item.dest.dtype != torch_dtype(rec.dtype):
+        return None
+    stops = _stops(item)
+    if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
+        return None
+    region = item.dest.detach()[
+        tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))
+    ]
+    if not region.is_contiguous():
+        return None
+    return region.reshape(-1).view(torch.uint8)
+
+
+def _stops(item: ReadItem) -> tuple[int, ...]:
+    return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
 
 
 def move_chunks(
@@ -111,26 +148,30 @@ def move_chunks(
     def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
         path, c = job.path, job.chunk
         rec = records[path]
+        target = direct_target(rec, c, by_path.get(path, ()), whole=(path, c.coords) in sends)
+        into = None if target is None else target.numpy().data
         try:
             if job.remote:
                 assert remote is not None
                 counts["remote_reads"] += 1
-                raw = read_chunk(remote, step, rec, c)
+                raw = read_chunk(remote, step, rec, c, into)
             else:
                 try:
-                    raw = read_chunk(tier, step, rec, c)
+                    raw = read_chunk(tier, step, rec, c, into)
                 except (CorruptCheckpointError, OSError) as e:
                     if remote is None:
                         raise
                     log.warning("%s; reading it from %s instead", e, remote.url)
                     counts["fallbacks"] += 1
-                    raw = read_chunk(remote, step, rec, c)
-            data = torch.frombuffer(raw, dtype=torch.uint8)
+                    raw = read_chunk(remote, step, rec, c, into)
         except (TiercheckError, OSError) as e:
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
             # otherwise); the error reaches every rank once the transfers are over.
             errors.append(e)
             return path, c, torch.zeros(chunk_nbytes(rec), dtype=torch.uint8)
+        if target is not None:
+            return path, c, target  # read in place: nothing to copy
+        data = torch.frombuffer(raw, dtype=torch.uint8)
         fill(rec, c, data, by_path.get(path, ()))
         return path, c, data
 

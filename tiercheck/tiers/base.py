@@ -34,6 +34,15 @@ class Tier(ABC):
     def read(self, path: str) -> bytes | bytearray:
         """The whole content of ``path``. Raises ``FileNotFoundError`` when it does not exist."""
 
+    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
+        """Read ``path`` into ``out`` (writable, bytes) as far as it goes: returns how many bytes went
+        there and the rest of the file. Restore reads chunks straight into the tensors they fill
+        this way; the default reads the whole file, then copies."""
+        raw = memoryview(self.read(path))
+        n = min(len(raw), len(out))
+        out[:n] = raw[:n]
+        return n, bytes(raw[n:])
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 

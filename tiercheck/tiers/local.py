@@ -80,6 +80,11 @@ class LocalTier(Tier):
             del buf[n:]  # the file shrank since fstat: return what is there
             return buf
 
+    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
+        with open(self._abs(path), "rb") as f:
+            n = f.readinto(out)  # buffered: loops until ``out`` is full or the file ends
+            return n, f.read()
+
     def exists(self, path: str) -> bool:
         return self._abs(path).exists()
 

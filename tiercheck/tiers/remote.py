@@ -214,12 +214,21 @@ class RemoteTier(Tier):
         with self._lock:
             self.counters["bytes_up"] += len(data)
 
-    def read(self, path: str) -> bytearray:
+    def _fetch(self, path: str) -> bytes:
         target = self._p(path)
         data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(target))
         with self._lock:
             self.counters["bytes_down"] += len(data)
-        return bytearray(data)  # writable, as tensors made from it must be
+        return data
+
+    def read(self, path: str) -> bytearray:
+        return bytearray(self._fetch(path))  # writable, as tensors made from it must be
+
+    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
+        data = self._fetch(path)
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
+        return n, data[n:]
 
     def exists(self, path: str) -> bool:
         target = self._p(path)
