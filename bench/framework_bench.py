@@ -202,7 +202,13 @@ def cold(args: argparse.Namespace) -> bool:
 
 
 def tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the files under ``path``; tiercheck's retention may be removing an old step meanwhile."""
+    total = 0
+    for top, _dirs, files in os.walk(path):  # os.walk skips a directory that vanished
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(top, name)).st_size
+    return total
 
 
 def fsync_file(path: Path) -> None:
