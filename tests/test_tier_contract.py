@@ -37,20 +37,31 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
 def test_write_then_read_back_concatenated_parts(tier: Tier) -> None:
     tier.write("a/b/c.0", [b"hello ", bytearray(b"wide "), memoryview(b"world")])
     assert bytes(tier.read("a/b/c.0")) == b"hello wide world"
+    assert tier.read_bytes("a/b/c.0") == b"hello wide world"
     tier.write("a/b/c.0", [b"replaced"])
     assert bytes(tier.read("a/b/c.0")) == b"replaced"
+    # copies between tiers move files as read_bytes gives them: immutable bytes, written as they are
+    data = tier.read_bytes("a/b/c.0")
+    assert type(data) is bytes and data == b"replaced"
+    tier.write("a/copy", [data])
+    assert tier.read_bytes("a/copy") == b"replaced"
 
 
 def test_large_objects_go_up_in_parts_and_come_back_whole(tier: Tier) -> None:
     data = os.urandom(11 << 20)  # over two 5 MiB parts on the remote tiers: a multipart upload
     tier.write("big/c.0", [memoryview(data)[:100], memoryview(data)[100:]])
     assert bytes(tier.read("big/c.0")) == data
-    assert tier.sizes("big") == {"c.0": len(data)}
+    assert tier.read_bytes("big/c.0") == data
+    tier.write("big/c.1", [data])  # one bytes part, in parts on the remote tiers
+    assert tier.read_bytes("big/c.1") == data
+    assert tier.sizes("big") == {"c.0": len(data), "c.1": len(data)}
 
 
 def test_missing_files_and_directories(tier: Tier) -> None:
     with pytest.raises(FileNotFoundError):
         tier.read("nope/c.0")
+    with pytest.raises(FileNotFoundError):
+        tier.read_bytes("nope/c.0")
     assert not tier.exists("nope/c.0")
     assert tier.list_dir("nope") == []
     assert tier.sizes("nope") == {}
@@ -82,6 +93,8 @@ def test_paths_cannot_leave_the_root(tier: Tier, path: str) -> None:
         tier.write(path, [b"x"])
     with pytest.raises(UnsafeCheckpointError):
         tier.read(path)
+    with pytest.raises(UnsafeCheckpointError):
+        tier.read_bytes(path)
 
 
 def test_the_commit_protocol_works_on_every_tier(tier: Tier) -> None:

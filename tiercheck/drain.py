@@ -298,7 +298,7 @@ def upload_step(
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:
-        data = local.read(f"{d}/{f}")
+        data = local.read_bytes(f"{d}/{f}")
         remote.write(f"{d}/{f}", [data])
         on_file(len(data))
         return len(data)

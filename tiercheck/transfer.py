@@ -75,7 +75,7 @@ def copy_step(
     done = 0
 
     def copy(f: str) -> int:
-        data = src.read(f"{d}/{f}")
+        data = src.read_bytes(f"{d}/{f}")
         if f in chunk_records:
             rec, key = chunk_records[f]
             verify_chunk(

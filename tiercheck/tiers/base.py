@@ -34,6 +34,13 @@ class Tier(ABC):
     def read(self, path: str) -> bytes | bytearray:
         """The whole content of ``path``. Raises ``FileNotFoundError`` when it does not exist."""
 
+    def read_bytes(self, path: str) -> bytes:
+        """``read`` as immutable ``bytes``, for copies between tiers: object-store clients take
+        ``bytes``, and a tier that can read straight into them saves the copy ``bytes(read(path))``
+        makes."""
+        data = self.read(path)
+        return data if isinstance(data, bytes) else bytes(data)
+
     def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
         """Read ``path`` into ``out`` (writable, bytes) as far as it goes: returns how many bytes went
         there and the rest of the file. Restore reads chunks straight into the tensors they fill

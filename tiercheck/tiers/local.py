@@ -80,6 +80,10 @@ class LocalTier(Tier):
             del buf[n:]  # the file shrank since fstat: return what is there
             return buf
 
+    def read_bytes(self, path: str) -> bytes:
+        with open(self._abs(path), "rb", buffering=0) as f:
+            return f.read()  # read straight into one bytes object sized from fstat
+
     def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
         with open(self._abs(path), "rb") as f:
             n = f.readinto(out)  # buffered: loops until ``out`` is full or the file ends

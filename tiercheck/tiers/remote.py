@@ -199,8 +199,9 @@ class RemoteTier(Tier):
     # ------------------------------------------------------------------------------ Tier API
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        # bytes, not bytearray: azure-storage takes a bytearray for an iterable of ints.
-        data = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+        # bytes, not bytearray: azure-storage takes a bytearray for an iterable of ints. join returns a
+        # lone bytes part itself, uncopied: what copies between tiers pass (from read_bytes).
+        data = b"".join(parts)
         kwargs: dict[str, Any] = {}
         if len(data) >= 2 * self.part_bytes:  # big objects: a multipart upload, parts in parallel
             kwargs = {"chunksize": self.part_bytes, "max_concurrency": self.part_concurrency}
@@ -220,6 +221,9 @@ class RemoteTier(Tier):
         with self._lock:
             self.counters["bytes_down"] += len(data)
         return data
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._fetch(path)
 
     def read(self, path: str) -> bytearray:
         return bytearray(self._fetch(path))  # writable, as tensors made from it must be
