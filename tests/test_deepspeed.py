@@ -250,7 +250,9 @@ def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
     trusting.global_steps = 9
     with ce.saving(save_dir):
         ce.create("legacy")
-        ce.save({"module": trusting.module.state_dict()}, os.path.join(save_dir, "legacy", "mp_rank_00_model_states.pt"))
+        ce.save(
+            {"module": trusting.module.state_dict()}, os.path.join(save_dir, "legacy", "mp_rank_00_model_states.pt")
+        )
         assert not ce.is_decoupled()
         ce.commit("legacy")
     assert ce.checkpointer(save_dir).steps()[-1] == 9
@@ -300,7 +302,13 @@ def _pipeline(rank: int, world_size: int, tmp: str) -> None:
 
     def engine(seed: int) -> Any:
         torch.manual_seed(seed)
-        layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)]
+        layers = [
+            torch.nn.Linear(8, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 16),
+            torch.nn.Tanh(),
+            torch.nn.Linear(16, 4),
+        ]
         net = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
         config = {**_config(1, 1), "gradient_accumulation_steps": 2, "train_batch_size": 4}
         e, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
