@@ -38,8 +38,7 @@ class Tier(ABC):
         """``read`` as immutable ``bytes``, for copies between tiers: object-store clients take
         ``bytes``, and a tier that can read straight into them saves the copy ``bytes(read(path))``
         makes."""
-        data = self.read(path)
-        return data if isinstance(data, bytes) else bytes(data)
+        return bytes(self.read(path))  # the same object when read already gave bytes
 
     def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
         """Read ``path`` into ``out`` (writable, bytes) as far as it goes: returns how many bytes went

@@ -215,21 +215,18 @@ class RemoteTier(Tier):
         with self._lock:
             self.counters["bytes_up"] += len(data)
 
-    def _fetch(self, path: str) -> bytes:
+    def read_bytes(self, path: str) -> bytes:
         target = self._p(path)
         data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(target))
         with self._lock:
             self.counters["bytes_down"] += len(data)
         return data
 
-    def read_bytes(self, path: str) -> bytes:
-        return self._fetch(path)
-
     def read(self, path: str) -> bytearray:
-        return bytearray(self._fetch(path))  # writable, as tensors made from it must be
+        return bytearray(self.read_bytes(path))  # writable, as tensors made from it must be
 
     def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
-        data = self._fetch(path)
+        data = self.read_bytes(path)
         n = min(len(data), len(out))
         out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
         return n, data[n:]
