@@ -11,13 +11,14 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tiercheck import Checkpointer, WriteOptions
-from tiercheck.codec import checksum
+from tiercheck.codec import checksum, seal, unseal
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleStateError,
     TiercheckError,
 )
+from tiercheck.manifest import part_file, shard_file
 
 
 def saved(ckpt_dir: Path, step: int = 3) -> dict[str, torch.Tensor]:
@@ -84,6 +85,23 @@ def test_damaged_manifest_and_marker_are_reported_not_parsed(ckpt_dir: Path) -> 
     (ckpt_dir / "step-00000003/COMMIT").write_text("{not json")
     with pytest.raises(CorruptCheckpointError, match=r"step 3: commit marker is damaged"):
         tiercheck.load(ckpt_dir)
+
+
+def test_a_damaged_manifest_part_is_reported_not_parsed(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    for name in (part_file(0), shard_file(0)):
+        part = ckpt_dir / "step-00000003" / name
+        original = part.read_bytes()
+        flip_byte(part, 10)
+        with pytest.raises(CorruptCheckpointError, match=rf"step 3: {name}: checksum mismatch"):
+            tiercheck.load(ckpt_dir)
+        with Checkpointer({"model": {}}, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match=name):
+            ck.restore(strict=False)
+        part.write_bytes(original[:2])
+        with pytest.raises(CorruptCheckpointError, match=rf"{name}: truncated"):
+            tiercheck.load(ckpt_dir)
+        part.write_bytes(original)
+    assert tiercheck.load(ckpt_dir)["model"]
 
 
 def test_missing_step_and_missing_directory(ckpt_dir: Path, tmp_path: Path) -> None:
@@ -160,10 +178,23 @@ def test_a_manifest_from_a_newer_format_is_refused_clearly(ckpt_dir: Path) -> No
 
 
 def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
-    """Edit a manifest and re-sign its commit marker, as an attacker with write access could."""
+    """Edit a single-rank step's manifest and re-sign it, as an attacker with write access could.
+
+    ``edit`` sees one document as format 2 laid it out (the index's fields, ``arrays`` with their
+    checksums, ``trees``); it is written back as format 3's index, rank part and array shard, each
+    re-sealed, and the commit marker re-signed."""
     d = ckpt_dir / f"step-{step:08d}"
     doc = json.loads((d / "manifest.json").read_bytes())
+    part = json.loads(unseal((d / part_file(0)).read_bytes(), where="test"))
+    shard = json.loads(unseal((d / shard_file(0)).read_bytes(), where="test"))["arrays"]
+    for path, rec in shard.items():
+        rec["crc32c"] = part["crc32c"].get(path, {})
+    doc.update(arrays=shard, trees=[part["tree"]])
     edit(doc)  # type: ignore[operator]
+    arrays, trees = doc.pop("arrays"), doc.pop("trees")
+    crcs = {path: rec.pop("crc32c") for path, rec in arrays.items()}
+    (d / part_file(0)).write_bytes(seal(json.dumps({"tree": trees[0], "crc32c": crcs}).encode()))
+    (d / shard_file(0)).write_bytes(seal(json.dumps({"arrays": arrays}).encode()))
     data = json.dumps(doc).encode()
     (d / "manifest.json").write_bytes(data)
     marker = {"format": "tiercheck", "step": step, "manifest_crc32c": checksum(data), "manifest_size": len(data)}

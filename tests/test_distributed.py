@@ -21,6 +21,10 @@ import torch
 
 import tiercheck
 from tiercheck import Shard
+from tiercheck.codec import unseal
+from tiercheck.commit import read_manifest
+from tiercheck.manifest import parse_rank_part, part_file
+from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
 
@@ -176,9 +180,18 @@ def test_restore_onto_another_layout_is_bit_identical(
 def test_each_chunk_is_written_once_and_replicas_share_the_writing(saved_8: str) -> None:
     nodes = sorted(Path(saved_8).glob("node*"))
     assert len(nodes) == 4
-    manifests = [json.loads((n / "step-00000002" / "manifest.json").read_bytes()) for n in nodes]
-    assert all(m == manifests[0] for m in manifests), "every node has the same manifest"
-    arrays = manifests[0]["arrays"]
+    indexes = [json.loads((n / "step-00000002" / "manifest.json").read_bytes()) for n in nodes]
+    assert all(m == indexes[0] for m in indexes), "every node has the same index"
+    assert indexes[0]["format_version"] == 3
+    # Each node holds the manifest parts of its own ranks only (a commit moves no rank's part elsewhere).
+    for i, n in enumerate(nodes):
+        parts = sorted(f.name for f in (n / "step-00000002" / "manifest").glob("rank-*.json"))
+        assert parts == [f"rank-{r:06d}.json" for r in (2 * i, 2 * i + 1)]
+    merged = Path(saved_8) / "merged"
+    for n in nodes:
+        shutil.copytree(n / "step-00000002", merged / "step-00000002", dirs_exist_ok=True)
+    manifest = read_manifest(LocalTier(merged), 2)
+    arrays = {path: rec.to_json() for path, rec in manifest.arrays.items()}
     unique = sum(t.nbytes for t in global_tensors(2).values())
     itemsizes = {"float32": 4, "bfloat16": 2}
     stored = sum(len(a["crc32c"]) * math.prod(a["chunks"]) * itemsizes[a["dtype"]] for a in arrays.values())
@@ -412,11 +425,11 @@ def _restore_expect_failure(rank: int, world: int, root: str) -> tuple[str, str]
 
 def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
     run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
-    manifest = json.loads((tmp_path / "node1" / "step-00000001" / "manifest.json").read_bytes())
-    # A chunk written by a rank of node 1 that node 0's ranks need too (replicated norm, or a TP shard).
-    path, key = next(
-        (p, k) for p, a in manifest["arrays"].items() for k, owner in a["owner"].items() if owner in (2, 3)
-    )
+    # A chunk written by a rank of node 1 that node 0's ranks need too (replicated norm, or a TP shard):
+    # rank 2's part of the manifest, in node 1's directory, lists the checksums of what rank 2 wrote.
+    raw = (tmp_path / "node1" / "step-00000001" / part_file(2)).read_bytes()
+    _, written = parse_rank_part(unseal(raw, where="test"), where="test")
+    path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)
     chunk = tmp_path / "node1" / "step-00000001" / path / key
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0xFF

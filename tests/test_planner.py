@@ -6,10 +6,13 @@ import math
 from collections import Counter
 
 import pytest
+import torch.distributed as dist
 
+from tiercheck.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.layout import chunks, chunks_in_box, grid_for_boxes
 from tiercheck.planner import LeafDesc, Need, plan_reads, plan_writes
+from tiercheck.saveplan import plan_save
 
 
 def split(extent: int, parts: int) -> list[tuple[int, int]]:
@@ -105,3 +108,82 @@ def test_read_once_reads_every_chunk_once() -> None:
     assert len(plan.transfers) == 4 * 3
     every = plan_reads(records, needs, [frozenset({0})] * 4, read_once=False)
     assert all(len(r) == 4 for r in every.reads) and not every.transfers
+
+
+# ------------------------------------------------------------------ the plan made through the store
+
+
+def megatron_like(world: int, tp: int) -> list[list[LeafDesc]]:
+    """TP-split and replicated weights, and a flat optimizer partition over the data-parallel ranks."""
+    dp = world // tp
+    out = []
+    for r in range(world):
+        t, d = r % tp, r // tp
+        leaves = descs("fc", (64, 48), [((64 // tp * t, 0), (64 // tp, 48))])
+        leaves += descs("norm", (48,), [((0,), (48,))])
+        o, n = split(1001, dp)[d]
+        leaves += descs(f"optim/tp{t}", (1001,), [((o,), (n,))])
+        leaves += descs("empty", (0, 4), [((0, 0), (0, 4))])
+        out.append(leaves)
+    return out
+
+
+@pytest.mark.parametrize(("world", "tp"), [(1, 1), (4, 2), (8, 2), (12, 4)])
+def test_the_plan_made_through_the_store_is_the_whole_job_plan(world: int, tp: int) -> None:
+    per_rank = megatron_like(world, tp)
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    for generation in range(2):  # a second plan reuses nothing of the first
+        plans = lockstep([plan_save(c, generation, per_rank[c.rank], target_chunk_bytes=256) for c in coords])
+    whole = plan_writes(per_rank, target_chunk_bytes=256)
+    for rank, plan in enumerate(plans):
+        assert [(t.leaf, t.chunk, t.local) for t in plan.tasks] == [
+            (t.leaf, t.chunk, t.local) for t in whole.tasks[rank]
+        ]
+        assert plan.nbytes == whole.nbytes[rank]
+        assert set(plan.records) == {d.path for d in per_rank[rank]}
+    shards = [p.shard for p in plans]
+    assert {path: rec for shard in shards for path, rec in shard.items()} == whole.records
+    assert sum(len(s) for s in shards) == len(whole.records), "each array has one coordinator"
+    # Every key of both plans was deleted once every rank was past it.
+    assert store.num_keys() == 0
+
+
+def test_a_disagreement_found_by_a_coordinator_fails_every_rank() -> None:
+    per_rank = [descs("w", (8,), [((0,), (8,))]), descs("w", (9,), [((0,), (9,))]), descs("v", (2,), [((0,), (2,))])]
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=3, namespace="t", timeout_s=5) for r in range(3)]
+    protocols = [plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=64) for c in coords]
+    for p in protocols:
+        next(p)  # everyone posts
+    for p in protocols:
+        next(p)  # the coordinators lay out their arrays
+    for p in protocols:  # and every rank, not only the holders of "w", learns of the failure
+        with pytest.raises(IncompatibleStateError, match=r"rank 0 has float32\[8\] but rank 1 has float32\[9\]"):
+            next(p)
+
+
+def test_store_traffic_per_rank_does_not_grow_with_the_job() -> None:
+    """A rank's bytes through the store depend on the pieces it holds (and, as a coordinator, on the
+    holders of its arrays), not on how many ranks the job has."""
+
+    def pairs(world: int) -> list[list[LeafDesc]]:  # each tensor held by a pair of replicas
+        out = []
+        for r in range(world):
+            g = r // 2
+            leaves = descs(f"layer{g}.w", (64, 48), [((0, 0), (64, 48))])
+            leaves += descs(f"optim{g}", (1001,), [((0,), (501,)), ((501,), (500,))][r % 2 : r % 2 + 1])
+            out.append(leaves)
+        return out
+
+    means = []
+    for world in (8, 512):
+        store = dist.HashStore()
+        coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+        per_rank = pairs(world)
+        lockstep([plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=4096) for c in coords])
+        sent = [c.store_bytes for c in coords]
+        means.append(sum(sent) / world)
+        # Arrays go to coordinators by a hash, so some rank coordinates a few more than average.
+        assert max(sent) < 3 * means[-1], (world, max(sent), means[-1])
+    assert means[1] < 1.2 * means[0], means

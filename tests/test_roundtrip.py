@@ -257,3 +257,18 @@ def test_restore_into_whole_tensors_shards_and_views_is_bit_identical(tmp_path: 
         assert torch.equal(target.local, full[rows, cols]), name
     else:
         assert torch.equal(target, full), name
+
+
+def test_the_store_keeps_nothing_of_past_saves_and_restores(ckpt_dir: Path) -> None:
+    """A long job's key-value store does not grow with its checkpoints: every protocol removes its
+    keys once every rank is past them (a single process runs the same protocols over its own store)."""
+    state = {"w": torch.randn(64, 16), "step": 0}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        store = ck._coord.store
+        assert store.num_keys() == 0  # joining the node left nothing behind
+        for step in range(6):
+            state["step"] = step
+            ck.save(step).wait()
+            assert ck.restore() == step
+            assert store.num_keys() == 0, sorted(store.list_keys())
+        assert ck.stats()["store_ops"] > 0

@@ -26,15 +26,17 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from . import __version__
-from .checkpointer import _fmt_steps, _plural, _ranges
 from .codec import chunk_nbytes
 from .commit import list_steps, read_manifest, read_marker, step_dir, withdraw_step
 from .drain import upload_step
 from .errors import CheckpointNotFoundError, TiercheckError
+from .fmt import fmt_steps as _fmt_steps
+from .fmt import plural as _plural
+from .fmt import ranges as _ranges
 from .manifest import Manifest
 from .options import RetentionOptions, RetryOptions
-from .restore import read_chunk
 from .retention import steps_to_delete
+from .scatter import read_chunk
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier, redact

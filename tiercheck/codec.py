@@ -106,7 +106,7 @@ def _array_template(dtype: str, kind: str, ndim: int) -> dict[str, Any]:
     return json.loads(_zarr_array_document(rec))  # type: ignore[no-any-return]
 
 
-def zarr_documents(records: Iterable[ArrayRecord]) -> dict[str, bytes]:
+def zarr_documents(records: Iterable[ArrayRecord], *, root: bool = True) -> dict[str, bytes]:
     """The ``zarr.json`` documents of a step's group hierarchy, keyed by path inside the step.
 
     zarr itself writes one document per (dtype, kind, rank); each array's document is that one
@@ -114,11 +114,11 @@ def zarr_documents(records: Iterable[ArrayRecord]) -> dict[str, bytes]:
     costs milliseconds per array, seconds for a model with thousands of tensors, and the first
     save would wait for it; tests check the result equals zarr's document byte for byte.
     """
-    docs: dict[str, bytes] = {
-        "zarr.json": _zarr_group_document(
+    docs: dict[str, bytes] = {}
+    if root:  # the step's own group: written by each node's first rank; arrays by their coordinators
+        docs["zarr.json"] = _zarr_group_document(
             {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": "manifest.json"}}
         )
-    }
     group = _zarr_group_document({})
     for rec in records:
         doc = copy.deepcopy(_array_template(rec.dtype, rec.kind, len(rec.shape)))
@@ -173,3 +173,20 @@ def verify_parts(
             else f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x})"
         )
     return data
+
+
+def seal(doc: bytes) -> bytes:
+    """A manifest file's bytes: the document followed by its CRC32C (as zarr frames a chunk), so
+    each part of a step's manifest can be checked on its own, wherever it was copied."""
+    return doc + checksum_trailer(checksum(doc))
+
+
+def unseal(data: bytes | bytearray, *, where: str) -> bytes:
+    """The document inside ``seal``'s bytes, its checksum verified."""
+    if len(data) < CHECKSUM_BYTES:
+        raise CorruptCheckpointError(f"{where}: truncated ({len(data)} bytes)")
+    doc = bytes(data[:-CHECKSUM_BYTES])
+    (stored,) = struct.unpack("<I", data[-CHECKSUM_BYTES:])
+    if checksum(doc) != stored:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch (damaged or truncated)")
+    return doc

@@ -1,4 +1,5 @@
-"""Step directories on a tier: naming, the commit protocol, and what counts as committed.
+"""Step directories on a tier: naming, the commit protocol, what counts as committed, and
+reading a committed step's manifest back.
 
 A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists. It is written last, after
 every data file, the manifest and every directory entry are durable, and it pins the manifest
@@ -8,12 +9,30 @@ deletion leaves a partial step (cleaned up later), never a damaged committed one
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
 
-from .codec import checksum
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .manifest import COMMIT_FILE, MANIFEST_FILE, CommitMarker, Manifest
+from .codec import checksum, unseal
+from .coordination import Barrier, Coordinator, Nodes, Protocol
+from .errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
+from .manifest import (
+    COMMIT_FILE,
+    JSON,
+    MANIFEST_FILE,
+    PARTS_DIR,
+    ArrayRecord,
+    CommitMarker,
+    Manifest,
+    ManifestIndex,
+    parse_manifest_doc,
+    parse_rank_part,
+    parse_shard,
+    part_file,
+    shard_file,
+)
 from .tiers.base import Tier
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -80,20 +99,165 @@ def read_marker(tier: Tier, step: int) -> CommitMarker:
     return marker
 
 
-def read_manifest(tier: Tier, step: int) -> Manifest:
-    """The manifest of a committed step, checked against its commit marker."""
+def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], bytes]:
+    """A committed step's commit marker and ``manifest.json`` (parsed, and as stored), checked
+    against each other."""
     d = step_dir(step)
     where = f"{tier.url}: step {step}"
     marker = read_marker(tier, step)
     try:
-        data = tier.read(f"{d}/{MANIFEST_FILE}")
+        data = bytes(tier.read(f"{d}/{MANIFEST_FILE}"))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is missing from a committed step") from None
     if len(data) != marker.manifest_size or checksum(data) != marker.manifest_crc32c:
         raise CorruptCheckpointError(
             f"{where}: {MANIFEST_FILE} is damaged (size or checksum differs from the commit marker)"
         )
-    manifest = Manifest.from_bytes(bytes(data), where=where)
+    doc = parse_manifest_doc(data, where=where)
+    return marker, doc, data
+
+
+def read_manifest(tier: Tier, step: int) -> Manifest:
+    """The manifest of a committed step as this tier holds it, checked against its commit marker.
+
+    A format-3 step's manifest is in parts: each saving rank's (its tree and chunk checksums) and
+    each coordinating rank's (its arrays). A node-local tier holds its own ranks' parts only, so
+    what is returned describes those (the other ranks' trees are absent, see ``Manifest.tree``);
+    the remote tier, or a copy of the whole step, holds all of them.
+    """
+    where = f"{tier.url}: step {step}"
+    marker, doc, data = read_index(tier, step)
+    if doc["format_version"] < 3:
+        manifest = Manifest.from_bytes(data, where=where)
+    else:
+        index = ManifestIndex.from_doc(doc, where=where)
+        files = {}
+        for name in tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}"):
+            m = _PART.match(name)
+            if m and int(m.group(2)) < index.world_size:
+                files[m.group(1), int(m.group(2))] = bytes(tier.read(f"{step_dir(step)}/{PARTS_DIR}/{name}"))
+        manifest = assemble(index, files, where=where)
     if manifest.step != step or manifest.world_size != marker.world_size:
         raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")
     return manifest
+
+
+_PART = re.compile(r"^(rank|arrays)-(\d{6,})\.json$")
+
+
+def assemble(index: ManifestIndex, files: dict[tuple[str, int], bytes], *, where: str) -> Manifest:
+    """A format-3 manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
+    to the file's bytes as stored)."""
+    arrays: dict[str, ArrayRecord] = {}
+    checksums: dict[str, dict[str, int]] = defaultdict(dict)
+    trees: list[JSON] = []
+    tree_of_rank = [-1] * index.world_size
+    seen: dict[str, int] = {}
+    for (kind, rank), raw in sorted(files.items()):
+        here = f"{where}: {part_file(rank) if kind == 'rank' else shard_file(rank)}"
+        doc = unseal(raw, where=here)
+        if kind == "arrays":
+            arrays.update(parse_shard(doc, where=here))
+            continue
+        tree, crcs = parse_rank_part(doc, where=here)
+        for path, by_key in crcs.items():
+            checksums[path].update(by_key)
+        text = json.dumps(tree, sort_keys=True)
+        if text not in seen:
+            seen[text] = len(trees)
+            trees.append(tree)
+        tree_of_rank[rank] = seen[text]
+    records = {}
+    for path, rec in arrays.items():
+        kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
+        records[path] = replace(rec, checksums=dict(sorted(kept.items())))
+    return Manifest(
+        step=index.step,
+        library_version=index.library_version,
+        created_unix=index.created_unix,
+        trees=trees,
+        tree_of_rank=tree_of_rank,
+        arrays=records,
+        metadata=index.metadata,
+        topology={"world_size": index.world_size, "nodes": index.nodes},
+        format_version=3,
+    )
+
+
+# ------------------------------------------------------------------------------------ commit
+
+
+def commit_save(
+    coord: Coordinator,
+    tier: Tier,
+    *,
+    step: int,
+    attempt: int,
+    nodes: Nodes,
+    part: bytes,
+    shard: bytes | None,
+    error: BaseException | None,
+    metadata: JSON,
+    library_version: str,
+) -> Protocol[None]:
+    """Commit one save once this rank's chunks are durable (or report that they are not).
+
+    Each rank writes its part of the manifest (sealed ``part``, and ``shard`` when it coordinates
+    arrays) beside its chunks and counts itself in; once every rank has, the first rank of each
+    node writes the step's index and commit marker into its node's directory. A rank that failed
+    says so and the step fails on every rank; one that died is given up on after the
+    coordinator's timeout. The step is committed once every node committed it. Store traffic is a
+    few small keys per rank (rank 0's metadata once per node): O(ranks) per save in all.
+    """
+    rank, world = coord.rank, coord.world_size
+    name = f"save/{step}/{attempt}"
+    outcome = coord.key(name, "outcome")
+    if error is None:
+        try:
+            d = step_dir(step)
+            tier.write(f"{d}/{part_file(rank)}", [part])
+            if shard is not None:
+                tier.write(f"{d}/{shard_file(rank)}", [shard])
+            if rank == 0:
+                coord.set(coord.key(name, "meta"), json.dumps({"metadata": metadata, "created": time.time()}))
+        except BaseException as e:
+            error = e
+    if error is not None:
+        coord.decide(outcome, f"rank {rank} failed: {error!r}")
+        raise error
+    if coord.add(coord.key(name, "arrived"), 1) == world:
+        coord.decide(outcome, "ok")
+    try:
+        yield Barrier(outcome, f"the other ranks to write step {step}")
+    except CoordinationError as e:
+        coord.decide(outcome, str(e))
+    verdict = coord.get(outcome).decode()
+    if verdict != "ok":
+        raise CoordinationError(f"step {step} was not committed: {verdict}")
+    done = coord.key(name, "committed")
+    if rank == nodes.leader:
+        try:
+            meta = json.loads(coord.get(coord.key(name, "meta")))
+            index = ManifestIndex(
+                step=step,
+                library_version=library_version,
+                created_unix=float(meta["created"]),
+                world_size=world,
+                nodes=nodes.count,
+                metadata=meta["metadata"],
+            )
+            commit_step(tier, step, index.to_bytes(), ranks=nodes.ranks, world_size=world)
+            if coord.add(coord.key(name, "nodes"), 1) == nodes.count:
+                coord.decide(done, "ok")
+        except BaseException as e:
+            coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
+            raise
+    try:
+        yield Barrier(done, f"every node to commit step {step}")
+    except CoordinationError as e:
+        coord.decide(done, str(e))
+    verdict = coord.get(done).decode()
+    if verdict != "ok":
+        raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
+    if coord.add(coord.key(name, "finished"), 1) == world:  # everyone has read everything: clean up
+        coord.delete(*(coord.key(name, k) for k in ("outcome", "arrived", "meta", "committed", "nodes", "finished")))

@@ -65,6 +65,13 @@ class Chunk:
         return ".".join(["c", *map(str, self.coords)])
 
 
+def chunk_at(shape: Sequence[int], chunk: Sequence[int], coords: tuple[int, ...]) -> Chunk:
+    """The chunk at grid position ``coords``."""
+    starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))
+    stops = tuple(min(s + c, d) for s, c, d in zip(starts, chunk, shape, strict=True))
+    return Chunk(coords=coords, starts=starts, stops=stops)
+
+
 def chunks(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Chunk]:
     """Every chunk of the grid in C order. An empty array has none; a 0-d array has one."""
     shape = tuple(shape)

@@ -12,12 +12,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 FORMAT_NAME = "tiercheck"
-FORMAT_VERSION = 2  # 2: per-rank trees and chunk owners (distributed saves); 1 is still read
-MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 3  # 3: the manifest in parts (per rank, per coordinator); 2 and 1 are still read
+WHOLE_FORMAT = 2  # the last format with the whole manifest in one document
+MANIFEST_FILE = "manifest.json"  # in format 3 the step's index; before, the whole manifest
 COMMIT_FILE = "COMMIT"
+PARTS_DIR = "manifest"  # format 3: rank-NNNNNN.json (each saving rank's) and arrays-NNNNNN.json
+
+
+def part_file(rank: int) -> str:
+    """A saving rank's part of the manifest: its state tree and the checksums of its chunks."""
+    return f"{PARTS_DIR}/rank-{rank:06d}.json"
+
+
+def shard_file(rank: int) -> str:
+    """The arrays a saving rank coordinated: shape, dtype, chunk grid and every chunk's owner."""
+    return f"{PARTS_DIR}/arrays-{rank:06d}.json"
+
 
 JSON = Any  # a value json.loads can return
 
@@ -36,7 +49,7 @@ def check_array_path(path: object, *, where: str) -> str:
                 f"{where}: array path {path!r} is not a plain relative path inside the step "
                 "(absolute paths, '..', empty or unusual components are refused)"
             )
-    if parts[0] in (MANIFEST_FILE, COMMIT_FILE, "zarr.json") or "zarr.json" in parts or "c" in parts:
+    if parts[0] in (MANIFEST_FILE, COMMIT_FILE, PARTS_DIR, "zarr.json") or "zarr.json" in parts or "c" in parts:
         raise UnsafeCheckpointError(f"{where}: array path {path!r} collides with a reserved name")
     return path
 
@@ -103,16 +116,17 @@ class Manifest:
     library_version: str
     created_unix: float
     trees: list[JSON]  # encoded states (nested JSON whose leaves refer to arrays, see flatten.py); no repeats
-    tree_of_rank: list[int]  # saving rank -> index into trees
+    tree_of_rank: list[int]  # saving rank -> index into trees (-1: that rank's part was not read)
     arrays: dict[str, ArrayRecord]
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = WHOLE_FORMAT  # as read; 3 for one assembled from its parts
 
     def to_bytes(self) -> bytes:
+        """The whole manifest as one document: format 2, which every tiercheck since reads."""
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": WHOLE_FORMAT,
             "library_version": self.library_version,
             "step": self.step,
             "created_unix": self.created_unix,
@@ -131,22 +145,18 @@ class Manifest:
 
     def tree(self, rank: int = 0) -> JSON:
         """The encoded state saving ``rank`` held."""
-        return self.trees[self.tree_of_rank[rank]]
+        i = self.tree_of_rank[rank]
+        if i < 0:
+            raise CheckpointNotFoundError(f"step {self.step}: the manifest part of saving rank {rank} is not here")
+        return self.trees[i]
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{where}: not a tiercheck manifest")
-        version = doc.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"{where}: manifest format version {version!r} is newer than this tiercheck "
-                f"understands ({FORMAT_VERSION}); upgrade tiercheck"
-            )
+        """A whole manifest in one document (formats 1 and 2; see ``commit.read_manifest``)."""
+        doc = parse_manifest_doc(data, where=where)
+        version = doc["format_version"]
+        if version > WHOLE_FORMAT:
+            raise CorruptCheckpointError(f"{where}: a format {version} manifest is in parts, not in one document")
         try:
             arrays_doc = doc["arrays"]
             if not isinstance(arrays_doc, dict):
@@ -169,6 +179,115 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManifestIndex:
+    """Format 3's ``manifest.json``: what the step is, not what is in it (that is in the parts)."""
+
+    step: int
+    library_version: str
+    created_unix: float
+    world_size: int
+    nodes: int
+    metadata: JSON = None
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+            "topology": {"world_size": self.world_size, "nodes": self.nodes},
+            "metadata": self.metadata,
+            "parts": {
+                "ranks": f"{PARTS_DIR}/rank-{{rank:06d}}.json",
+                "arrays": f"{PARTS_DIR}/arrays-{{rank:06d}}.json",
+                "arrays_of": "zlib.crc32(path) % world_size",
+            },
+        }
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, JSON], *, where: str) -> ManifestIndex:
+        try:
+            return cls(
+                step=_nonneg_int(doc["step"]),
+                library_version=str(doc["library_version"]),
+                created_unix=float(doc["created_unix"]),
+                world_size=_positive_int(doc["world_size"]),
+                nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
+                metadata=doc.get("metadata"),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
+
+
+def parse_manifest_doc(data: bytes | bytearray, *, where: str) -> dict[str, JSON]:
+    """``manifest.json`` parsed and its format checked (any version this library reads)."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a tiercheck manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{where}: manifest format version {version!r} is not a format version")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where}: manifest format version {version} is newer than this tiercheck understands "
+            f"({FORMAT_VERSION}); upgrade tiercheck"
+        )
+    return doc
+
+
+def rank_part_bytes(tree: JSON, checksums: dict[str, dict[str, int]]) -> bytes:
+    return json.dumps({"tree": tree, "crc32c": checksums}, allow_nan=False, separators=(",", ":")).encode()
+
+
+def parse_rank_part(doc: bytes, *, where: str) -> tuple[JSON, dict[str, dict[str, int]]]:
+    """A rank part's state tree and chunk checksums (``{array path: {chunk key: crc32c}}``)."""
+    try:
+        part = json.loads(doc)
+        checksums = {
+            check_array_path(p, where=where): {str(k): _crc(v) for k, v in crcs.items()}
+            for p, crcs in part["crc32c"].items()
+        }
+        return part["tree"], checksums
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed manifest part ({e!r})") from None
+
+
+def shard_bytes(records: dict[str, ArrayRecord]) -> bytes:
+    arrays = {path: {k: v for k, v in rec.to_json().items() if k != "crc32c"} for path, rec in records.items()}
+    return json.dumps({"arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
+
+
+def parse_shard(doc: bytes, *, where: str) -> dict[str, ArrayRecord]:
+    """The array records (without checksums) of a coordinator's shard of the manifest."""
+    try:
+        arrays = json.loads(doc)["arrays"]
+        if not isinstance(arrays, dict):
+            raise TypeError("arrays must be an object")
+        return {path: ArrayRecord.from_json(path, {**rec, "crc32c": {}}, where=where) for path, rec in arrays.items()}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed manifest shard ({e!r})") from None
+
+
+def _crc(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**32:
+        raise ValueError(f"expected a CRC32C (0 to 2**32-1), got {v!r}")
+    return v
+
+
+def _positive_int(v: object) -> int:
+    n = _nonneg_int(v)
+    if n == 0:
+        raise ValueError("expected a positive integer, got 0")
+    return n
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,7 +26,7 @@ from .commit import step_dir
 from .flatten import Leaf
 from .layout import Chunk
 from .manifest import JSON, ArrayRecord
-from .planner import WritePlan
+from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.base import Tier
 
@@ -48,10 +48,10 @@ class Plan:
     """What this rank writes, computed once and reused while the layout of every rank is unchanged."""
 
     signature: tuple[Any, ...]
-    records: dict[str, ArrayRecord]  # every global array with its chunk owners; checksums filled per save
+    shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with their chunk owners
     tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
     n_eager: int
-    zarr_docs: dict[str, bytes]  # written by the node's first rank only
+    zarr_docs: dict[str, bytes]  # of the arrays this rank coordinates (and the step's group on node leaders)
     pool_bytes: int  # host memory this rank's whole snapshot needs
 
 
@@ -347,26 +347,26 @@ class Pipeline:
 
 def rank_plan(
     leaves: list[Leaf],
-    write_plan: WritePlan,
-    rank: int,
+    save_plan: SavePlan,
     *,
     signature: tuple[Any, ...],
-    zarr_docs: bool,
+    root_doc: bool,
 ) -> Plan:
-    """This rank's part of a write plan: its chunks in copy order, eager leaves first."""
+    """This rank's part of the save plan: its chunks in copy order, eager leaves first, and the
+    zarr documents it writes (of the arrays it coordinates; the step's own with ``root_doc``)."""
     eager: list[ChunkTask] = []
     lazy: list[ChunkTask] = []
-    for t in write_plan.tasks[rank]:
+    for t in save_plan.tasks:
         leaf = leaves[t.leaf]
-        rec = write_plan.records[leaf.path]
+        rec = save_plan.records[leaf.path]
         task = ChunkTask(t.leaf, leaf.path, t.chunk, t.local, rec.chunks, chunk_nbytes(rec))
         (lazy if leaf.lazy else eager).append(task)
     tasks = eager + lazy
     return Plan(
         signature=signature,
-        records=write_plan.records,
+        shard=save_plan.shard,
         tasks=tasks,
         n_eager=len(eager),
-        zarr_docs=zarr_documents(list(write_plan.records.values())) if zarr_docs else {},
+        zarr_docs=zarr_documents(list(save_plan.shard.values()), root=root_doc),
         pool_bytes=sum(align_up(t.nbytes) for t in tasks),
     )

@@ -15,9 +15,10 @@ whose node directory holds the chunk's file and sent to ranks that need it but c
 from __future__ import annotations
 
 import math
+import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, itemsize
 from .errors import IncompatibleStateError
@@ -78,69 +79,106 @@ class WritePlan:
 
 
 def plan_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int) -> WritePlan:
-    """Dedup and balance: each chunk of each global array is written by exactly one holder."""
-    arrays: dict[str, list[tuple[int, int, LeafDesc]]] = defaultdict(list)  # path -> (rank, leaf, desc)
+    """Dedup and balance: each chunk of each global array is written by exactly one holder.
+
+    The whole job's plan from every rank's descriptions, in one place: what ``saveplan`` computes
+    spread over the ranks (each array on its coordinator, each group of holders on its members),
+    with the same answer. For tests and tools; a job never gathers every rank's descriptions.
+    """
+    arrays: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    leaf_of: dict[tuple[int, str], int] = {}
     for rank, leaves in enumerate(descs):
         for i, d in enumerate(leaves):
-            arrays[d.path].append((rank, i, d))
-
+            arrays[d.path].append((rank, d))
+            leaf_of[rank, d.path] = i
     records: dict[str, ArrayRecord] = {}
-    holders: list[tuple[int, str, tuple[int, ...], Chunk, list[tuple[int, int, LeafDesc]]]] = []
+    offers: list[Offer] = []
     for path in sorted(arrays):
-        pieces = arrays[path]
-        first = pieces[0][2]
-        for rank, _, d in pieces[1:]:
-            if (d.dtype, d.kind, d.global_shape) != (first.dtype, first.kind, first.global_shape):
-                raise IncompatibleStateError(
-                    f"array {path!r}: rank {pieces[0][0]} has {first.dtype}{list(first.global_shape)} "
-                    f"but rank {rank} has {d.dtype}{list(d.global_shape)} as the global tensor"
-                )
-        shape = first.global_shape
-        boxes = [(d.offsets, d.shape) for _, _, d in pieces if math.prod(d.shape) > 0]
-        grid = grid_for_boxes(shape, boxes, itemsize(first.dtype), target_chunk_bytes)
-        rec = ArrayRecord(path=path, dtype=first.dtype, kind=first.kind, shape=shape, chunks=grid)
-        nbytes = chunk_nbytes(rec)
-        by_chunk: dict[tuple[int, ...], tuple[Chunk, list[tuple[int, int, LeafDesc]]]] = {}
-        for rank, i, d in pieces:
-            for c in chunks_in_box(shape, grid, d.offsets, d.shape):
-                by_chunk.setdefault(c.coords, (c, []))[1].append((rank, i, d))
-        expected = math.prod(math.ceil(s / c) for s, c in zip(shape, grid, strict=True)) if all(shape) else 0
-        if len(by_chunk) != expected:
-            raise IncompatibleStateError(
-                f"array {path!r}{list(shape)}: {_hole(shape, grid, by_chunk)} is held by no rank"
-            )
+        rec, chunks = chunk_array(path, arrays[path], target_chunk_bytes)
         records[path] = rec
-        holders.extend((nbytes, path, coords, c, hs) for coords, (c, hs) in by_chunk.items())
-
-    # Largest first, each to its least-loaded holder: a greedy balance that is the same on every rank.
-    holders.sort(key=lambda h: (-h[0], h[1], h[2]))
-    load = [0] * len(descs)
+        offers.extend(Offer(chunk_nbytes(rec), path, c, holders) for c, holders in chunks)
+    owners = assign_owners(offers)
     tasks: list[list[WriteTask]] = [[] for _ in descs]
-    owners: dict[str, dict[str, int]] = defaultdict(dict)
-    for nbytes, path, _, c, hs in holders:
-        rank, i, d = min(hs, key=lambda h: (load[h[0]], h[0]))
-        load[rank] += nbytes
-        owners[path][c.key] = rank
-        local = Chunk(
-            coords=c.coords,
-            starts=tuple(s - o for s, o in zip(c.starts, d.offsets, strict=True)),
-            stops=tuple(s - o for s, o in zip(c.stops, d.offsets, strict=True)),
-        )
-        tasks[rank].append(WriteTask(i, c, local))
+    load = [0] * len(descs)
+    by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    for offer, rank in zip(offers, owners, strict=True):
+        by_path[offer.path][offer.chunk.key] = rank
+        load[rank] += offer.nbytes
+        i = leaf_of[rank, offer.path]
+        tasks[rank].append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[rank][i])))
     for rank_tasks in tasks:
         rank_tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
-    records = {
-        path: ArrayRecord(
-            path=path,
-            dtype=r.dtype,
-            kind=r.kind,
-            shape=r.shape,
-            chunks=r.chunks,
-            owners=dict(sorted(owners[path].items())),
-        )
-        for path, r in records.items()
-    }
+    records = {path: replace(r, owners=dict(sorted(by_path[path].items()))) for path, r in records.items()}
     return WritePlan(records=records, tasks=tasks, nbytes=load)
+
+
+def chunk_array(
+    path: str, pieces: Sequence[tuple[int, LeafDesc]], target_chunk_bytes: int
+) -> tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]:
+    """One global array from the pieces ranks hold of it: its chunk grid (aligned to every piece,
+    so any holder of a chunk can write it alone) and each chunk with the ranks holding it.
+
+    Raises ``IncompatibleStateError`` when the ranks disagree on the array or leave a hole."""
+    first_rank, first = pieces[0]
+    for rank, d in pieces[1:]:
+        if (d.dtype, d.kind, d.global_shape) != (first.dtype, first.kind, first.global_shape):
+            raise IncompatibleStateError(
+                f"array {path!r}: rank {first_rank} has {first.dtype}{list(first.global_shape)} "
+                f"but rank {rank} has {d.dtype}{list(d.global_shape)} as the global tensor"
+            )
+    shape = first.global_shape
+    boxes = [(d.offsets, d.shape) for _, d in pieces if math.prod(d.shape) > 0]
+    grid = grid_for_boxes(shape, boxes, itemsize(first.dtype), target_chunk_bytes)
+    rec = ArrayRecord(path=path, dtype=first.dtype, kind=first.kind, shape=shape, chunks=grid)
+    by_chunk: dict[tuple[int, ...], tuple[Chunk, list[int]]] = {}
+    for rank, d in pieces:
+        for c in chunks_in_box(shape, grid, d.offsets, d.shape):
+            by_chunk.setdefault(c.coords, (c, []))[1].append(rank)
+    expected = math.prod(math.ceil(s / c) for s, c in zip(shape, grid, strict=True)) if all(shape) else 0
+    if len(by_chunk) != expected:
+        raise IncompatibleStateError(f"array {path!r}{list(shape)}: {_hole(shape, grid, by_chunk)} is held by no rank")
+    return rec, [(c, tuple(sorted(hs))) for _, (c, hs) in sorted(by_chunk.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A chunk to be written by one of ``holders``."""
+
+    nbytes: int
+    path: str
+    chunk: Chunk
+    holders: tuple[int, ...]
+
+
+def assign_owners(offers: Sequence[Offer]) -> list[int]:
+    """The rank that writes each offered chunk. Chunks are balanced within each group of ranks
+    holding the same chunks (DP replicas of a shard, say), largest first, each to the least-loaded
+    member. A group's members see the same offers, so each can run this on its own offers and
+    agree with the others without another exchange."""
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, o in enumerate(offers):
+        groups[o.holders].append(i)
+    owner = [-1] * len(offers)
+    for holders, members in groups.items():
+        load = dict.fromkeys(holders, 0)
+        for i in sorted(members, key=lambda i: (-offers[i].nbytes, offers[i].path, offers[i].chunk.coords)):
+            # Ties go round the group from a point the chunk picks, so a group's lone chunk (a
+            # replicated optimizer partition, say) does not always land on its lowest rank.
+            start = zlib.crc32(f"{offers[i].path}/{offers[i].chunk.key}".encode()) % len(holders)
+            turn = {h: (j - start) % len(holders) for j, h in enumerate(holders)}
+            rank = min(holders, key=lambda h: (load[h], turn[h]))
+            load[rank] += offers[i].nbytes
+            owner[i] = rank
+    return owner
+
+
+def local_chunk(c: Chunk, d: LeafDesc) -> Chunk:
+    """Chunk ``c`` of the global array in the coordinates of the piece ``d`` holding it."""
+    return Chunk(
+        coords=c.coords,
+        starts=tuple(s - o for s, o in zip(c.starts, d.offsets, strict=True)),
+        stops=tuple(s - o for s, o in zip(c.stops, d.offsets, strict=True)),
+    )
 
 
 def _hole(shape: tuple[int, ...], grid: tuple[int, ...], found: Mapping[tuple[int, ...], object]) -> str:
@@ -193,27 +231,62 @@ def plan_reads(
     read_once: bool,
     remote: bool = False,
 ) -> ReadPlan:
-    """Who reads each needed chunk, and who sends it to whom.
+    """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
+    place (a job plans per array on coordinators, ``restoreplan``, with ``assign_reads``).
 
     ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
     on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
     needing it; otherwise every rank that needs a chunk and can read it reads it itself. A chunk
     no node holds is read from the remote tier (when ``remote``) by the ranks needing it.
     """
-    needers: dict[tuple[str, tuple[int, ...]], tuple[Chunk, set[int]]] = {}
-    for rank, rank_needs in enumerate(needs):
+    readers: dict[int, list[int]] = defaultdict(list)
+    for r, owners in enumerate(readable):
+        for o in owners:
+            readers[o].append(r)
+    wanted = needed_chunks(records, dict(enumerate(needs)))
+    reads, transfers, load = assign_reads(
+        records, wanted, lambda o: readers.get(o, []), read_once=read_once, remote=remote, tag=lambda i: i
+    )
+    return ReadPlan(
+        reads=[reads.get(r, []) for r in range(len(needs))],
+        transfers=transfers,
+        read_bytes=[load.get(r, 0) for r in range(len(needs))],
+    )
+
+
+Needers = dict[tuple[str, tuple[int, ...]], tuple[Chunk, set[int]]]
+
+
+def needed_chunks(records: Mapping[str, ArrayRecord], needs: Mapping[int, Sequence[Need]]) -> Needers:
+    """Each chunk some rank needs, with the ranks needing it."""
+    needers: Needers = {}
+    for rank, rank_needs in needs.items():
         for n in rank_needs:
             rec = records[n.path]
             for c in chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape):
                 needers.setdefault((n.path, c.coords), (c, set()))[1].add(rank)
+    return needers
 
-    reads: list[list[Read]] = [[] for _ in needs]
-    load = [0] * len(needs)
+
+def assign_reads(
+    records: Mapping[str, ArrayRecord],
+    needers: Needers,
+    readers_of: Callable[[int], Sequence[int]],
+    *,
+    read_once: bool,
+    remote: bool,
+    tag: Callable[[int], int],
+) -> tuple[dict[int, list[Read]], list[Transfer], dict[int, int]]:
+    """Readers and transfers of the needed chunks. ``readers_of(owner)`` lists the restoring
+    ranks that can read the files of saving rank ``owner``; ``tag(i)`` numbers the i-th transfer
+    (unique in the whole restore). Returns reads per rank, transfers, and bytes read per rank."""
+    reads: dict[int, list[Read]] = defaultdict(list)
+    load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     for (path, _), (c, who) in sorted(needers.items()):
         rec = records[path]
         owner = rec.owner(c.key)
-        able = [r for r in range(len(needs)) if owner in readable[r]]
+        able = list(readers_of(owner))
         from_remote = not able
         if from_remote:
             if not remote:
@@ -223,11 +296,11 @@ def plan_reads(
             able = sorted(who)
         nbytes = chunk_nbytes(rec)
         local = sorted(who.intersection(able))
-        readers = [min(local or able, key=lambda r: (load[r], r))] if read_once or not local else local
-        for r in readers:
+        chosen = [min(local or able, key=lambda r: (load[r], r))] if read_once or not local else local
+        for r in chosen:
             reads[r].append(Read(path, c, from_remote))
             load[r] += nbytes
-        src = min(readers, key=lambda r: (load[r], r))
-        for dst in sorted(who.difference(readers)):
-            transfers.append(Transfer(path, c, src, dst, len(transfers)))
-    return ReadPlan(reads=reads, transfers=transfers, read_bytes=load)
+        src = min(chosen, key=lambda r: (load[r], r))
+        for dst in sorted(who.difference(chosen)):
+            transfers.append(Transfer(path, c, src, dst, tag(len(transfers))))
+    return dict(reads), transfers, dict(load)

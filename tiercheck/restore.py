@@ -1,205 +1,586 @@
-"""Reading a committed step back: verified chunk reads into destination tensors, across ranks.
+"""Restoring a step: agree on it, gather its manifest, match it to the state, move the bytes.
 
-Callers plan first (match every stored array to a destination and check shapes and dtypes, then
-``planner.plan_reads`` decides who reads and who sends each chunk) and move bytes second, so an
-incompatible state is refused before a single byte is overwritten. A destination is any box of a
-global array: a whole tensor, a tensor-parallel shard, a ZeRO partition. Each chunk read is
-copied into the part of every destination it overlaps; a chunk some rank needs but cannot read
-(its file is on another node) arrives point-to-point over the process group.
+Every rank of the job calls ``restore_state`` together (a single process is a job of one). The
+ranks meet in the store, never in the training's collectives:
+
+1. **Agree on the step** (``agree_on_step``): the first rank of each node posts the steps its
+   directory holds (and the saving ranks whose files are there); rank 0 alone reads those, one
+   per node, picks the newest step whole across the nodes or committed on the remote tier, and
+   posts that one answer.
+2. **Gather the manifest** (``gather_manifest``): from the remote tier when the step comes from
+   there; otherwise the first node holding each saving rank's part of the manifest posts it, and
+   each rank reads the parts its own directory lacks.
+3. **Match** the saved tree to the live state (``prepare``): shapes, dtypes and keys are checked
+   on every rank, and any rank's mismatch fails all of them, before anything is overwritten.
+4. **Move the bytes** (``scatter.move_chunks``): each chunk is read where its file is, verified
+   against its checksum, and sent to the ranks that need it; then the decoded values are handed
+   to the state (``apply``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from .codec import chunk_nbytes, verify_chunk, verify_parts
-from .commit import step_dir
-from .errors import CorruptCheckpointError, TiercheckError
-from .flatten import torch_dtype
-from .layout import Chunk, overlap
-from .manifest import ArrayRecord
-from .planner import Need, Read, ReadPlan
+from .commit import assemble, list_steps, read_manifest, read_marker
+from .coordination import Coordinator, Nodes, Protocol, drive, dumps, shard_of
+from .errors import (
+    CheckpointNotFoundError,
+    CoordinationError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    TiercheckError,
+)
+from .flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
+from .fmt import fmt_steps, plural, ranges
+from .manifest import JSON, Manifest
+from .planner import plan_reads as plan_reads_whole
+from .restoreplan import Step, fetch, find_holders, index_of, plan_reads
+from .scatter import ReadItem, move_chunks
+from .sharding import placement_of
 from .tiers.base import Tier
+from .tiers.local import LocalTier
+from .tiers.remote import open_tier
 
 log = logging.getLogger("tiercheck")
 
 
-@dataclass(frozen=True, slots=True)
-class ReadItem:
-    record: ArrayRecord
-    dest: torch.Tensor  # shape and dtype already checked; any device
-    offsets: tuple[int, ...]  # where dest sits in the global array
-
-    @property
-    def need(self) -> Need:
-        return Need(self.record.path, self.offsets, tuple(self.dest.shape))
+# ----------------------------------------------------------------------------- the protocol
 
 
-def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryview | None = None) -> memoryview:
-    """One chunk's data (full chunk size, padding included), its checksum verified. With ``into``,
-    the chunk's first ``len(into)`` bytes (all its data, or all but an edge chunk's trailing
-    padding) are read there, and ``into`` is returned; when the chunk turns out damaged, ``into``
-    holds what was read."""
-    key = c.key
-    where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
-    if key not in rec.checksums:
-        raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
-    path = f"{step_dir(step)}/{rec.path}/{key}"
-    nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
-    try:
-        if into is None:
-            return verify_chunk(tier.read(path), expected_crc=crc, nbytes=nbytes, where=where)
-        n, rest = tier.read_into(path, into)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
-    return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
-
-
-def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
-    """Copy the part of chunk ``c`` (``data``: its bytes, uint8) that each destination covers."""
-    src = data.view(torch_dtype(rec.dtype)).view(rec.chunks)
-    for item in items:
-        stops = tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
-        box = overlap(c.starts, c.stops, item.offsets, stops)
-        if box is None:
-            continue
-        lo, hi = box
-        dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets, strict=True))
-        src_idx = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, c.starts, strict=True))
-        item.dest[dst_idx].copy_(src[src_idx])
-
-
-def direct_target(rec: ArrayRecord, c: Chunk, items: Iterable[ReadItem], *, whole: bool) -> torch.Tensor | None:
-    """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
-    single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
-    tensor, or rows of one). An edge chunk qualifies when its padding trails its data (it is cut
-    short in its first dimension only), unless ``whole`` (the full chunk is sent to other ranks).
-    None otherwise: the chunk is read, then copied."""
-    valid = c.valid_shape
-    if valid[1:] != tuple(rec.chunks[1:]) or (whole and valid != tuple(rec.chunks)):
-        return None
-    hits = [i for i in items if overlap(c.starts, c.stops, i.offsets, _stops(i)) is not None]
-    if len(hits) != 1:
-        return None
-    item = hits[0]
-    if item.dest.device.type != "cpu" or item.dest.dtype != torch_dtype(rec.dtype):
-        return None
-    stops = _stops(item)
-    if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
-        return None
-    region = item.dest.detach()[
-        tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))
-    ]
-    if not region.is_contiguous():
-        return None
-    return region.reshape(-1).view(torch.uint8)
-
-
-def _stops(item: ReadItem) -> tuple[int, ...]:
-    return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
-
-
-def move_chunks(
-    tier: Tier,
-    step: int,
-    records: dict[str, ArrayRecord],
-    items: Sequence[ReadItem],
-    plan: ReadPlan,
-    *,
-    rank: int,
-    group: Any = None,
-    io_threads: int = 4,
-    remote: Tier | None = None,
-    counters: dict[str, int] | None = None,
-) -> int:
-    """Carry out this rank's part of ``plan``: read, send, receive, fill. Returns the bytes read.
-
-    A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
-    """
-    counts = counters if counters is not None else {}
-    for k in ("remote_reads", "fallbacks"):
-        counts.setdefault(k, 0)
-    by_path: dict[str, list[ReadItem]] = defaultdict(list)
-    for item in items:
-        by_path[item.record.path].append(item)
-    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = defaultdict(list)
-    recvs: list[tuple[str, Chunk, torch.Tensor, Any]] = []
-    ops: list[Any] = []  # sends
-    device = _comm_device(group) if plan.transfers else torch.device("cpu")
-    for t in plan.transfers:
-        if t.dst == rank:
-            buf = torch.empty(chunk_nbytes(records[t.path]), dtype=torch.uint8, device=device)
-            op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
-            recvs.append((t.path, t.chunk, buf, op))
-        elif t.src == rank:
-            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
-
-    keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
-    errors: list[BaseException] = []
-
-    def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
-        path, c = job.path, job.chunk
-        rec = records[path]
-        target = direct_target(rec, c, by_path.get(path, ()), whole=(path, c.coords) in sends)
-        into = None if target is None else target.numpy().data
+def held_steps(tier: Tier) -> dict[str, JSON]:
+    """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size]}``."""
+    held: dict[str, JSON] = {}
+    for s in list_steps(tier).committed:
         try:
-            if job.remote:
-                assert remote is not None
-                counts["remote_reads"] += 1
-                raw = read_chunk(remote, step, rec, c, into)
-            else:
-                try:
-                    raw = read_chunk(tier, step, rec, c, into)
-                except (CorruptCheckpointError, OSError) as e:
-                    if remote is None:
-                        raise
-                    log.warning("%s; reading it from %s instead", e, remote.url)
-                    counts["fallbacks"] += 1
-                    raw = read_chunk(remote, step, rec, c, into)
-        except (TiercheckError, OSError) as e:
-            # Ranks waiting for this chunk still get the bytes they expect (they would hang
-            # otherwise); the error reaches every rank once the transfers are over.
-            errors.append(e)
-            return path, c, torch.zeros(chunk_nbytes(rec), dtype=torch.uint8)
-        if target is not None:
-            return path, c, target  # read in place: nothing to copy
-        data = torch.frombuffer(raw, dtype=torch.uint8)
-        fill(rec, c, data, by_path.get(path, ()))
-        return path, c, data
-
-    reads = plan.reads[rank]
-    total = 0
-    with ThreadPoolExecutor(max(1, min(io_threads, len(reads))), thread_name_prefix="tiercheck-read") as pool:
-        for path, c, data in pool.map(read_and_fill, reads):
-            total += data.numel()
-            for dst, tag in sends.get((path, c.coords), ()):
-                out = data if device.type == "cpu" else data.to(device)
-                keep.append(out)
-                ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
-    for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
-        op.wait()
-        if not errors:
-            fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
-    for op in ops:
-        op.wait()
-    if errors:
-        raise errors[0]
-    return total
+            marker = read_marker(tier, s)
+        except TiercheckError as e:
+            log.warning("ignoring step %d on %s: %s", s, tier.url, e)
+            continue
+        held[str(s)] = [list(marker.ranks), marker.world_size]
+    return held
 
 
-def _comm_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+@dataclass(frozen=True, slots=True)
+class StepChoice:
+    step: int | None
+    from_remote: bool  # committed on the remote tier: read what no node holds from there
+    held: dict[str, JSON]  # this node's committed steps (see held_steps)
 
 
-def _global(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
+def agree_on_step(
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    *,
+    requested: int | None,
+    remote_steps: Callable[[], list[int]],
+) -> Protocol[StepChoice]:
+    """Every rank learns the same step to restore (None: no tier holds one). ``remote_steps``
+    is called on rank 0 only."""
+    held = held_steps(tier) if coord.rank == nodes.leader else {}
+    if coord.rank == nodes.leader:
+        coord.post(f"{name}/held", dumps({"ranks": list(nodes.ranks), "held": held}))
+    yield coord.arrive(f"{name}/held", what="every node to list its committed steps")
+    answer = coord.key(name, "step")
+    if coord.rank == 0:
+        per_node = [json.loads(v) for v in coord.collect(f"{name}/held")]
+        remote = set(remote_steps())
+        try:
+            step = choose_step(per_node, requested, remote, world=coord.world_size, where=tier.url)
+            coord.set(answer, dumps({"step": step, "remote": step is not None and step in remote}))
+        except CheckpointNotFoundError as e:
+            coord.set(answer, dumps({"error": str(e)}))
+    yield coord.arrive(f"{name}/chosen", what="rank 0 to choose the step to restore")
+    decision = json.loads(coord.get(answer))
+    if "error" in decision:
+        raise CheckpointNotFoundError(decision["error"])
+    if coord.rank != nodes.leader:
+        held = held_steps(tier)
+    return StepChoice(decision["step"], bool(decision.get("remote")), held)
+
+
+def choose_step(
+    per_node: list[dict[str, JSON]], requested: int | None, remote: set[int], *, world: int, where: str
+) -> int | None:
+    """The step to restore: committed on the remote tier, or whole across the nodes' local
+    directories. ``per_node`` holds each node's ``{"ranks": its ranks, "held": held_steps}``."""
+    have: dict[int, set[int]] = defaultdict(set)  # step -> saving ranks whose files some node holds
+    saved_world: dict[int, int] = {}
+    holders: dict[int, set[int]] = defaultdict(set)  # step -> restoring ranks holding a copy
+    for node in per_node:
+        for s, (saving, ws) in node["held"].items():
+            have[int(s)].update(saving)
+            saved_world[int(s)] = ws
+            holders[int(s)].update(node["ranks"])
+
+    def missing(s: int) -> list[int]:
+        return sorted(set(range(saved_world[s])) - have[s])
+
+    def lacking(s: int) -> str:
+        without = sorted(set(range(world)) - holders[s])
+        return f"step {s}: the files of saving rank(s) {ranges(missing(s))} are on no rank's local tier" + (
+            f" (restoring rank(s) {ranges(without)} have no copy of the step)" if without else ""
+        )
+
+    whole = sorted(remote | {s for s in have if not missing(s)})
+    if requested is not None:
+        if requested in whole:
+            return requested
+        if requested in have:
+            raise CheckpointNotFoundError(f"{where}: cannot restore {lacking(requested)}")
+        raise CheckpointNotFoundError(
+            f"step {requested} is not committed on any rank's local tier or the remote tier "
+            f"({where}; committed: {fmt_steps(whole)})"
+        )
+    newer = [s for s in have if whole and s > whole[-1]]
+    if newer:
+        log.warning("newest steps are incomplete, skipping them: %s", "; ".join(lacking(s) for s in sorted(newer)))
+    if whole:
+        return whole[-1]
+    if have:
+        raise CheckpointNotFoundError(f"{where}: no committed step is whole; newest: {lacking(max(have))}")
+    return None
+
+
+def settle(coord: Coordinator, name: str, failure: TiercheckError | None) -> Protocol[None]:
+    """Every rank learns whether any rank failed at this point; the first failure is raised on all
+    of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it)."""
+    if failure is not None:
+        coord.report(name, failure)
+    yield coord.arrive(name, what="every rank to get this far in the restore")
+    coord.check(name, failure)
+
+
+# ------------------------------------------------------------------------------- one restore
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    arrays: int
+    bytes_read: int
+    chunks_received: int
+    remote_reads: int
+    fallbacks: int
+    from_remote: bool  # the step was chosen from the remote tier
+    held_here: list[int]  # saving ranks whose files this node holds
+
+
+def restore_state(
+    state: Mapping[str, Any],
+    *,
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    remote: Tier | None,
+    group: Any,
+    requested: int | None,
+    strict: bool,
+    allow_pickle: bool,
+    others: bool | Callable[[list[str]], Iterable[str]],
+    extra: bool,
+    read_once: bool,
+    io_threads: int,
+) -> Restored | None:
+    """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
+    same ``name``. Returns None when no tier holds a committed step (and none was requested)."""
+    choice = drive(
+        coord,
+        agree_on_step(
+            coord, f"{name}/step", tier, nodes, requested=requested, remote_steps=lambda: remote_steps(remote)
+        ),
+    )
+    if choice.step is None:
+        return None
+    step = choice.step
+    here = choice.held.get(str(step), [[], 0])[0]
+    st = drive(
+        coord,
+        find_holders(coord, name, tier, nodes, step, here, remote=remote, from_remote=choice.from_remote),
+    )
+    where = f"{tier.url}: step {step}"
+    manifest = drive(coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others)))
+    failure: TiercheckError | None = None
+    items: list[ReadItem] = []
+    decoded: dict[str, Any] = {}
+    try:
+        if others:
+            add_entries(state, manifest, others, where=where)
+        tree = tree_for(manifest, coord.rank, coord.world_size, state, extra=extra)
+        items, decoded = prepare(state, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
+    except TiercheckError as e:
+        if coord.world_size == 1:
+            raise
+        failure = e
+    drive(coord, settle(coord, f"{name}/prepared", failure))
+    plan = drive(
+        coord,
+        plan_reads(
+            coord,
+            name,
+            f"{name}/reads",
+            tier,
+            st,
+            remote,
+            [i.need for i in items],
+            manifest.arrays,
+            read_once=read_once,
+        ),
+    )
+    moved: dict[str, int] = {}
+    nbytes = 0
+    try:
+        with torch.no_grad():
+            nbytes = move_chunks(
+                tier,
+                step,
+                plan.records,
+                items,
+                plan.reads,
+                plan.transfers,
+                rank=coord.rank,
+                group=group,
+                io_threads=io_threads,
+                remote=remote if choice.from_remote else None,
+                counters=moved,
+            )
+    except TiercheckError as e:
+        if coord.world_size == 1:
+            raise
+        failure = e
+    if coord.world_size > 1:
+        drive(coord, settle(coord, f"{name}/read", failure))
+    # Every rank is past every key of this restore: remove them.
+    coord.delete(*st.claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
+    coord.finish(name)
+    apply(state, decoded, where=where)
+    log.info(
+        "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
+        step,
+        plural(len(items), "array"),
+        moved.get("remote_reads", 0),
+        remote.url if remote is not None else "no remote tier",
+        moved.get("fallbacks", 0),
+    )
+    return Restored(
+        step=step,
+        arrays=len(items),
+        bytes_read=nbytes,
+        chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
+        remote_reads=moved.get("remote_reads", 0),
+        fallbacks=moved.get("fallbacks", 0),
+        from_remote=choice.from_remote,
+        held_here=list(here),
+    )
+
+
+def manifest_for(
+    coord: Coordinator,
+    root: str,
+    tier: Tier,
+    nodes: Nodes,
+    st: Step,
+    remote: Tier | None,
+    state: Mapping[str, Any],
+    *,
+    others: bool,
+) -> Protocol[Manifest]:
+    """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
+    the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
+    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already."""
+    where = f"{tier.url}: step {st.step}"
+    if st.format_version < 3:
+        return Manifest.from_bytes(st.index, where=where)
+    ix = index_of(st, where=where)
+    own = coord.rank if coord.rank < ix.world_size else 0
+    got = yield from fetch(coord, root, f"{root}/tree", tier, nodes, st, remote, {("rank", own)})
+    failure: TiercheckError | None = None
+    more: set[tuple[str, int]] = set()
+    try:
+        if others or not covers(assemble(ix, got, where=where).tree(own), state):
+            more = {("rank", w) for w in range(ix.world_size)} - set(got)
+    except TiercheckError as e:
+        failure = e
+    yield from settle(coord, f"{root}/tree", failure)
+    got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
+    paths: set[str] = set()
+    try:
+        paths = {p for t in assemble(ix, got, where=where).trees for p in tensor_paths(t) if isinstance(p, str)}
+    except TiercheckError as e:
+        failure = e
+    yield from settle(coord, f"{root}/paths", failure)
+    shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
+    got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
+    manifest: Manifest | None = None
+    try:
+        manifest = _needed(assemble(ix, {f: b for f, b in got.items() if b}, where=where), paths)
+    except TiercheckError as e:
+        failure = e
+    del got
+    yield from settle(coord, f"{root}/manifest", failure)
+    assert manifest is not None
+    return manifest
+
+
+def _needed(whole: Manifest, paths: set[str]) -> Manifest:
+    """What matching the state needs of a manifest: the records of this rank's arrays, without the
+    writers and checksums of their chunks (the read plan gets those where the files are)."""
+    arrays = {p: replace(whole.arrays[p], owners={}, checksums={}) for p in paths if p in whole.arrays}
+    return replace(whole, arrays=arrays)
+
+
+def remote_steps(remote: Tier | None) -> list[int]:
+    if remote is None:
+        return []
+    try:
+        return list_steps(remote).committed
+    except (OSError, TiercheckError) as e:  # restore from the local tier alone, and say so
+        log.error("cannot list %s, restoring from local tiers only: %s", remote.url, e)
+        return []
+
+
+def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: int) -> None:
+    if own is not None:
+        raise own
+    for r, o in enumerate(outcomes):
+        if "error" in o:
+            raise CoordinationError(f"rank {r} failed, so rank {rank} stops too: {o['error']}")
+
+
+# ------------------------------------------------------------------------- matching the state
+
+
+def tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str, Any], *, extra: bool) -> JSON:
+    """The saved tree to restore into ``rank``.
+
+    On the saving world size it is the same rank's tree: entries the state lacks are added, as in
+    a single process (a fresh optimizer gets its saved state). On another world size the layout
+    changed and other ranks' entries mean nothing here: only the state's own keys are filled,
+    each from the same rank's tree where it has it (rank 0's if there was no such rank), else
+    from the first saving rank that had it (a pipeline stage that moved to this rank, say).
+    """
+    first = rank if rank < manifest.world_size else 0
+    order = [first, *(r for r in range(manifest.world_size) if r != first)]
+    seen: set[int] = set()
+    trees = []
+    manifest.tree(first)  # raises if this rank's own part was not read
+    for r in order:
+        i = manifest.tree_of_rank[r]
+        if i >= 0 and i not in seen:
+            seen.add(i)
+            trees.append(manifest.trees[i])
+    live = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
+    return _merge(trees[0], trees[1:], live, only_live=not extra or world_size != manifest.world_size)
+
+
+def covers(tree: JSON, state: Mapping[str, Any]) -> bool:
+    """Whether ``tree`` has every entry of the live state, at every level of plain dicts (if not,
+    ``tree_for`` looks in the other saving ranks' trees)."""
+
+    def walk(node: JSON, live: Any) -> bool:
+        if not _plain_dict(node) or not isinstance(live, Mapping):
+            return True
+        return all(k in node and walk(node[k], v) for k, v in live.items())
+
+    return walk(tree, {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()})
+
+
+def add_entries(
+    state: Mapping[str, Any], manifest: Manifest, others: bool | Callable[[list[str]], Iterable[str]], *, where: str
+) -> None:
+    """Add to ``state`` (as None, to be filled) the saved top-level entries ``others`` selects."""
+    names = sorted({k for t in manifest.trees if _plain_dict(t) for k in t} - set(state))
+    chosen = [n for n in others(names) if n in names] if callable(others) else names
+    if not chosen:
+        return
+    if not isinstance(state, MutableMapping):
+        raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+    for name in chosen:
+        state[name] = None
+
+
+def _merge(node: JSON, others: list[JSON], live: Any, *, only_live: bool) -> JSON:
+    if not _plain_dict(node) or not isinstance(live, Mapping):
+        return node
+    out = {k: v for k, v in node.items() if k in live or not only_live}
+    for k, v in live.items():
+        subs = [o[k] for o in others if _plain_dict(o) and k in o]
+        if k in out:
+            out[k] = _merge(out[k], subs, v, only_live=only_live)
+        elif subs:
+            out[k] = _merge(subs[0], subs[1:], v, only_live=only_live)
+    return out
+
+
+def _plain_dict(node: JSON) -> bool:
+    return isinstance(node, dict) and not (len(node) == 1 and next(iter(node)).startswith("$"))
+
+
+def prepare(
+    state: Mapping[str, Any],
+    manifest: Manifest,
+    tree: JSON,
+    *,
+    strict: bool,
+    allow_pickle: bool,
+    where: str,
+    fresh: bool = False,
+) -> tuple[list[ReadItem], dict[str, Any]]:
+    """Match the saved tree to the state: what to read into which tensor, and the decoded values.
+
+    Raises before anything is overwritten if a shape, dtype or key does not fit. With ``fresh``,
+    ``state`` is an empty dict to take everything the tree holds, as new CPU tensors (``load``).
+    """
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"{where}: manifest tree is not an object")
+    items: list[ReadItem] = []
+
+    def source(tag: str, path: Any, live: Any) -> Any:
+        rec = manifest.arrays.get(path) if isinstance(path, str) else None
+        if rec is None:
+            raise CorruptCheckpointError(f"{where}: the state refers to array {path!r}, which the manifest lacks")
+        here = f"{where}: {path}"
+        if isinstance(live, np.ndarray) and tag == "$ndarray" and live.flags.writeable and live.flags.c_contiguous:
+            live_placed = placement_of(torch.from_numpy(live), where=here)
+        else:
+            live_placed = placement_of(live, where=here) if tag == "$tensor" else None
+        if live_placed is not None:
+            local, global_shape, offsets = live_placed
+            if global_shape != rec.shape or dtype_name(local.dtype) != rec.dtype:
+                raise IncompatibleStateError(
+                    f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
+                    f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
+                )
+            items.append(ReadItem(rec, local, offsets))
+            return live
+        dest = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
+        items.append(ReadItem(rec, dest, (0,) * dest.dim()))
+        return dest.numpy() if tag == "$ndarray" else dest
+
+    keys = list(tree) if fresh else list(state)
+    missing = [k for k in keys if k not in tree]
+    if missing and strict:
+        raise IncompatibleStateError(
+            f"{where}: the checkpoint has no entry for {', '.join(map(repr, missing))} "
+            f"(it holds: {', '.join(map(repr, tree))})"
+        )
+    decoded: dict[str, Any] = {}
+    for key in keys:
+        if key not in tree:
+            continue
+        live = None if fresh else state[key]
+        if is_stateful(live):
+            live = live.state_dict()
+        if strict and live is not None:
+            _check_no_missing_tensors(live, tree[key], key, where)
+        decoded[key] = decode(tree[key], source, allow_pickle=allow_pickle, where=f"{where}: {key}", live=live)
+    return items, decoded
+
+
+def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> None:
+    """Hand the decoded values (their tensors now filled) to the state."""
+    for key, value in decoded.items():
+        live = state.get(key)
+        if is_stateful(live):
+            live.load_state_dict(value)
+        elif not _update_in_place(live, value):
+            if not isinstance(state, MutableMapping):
+                raise IncompatibleStateError(
+                    f"{where}: cannot restore {key!r} in place and the state mapping is read-only"
+                )
+            state[key] = value
+
+
+def _check_no_missing_tensors(live: Any, saved: JSON, key: str, where: str) -> None:
+    probe = _Encoder(allow_pickle=True)
+    probe.encode(live, [key], lambda t: False)
+    saved_paths = set(tensor_paths(saved))
+    missing = [leaf.path for leaf in probe.leaves if leaf.path not in saved_paths]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise IncompatibleStateError(f"{where}: tensors of the state are missing from the checkpoint: {shown}")
+
+
+def _update_in_place(live: Any, new: Any) -> bool:
+    """Make ``live`` equal ``new`` without replacing it. False when only replacement works."""
+    if live is new:
+        return True
+    if isinstance(live, dict) and isinstance(new, dict):
+        for k in [k for k in live if k not in new]:
+            del live[k]
+        for k, v in new.items():
+            if k not in live or not _update_in_place(live[k], v):
+                live[k] = v
+        return True
+    if isinstance(live, list) and isinstance(new, list):
+        if len(live) != len(new):
+            live[:] = new
+            return True
+        for i, v in enumerate(new):
+            if not _update_in_place(live[i], v):
+                live[i] = v
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------- load()
+
+
+def load(
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    allow_pickle: bool = False,
+    io_threads: int = 4,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Read a committed step into a plain nested dict of CPU tensors (state_dicts become dicts).
+
+    ``path`` is a local directory or any remote URL (``s3://``, ``az://``, ``file://``;
+    ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
+    hold every chunk: a step saved by ranks on several nodes is spread over their directories.
+    """
+    root = os.fspath(path)
+    tier = open_tier(root, storage_options=storage_options)
+    if isinstance(tier, LocalTier) and not tier.root.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
+    committed = list_steps(tier).committed
+    if step is None and not committed:
+        raise CheckpointNotFoundError(f"{root!r} holds no committed step")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {root!r} (committed: {fmt_steps(committed)})")
+    manifest = read_manifest(tier, step)
+    marker = read_marker(tier, step)
+    where = f"{tier.url}: step {step}"
+    out: dict[str, Any] = {}
+    items, decoded = prepare(
+        out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
+    )
+    if set(marker.ranks) != set(range(marker.world_size)):
+        owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
+        absent = sorted(owners - set(marker.ranks))
+        if absent:
+            raise CheckpointNotFoundError(
+                f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
+                f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
+            )
+    plan = plan_reads_whole(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
+    move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
+    apply(out, decoded, where=where)
+    return out
+
+
+# ------------------------------------------------------------------------------------ helpers

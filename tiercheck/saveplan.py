@@ -1,0 +1,173 @@
+"""Making a save plan with every rank's cost flat in the job's size: per-array coordinators.
+
+No rank sees every rank's descriptions. Each global array has one coordinating rank (a CRC of its
+name modulo the world size), and the plan is made in four rounds, each closed by a barrier:
+
+1. every rank posts the descriptions of its pieces, grouped by coordinator, into each
+   coordinator's bucket;
+2. each coordinator lays out its arrays (the chunk grid aligned to every piece, refusing a
+   disagreement or a hole) and offers every holder the chunks it holds, each with the full group
+   of ranks holding that chunk;
+3. each rank splits the offers of every group of holders as every other member does (largest
+   first, least loaded; ``planner.assign_owners``): the members see the same offers, so they agree
+   without another exchange. It tells each coordinator which of its chunks it took;
+4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,
+   written beside the data at every save.
+
+A rank sends and receives in proportion to the pieces it holds (plus, as a coordinator, to the
+pieces of a few arrays): about the same at 16,384 ranks as at 8. The plan is cached and redone
+only when some rank's layout changes (every rank then plans again, with a new generation number).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from .codec import chunk_nbytes
+from .coordination import Coordinator, Protocol, dumps, shard_of
+from .errors import CoordinationError, IncompatibleStateError
+from .layout import Chunk, chunk_at
+from .manifest import ArrayRecord
+from .planner import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """One rank's part of the job's save plan."""
+
+    records: dict[str, ArrayRecord]  # every array this rank holds (no owners)
+    tasks: list[WriteTask]  # the chunks this rank writes, in leaf order
+    nbytes: int  # bytes of chunk data this rank writes
+    shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with every chunk's owner
+
+
+def plan_save(
+    coord: Coordinator, generation: int, descs: Sequence[LeafDesc], *, target_chunk_bytes: int
+) -> Protocol[SavePlan]:
+    """This rank's side of making a save plan (see the module docstring). Every rank runs it
+    with the same ``generation``; it yields at each barrier."""
+    name = f"plan{generation}"
+    rank, world = coord.rank, coord.world_size
+    leaf_of = {d.path: i for i, d in enumerate(descs)}
+    by_coord: dict[int, list[LeafDesc]] = defaultdict(list)
+    for d in descs:
+        by_coord[shard_of(d.path, world)].append(d)
+
+    # 1. Post my pieces to their coordinators.
+    for c, leaves in sorted(by_coord.items()):
+        coord.post(f"{name}/in/{c}", dumps({"rank": rank, "leaves": [d.to_json() for d in leaves]}))
+    yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
+
+    # 2. As a coordinator: lay out my arrays and offer each chunk to its holders.
+    pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    for value in coord.collect(f"{name}/in/{rank}"):
+        doc = json.loads(value)
+        for leaf in doc["leaves"]:
+            d = LeafDesc.from_json(leaf)
+            pieces[d.path].append((int(doc["rank"]), d))
+    holders_of_mine = sorted({r for ps in pieces.values() for r, _ in ps})
+    layouts: dict[str, tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]] = {}
+    offers: dict[int, dict[str, list[object]]] = defaultdict(dict)
+    try:
+        for path in sorted(pieces):
+            rec, chunks = chunk_array(path, sorted(pieces[path], key=lambda p: p[0]), target_chunk_bytes)
+            layouts[path] = (rec, chunks)
+            short = [rec.dtype, rec.kind, list(rec.shape), list(rec.chunks)]
+            lists: dict[int, list[object]] = {}
+            for r, _ in pieces[path]:  # every holder hears of the array, even of an empty piece
+                lists[r] = offers[r][path] = [short, []]
+            for chunk, holders in chunks:
+                group = _encode_ranks(holders)
+                for h in holders:
+                    lists[h][1].append([list(chunk.coords), group])  # type: ignore[attr-defined]
+    except IncompatibleStateError as e:
+        coord.report(name, e)
+        offers.clear()
+    cand = {coord.key(name, "offer", h, rank): dumps(v) for h, v in offers.items()}
+    coord.multi_set(cand)
+    offered = list(cand)  # deleted at the end; the rest is not needed past this point
+    del cand, offers, pieces
+    yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+
+    # 3. Take my share of every group of holders I belong to; tell the coordinators.
+    mine_offers: list[Offer] = []
+    records: dict[str, ArrayRecord] = {}
+    coords_of = sorted(by_coord)
+    for value in coord.multi_get([coord.key(name, "offer", rank, c) for c in coords_of]):
+        for path, (short, chunks) in json.loads(value).items():
+            dtype, kind, shape, grid = short
+            rec = ArrayRecord(path=path, dtype=dtype, kind=kind, shape=tuple(shape), chunks=tuple(grid))
+            records[path] = rec
+            nbytes = chunk_nbytes(rec)
+            for cc, group in chunks:
+                mine_offers.append(Offer(nbytes, path, _chunk(rec, tuple(cc)), _decode_ranks(group)))
+    missing = sorted(set(leaf_of) - set(records))
+    if missing:
+        raise CoordinationError(f"rank {rank}: the save plan left out {missing[:3]}")
+    owners = assign_owners(mine_offers)
+    taken: dict[int, dict[str, list[list[int]]]] = {c: {} for c in coords_of}
+    tasks: list[WriteTask] = []
+    nbytes = 0
+    for offer, owner in zip(mine_offers, owners, strict=True):
+        if owner != rank:
+            continue
+        i = leaf_of[offer.path]
+        tasks.append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[i])))
+        nbytes += offer.nbytes
+        taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(list(offer.chunk.coords))
+    tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
+    coord.multi_set({coord.key(name, "took", c, rank): dumps(v) for c, v in taken.items()})
+    yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
+
+    # 4. As a coordinator: record every chunk's owner (each must have exactly one).
+    took_keys = [coord.key(name, "took", rank, h) for h in holders_of_mine]
+    owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    for h, value in zip(holders_of_mine, coord.multi_get(took_keys), strict=True):
+        for path, coord_list in json.loads(value).items():
+            for cc in coord_list:
+                key = _chunk(layouts[path][0], tuple(cc)).key
+                if owners_by_path[path].setdefault(key, h) != h:
+                    taken_twice = f"array {path!r} chunk {key}: taken by ranks {owners_by_path[path][key]} and {h}"
+                    coord.report(name, CoordinationError(taken_twice))
+    shard: dict[str, ArrayRecord] = {}
+    for path, (rec, chunks) in layouts.items():
+        owned = owners_by_path[path]
+        if len(owned) != len(chunks):
+            coord.report(
+                name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
+            )
+        shard[path] = replace(rec, owners=dict(sorted(owned.items())))
+    coord.delete(*offered, *took_keys)  # read by now: every holder passed 'chosen'
+    yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+    coord.finish(name)
+    return SavePlan(records=records, tasks=tasks, nbytes=nbytes, shard=shard)
+
+
+def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
+    return chunk_at(rec.shape, rec.chunks, coords)
+
+
+def _encode_ranks(ranks: tuple[int, ...]) -> list[int]:
+    """A sorted rank list, compactly: ``[start, stride, count]`` negated-first when it is an
+    arithmetic progression of three or more (DP replicas are), else the list itself."""
+    if len(ranks) >= 3:
+        stride = ranks[1] - ranks[0]
+        if all(b - a == stride for a, b in itertools.pairwise(ranks)):
+            return [-1, ranks[0], stride, len(ranks)]
+    return list(ranks)
+
+
+def _decode_ranks(doc: list[int]) -> tuple[int, ...]:
+    if doc and doc[0] == -1:
+        _, start, stride, count = doc
+        return tuple(range(start, start + stride * count, stride))
+    return tuple(doc)

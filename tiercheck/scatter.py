@@ -1,0 +1,206 @@
+"""Moving a committed step's bytes: verified chunk reads into destination tensors, across ranks.
+
+Callers plan first (match every stored array to a destination and check shapes and dtypes, then
+the read plan, ``restoreplan.plan_reads``, says who reads and who sends each chunk) and move bytes
+second, so an incompatible state is refused before a single byte is overwritten. A destination is
+any box of a global array: a whole tensor, a tensor-parallel shard, a ZeRO partition. Each chunk
+read is copied into the part of every destination it overlaps; a chunk some rank needs but cannot
+read (its file is on another node) arrives point-to-point over the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .codec import chunk_nbytes, verify_chunk, verify_parts
+from .commit import step_dir
+from .errors import CorruptCheckpointError, TiercheckError
+from .flatten import torch_dtype
+from .layout import Chunk, overlap
+from .manifest import ArrayRecord
+from .planner import Need, Read, Transfer
+from .tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    record: ArrayRecord
+    dest: torch.Tensor  # shape and dtype already checked; any device
+    offsets: tuple[int, ...]  # where dest sits in the global array
+
+    @property
+    def need(self) -> Need:
+        return Need(self.record.path, self.offsets, tuple(self.dest.shape))
+
+
+def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryview | None = None) -> memoryview:
+    """One chunk's data (full chunk size, padding included), its checksum verified. With ``into``,
+    the chunk's first ``len(into)`` bytes (all its data, or all but an edge chunk's trailing
+    padding) are read there, and ``into`` is returned; when the chunk turns out damaged, ``into``
+    holds what was read."""
+    key = c.key
+    where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
+    if key not in rec.checksums:
+        raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
+    path = f"{step_dir(step)}/{rec.path}/{key}"
+    nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
+    try:
+        if into is None:
+            return verify_chunk(tier.read(path), expected_crc=crc, nbytes=nbytes, where=where)
+        n, rest = tier.read_into(path, into)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+    return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
+
+
+def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
+    """Copy the part of chunk ``c`` (``data``: its bytes, uint8) that each destination covers."""
+    src = data.view(torch_dtype(rec.dtype)).view(rec.chunks)
+    for item in items:
+        stops = tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
+        box = overlap(c.starts, c.stops, item.offsets, stops)
+        if box is None:
+            continue
+        lo, hi = box
+        dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets, strict=True))
+        src_idx = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, c.starts, strict=True))
+        item.dest[dst_idx].copy_(src[src_idx])
+
+
+def direct_target(rec: ArrayRecord, c: Chunk, items: Iterable[ReadItem], *, whole: bool) -> torch.Tensor | None:
+    """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
+    single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
+    tensor, or rows of one). An edge chunk qualifies when its padding trails its data (it is cut
+    short in its first dimension only), unless ``whole`` (the full chunk is sent to other ranks).
+    None otherwise: the chunk is read, then copied."""
+    valid = c.valid_shape
+    if valid[1:] != tuple(rec.chunks[1:]) or (whole and valid != tuple(rec.chunks)):
+        return None
+    hits = [i for i in items if overlap(c.starts, c.stops, i.offsets, _stops(i)) is not None]
+    if len(hits) != 1:
+        return None
+    item = hits[0]
+    if item.dest.device.type != "cpu" or item.dest.dtype != torch_dtype(rec.dtype):
+        return None
+    stops = _stops(item)
+    if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
+        return None
+    region = item.dest.detach()[
+        tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))
+    ]
+    if not region.is_contiguous():
+        return None
+    return region.reshape(-1).view(torch.uint8)
+
+
+def _stops(item: ReadItem) -> tuple[int, ...]:
+    return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
+
+
+def move_chunks(
+    tier: Tier,
+    step: int,
+    records: dict[str, ArrayRecord],
+    items: Sequence[ReadItem],
+    reads: Sequence[Read],
+    transfers: Sequence[Transfer],
+    *,
+    rank: int,
+    group: Any = None,
+    io_threads: int = 4,
+    remote: Tier | None = None,
+    counters: dict[str, int] | None = None,
+) -> int:
+    """Carry out this rank's part of a read plan: ``reads`` (its own) and the ``transfers`` it
+    sends or receives: read, send, receive, fill. Returns the bytes read.
+
+    A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
+    """
+    counts = counters if counters is not None else {}
+    for k in ("remote_reads", "fallbacks"):
+        counts.setdefault(k, 0)
+    by_path: dict[str, list[ReadItem]] = defaultdict(list)
+    for item in items:
+        by_path[item.record.path].append(item)
+    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = defaultdict(list)
+    recvs: list[tuple[str, Chunk, torch.Tensor, Any]] = []
+    ops: list[Any] = []  # sends
+    device = _comm_device(group) if transfers else torch.device("cpu")
+    for t in transfers:
+        if t.dst == rank:
+            buf = torch.empty(chunk_nbytes(records[t.path]), dtype=torch.uint8, device=device)
+            op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
+            recvs.append((t.path, t.chunk, buf, op))
+        elif t.src == rank:
+            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
+
+    keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
+    errors: list[BaseException] = []
+
+    def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
+        path, c = job.path, job.chunk
+        rec = records[path]
+        target = direct_target(rec, c, by_path.get(path, ()), whole=(path, c.coords) in sends)
+        into = None if target is None else target.numpy().data
+        try:
+            if job.remote:
+                assert remote is not None
+                counts["remote_reads"] += 1
+                raw = read_chunk(remote, step, rec, c, into)
+            else:
+                try:
+                    raw = read_chunk(tier, step, rec, c, into)
+                except (CorruptCheckpointError, OSError) as e:
+                    if remote is None:
+                        raise
+                    log.warning("%s; reading it from %s instead", e, remote.url)
+                    counts["fallbacks"] += 1
+                    raw = read_chunk(remote, step, rec, c, into)
+        except (TiercheckError, OSError) as e:
+            # Ranks waiting for this chunk still get the bytes they expect (they would hang
+            # otherwise); the error reaches every rank once the transfers are over.
+            errors.append(e)
+            return path, c, torch.zeros(chunk_nbytes(rec), dtype=torch.uint8)
+        if target is not None:
+            return path, c, target  # read in place: nothing to copy
+        data = torch.frombuffer(raw, dtype=torch.uint8)
+        fill(rec, c, data, by_path.get(path, ()))
+        return path, c, data
+
+    total = 0
+    with ThreadPoolExecutor(max(1, min(io_threads, len(reads))), thread_name_prefix="tiercheck-read") as pool:
+        for path, c, data in pool.map(read_and_fill, reads):
+            total += data.numel()
+            for dst, tag in sends.get((path, c.coords), ()):
+                out = data if device.type == "cpu" else data.to(device)
+                keep.append(out)
+                ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
+    for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
+        op.wait()
+        if not errors:
+            fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
+    for op in ops:
+        op.wait()
+    if errors:
+        raise errors[0]
+    return total
+
+
+def _comm_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
