@@ -145,9 +145,17 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
 _PART = re.compile(r"^(rank|arrays)-(\d{6,})\.json$")
 
 
-def assemble(index: ManifestIndex, files: dict[tuple[str, int], bytes], *, where: str) -> Manifest:
+def assemble(
+    index: ManifestIndex,
+    files: dict[tuple[str, int], bytes],
+    *,
+    where: str,
+    only: set[str] | None = None,
+    owners: bool = True,
+) -> Manifest:
     """A format-3 manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
-    to the file's bytes as stored)."""
+    to the file's bytes as stored); with ``only``, the records of those arrays alone, and without
+    their chunks' owners unless ``owners`` (see ``parse_shard``)."""
     arrays: dict[str, ArrayRecord] = {}
     checksums: dict[str, dict[str, int]] = defaultdict(dict)
     trees: list[JSON] = []
@@ -157,7 +165,7 @@ def assemble(index: ManifestIndex, files: dict[tuple[str, int], bytes], *, where
         here = f"{where}: {part_file(rank) if kind == 'rank' else shard_file(rank)}"
         doc = unseal(raw, where=here)
         if kind == "arrays":
-            arrays.update(parse_shard(doc, where=here))
+            arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
             continue
         tree, crcs = parse_rank_part(doc, where=here)
         for path, by_key in crcs.items():

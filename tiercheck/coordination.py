@@ -153,14 +153,6 @@ class Coordinator:
 
     # ---------------------------------------------------------------------------- patterns
 
-    def exchange(self, name: str, value: Any, *, what: str) -> list[Any]:
-        """All-gather a JSON value: every rank's, in rank order. O(world size) per rank: only
-        restore's read planning still uses it (saving and committing do not)."""
-        self.set(self.key(name, self.rank), dumps(value))
-        keys = [self.key(name, r) for r in range(self.world_size)]
-        self.wait(keys, what=what)
-        return [json.loads(v) for v in self.multi_get(keys)]
-
     def arrive(self, name: str, *, what: str, count: int | None = None) -> Barrier:
         """Count this rank in at barrier ``name``; the last of ``count`` (default: every rank) to
         arrive opens it. Yield the result to wait there."""

@@ -266,13 +266,20 @@ def shard_bytes(records: dict[str, ArrayRecord]) -> bytes:
     return json.dumps({"arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
 
 
-def parse_shard(doc: bytes, *, where: str) -> dict[str, ArrayRecord]:
-    """The array records (without checksums) of a coordinator's shard of the manifest."""
+def parse_shard(doc: bytes, *, where: str, only: set[str] | None = None, owners: bool = True) -> dict[str, ArrayRecord]:
+    """The array records (without checksums) of a coordinator's shard of the manifest: all of
+    them, or those in ``only``; without the chunk owners unless ``owners`` (a restoring rank
+    matching its state needs shapes and dtypes; only the rank planning an array's reads needs who
+    wrote each chunk)."""
     try:
         arrays = json.loads(doc)["arrays"]
         if not isinstance(arrays, dict):
             raise TypeError("arrays must be an object")
-        return {path: ArrayRecord.from_json(path, {**rec, "crc32c": {}}, where=where) for path, rec in arrays.items()}
+        return {
+            path: ArrayRecord.from_json(path, {**rec, "crc32c": {}, **({} if owners else {"owner": {}})}, where=where)
+            for path, rec in arrays.items()
+            if only is None or path in only
+        }
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest shard ({e!r})") from None
 

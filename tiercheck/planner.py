@@ -1,12 +1,14 @@
 """Who writes which chunk on save, and who reads and sends which chunk on restore.
 
-Pure Python (no torch, no I/O): every rank runs the same planning on the same gathered inputs
-and gets the same answer, so a plan needs one exchange of descriptions and no further agreement.
+Pure Python (no torch, no I/O, no store): the pieces ``saveplan`` and ``restoreplan`` run on
+coordinators and holders, and ``plan_writes`` / ``plan_reads``, which run them over the whole job
+in one place (for tests, tools and single-directory loads).
 
 Saving: the tensors of all ranks are pieces (boxes) of global arrays. The chunk grid of an array
 is aligned to every box boundary (``layout.grid_for_boxes``), so each chunk lies wholly inside
 every box that touches it, and any rank holding that box can write it alone. Each chunk is
-written once, by the least-loaded of its holders: replicas share the writing.
+written once, by the least-loaded of its holders: replicas share the writing, and each group of
+ranks holding the same chunks splits them the same way on every member.
 
 Restoring: each rank asks for boxes of global arrays; the chunks they touch are read by ranks
 whose node directory holds the chunk's file and sent to ranks that need it but cannot read it.

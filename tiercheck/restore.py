@@ -23,11 +23,10 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .commit import assemble, list_steps, read_manifest, read_marker
@@ -35,17 +34,15 @@ from .coordination import Coordinator, Nodes, Protocol, drive, dumps, shard_of
 from .errors import (
     CheckpointNotFoundError,
     CoordinationError,
-    CorruptCheckpointError,
-    IncompatibleStateError,
     TiercheckError,
 )
-from .flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
+from .flatten import tensor_paths
 from .fmt import fmt_steps, plural, ranges
 from .manifest import JSON, Manifest
+from .match import add_entries, apply, covers, prepare, tree_for
 from .planner import plan_reads as plan_reads_whole
 from .restoreplan import Step, fetch, find_holders, index_of, plan_reads
 from .scatter import ReadItem, move_chunks
-from .sharding import placement_of
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier
@@ -324,20 +321,13 @@ def manifest_for(
     got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
     manifest: Manifest | None = None
     try:
-        manifest = _needed(assemble(ix, {f: b for f, b in got.items() if b}, where=where), paths)
+        manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False)
     except TiercheckError as e:
         failure = e
     del got
     yield from settle(coord, f"{root}/manifest", failure)
     assert manifest is not None
     return manifest
-
-
-def _needed(whole: Manifest, paths: set[str]) -> Manifest:
-    """What matching the state needs of a manifest: the records of this rank's arrays, without the
-    writers and checksums of their chunks (the read plan gets those where the files are)."""
-    arrays = {p: replace(whole.arrays[p], owners={}, checksums={}) for p in paths if p in whole.arrays}
-    return replace(whole, arrays=arrays)
 
 
 def remote_steps(remote: Tier | None) -> list[int]:
@@ -356,182 +346,6 @@ def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: in
     for r, o in enumerate(outcomes):
         if "error" in o:
             raise CoordinationError(f"rank {r} failed, so rank {rank} stops too: {o['error']}")
-
-
-# ------------------------------------------------------------------------- matching the state
-
-
-def tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str, Any], *, extra: bool) -> JSON:
-    """The saved tree to restore into ``rank``.
-
-    On the saving world size it is the same rank's tree: entries the state lacks are added, as in
-    a single process (a fresh optimizer gets its saved state). On another world size the layout
-    changed and other ranks' entries mean nothing here: only the state's own keys are filled,
-    each from the same rank's tree where it has it (rank 0's if there was no such rank), else
-    from the first saving rank that had it (a pipeline stage that moved to this rank, say).
-    """
-    first = rank if rank < manifest.world_size else 0
-    order = [first, *(r for r in range(manifest.world_size) if r != first)]
-    seen: set[int] = set()
-    trees = []
-    manifest.tree(first)  # raises if this rank's own part was not read
-    for r in order:
-        i = manifest.tree_of_rank[r]
-        if i >= 0 and i not in seen:
-            seen.add(i)
-            trees.append(manifest.trees[i])
-    live = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
-    return _merge(trees[0], trees[1:], live, only_live=not extra or world_size != manifest.world_size)
-
-
-def covers(tree: JSON, state: Mapping[str, Any]) -> bool:
-    """Whether ``tree`` has every entry of the live state, at every level of plain dicts (if not,
-    ``tree_for`` looks in the other saving ranks' trees)."""
-
-    def walk(node: JSON, live: Any) -> bool:
-        if not _plain_dict(node) or not isinstance(live, Mapping):
-            return True
-        return all(k in node and walk(node[k], v) for k, v in live.items())
-
-    return walk(tree, {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()})
-
-
-def add_entries(
-    state: Mapping[str, Any], manifest: Manifest, others: bool | Callable[[list[str]], Iterable[str]], *, where: str
-) -> None:
-    """Add to ``state`` (as None, to be filled) the saved top-level entries ``others`` selects."""
-    names = sorted({k for t in manifest.trees if _plain_dict(t) for k in t} - set(state))
-    chosen = [n for n in others(names) if n in names] if callable(others) else names
-    if not chosen:
-        return
-    if not isinstance(state, MutableMapping):
-        raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
-    for name in chosen:
-        state[name] = None
-
-
-def _merge(node: JSON, others: list[JSON], live: Any, *, only_live: bool) -> JSON:
-    if not _plain_dict(node) or not isinstance(live, Mapping):
-        return node
-    out = {k: v for k, v in node.items() if k in live or not only_live}
-    for k, v in live.items():
-        subs = [o[k] for o in others if _plain_dict(o) and k in o]
-        if k in out:
-            out[k] = _merge(out[k], subs, v, only_live=only_live)
-        elif subs:
-            out[k] = _merge(subs[0], subs[1:], v, only_live=only_live)
-    return out
-
-
-def _plain_dict(node: JSON) -> bool:
-    return isinstance(node, dict) and not (len(node) == 1 and next(iter(node)).startswith("$"))
-
-
-def prepare(
-    state: Mapping[str, Any],
-    manifest: Manifest,
-    tree: JSON,
-    *,
-    strict: bool,
-    allow_pickle: bool,
-    where: str,
-    fresh: bool = False,
-) -> tuple[list[ReadItem], dict[str, Any]]:
-    """Match the saved tree to the state: what to read into which tensor, and the decoded values.
-
-    Raises before anything is overwritten if a shape, dtype or key does not fit. With ``fresh``,
-    ``state`` is an empty dict to take everything the tree holds, as new CPU tensors (``load``).
-    """
-    if not isinstance(tree, dict):
-        raise CorruptCheckpointError(f"{where}: manifest tree is not an object")
-    items: list[ReadItem] = []
-
-    def source(tag: str, path: Any, live: Any) -> Any:
-        rec = manifest.arrays.get(path) if isinstance(path, str) else None
-        if rec is None:
-            raise CorruptCheckpointError(f"{where}: the state refers to array {path!r}, which the manifest lacks")
-        here = f"{where}: {path}"
-        if isinstance(live, np.ndarray) and tag == "$ndarray" and live.flags.writeable and live.flags.c_contiguous:
-            live_placed = placement_of(torch.from_numpy(live), where=here)
-        else:
-            live_placed = placement_of(live, where=here) if tag == "$tensor" else None
-        if live_placed is not None:
-            local, global_shape, offsets = live_placed
-            if global_shape != rec.shape or dtype_name(local.dtype) != rec.dtype:
-                raise IncompatibleStateError(
-                    f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
-                    f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
-                )
-            items.append(ReadItem(rec, local, offsets))
-            return live
-        dest = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
-        items.append(ReadItem(rec, dest, (0,) * dest.dim()))
-        return dest.numpy() if tag == "$ndarray" else dest
-
-    keys = list(tree) if fresh else list(state)
-    missing = [k for k in keys if k not in tree]
-    if missing and strict:
-        raise IncompatibleStateError(
-            f"{where}: the checkpoint has no entry for {', '.join(map(repr, missing))} "
-            f"(it holds: {', '.join(map(repr, tree))})"
-        )
-    decoded: dict[str, Any] = {}
-    for key in keys:
-        if key not in tree:
-            continue
-        live = None if fresh else state[key]
-        if is_stateful(live):
-            live = live.state_dict()
-        if strict and live is not None:
-            _check_no_missing_tensors(live, tree[key], key, where)
-        decoded[key] = decode(tree[key], source, allow_pickle=allow_pickle, where=f"{where}: {key}", live=live)
-    return items, decoded
-
-
-def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> None:
-    """Hand the decoded values (their tensors now filled) to the state."""
-    for key, value in decoded.items():
-        live = state.get(key)
-        if is_stateful(live):
-            live.load_state_dict(value)
-        elif not _update_in_place(live, value):
-            if not isinstance(state, MutableMapping):
-                raise IncompatibleStateError(
-                    f"{where}: cannot restore {key!r} in place and the state mapping is read-only"
-                )
-            state[key] = value
-
-
-def _check_no_missing_tensors(live: Any, saved: JSON, key: str, where: str) -> None:
-    probe = _Encoder(allow_pickle=True)
-    probe.encode(live, [key], lambda t: False)
-    saved_paths = set(tensor_paths(saved))
-    missing = [leaf.path for leaf in probe.leaves if leaf.path not in saved_paths]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise IncompatibleStateError(f"{where}: tensors of the state are missing from the checkpoint: {shown}")
-
-
-def _update_in_place(live: Any, new: Any) -> bool:
-    """Make ``live`` equal ``new`` without replacing it. False when only replacement works."""
-    if live is new:
-        return True
-    if isinstance(live, dict) and isinstance(new, dict):
-        for k in [k for k in live if k not in new]:
-            del live[k]
-        for k, v in new.items():
-            if k not in live or not _update_in_place(live[k], v):
-                live[k] = v
-        return True
-    if isinstance(live, list) and isinstance(new, list):
-        if len(live) != len(new):
-            live[:] = new
-            return True
-        for i, v in enumerate(new):
-            if not _update_in_place(live[i], v):
-                live[i] = v
-        return True
-    return False
 
 
 # --------------------------------------------------------------------------- load()

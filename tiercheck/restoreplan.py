@@ -238,9 +238,11 @@ def plan_reads(
             owners_of[path, chunk.key] = int(owner)
         for path, cc, src, dst, tag in w["moves"]:
             out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
-    crcs = _checksums(tier, remote, st, owners_of)
+    by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    for (path, key), crc in _checksums(tier, remote, st, owners_of).items():
+        by_path[path][key] = crc
     for path, rec in list(recs.items()):
-        mine_crcs = {key: crc for (p, key), crc in crcs.items() if p == path}
+        mine_crcs = by_path.get(path, {})
         recs[path] = ArrayRecord(
             path=rec.path,
             dtype=rec.dtype,

@@ -1,0 +1,180 @@
+"""The store protocols of a whole job, run for every rank in one process (``coordination.lockstep``).
+
+Each rank's save plan, commit and restore plan is the same generator a real rank drives against the
+TCPStore; here all of them share one in-memory store and one directory per simulated node, so the
+results can be checked against the whole job at once and the cost per rank compared across sizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.test_planner import megatron_like
+from tiercheck.codec import seal
+from tiercheck.commit import commit_save, read_manifest
+from tiercheck.coordination import Coordinator, join_nodes, lockstep
+from tiercheck.errors import CoordinationError, CorruptCheckpointError
+from tiercheck.layout import chunks_in_box
+from tiercheck.manifest import part_file, rank_part_bytes, shard_bytes
+from tiercheck.planner import LeafDesc, Need
+from tiercheck.restore import agree_on_step, manifest_for
+from tiercheck.restoreplan import find_holders, plan_reads
+from tiercheck.saveplan import plan_save
+from tiercheck.tiers.local import LocalTier
+
+PER_NODE = 4
+
+
+def job(world: int, root: Path) -> tuple[list[Coordinator], list[LocalTier], list[Any]]:
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    tiers = [LocalTier(root / f"node{r // PER_NODE}", fsync=False) for r in range(world)]
+    nodes = lockstep([join_nodes(c, f"node{c.rank // PER_NODE}") for c in coords])
+    return coords, tiers, nodes
+
+
+def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
+    """Plan and commit step 1 of the Megatron-like layout (chunk data is not written)."""
+    per_rank = megatron_like(world, tp)
+    coords, tiers, nodes = job(world, root)
+    plans = lockstep([plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=256) for c in coords])
+    commits = []
+    for c in coords:
+        plan = plans[c.rank]
+        crcs: dict[str, dict[str, int]] = {}
+        for t in plan.tasks:
+            crcs.setdefault(per_rank[c.rank][t.leaf].path, {})[t.chunk.key] = c.rank
+        tree = {"model": {d.path: {"$tensor": d.path} for d in per_rank[c.rank]}, "rank": c.rank}
+        part = seal(rank_part_bytes(tree, crcs))
+        shard = seal(shard_bytes(plan.shard)) if plan.shard else None
+        commits.append(
+            commit_save(
+                c,
+                tiers[c.rank],
+                step=1,
+                attempt=0,
+                nodes=nodes[c.rank],
+                part=part,
+                shard=shard,
+                error=None,
+                metadata={"m": 1},
+                library_version="t",
+            )
+        )
+    lockstep(commits)
+    assert coords[0].store.num_keys() == 0, "a commit leaves nothing in the store"
+    return per_rank
+
+
+def restore_plan(world: int, root: Path, needs: list[list[Need]]) -> tuple[list[Any], list[Coordinator]]:
+    coords, tiers, nodes = job(world, root)
+
+    def one(c: Coordinator) -> Any:
+        tier, node = tiers[c.rank], nodes[c.rank]
+        choice = yield from agree_on_step(c, "r/step", tier, node, requested=None, remote_steps=list)
+        here = choice.held.get(str(choice.step), [[], 0])[0]
+        st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
+        manifest = yield from manifest_for(c, "r", tier, node, st, None, {}, others=False)
+        plan = yield from plan_reads(c, "r", "r/reads", tier, st, None, needs[c.rank], manifest.arrays, read_once=False)
+        return manifest, plan
+
+    return lockstep([one(c) for c in coords]), coords
+
+
+@pytest.mark.parametrize(("world", "tp"), [(8, 2), (16, 4)])
+def test_every_needed_chunk_is_read_or_received_exactly_as_planned(tmp_path: Path, world: int, tp: int) -> None:
+    per_rank = save(world, tp, tmp_path)
+    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+    results, _ = restore_plan(world, tmp_path, needs)
+    whole = read_manifest(_merged(tmp_path, world), 1)
+    sends: dict[int, tuple[int, int, str, tuple[int, ...]]] = {}
+    for rank, (manifest, plan) in enumerate(results):
+        assert manifest.tree(rank)["rank"] == rank  # its own saving rank's tree
+        got = {(x.path, x.chunk.coords) for x in plan.reads}
+        for x in plan.reads:  # read on the node holding the file, with the writer's checksum
+            rec = plan.records[x.path]
+            owner = whole.arrays[x.path].owner(x.chunk.key)
+            assert owner // PER_NODE == rank // PER_NODE and rec.checksums[x.chunk.key] == owner
+        for t in plan.transfers:
+            if t.dst == rank:
+                got.add((t.path, t.chunk.coords))
+            key = (t.src, t.dst, t.path, t.chunk.coords)
+            assert sends.setdefault(t.tag, key) == key, "a tag pairs one send with one receive"
+        wanted = {
+            (n.path, c.coords)
+            for n in needs[rank]
+            for c in chunks_in_box(whole.arrays[n.path].shape, whole.arrays[n.path].chunks, n.offsets, n.shape)
+        }
+        assert got == wanted, rank
+    for src, _, path, coords in sends.values():  # a sender reads what it sends
+        assert (path, coords) in {(x.path, x.chunk.coords) for x in results[src][1].reads}
+
+
+def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:
+    """Restoring, a rank's store traffic follows what it holds, not the job's size."""
+    per_rank_bytes = []
+    for world in (8, 64):
+        per_rank = save(world, 2, tmp_path / str(world))
+        needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+        results, coords = restore_plan(world, tmp_path / str(world), needs)
+        # Each rank holds its own arrays' records, without the other arrays of the shards it read.
+        for rank, (manifest, _) in enumerate(results):
+            assert set(manifest.arrays) == {d.path for d in per_rank[rank]}
+        per_rank_bytes.append(sum(c.store_bytes for c in coords) / world)
+    assert per_rank_bytes[1] < 1.5 * per_rank_bytes[0], per_rank_bytes
+
+
+def test_a_damaged_part_on_one_node_fails_every_rank_alike(tmp_path: Path) -> None:
+    per_rank = save(8, 2, tmp_path)
+    part = tmp_path / "node1" / "step-00000001" / part_file(5)
+    part.write_bytes(part.read_bytes()[:-1] + b"\x00")
+    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+    errors = []
+    coords, tiers, nodes = job(8, tmp_path)
+    for c in coords:
+        protocol = _restore_until_manifest(c, tiers[c.rank], nodes[c.rank], needs[c.rank])
+        errors.append(protocol)
+    outcomes = _run_collecting(errors)
+    assert isinstance(outcomes[5], CorruptCheckpointError) and part_file(5) in str(outcomes[5])
+    for rank in (0, 1, 2, 3, 4, 6, 7):
+        assert isinstance(outcomes[rank], CoordinationError), outcomes[rank]
+        assert "rank 5 failed" in str(outcomes[rank])
+
+
+def _restore_until_manifest(c: Coordinator, tier: LocalTier, node: Any, needs: list[Need]) -> Any:
+    choice = yield from agree_on_step(c, "r/step", tier, node, requested=None, remote_steps=list)
+    here = choice.held.get(str(choice.step), [[], 0])[0]
+    st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
+    return (yield from manifest_for(c, "r", tier, node, st, None, {}, others=False))
+
+
+def _run_collecting(protocols: list[Any]) -> list[Any]:
+    """``lockstep``, with each rank's exception as its result."""
+    out: list[Any] = [None] * len(protocols)
+    live = list(range(len(protocols)))
+    while live:
+        still = []
+        for i in live:
+            try:
+                next(protocols[i])
+                still.append(i)
+            except StopIteration as stop:
+                out[i] = stop.value
+            except Exception as e:
+                out[i] = e
+        live = still
+    return out
+
+
+def _merged(root: Path, world: int) -> LocalTier:
+    """Every node's copy of step 1 in one directory, as the remote tier holds it."""
+    import shutil
+
+    merged = root / "merged"
+    for k in range((world + PER_NODE - 1) // PER_NODE):
+        shutil.copytree(root / f"node{k}" / "step-00000001", merged / "step-00000001", dirs_exist_ok=True)
+    return LocalTier(merged)
