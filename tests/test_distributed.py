@@ -575,3 +575,38 @@ def _alone(rank: int, world: int, root: str) -> float | None:
 
 def test_a_rank_may_checkpoint_alone(tmp_path: Path) -> None:
     assert run_ranks(_alone, 2, str(tmp_path), start_method="forkserver") == [3.0, None]
+
+
+def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> None:
+    """A node's directory holds its ranks' chunks and parts of the manifest: `tiercheck verify`
+    checks every chunk they wrote (also of arrays another node coordinated), and `load` says the
+    rest is elsewhere."""
+    from tests.test_cli import run
+    from tiercheck.coordination import shard_of
+
+    # A chunk a rank of node k wrote, of an array a rank of another node coordinated.
+    k, path, key = next(
+        (k, p, key)
+        for k in range(4)
+        for w in (2 * k, 2 * k + 1)
+        for p, crcs in sorted(_written(Path(saved_8) / f"node{k}", w).items())
+        for key in crcs
+        if shard_of(p, 8) // 2 != k
+    )
+    node = tmp_path / f"node{k}"
+    shutil.copytree(Path(saved_8) / f"node{k}", node)
+    assert run("verify", str(node), "--all").stdout.startswith("ok: 2 steps intact")
+    chunk = node / "step-00000002" / path / key
+    data = bytearray(chunk.read_bytes())
+    data[1] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    proc = run("verify", str(node), "--all", check=False)
+    assert proc.returncode == 1
+    assert f"damaged: step 2: array {path!r} chunk {key}: checksum mismatch" in proc.stderr
+    with pytest.raises(tiercheck.CheckpointNotFoundError, match=r"saving rank\(s\) .* are in other nodes'"):
+        tiercheck.load(node)
+
+
+def _written(node: Path, rank: int) -> dict[str, dict[str, int]]:
+    raw = (node / "step-00000002" / part_file(rank)).read_bytes()
+    return parse_rank_part(unseal(raw, where="test"), where="test")[1]

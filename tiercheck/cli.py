@@ -26,17 +26,16 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from . import __version__
-from .codec import chunk_nbytes
-from .commit import list_steps, read_manifest, read_marker, step_dir, withdraw_step
+from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
+from .commit import list_steps, rank_checksums, read_manifest, read_marker, step_dir, withdraw_step
 from .drain import upload_step
-from .errors import CheckpointNotFoundError, TiercheckError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from .fmt import fmt_steps as _fmt_steps
 from .fmt import plural as _plural
 from .fmt import ranges as _ranges
 from .manifest import Manifest
 from .options import RetentionOptions, RetryOptions
 from .retention import steps_to_delete
-from .scatter import read_chunk
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier, redact
@@ -338,20 +337,37 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
     try:
         manifest = read_manifest(tier, n)
         marker = read_marker(tier, n)
+        # Every chunk this directory's saving ranks wrote, with its checksum and (where this
+        # directory holds the array's record) its size.
+        jobs: list[tuple[str, str, int, int | None]] = []
+        if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
+            written = rank_checksums(tier, n, sorted(marker.ranks))
+        else:
+            written = {
+                rec.path: {k: crc for k, crc in rec.checksums.items() if rec.owner(k) in set(marker.ranks)}
+                for rec in manifest.arrays.values()
+            }
+        for path, crcs in sorted(written.items()):
+            rec = manifest.arrays.get(path)
+            jobs += [(path, key, crc, chunk_nbytes(rec) if rec else None) for key, crc in sorted(crcs.items())]
     except TiercheckError as e:
         return [f"step {n}: {e}"]
-    mine = set(marker.ranks)
-    jobs = [(rec, c) for rec in manifest.arrays.values() for c in _chunks_of(rec) if rec.owner(c.key) in mine]
-    total = sum(chunk_nbytes(rec) for rec, _ in jobs)
+    total = sum(nbytes or 0 for *_, nbytes in jobs)
     bad: list[str] = []
 
-    def check(job: Any) -> int:
-        rec, c = job
+    def check(job: tuple[str, str, int, int | None]) -> int:
+        path, key, crc, nbytes = job
+        where = f"{tier.url}: step {n}: array {path!r} chunk {key}"
         try:
-            read_chunk(tier, n, rec, c)
-        except TiercheckError as e:
-            bad.append(f"step {n}: array {rec.path!r} chunk {c.key}: {str(e).rsplit(': ', 1)[-1]}")
-        return chunk_nbytes(rec)
+            try:
+                raw = tier.read(f"{step_dir(n)}/{path}/{key}")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+            size = len(raw) - CHECKSUM_BYTES if nbytes is None else nbytes
+            verify_chunk(raw, expected_crc=crc, nbytes=size, where=where)
+        except (TiercheckError, OSError) as e:
+            bad.append(f"step {n}: array {path!r} chunk {key}: {str(e).rsplit(': ', 1)[-1]}")
+        return nbytes or 0
 
     done = 0
     with _progress(ctx, f"step {n}", total) as report, ThreadPoolExecutor(max(1, threads)) as pool:
@@ -359,12 +375,6 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
             done += nbytes
             report(done, total)
     return sorted(bad)
-
-
-def _chunks_of(rec: Any) -> Iterator[Any]:
-    from .layout import chunks
-
-    return chunks(rec.shape, rec.chunks)
 
 
 # ------------------------------------------------------------------------------------ restore

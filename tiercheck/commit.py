@@ -142,6 +142,23 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     return manifest
 
 
+def rank_checksums(tier: Tier, step: int, ranks: list[int]) -> dict[str, dict[str, int]]:
+    """The checksum of every chunk the given saving ranks wrote, from their parts of a format-3
+    manifest on this tier: ``{array path: {chunk key: crc32c}}``."""
+    out: dict[str, dict[str, int]] = defaultdict(dict)
+    for rank in ranks:
+        path = f"{step_dir(step)}/{part_file(rank)}"
+        where = f"{tier.url}: {path}"
+        try:
+            raw = tier.read(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where} is missing from a committed step") from None
+        _, crcs = parse_rank_part(unseal(raw, where=where), where=where)
+        for array, by_key in crcs.items():
+            out[array].update(by_key)
+    return dict(out)
+
+
 _PART = re.compile(r"^(rank|arrays)-(\d{6,})\.json$")
 
 

@@ -380,17 +380,20 @@ def load(
     marker = read_marker(tier, step)
     where = f"{tier.url}: step {step}"
     out: dict[str, Any] = {}
-    items, decoded = prepare(
-        out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
-    )
     if set(marker.ranks) != set(range(marker.world_size)):
-        owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
-        absent = sorted(owners - set(marker.ranks))
+        if manifest.format_version >= 3:  # the other ranks' parts of the manifest are elsewhere too
+            absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
+        else:
+            owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
+            absent = sorted(owners - set(marker.ranks))
         if absent:
             raise CheckpointNotFoundError(
                 f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
                 f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
             )
+    items, decoded = prepare(
+        out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
+    )
     plan = plan_reads_whole(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
     move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
     apply(out, decoded, where=where)

@@ -101,6 +101,7 @@ def plan_save(
     mine_offers: list[Offer] = []
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
+    groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
     for value in coord.multi_get([coord.key(name, "offer", rank, c) for c in coords_of]):
         for path, (short, chunks) in json.loads(value).items():
             dtype, kind, shape, grid = short
@@ -108,7 +109,8 @@ def plan_save(
             records[path] = rec
             nbytes = chunk_nbytes(rec)
             for cc, group in chunks:
-                mine_offers.append(Offer(nbytes, path, _chunk(rec, tuple(cc)), _decode_ranks(group)))
+                holders = groups.setdefault(tuple(group), _decode_ranks(group))
+                mine_offers.append(Offer(nbytes, path, _chunk(rec, tuple(cc)), holders))
     missing = sorted(set(leaf_of) - set(records))
     if missing:
         raise CoordinationError(f"rank {rank}: the save plan left out {missing[:3]}")
@@ -125,6 +127,7 @@ def plan_save(
         taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(list(offer.chunk.coords))
     tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
     coord.multi_set({coord.key(name, "took", c, rank): dumps(v) for c, v in taken.items()})
+    del mine_offers, owners, taken, groups
     yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
 
     # 4. As a coordinator: record every chunk's owner (each must have exactly one).
