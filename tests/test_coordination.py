@@ -129,45 +129,23 @@ def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:
 
 
 def test_a_damaged_part_on_one_node_fails_every_rank_alike(tmp_path: Path) -> None:
-    per_rank = save(8, 2, tmp_path)
+    save(8, 2, tmp_path)
     part = tmp_path / "node1" / "step-00000001" / part_file(5)
     part.write_bytes(part.read_bytes()[:-1] + b"\x00")
-    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
-    errors = []
     coords, tiers, nodes = job(8, tmp_path)
-    for c in coords:
-        protocol = _restore_until_manifest(c, tiers[c.rank], nodes[c.rank], needs[c.rank])
-        errors.append(protocol)
-    outcomes = _run_collecting(errors)
+    protocols = [_restore_until_manifest(c, tiers[c.rank], nodes[c.rank]) for c in coords]
+    outcomes = lockstep(protocols, capture=True)
     assert isinstance(outcomes[5], CorruptCheckpointError) and part_file(5) in str(outcomes[5])
     for rank in (0, 1, 2, 3, 4, 6, 7):
         assert isinstance(outcomes[rank], CoordinationError), outcomes[rank]
         assert "rank 5 failed" in str(outcomes[rank])
 
 
-def _restore_until_manifest(c: Coordinator, tier: LocalTier, node: Any, needs: list[Need]) -> Any:
+def _restore_until_manifest(c: Coordinator, tier: LocalTier, node: Any) -> Any:
     choice = yield from agree_on_step(c, "r/step", tier, node, requested=None, remote_steps=list)
     here = choice.held.get(str(choice.step), [[], 0])[0]
     st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
     return (yield from manifest_for(c, "r", tier, node, st, None, {}, others=False))
-
-
-def _run_collecting(protocols: list[Any]) -> list[Any]:
-    """``lockstep``, with each rank's exception as its result."""
-    out: list[Any] = [None] * len(protocols)
-    live = list(range(len(protocols)))
-    while live:
-        still = []
-        for i in live:
-            try:
-                next(protocols[i])
-                still.append(i)
-            except StopIteration as stop:
-                out[i] = stop.value
-            except Exception as e:
-                out[i] = e
-        live = still
-    return out
 
 
 def _merged(root: Path, world: int) -> LocalTier:

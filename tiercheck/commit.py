@@ -252,11 +252,7 @@ def commit_save(
         raise error
     if coord.add(coord.key(name, "arrived"), 1) == world:
         coord.decide(outcome, "ok")
-    try:
-        yield Barrier(outcome, f"the other ranks to write step {step}")
-    except CoordinationError as e:
-        coord.decide(outcome, str(e))
-    verdict = coord.get(outcome).decode()
+    verdict = yield from _verdict(coord, outcome, f"the other ranks to write step {step}")
     if verdict != "ok":
         raise CoordinationError(f"step {step} was not committed: {verdict}")
     done = coord.key(name, "committed")
@@ -277,12 +273,17 @@ def commit_save(
         except BaseException as e:
             coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
             raise
-    try:
-        yield Barrier(done, f"every node to commit step {step}")
-    except CoordinationError as e:
-        coord.decide(done, str(e))
-    verdict = coord.get(done).decode()
+    verdict = yield from _verdict(coord, done, f"every node to commit step {step}")
     if verdict != "ok":
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
     if coord.add(coord.key(name, "finished"), 1) == world:  # everyone has read everything: clean up
         coord.delete(*(coord.key(name, k) for k in ("outcome", "arrived", "meta", "committed", "nodes", "finished")))
+
+
+def _verdict(coord: Coordinator, key: str, what: str) -> Protocol[str]:
+    """Wait for the first decision at ``key``; a rank that gives up waiting decides it with why."""
+    try:
+        yield Barrier(key, what)
+    except CoordinationError as e:
+        coord.decide(key, str(e))
+    return coord.get(key).decode()

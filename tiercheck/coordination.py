@@ -304,11 +304,12 @@ def node_id(local: str | os.PathLike[str]) -> str:
     return path.read_text().strip()
 
 
-def lockstep(protocols: list[Protocol[T]]) -> list[T]:
+def lockstep(protocols: list[Protocol[T]], *, capture: bool = False) -> list[T]:
     """Run the protocols of many ranks in one thread, round by round: every rank runs to its next
     barrier before any goes past it, so no wait ever blocks. For simulating a job of thousands of
-    ranks with the real protocol code over one store (``bench/scale_sim.py``) and for tests."""
-    results: list[T | None] = [None] * len(protocols)
+    ranks with the real protocol code over one store (``bench/scale_sim.py``) and for tests. With
+    ``capture``, a rank whose protocol raised gets the exception as its result (the others go on)."""
+    results: list[Any] = [None] * len(protocols)
     live = list(range(len(protocols)))
     while live:
         still: list[int] = []
@@ -318,5 +319,9 @@ def lockstep(protocols: list[Protocol[T]]) -> list[T]:
                 still.append(i)
             except StopIteration as stop:
                 results[i] = stop.value
+            except Exception as e:
+                if not capture:
+                    raise
+                results[i] = e
         live = still
-    return results  # type: ignore[return-value]
+    return results
