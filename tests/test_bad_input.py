@@ -87,6 +87,16 @@ def test_damaged_manifest_and_marker_are_reported_not_parsed(ckpt_dir: Path) -> 
         tiercheck.load(ckpt_dir)
 
 
+def test_an_index_without_its_world_size_is_reported_not_parsed(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    rewrite_manifest(ckpt_dir, 3, lambda doc: doc.pop("world_size"))
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: malformed manifest \(KeyError\('world_size'\)\)"):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match="malformed manifest"):
+        ck.restore(strict=False)
+
+
 def test_a_damaged_manifest_part_is_reported_not_parsed(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     for name in (part_file(0), shard_file(0)):

@@ -34,6 +34,7 @@ from .layout import chunk_at
 from .manifest import (
     JSON,
     ArrayRecord,
+    Manifest,
     ManifestIndex,
     parse_manifest_doc,
     parse_rank_part,
@@ -97,9 +98,13 @@ def find_holders(
         _, _, index = read_index(remote, step)
     else:
         raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
-    doc = parse_manifest_doc(index, where=f"{tier.url}: step {step}")
-    world = int(doc["world_size"]) if doc["format_version"] >= 3 else len(doc.get("tree_of_rank") or [0])
-    return Step(step, index, int(doc["format_version"]), world, frozenset(here), from_remote, tuple(claimed))
+    where = f"{tier.url}: step {step}"
+    doc = parse_manifest_doc(index, where=where)
+    version = doc["format_version"]
+    world = (
+        ManifestIndex.from_doc(doc, where=where) if version >= 3 else Manifest.from_bytes(index, where=where)
+    ).world_size
+    return Step(step, index, version, world, frozenset(here), from_remote, tuple(claimed))
 
 
 def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
