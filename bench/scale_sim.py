@@ -38,8 +38,9 @@ restore's planning for the same layout (``restore.agree_on_step``, ``restoreplan
 and operations are counted per rank by each rank's ``Coordinator``; seconds are each rank's own
 steps (``_run``), with Python's garbage collector off (one process holds every rank's objects);
 manifest bytes read are what a rank read from its node's directory plus what it got from the
-store during the restore; objects are the chunk files the plan writes plus every file the commit
-wrote plus the ``zarr.json`` documents the coordinators and node leaders write.
+store during the restore; objects are a pack file per rank with chunks to write, a reference map
+(``refs/rank-N.json``) per rank with chunks or arrays, plus every file the commit wrote (format 4;
+the chunk data itself is not written).
 
 Peak RSS (``ru_maxrss``) covers the whole process, torch included.
 """
@@ -68,10 +69,10 @@ if str(REPO) not in sys.path:
 import torch.distributed as dist  # noqa: E402
 
 from tiercheck import __version__  # noqa: E402  (the repository first on sys.path)
-from tiercheck.codec import seal, zarr_documents  # noqa: E402
+from tiercheck.codec import chunk_nbytes, seal, zarr_documents  # noqa: E402
 from tiercheck.commit import commit_save  # noqa: E402
 from tiercheck.coordination import Coordinator, Nodes, join_nodes, lockstep  # noqa: E402
-from tiercheck.manifest import Manifest, rank_part_bytes, shard_bytes  # noqa: E402
+from tiercheck.manifest import Manifest, RankPart, shard_bytes  # noqa: E402
 from tiercheck.planner import LeafDesc, Need, WritePlan, plan_reads, plan_writes  # noqa: E402
 from tiercheck.restore import agree_on_step, manifest_for, settle  # noqa: E402
 from tiercheck.restoreplan import find_holders  # noqa: E402
@@ -363,6 +364,7 @@ def _restore_plan(coord: Coordinator, tier: LocalTier, nodes: Nodes, descs: Sequ
     """What ``restore.restore_state`` runs before moving bytes, for a rank restoring the layout it
     saved (the live state is not built: its needs are the pieces it holds)."""
     choice = yield from agree_on_step(coord, "restore0/step", tier, nodes, requested=None, remote_steps=list)
+    assert choice.step is not None
     here = choice.held[str(choice.step)][0]
     st = yield from find_holders(coord, "restore0", tier, nodes, choice.step, here, remote=None, from_remote=False)
     manifest = yield from manifest_for(coord, "restore0", tier, nodes, st, None, {}, others=False)
@@ -406,13 +408,21 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
 
         start = [c.store_bytes for c in coords]
         commits = []
-        docs = 0
+        packs = refs = 0
         for c in coords:
             r, plan, descs = c.rank, plans[c.rank], descs_per_rank[c.rank]
             crcs: dict[str, dict[str, int]] = {}
-            for t in plan.tasks:
-                crcs.setdefault(descs[t.leaf].path, {})[t.chunk.key] = 0
-            docs += len(zarr_documents(plan.shard.values(), root=r == nodes[r].leader))
+            offsets: dict[str, dict[str, int]] = {}
+            sizes: dict[str, int] = {}
+            end = 0
+            for t in plan.tasks:  # laid out in the pack as pipeline.rank_plan does
+                path = descs[t.leaf].path
+                sizes[path] = chunk_nbytes(plan.records[path])
+                crcs.setdefault(path, {})[t.chunk.key] = 0
+                offsets.setdefault(path, {})[t.chunk.key] = end
+                end += sizes[path] + 4
+            packs += bool(plan.tasks)
+            refs += bool(plan.tasks or plan.shard or r == nodes[r].leader)
             commits.append(
                 commit_save(
                     c,
@@ -420,7 +430,7 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
                     step=1,
                     attempt=0,
                     nodes=nodes[r],
-                    part=seal(rank_part_bytes(_tree(descs), crcs)),
+                    part=seal(RankPart(_tree(descs), crcs, offsets, sizes).to_bytes()),
                     shard=seal(shard_bytes(plan.shard)) if plan.shard else None,
                     error=None,
                     metadata={"simulated": True},
@@ -447,7 +457,7 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
         "commit_store_bytes_per_save": commit_bytes,
         "manifest_bytes_read_max_rank": max(manifest_read),
         "restore_plan_s_max_rank": max(restore_s),
-        "objects_per_step": sum(len(p.tasks) for p in plans) + files + docs,
+        "objects_per_step": packs + refs + files,
         "arrays": sum(len(p.shard) for p in plans),
         "chunks": sum(len(p.tasks) for p in plans),
         "plan_s_mean_rank": sum(plan_s) / n,
@@ -489,8 +499,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "restore: one plan_reads for the same layout.\nafter: tiercheck's protocols run for every simulated rank "
         "in lockstep over one store (see the module docstring); store bytes are the save plan's, per rank and in "
         "all; commit bytes are one save's, in all; manifest bytes and restore seconds are the most any rank "
-        "read or spent planning the restore.\nobjects: chunk files + manifest files + zarr.json documents + "
-        "COMMIT per node. '-': not measured."
+        "read or spent planning the restore.\nobjects: before, chunk files + zarr.json documents + manifest + "
+        "COMMIT per node; after, a pack and a reference map per rank + manifest parts + index and COMMIT per node. "
+        "'-': not measured."
     )
     for row in rows:
         if row.get("note"):

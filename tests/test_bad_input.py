@@ -10,6 +10,7 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
+from tests.ondisk import chunk_span, flip_chunk_byte
 from tiercheck import Checkpointer, WriteOptions
 from tiercheck.codec import checksum, seal, unseal
 from tiercheck.errors import (
@@ -36,7 +37,7 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def test_flipped_byte_in_a_chunk_names_step_array_and_chunk(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
-    flip_byte(ckpt_dir / "step-00000003/model/w/c.2.0", 100)
+    flip_chunk_byte(ckpt_dir / "step-00000003", "model/w", "c.2.0", 100)
     with pytest.raises(CorruptCheckpointError, match=r"step 3: array 'model/w' chunk c\.2\.0: checksum mismatch"):
         tiercheck.load(ckpt_dir)
     live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
@@ -46,14 +47,14 @@ def test_flipped_byte_in_a_chunk_names_step_array_and_chunk(ckpt_dir: Path) -> N
 
 def test_flipped_checksum_trailer_and_truncated_chunk_are_caught(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
-    chunk = ckpt_dir / "step-00000003/model/b/c.0"
-    flip_byte(chunk, chunk.stat().st_size - 1)
+    flip_chunk_byte(ckpt_dir / "step-00000003", "model/b", "c.0", -1)
     with pytest.raises(CorruptCheckpointError, match="model/b.*checksum mismatch"):
         tiercheck.load(ckpt_dir)
-    chunk.write_bytes(chunk.read_bytes()[:10])
+    pack, offset, _ = chunk_span(ckpt_dir / "step-00000003", "model/b", "c.0")
+    pack.write_bytes(pack.read_bytes()[: offset + 10])
     with pytest.raises(CorruptCheckpointError, match="model/b.*truncated"):
         tiercheck.load(ckpt_dir)
-    chunk.unlink()
+    pack.unlink()
     with pytest.raises(CorruptCheckpointError, match="model/b.*missing"):
         tiercheck.load(ckpt_dir)
 
@@ -65,7 +66,7 @@ def test_a_flipped_byte_in_an_edge_chunks_padding_is_caught(ckpt_dir: Path) -> N
     with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=4 * 4096)) as ck:
         ck.save(1).wait()
     assert_identical(tiercheck.load(ckpt_dir), state)
-    flip_byte(ckpt_dir / "step-00000001/w/c.2.0", 2 * 4096 + 5)
+    flip_chunk_byte(ckpt_dir / "step-00000001", "w", "c.2.0", 2 * 4096 + 5)
     live = {"w": torch.zeros(10, 1024)}
     with (
         Checkpointer(live, local=ckpt_dir) as ck,

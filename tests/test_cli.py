@@ -16,6 +16,7 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
+from tests.ondisk import flip_chunk_byte
 from tests.servers import SeaweedS3
 from tiercheck.commit import list_steps, step_dir
 from tiercheck.tiers.remote import open_tier
@@ -79,10 +80,7 @@ def test_ls_and_inspect_a_local_directory(saved: Path) -> None:
 
 def test_verify_catches_a_flipped_byte_and_names_the_array(saved: Path) -> None:
     assert run("verify", str(saved), "--all").stdout.startswith("ok: 3 steps intact")
-    chunk = next((saved / step_dir(20) / "model" / "layer3").glob("c.*"))
-    data = bytearray(chunk.read_bytes())
-    data[100] ^= 0x10
-    chunk.write_bytes(bytes(data))
+    flip_chunk_byte(saved / step_dir(20), "model/layer3", "c.0.0", 100)
     proc = run("verify", str(saved), "--all", check=False)
     assert proc.returncode == 1
     assert "damaged: step 20: array 'model/layer3' chunk c.0" in proc.stderr
@@ -157,7 +155,7 @@ def test_an_interrupted_restore_resumes(tmp_path: Path, s3_server: SeaweedS3, s3
     try:
         deadline = 60.0
         t0 = time.monotonic()
-        while not any(new_node.glob("step-*/model/*/c.*")) and proc.poll() is None:
+        while not any(new_node.glob("step-*/packs/*")) and proc.poll() is None:
             assert time.monotonic() - t0 < deadline, "no file was copied"
             time.sleep(0.01)  # polling for a file to appear, not standing in for synchronisation
         os.kill(proc.pid, signal.SIGKILL)

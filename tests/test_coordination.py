@@ -19,7 +19,7 @@ from tiercheck.commit import commit_save, read_manifest
 from tiercheck.coordination import Coordinator, join_nodes, lockstep
 from tiercheck.errors import CoordinationError, CorruptCheckpointError
 from tiercheck.layout import chunks_in_box
-from tiercheck.manifest import part_file, rank_part_bytes, shard_bytes
+from tiercheck.manifest import RankPart, part_file, shard_bytes
 from tiercheck.planner import LeafDesc, Need
 from tiercheck.restore import agree_on_step, manifest_for
 from tiercheck.restoreplan import find_holders, plan_reads
@@ -49,7 +49,7 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
         for t in plan.tasks:
             crcs.setdefault(per_rank[c.rank][t.leaf].path, {})[t.chunk.key] = c.rank
         tree = {"model": {d.path: {"$tensor": d.path} for d in per_rank[c.rank]}, "rank": c.rank}
-        part = seal(rank_part_bytes(tree, crcs))
+        part = seal(RankPart(tree, crcs, {}, {}).to_bytes())
         shard = seal(shard_bytes(plan.shard)) if plan.shard else None
         commits.append(
             commit_save(

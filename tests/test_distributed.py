@@ -27,6 +27,7 @@ from tiercheck.manifest import parse_rank_part, part_file
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
+from .ondisk import flip_chunk_byte, step_parts
 
 LAYERS = 4
 HIDDEN = 8
@@ -182,7 +183,7 @@ def test_each_chunk_is_written_once_and_replicas_share_the_writing(saved_8: str)
     assert len(nodes) == 4
     indexes = [json.loads((n / "step-00000002" / "manifest.json").read_bytes()) for n in nodes]
     assert all(m == indexes[0] for m in indexes), "every node has the same index"
-    assert indexes[0]["format_version"] == 3
+    assert indexes[0]["format_version"] == 4
     # Each node holds the manifest parts of its own ranks only (a commit moves no rank's part elsewhere).
     for i, n in enumerate(nodes):
         parts = sorted(f.name for f in (n / "step-00000002" / "manifest").glob("rank-*.json"))
@@ -200,11 +201,17 @@ def test_each_chunk_is_written_once_and_replicas_share_the_writing(saved_8: str)
     files: dict[str, list[str]] = {}
     on_disk = 0
     for n in nodes:
-        for f in (n / "step-00000002").rglob("c.*"):
-            files.setdefault(str(f.relative_to(n)), []).append(n.name)
-            on_disk += f.stat().st_size - 4  # minus the CRC32C trailer
+        here = 0
+        for part in step_parts(n / "step-00000002"):
+            for array, offsets in part.offsets.items():
+                for key in offsets:
+                    files.setdefault(f"{array}/{key}", []).append(n.name)
+                    on_disk += part.chunk_bytes[array]
+                    here += part.chunk_bytes[array] + 4  # and its CRC32C trailer
+        packs = (n / "step-00000002" / "packs").iterdir()
+        assert sum(p.stat().st_size for p in packs) == here, "the node's packs hold what its parts list"
     assert on_disk == unique
-    assert all(len(where) == 1 for where in files.values()), "no chunk file exists on two nodes"
+    assert all(len(where) == 1 for where in files.values()), "no chunk is stored on two nodes"
     assert len(files) == sum(len(a["crc32c"]) for a in arrays.values())
 
     written = [0] * 8
@@ -428,12 +435,9 @@ def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: P
     # A chunk written by a rank of node 1 that node 0's ranks need too (replicated norm, or a TP shard):
     # rank 2's part of the manifest, in node 1's directory, lists the checksums of what rank 2 wrote.
     raw = (tmp_path / "node1" / "step-00000001" / part_file(2)).read_bytes()
-    _, written = parse_rank_part(unseal(raw, where="test"), where="test")
+    written = parse_rank_part(unseal(raw, where="test"), where="test").checksums
     path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)
-    chunk = tmp_path / "node1" / "step-00000001" / path / key
-    data = bytearray(chunk.read_bytes())
-    data[0] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    flip_chunk_byte(tmp_path / "node1" / "step-00000001", path, key, 0)
     results = run_ranks(_restore_expect_failure, 4, str(tmp_path), timeout=60, start_method="forkserver")
     kinds = {kind for kind, _ in results}
     assert kinds <= {"CorruptCheckpointError", "CoordinationError"} and "CorruptCheckpointError" in kinds
@@ -596,10 +600,7 @@ def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> 
     node = tmp_path / f"node{k}"
     shutil.copytree(Path(saved_8) / f"node{k}", node)
     assert run("verify", str(node), "--all").stdout.startswith("ok: 2 steps intact")
-    chunk = node / "step-00000002" / path / key
-    data = bytearray(chunk.read_bytes())
-    data[1] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    flip_chunk_byte(node / "step-00000002", path, key, 1)
     proc = run("verify", str(node), "--all", check=False)
     assert proc.returncode == 1
     assert f"damaged: step 2: array {path!r} chunk {key}: checksum mismatch" in proc.stderr
@@ -609,4 +610,4 @@ def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> 
 
 def _written(node: Path, rank: int) -> dict[str, dict[str, int]]:
     raw = (node / "step-00000002" / part_file(rank)).read_bytes()
-    return parse_rank_part(unseal(raw, where="test"), where="test")[1]
+    return parse_rank_part(unseal(raw, where="test"), where="test").checksums

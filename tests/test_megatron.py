@@ -28,6 +28,8 @@ import torch.distributed as dist
 import tiercheck
 from tiercheck.integrations import megatron as tm  # imported first: it keeps megatron-core's import quiet
 
+from .ondisk import chunks_of, flip_chunk_byte, step_parts
+
 from megatron.core import dist_checkpointing as dc  # isort: skip
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor  # isort: skip
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # isort: skip
@@ -188,10 +190,7 @@ def _save_tp1(rank: int, world: int, root: str) -> None:
 
     bad = Path(root) / "ckpt" / "iter_0000011"
     shutil.copytree(ck, bad)
-    chunk = next(p for p in (bad / "step-00000010" / "tensors" / "embed").iterdir() if p.name != "zarr.json")
-    raw = bytearray(chunk.read_bytes())
-    raw[0] ^= 0xFF
-    chunk.write_bytes(bytes(raw))
+    flip_chunk_byte(bad / "step-00000010", "tensors/embed", chunks_of(bad / "step-00000010", "tensors/embed")[0], 0)
     with pytest.raises(tiercheck.CorruptCheckpointError, match=r"tensors/embed.*chunk"):
         dc.load(sharded_state(1, 1, 0, seed=1, blank=True), str(bad))
 
@@ -289,12 +288,15 @@ def test_tp2_sync_and_async_saves_replicas_once_then_load_at_tp1_from_remote(tmp
     # all of it) and all else add up to the global tensors' bytes exactly, spread over the two nodes.
     written: dict[str, int] = {}
     for node in ("node0", "node1"):
-        step = tmp_path / node / "step-00000002" / "tensors"
-        for f in step.rglob("*"):
-            if f.is_file() and f.name != "zarr.json":
-                rel = str(f.relative_to(step))
-                assert rel not in written, f"{rel} written on both nodes"
-                written[rel] = f.stat().st_size - 4  # a CRC32C trailer per chunk
+        step = tmp_path / node / "step-00000002"
+        for part in step_parts(step):
+            for array, offsets in part.offsets.items():
+                if not array.startswith("tensors/"):
+                    continue
+                for key in offsets:
+                    rel = str(Path(array).relative_to("tensors") / key)
+                    assert rel not in written, f"{rel} written on both nodes"
+                    written[rel] = part.chunk_bytes[array]
     assert sum(written.values()) == sum(t.nbytes for t in global_tensors(2).values())
     assert all(any(k.startswith(f"{key}/") for k in written) for key in TENSOR_KEYS)
 

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import numpy as np
 import pytest
 import torch
 
 import tiercheck
 import tiercheck.tiers.remote
 from tests.conftest import assert_identical
+from tests.ondisk import flip_chunk_byte
+from tests.plainzarr import open_step
 from tiercheck import Checkpointer
 from tiercheck.commit import list_steps, step_dir
-from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions
+from tiercheck.drain import upload_step
+from tiercheck.errors import CorruptCheckpointError
+from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions, WriteOptions
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
@@ -89,6 +96,18 @@ def test_committed_steps_drain_and_load_back_from_the_remote(tmp_path: Path, rem
     assert_identical(tiercheck.load(remote.url, step=2, storage_options=remote.options), make_state(2))
 
 
+def test_plain_zarr_reads_a_drained_step_through_its_reference_maps(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(6)
+    with checkpointer(state, tmp_path / "local", remote, write=WriteOptions(chunk_bytes=16 << 10)) as ck:
+        ck.save(1)
+        ck.drain()
+    fs, root = fsspec.core.url_to_fs(remote.url, **(remote.options or {}))
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    group = open_step(f"{root}/{step_dir(1)}", protocol, **(remote.options or {}))
+    assert group["w"].nchunks > 1 and np.array_equal(group["w"][:], state["w"].numpy())
+    assert np.array_equal(group["b"][:], state["b"].view(torch.uint16).numpy())  # bfloat16's bits
+
+
 def test_remote_retention_is_its_own_policy(tmp_path: Path, remote: Remote) -> None:
     state = make_state(1)
     drain = DrainOptions(retention=RetentionOptions(keep_last=1, keep_every=3), retry=FAST_RETRY)
@@ -118,15 +137,27 @@ def test_a_fresh_node_restores_from_the_remote(tmp_path: Path, remote: Remote) -
     assert_identical(again, make_state(7))
 
 
+def test_a_chunk_that_rotted_on_local_disk_is_never_uploaded_or_committed(tmp_path: Path, remote: Remote) -> None:
+    state = make_state(4)
+    with Checkpointer(state, local=tmp_path / "local") as ck:  # no remote yet: nothing drains
+        ck.save(1).wait()
+    flip_chunk_byte(tmp_path / "local" / step_dir(1), "w", "c.0.0", 7)
+    local, dst = LocalTier(tmp_path / "local"), remote.tier()
+    with (
+        ThreadPoolExecutor(2) as pool,
+        pytest.raises(CorruptCheckpointError, match=r"array 'w' chunk c\.0\.0: checksum"),
+    ):
+        upload_step(local, dst, 1, pool=pool)
+    assert list_steps(dst).committed == []
+    assert not [f for f in dst.sizes(step_dir(1)) if "packs/" in f], "the pack with the rotten chunk did not go up"
+
+
 def test_a_corrupt_local_chunk_is_read_from_the_remote(tmp_path: Path, remote: Remote) -> None:
     state = make_state(3)
     with checkpointer(state, tmp_path / "local", remote) as ck:
         ck.save(1)
         ck.drain()
-    chunk = next((tmp_path / "local" / step_dir(1) / "w").glob("c.*"))
-    data = bytearray(chunk.read_bytes())
-    data[5] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    flip_chunk_byte(tmp_path / "local" / step_dir(1), "w", "c.0.0", 5)
     fresh = make_state(0)
     with checkpointer(fresh, tmp_path / "local", remote) as ck:
         assert ck.restore() == 1
@@ -143,8 +174,9 @@ def test_an_interrupted_drain_resumes_without_sending_complete_files_again(tmp_p
     # Half of step 2's files reached the remote before the job ended.
     tier = remote.tier()
     files = sorted(p for p in (local / step_dir(2)).rglob("*") if p.is_file() and p.name not in ("COMMIT",))
-    chunks = [p for p in files if p.name.startswith("c")]
-    for p in chunks[:3]:
+    data = [p for p in files if p.name != "manifest.json"]  # the pack, the manifest parts, the refs
+    assert any(p.parent.name == "packs" for p in data[:3])
+    for p in data[:3]:
         tier.write(str(p.relative_to(local)), [p.read_bytes()])
     with checkpointer(dict(state), local, remote) as ck:
         status = ck.drain()

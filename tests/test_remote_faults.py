@@ -8,7 +8,7 @@ wrong. Each time saves keep committing locally, and what the remote gets is inta
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,21 @@ class StopsServerMidway(RemoteTier):
         self.stopped = threading.Event()
         self._count = threading.Lock()
 
-    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+    def _one_more(self) -> None:
         with self._count:
             self.writes += 1
             stop_now = self.writes == 3
         if stop_now:
             self.server.stop()
             self.stopped.set()
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        self._one_more()
         super().write(path, parts)
+
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        self._one_more()
+        super().write_stream(path, pieces)
 
 
 def test_an_s3_outage_mid_drain_blocks_nothing_and_the_drain_completes(

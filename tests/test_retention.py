@@ -12,7 +12,7 @@ import torch
 import tiercheck
 from tiercheck import Checkpointer, RetentionOptions
 from tiercheck.retention import steps_to_delete
-from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.local import LocalTier, PackWriter
 
 
 def test_policy() -> None:
@@ -61,6 +61,20 @@ class FullDiskTier(LocalTier):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / path))
         self.budget -= size
         super().write(path, parts)
+
+    def open_pack(self, path: str) -> PackWriter:
+        pack = super().open_pack(path)
+        write_at = pack.write_at
+
+        def budgeted(offset: int, parts):  # type: ignore[no-untyped-def]
+            size = sum(len(memoryview(p).cast("B")) for p in parts)
+            if size > self.budget:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / path))
+            self.budget -= size
+            write_at(offset, parts)
+
+        pack.write_at = budgeted  # type: ignore[method-assign]
+        return pack
 
 
 def test_full_disk_fails_the_save_with_its_error_and_keeps_the_committed_step(ckpt_dir: Path) -> None:

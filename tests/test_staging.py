@@ -10,9 +10,10 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
+from tests.ondisk import chunk_span, chunks_of
 from tiercheck import Checkpointer, StagingOptions, WriteOptions
 from tiercheck.staging import HostPool, align_up
-from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.local import LocalTier, PackWriter
 
 
 def test_pool_stays_within_its_bound_over_many_saves(ckpt_dir: Path) -> None:
@@ -100,6 +101,17 @@ class GatedTier(LocalTier):
         self.gate.wait(timeout=60)
         super().write(path, parts)
 
+    def open_pack(self, path: str) -> PackWriter:
+        pack = super().open_pack(path)
+        write_at = pack.write_at
+
+        def gated(offset: int, parts):  # type: ignore[no-untyped-def]
+            self.gate.wait(timeout=60)
+            write_at(offset, parts)
+
+        pack.write_at = gated  # type: ignore[method-assign]
+        return pack
+
 
 def test_busy_policy_skip_drops_the_save_with_a_warning(ckpt_dir: Path) -> None:
     state = {"w": torch.zeros(1000)}
@@ -140,8 +152,10 @@ def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, direct_
         ck.save(1).wait()
         assert ck.stats()["pool_capacity_bytes"] % 4096 == 0
     assert_identical(state, tiercheck.load(tmp_path / "d"))
-    chunks = sorted((tmp_path / "d/step-00000001/w").glob("c.*"))
-    assert [c.stat().st_size for c in chunks if c.is_file()] == [(1 << 20) + 100 + 4] * 3
+    step = tmp_path / "d/step-00000001"
+    spans = [chunk_span(step, "w", key) for key in chunks_of(step, "w")]
+    assert [length for _, _, length in spans] == [(1 << 20) + 100 + 4] * 3
+    assert [offset % 4096 for _, offset, _ in spans] == [0, 0, 0], "big chunks start block-aligned in the pack"
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="per-thread niceness is read from Linux /proc")

@@ -57,6 +57,39 @@ def test_large_objects_go_up_in_parts_and_come_back_whole(tier: Tier) -> None:
     assert tier.sizes("big") == {"c.0": len(data), "c.1": len(data)}
 
 
+def test_byte_ranges_read_back_exactly_and_stop_at_the_end(tier: Tier) -> None:
+    data = os.urandom(3000)
+    tier.write("packs/rank-000000.bin", [data])
+    assert bytes(tier.read_range("packs/rank-000000.bin", 100, 50)) == data[100:150]
+    assert bytes(tier.read_range("packs/rank-000000.bin", 2990, 50)) == data[2990:]  # short at the end
+    out = bytearray(40)
+    n, rest = tier.read_into("packs/rank-000000.bin", memoryview(out), offset=1000, length=44)
+    assert (n, bytes(out), rest) == (40, data[1000:1040], data[1040:1044])
+    n, rest = tier.read_into("packs/rank-000000.bin", memoryview(out), offset=2980, length=44)
+    assert (n, bytes(out[:n]), rest) == (20, data[2980:], b"")  # a truncated file: fewer bytes, no error
+    with pytest.raises(FileNotFoundError):
+        tier.read_range("packs/nope.bin", 0, 1)
+
+
+def test_a_stream_is_written_whole_or_not_at_all(tier: Tier) -> None:
+    pieces = [os.urandom(3 << 20) for _ in range(4)]  # 12 MiB: more than two 5 MiB parts on the remote tiers
+    tier.write_stream("s/pack.bin", lambda: iter(pieces))
+    assert tier.read_bytes("s/pack.bin") == b"".join(pieces)
+
+    class Rotten(Exception):
+        pass
+
+    def fails_half_way() -> object:
+        yield pieces[0]
+        yield pieces[1]
+        raise Rotten("a chunk failed its checksum")
+
+    with pytest.raises(Rotten):
+        tier.write_stream("s/other.bin", fails_half_way)  # type: ignore[arg-type]
+    assert not tier.exists("s/other.bin")  # the upload was abandoned, the temporary file removed
+    assert tier.list_dir("s") == ["pack.bin"]
+
+
 def test_missing_files_and_directories(tier: Tier) -> None:
     with pytest.raises(FileNotFoundError):
         tier.read("nope/c.0")

@@ -26,7 +26,7 @@ from .drain import Drainer, pending_steps
 from .errors import RemoteStorageError, StepExistsError
 from .flatten import Leaf, dtype_name, flatten
 from .fmt import fmt_steps
-from .manifest import JSON, rank_part_bytes, shard_bytes
+from .manifest import JSON, RankPart, shard_bytes
 from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
@@ -261,7 +261,7 @@ class Checkpointer:
             target = min(target, max(self.staging.max_host_bytes // 2, 4096))
         save_plan = drive(self._coord, plan_save(self._coord, self._plans_made, descs, target_chunk_bytes=target))
         self._plans_made += 1
-        self._plan = rank_plan(leaves, save_plan, signature=descs, root_doc=self._leader)
+        self._plan = rank_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self._leader)
         if self.world_size > 1:
             log.info(
                 "rank %d: save plan: this rank writes %.1f MiB of the %d arrays it holds, coordinates %d",
@@ -300,7 +300,11 @@ class Checkpointer:
         part, shard = b"", None
         if error is None:
             try:
-                part = seal(rank_part_bytes(job.tree, job.checksums))
+                offsets: dict[str, dict[str, int]] = {}
+                for t in job.plan.tasks:
+                    offsets.setdefault(t.path, {})[t.chunk.key] = t.offset
+                sizes = {t.path: t.nbytes for t in job.plan.tasks}
+                part = seal(RankPart(job.tree, job.checksums, offsets, sizes).to_bytes())
                 shard = seal(shard_bytes(job.plan.shard)) if job.plan.shard else None
             except (TypeError, ValueError) as e:
                 error = e

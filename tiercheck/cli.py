@@ -27,13 +27,13 @@ from rich.table import Table
 
 from . import __version__
 from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
-from .commit import list_steps, rank_checksums, read_manifest, read_marker, step_dir, withdraw_step
+from .commit import list_steps, rank_parts, read_manifest, read_marker, step_dir, withdraw_step
 from .drain import upload_step
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from .fmt import fmt_steps as _fmt_steps
 from .fmt import plural as _plural
 from .fmt import ranges as _ranges
-from .manifest import Manifest
+from .manifest import Manifest, pack_file
 from .options import RetentionOptions, RetryOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
@@ -337,32 +337,41 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
     try:
         manifest = read_manifest(tier, n)
         marker = read_marker(tier, n)
-        # Every chunk this directory's saving ranks wrote, with its checksum and (where this
-        # directory holds the array's record) its size.
-        jobs: list[tuple[str, str, int, int | None]] = []
+        # Every chunk this directory's saving ranks wrote: its checksum, its size where known (in
+        # the writer's part, format 4, or where this directory holds the array's record), and
+        # where it is (its own file, or an offset in its writer's pack).
+        jobs: list[tuple[str, str, int, int | None, str, int | None]] = []
         if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
-            written = rank_checksums(tier, n, sorted(marker.ranks))
+            for rank, part in sorted(rank_parts(tier, n, sorted(marker.ranks)).items()):
+                for path, crcs in sorted(part.checksums.items()):
+                    rec = manifest.arrays.get(path)
+                    size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
+                    for key, crc in sorted(crcs.items()):
+                        offset = part.offsets.get(path, {}).get(key)
+                        file = pack_file(rank) if offset is not None else f"{path}/{key}"
+                        jobs.append((path, key, crc, size, file, offset))
         else:
-            written = {
-                rec.path: {k: crc for k, crc in rec.checksums.items() if rec.owner(k) in set(marker.ranks)}
-                for rec in manifest.arrays.values()
-            }
-        for path, crcs in sorted(written.items()):
-            rec = manifest.arrays.get(path)
-            jobs += [(path, key, crc, chunk_nbytes(rec) if rec else None) for key, crc in sorted(crcs.items())]
+            for rec in manifest.arrays.values():
+                for key, crc in sorted(rec.checksums.items()):
+                    if rec.owner(key) in set(marker.ranks):
+                        jobs.append((rec.path, key, crc, chunk_nbytes(rec), f"{rec.path}/{key}", None))
     except TiercheckError as e:
         return [f"step {n}: {e}"]
-    total = sum(nbytes or 0 for *_, nbytes in jobs)
+    total = sum(job[3] or 0 for job in jobs)
     bad: list[str] = []
 
-    def check(job: tuple[str, str, int, int | None]) -> int:
-        path, key, crc, nbytes = job
+    def check(job: tuple[str, str, int, int | None, str, int | None]) -> int:
+        path, key, crc, nbytes, file, offset = job
         where = f"{tier.url}: step {n}: array {path!r} chunk {key}"
         try:
             try:
-                raw = tier.read(f"{step_dir(n)}/{path}/{key}")
+                if offset is None:
+                    raw = tier.read(f"{step_dir(n)}/{file}")
+                else:
+                    assert nbytes is not None
+                    raw = tier.read_range(f"{step_dir(n)}/{file}", offset, nbytes + CHECKSUM_BYTES)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+                raise CorruptCheckpointError(f"{where}: {file} is missing") from None
             size = len(raw) - CHECKSUM_BYTES if nbytes is None else nbytes
             verify_chunk(raw, expected_crc=crc, nbytes=size, where=where)
         except (TiercheckError, OSError) as e:

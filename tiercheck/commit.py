@@ -27,6 +27,7 @@ from .manifest import (
     CommitMarker,
     Manifest,
     ManifestIndex,
+    RankPart,
     parse_manifest_doc,
     parse_rank_part,
     parse_shard,
@@ -142,10 +143,10 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     return manifest
 
 
-def rank_checksums(tier: Tier, step: int, ranks: list[int]) -> dict[str, dict[str, int]]:
-    """The checksum of every chunk the given saving ranks wrote, from their parts of a format-3
-    manifest on this tier: ``{array path: {chunk key: crc32c}}``."""
-    out: dict[str, dict[str, int]] = defaultdict(dict)
+def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
+    """The given saving ranks' parts of a format-3/4 manifest on this tier: their trees, and
+    the checksum and place of every chunk they wrote."""
+    out: dict[int, RankPart] = {}
     for rank in ranks:
         path = f"{step_dir(step)}/{part_file(rank)}"
         where = f"{tier.url}: {path}"
@@ -153,10 +154,8 @@ def rank_checksums(tier: Tier, step: int, ranks: list[int]) -> dict[str, dict[st
             raw = tier.read(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where} is missing from a committed step") from None
-        _, crcs = parse_rank_part(unseal(raw, where=where), where=where)
-        for array, by_key in crcs.items():
-            out[array].update(by_key)
-    return dict(out)
+        out[rank] = parse_rank_part(unseal(raw, where=where), where=where)
+    return out
 
 
 _PART = re.compile(r"^(rank|arrays)-(\d{6,})\.json$")
@@ -175,6 +174,7 @@ def assemble(
     their chunks' owners unless ``owners`` (see ``parse_shard``)."""
     arrays: dict[str, ArrayRecord] = {}
     checksums: dict[str, dict[str, int]] = defaultdict(dict)
+    offsets: dict[str, dict[str, int]] = defaultdict(dict)
     trees: list[JSON] = []
     tree_of_rank = [-1] * index.world_size
     seen: dict[str, int] = {}
@@ -184,18 +184,21 @@ def assemble(
         if kind == "arrays":
             arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
             continue
-        tree, crcs = parse_rank_part(doc, where=here)
-        for path, by_key in crcs.items():
+        part = parse_rank_part(doc, where=here)
+        for path, by_key in part.checksums.items():
             checksums[path].update(by_key)
-        text = json.dumps(tree, sort_keys=True)
+        for path, by_key in part.offsets.items():
+            offsets[path].update(by_key)
+        text = json.dumps(part.tree, sort_keys=True)
         if text not in seen:
             seen[text] = len(trees)
-            trees.append(tree)
+            trees.append(part.tree)
         tree_of_rank[rank] = seen[text]
     records = {}
     for path, rec in arrays.items():
         kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
-        records[path] = replace(rec, checksums=dict(sorted(kept.items())))
+        at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
+        records[path] = replace(rec, checksums=dict(sorted(kept.items())), offsets=at)
     return Manifest(
         step=index.step,
         library_version=index.library_version,
@@ -205,7 +208,7 @@ def assemble(
         arrays=records,
         metadata=index.metadata,
         topology={"world_size": index.world_size, "nodes": index.nodes},
-        format_version=3,
+        format_version=index.format_version,
     )
 
 

@@ -31,6 +31,7 @@ from .options import DrainOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
+from .transfer import copy_pack, pack_owner
 
 log = logging.getLogger("tiercheck")
 
@@ -298,6 +299,10 @@ def upload_step(
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:
+        if pack_owner(f) is not None:  # every chunk checked as it is read: rot is never uploaded
+            n = copy_pack(local, remote, step, f, files[f])
+            on_file(n)
+            return n
         data = local.read_bytes(f"{d}/{f}")
         remote.write(f"{d}/{f}", [data])
         on_file(len(data))

@@ -15,11 +15,13 @@ from typing import Any
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 FORMAT_NAME = "tiercheck"
-FORMAT_VERSION = 3  # 3: the manifest in parts (per rank, per coordinator); 2 and 1 are still read
+FORMAT_VERSION = 4  # 4: chunks in one pack file per rank; 3: the manifest in parts; 3, 2 and 1 are still read
 WHOLE_FORMAT = 2  # the last format with the whole manifest in one document
-MANIFEST_FILE = "manifest.json"  # in format 3 the step's index; before, the whole manifest
+MANIFEST_FILE = "manifest.json"  # since format 3 the step's index; before, the whole manifest
 COMMIT_FILE = "COMMIT"
-PARTS_DIR = "manifest"  # format 3: rank-NNNNNN.json (each saving rank's) and arrays-NNNNNN.json
+PARTS_DIR = "manifest"  # since format 3: rank-NNNNNN.json (each saving rank's) and arrays-NNNNNN.json
+PACKS_DIR = "packs"  # since format 4: rank-NNNNNN.bin, every chunk a saving rank wrote
+REFS_DIR = "refs"  # since format 4: rank-NNNNNN.json, the zarr keys of a rank's chunks (plain JSON)
 
 
 def part_file(rank: int) -> str:
@@ -30,6 +32,18 @@ def part_file(rank: int) -> str:
 def shard_file(rank: int) -> str:
     """The arrays a saving rank coordinated: shape, dtype, chunk grid and every chunk's owner."""
     return f"{PARTS_DIR}/arrays-{rank:06d}.json"
+
+
+def pack_file(rank: int) -> str:
+    """A saving rank's chunks, one after another (each as zarr stores it: data, then its CRC32C)."""
+    return f"{PACKS_DIR}/rank-{rank:06d}.bin"
+
+
+def refs_file(rank: int) -> str:
+    """A saving rank's zarr keys as a kerchunk reference map: its chunks' byte ranges in its pack,
+    and the ``zarr.json`` documents of the arrays it coordinated. Plain zarr reads a step through
+    the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
+    return f"{REFS_DIR}/rank-{rank:06d}.json"
 
 
 JSON = Any  # a value json.loads can return
@@ -65,6 +79,7 @@ class ArrayRecord:
     chunks: tuple[int, ...]
     checksums: dict[str, int] = field(default_factory=dict)  # chunk key -> crc32c of its data
     owners: dict[str, int] = field(default_factory=dict)  # chunk key -> saving rank that wrote it (default 0)
+    offsets: dict[str, int] = field(default_factory=dict)  # chunk key -> where it starts in its owner's pack
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -74,10 +89,19 @@ class ArrayRecord:
             "chunks": list(self.chunks),
             "crc32c": self.checksums,
             "owner": self.owners,
+            **({"offset": self.offsets} if self.offsets else {}),
         }
 
     def owner(self, key: str) -> int:
         return self.owners.get(key, 0)
+
+    def location(self, key: str) -> tuple[str, int | None]:
+        """Where chunk ``key`` is stored, relative to its step: the owner's pack file and the
+        chunk's offset there (format 4), or the chunk's own file (``None``: all of it)."""
+        offset = self.offsets.get(key)
+        if offset is None:
+            return f"{self.path}/{key}", None
+        return pack_file(self.owner(key)), offset
 
     @classmethod
     def from_json(cls, path: str, doc: JSON, *, where: str) -> ArrayRecord:
@@ -89,13 +113,17 @@ class ArrayRecord:
             dtype, kind = doc["dtype"], doc["kind"]
             checksums = {str(k): int(v) for k, v in doc["crc32c"].items()}
             owners = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()}
+            offsets = {str(k): _nonneg_int(v) for k, v in (doc.get("offset") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{here}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
             raise CorruptCheckpointError(f"{here}: malformed record")
         if any(c == 0 for c in chunk):
             raise CorruptCheckpointError(f"{here}: chunk extents must be positive")
-        return cls(path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk, checksums=checksums, owners=owners)
+        return cls(
+            path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk,
+            checksums=checksums, owners=owners, offsets=offsets,
+        )  # fmt: skip
 
     @property
     def numel(self) -> int:
@@ -191,11 +219,12 @@ class ManifestIndex:
     world_size: int
     nodes: int
     metadata: JSON = None
+    format_version: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "library_version": self.library_version,
             "step": self.step,
             "created_unix": self.created_unix,
@@ -206,6 +235,8 @@ class ManifestIndex:
                 "ranks": f"{PARTS_DIR}/rank-{{rank:06d}}.json",
                 "arrays": f"{PARTS_DIR}/arrays-{{rank:06d}}.json",
                 "arrays_of": "zlib.crc32(path) % world_size",
+                "packs": f"{PACKS_DIR}/rank-{{rank:06d}}.bin",
+                "refs": f"{REFS_DIR}/rank-{{rank:06d}}.json",
             },
         }
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
@@ -220,6 +251,7 @@ class ManifestIndex:
                 world_size=_positive_int(doc["world_size"]),
                 nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
                 metadata=doc.get("metadata"),
+                format_version=_nonneg_int(doc["format_version"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
@@ -244,19 +276,49 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str) -> dict[str, JSON
     return doc
 
 
-def rank_part_bytes(tree: JSON, checksums: dict[str, dict[str, int]]) -> bytes:
-    return json.dumps({"tree": tree, "crc32c": checksums}, allow_nan=False, separators=(",", ":")).encode()
+@dataclass(frozen=True, slots=True)
+class RankPart:
+    """A saving rank's part of a format-3/4 manifest: its state tree, and the checksum (and in
+    format 4 the offset in its pack) of every chunk it wrote, ``{array path: {chunk key: n}}``."""
+
+    tree: JSON
+    checksums: dict[str, dict[str, int]]
+    offsets: dict[str, dict[str, int]]  # empty in format 3: each chunk is its own file
+    chunk_bytes: dict[str, int]  # format 4: each array's (padded) chunk size, to check a pack alone
+
+    def to_bytes(self) -> bytes:
+        doc = {"tree": self.tree, "crc32c": self.checksums, "offset": self.offsets, "nbytes": self.chunk_bytes}
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    def spans(self) -> list[tuple[int, int, str, str, int]]:
+        """The chunks in this rank's pack in file order: ``(offset, data bytes, array path, chunk
+        key, crc32c)``."""
+        return sorted(
+            (offset, self.chunk_bytes[path], path, key, self.checksums[path][key])
+            for path, by_key in self.offsets.items()
+            for key, offset in by_key.items()
+        )
 
 
-def parse_rank_part(doc: bytes, *, where: str) -> tuple[JSON, dict[str, dict[str, int]]]:
-    """A rank part's state tree and chunk checksums (``{array path: {chunk key: crc32c}}``)."""
+def parse_rank_part(doc: bytes, *, where: str) -> RankPart:
     try:
         part = json.loads(doc)
         checksums = {
             check_array_path(p, where=where): {str(k): _crc(v) for k, v in crcs.items()}
             for p, crcs in part["crc32c"].items()
         }
-        return part["tree"], checksums
+        offsets = {
+            check_array_path(p, where=where): {str(k): _nonneg_int(v) for k, v in by_key.items()}
+            for p, by_key in (part.get("offset") or {}).items()
+        }
+        chunk_bytes = {str(p): _nonneg_int(n) for p, n in (part.get("nbytes") or {}).items()}
+        if offsets and (
+            set(offsets) != set(checksums)
+            or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
+            or not set(offsets) <= set(chunk_bytes)
+        ):
+            raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
+        return RankPart(part["tree"], checksums, offsets, chunk_bytes)
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest part ({e!r})") from None
 

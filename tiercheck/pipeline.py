@@ -8,6 +8,7 @@ committed independently, but staged strictly in order, and staging waits while t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -16,19 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .codec import checksum, checksum_trailer, chunk_nbytes, zarr_documents
+from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, zarr_documents
 from .commit import step_dir
 from .flatten import Leaf
 from .layout import Chunk
-from .manifest import JSON, ArrayRecord
+from .manifest import JSON, ArrayRecord, pack_file, refs_file
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
-from .tiers.base import Tier
+from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier, PackWriter
 
 log = logging.getLogger("tiercheck")
 
@@ -41,6 +42,7 @@ class ChunkTask:
     local: Chunk  # the same chunk in the leaf tensor's own coordinates
     chunk_shape: tuple[int, ...]
     nbytes: int  # full (padded) chunk bytes
+    offset: int  # where the chunk (data, then its CRC32C) starts in this rank's pack
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +53,14 @@ class Plan:
     shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with their chunk owners
     tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
     n_eager: int
-    zarr_docs: dict[str, bytes]  # of the arrays this rank coordinates (and the step's group on node leaders)
+    rank: int
+    refs: bytes  # this rank's zarr keys: its chunks in its pack, the zarr.json of the arrays it coordinates
     pool_bytes: int  # host memory this rank's whole snapshot needs
 
 
 @dataclass(frozen=True, slots=True)
 class WriteRequest:
-    """One file for the I/O threads: small bytes as they are, or a staged chunk in the pool."""
+    """One write for the I/O threads: a small file, or a staged chunk (from the pool) into the pack."""
 
     path: str
     parts: list[bytes] = field(default_factory=list)
@@ -113,6 +116,7 @@ class SaveJob:
     t_call: float
     ready: torch.cuda.Event | None = None  # recorded on the training stream at save()
     eager_staged: threading.Event = field(default_factory=threading.Event)
+    pack: PackWriter | None = None
     checksums: dict[str, dict[str, int]] = field(default_factory=dict)
     error: BaseException | None = None
     _pending: int = 1  # outstanding writes, plus one while staging runs
@@ -125,7 +129,7 @@ class SaveJob:
 class Pipeline:
     def __init__(
         self,
-        tier: Tier,
+        tier: LocalTier,
         pool: HostPool,
         *,
         io_threads: int,
@@ -210,8 +214,10 @@ class Pipeline:
             self.tier.delete_tree(d)
         bound = self.max_host_bytes
         self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))
-        for path, doc in plan.zarr_docs.items():
-            self._submit_write(job, WriteRequest(f"{d}/{path}", parts=[doc]))
+        if plan.refs:
+            self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[plan.refs]))
+        if plan.tasks:
+            job.pack = self.tier.open_pack(f"{d}/{pack_file(plan.rank)}")
         events: list[torch.cuda.Event] = []
         if plan.n_eager == 0:
             job.eager_staged.set()
@@ -231,9 +237,7 @@ class Pipeline:
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
-            self._submit_write(
-                job, WriteRequest(f"{d}/{task.path}/{task.chunk.key}", staged=(task, region), event=event)
-            )
+            self._submit_write(job, WriteRequest(task.path, staged=(task, region), event=event))
             if i + 1 == plan.n_eager:
                 self._wait_events(events)
                 job.eager_staged.set()
@@ -282,7 +286,8 @@ class Pipeline:
                     write.event.synchronize()
                 data = memoryview(self.pool.view(region, task.nbytes).numpy())  # type: ignore[arg-type]
                 crc = checksum(data)
-                self.tier.write(write.path, [data, checksum_trailer(crc)])
+                assert job.pack is not None
+                job.pack.write_at(task.offset, [data, checksum_trailer(crc)])
                 with job._lock:
                     job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
             job.t_write1 = time.perf_counter()
@@ -313,6 +318,11 @@ class Pipeline:
         try:
             h.timings["persist_s"] = job.t_write1 - job.t_write0 if job.t_write0 else 0.0
             t0 = time.perf_counter()
+            if job.pack is not None:
+                try:
+                    job.pack.close()  # one fsync for all of this rank's chunks
+                except BaseException as e:
+                    self._fail(job, e)
             self.commit(job)  # raises job.error, if any, once the other ranks know
             h.timings["commit_s"] = time.perf_counter() - t0
             h.timings["durable_s"] = time.perf_counter() - job.t_call
@@ -350,23 +360,45 @@ def rank_plan(
     save_plan: SavePlan,
     *,
     signature: tuple[Any, ...],
+    rank: int,
     root_doc: bool,
 ) -> Plan:
-    """This rank's part of the save plan: its chunks in copy order, eager leaves first, and the
-    zarr documents it writes (of the arrays it coordinates; the step's own with ``root_doc``)."""
+    """This rank's part of the save plan: its chunks in copy order, eager leaves first, each at
+    its place in the rank's pack (in that order; big chunks block-aligned, for direct I/O), and
+    its reference map (its chunks, and the zarr documents of the arrays it coordinates; the
+    step's own group with ``root_doc``)."""
     eager: list[ChunkTask] = []
     lazy: list[ChunkTask] = []
     for t in save_plan.tasks:
         leaf = leaves[t.leaf]
         rec = save_plan.records[leaf.path]
-        task = ChunkTask(t.leaf, leaf.path, t.chunk, t.local, rec.chunks, chunk_nbytes(rec))
+        task = ChunkTask(t.leaf, leaf.path, t.chunk, t.local, rec.chunks, chunk_nbytes(rec), 0)
         (lazy if leaf.lazy else eager).append(task)
-    tasks = eager + lazy
+    tasks, end = [], 0
+    for task in eager + lazy:
+        if task.nbytes >= DIRECT_MIN_BYTES:
+            end = -(-end // BLOCK) * BLOCK
+        tasks.append(replace(task, offset=end))
+        end += task.nbytes + CHECKSUM_BYTES
     return Plan(
         signature=signature,
         shard=save_plan.shard,
         tasks=tasks,
         n_eager=len(eager),
-        zarr_docs=zarr_documents(list(save_plan.shard.values()), root=root_doc),
+        rank=rank,
+        refs=reference_map(rank, tasks, zarr_documents(list(save_plan.shard.values()), root=root_doc)),
         pool_bytes=sum(align_up(t.nbytes) for t in tasks),
     )
+
+
+def reference_map(rank: int, tasks: list[ChunkTask], docs: dict[str, bytes]) -> bytes:
+    """A kerchunk reference map (version 1) of this rank's zarr keys: each chunk's byte range in
+    its pack, under the template ``{{u}}`` a reader sets to the step's URL, and the ``zarr.json``
+    documents inline. The union of every rank's map is the step as one zarr group."""
+    if not tasks and not docs:
+        return b""
+    pack = "{{u}}/" + pack_file(rank)
+    refs: dict[str, object] = {k: v.decode() for k, v in docs.items()}
+    for t in tasks:
+        refs[f"{t.path}/{t.chunk.key}"] = [pack, t.offset, t.nbytes + CHECKSUM_BYTES]
+    return json.dumps({"version": 1, "templates": {"u": "."}, "refs": refs}, separators=(",", ":")).encode()

@@ -24,7 +24,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, unseal
 from .commit import read_index, step_dir
@@ -244,18 +244,18 @@ def plan_reads(
         for path, cc, src, dst, tag in w["moves"]:
             out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
-    for (path, key), crc in _checksums(tier, remote, st, owners_of).items():
+    offsets: dict[str, dict[str, int]] = defaultdict(dict)
+    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of).items():
         by_path[path][key] = crc
+        if offset is not None:
+            offsets[path][key] = offset
     for path, rec in list(recs.items()):
         mine_crcs = by_path.get(path, {})
-        recs[path] = ArrayRecord(
-            path=rec.path,
-            dtype=rec.dtype,
-            kind=rec.kind,
-            shape=rec.shape,
-            chunks=rec.chunks,
+        recs[path] = replace(
+            rec,
             checksums=mine_crcs,
             owners={key: owners_of[path, key] for key in mine_crcs},
+            offsets=offsets.get(path, {}),
         )
     for path, rec in records.items():
         recs.setdefault(path, rec)
@@ -343,10 +343,11 @@ def coordinator_of(shard: int, holders: list[int] | None, world: int) -> int:
 
 def _checksums(
     tier: Tier, remote: Tier | None, st: Step, owners_of: Mapping[tuple[str, str], int]
-) -> dict[tuple[str, str], int]:
-    """The checksum of each chunk this rank reads, from its writer's part of the manifest: on this
-    node (the reader is on the writer's node) or on the remote tier."""
-    out: dict[tuple[str, str], int] = {}
+) -> dict[tuple[str, str], tuple[int, int | None]]:
+    """The checksum of each chunk this rank reads, and its offset in its writer's pack (format 4),
+    from the writer's part of the manifest: on this node (the reader is on the writer's node) or
+    on the remote tier."""
+    out: dict[tuple[str, str], tuple[int, int | None]] = {}
     d = step_dir(st.step)
     by_owner: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for chunk, owner in owners_of.items():
@@ -356,11 +357,11 @@ def _checksums(
         if source is None:
             raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
         where = f"{source.url}: {d}/{part_file(owner)}"
-        _, crcs = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
+        part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
         for path, key in chunks:
-            if key not in crcs.get(path, {}):
+            if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")
-            out[path, key] = crcs[path][key]
+            out[path, key] = part.checksums[path][key], part.offsets.get(path, {}).get(key)
     return out
 
 

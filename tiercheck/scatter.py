@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .codec import chunk_nbytes, verify_chunk, verify_parts
+from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
 from .commit import step_dir
 from .errors import CorruptCheckpointError, TiercheckError
 from .flatten import torch_dtype
@@ -52,14 +52,18 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
     if key not in rec.checksums:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
-    path = f"{step_dir(step)}/{rec.path}/{key}"
+    file, offset = rec.location(key)
+    path = f"{step_dir(step)}/{file}"
     nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
+    length = None if offset is None else nbytes + CHECKSUM_BYTES
     try:
-        if into is None:
+        if into is None and offset is None:
             return verify_chunk(tier.read(path), expected_crc=crc, nbytes=nbytes, where=where)
-        n, rest = tier.read_into(path, into)
+        if into is None:  # a writable buffer: tensors are made from what this returns
+            into = memoryview(bytearray(nbytes))
+        n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: chunk file is missing") from None
+        raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
     return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
 
 

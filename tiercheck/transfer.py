@@ -9,18 +9,22 @@ wrong one.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .codec import chunk_nbytes, verify_chunk
-from .commit import commit_step, read_manifest, read_marker, step_dir
-from .errors import CheckpointNotFoundError
-from .manifest import COMMIT_FILE, MANIFEST_FILE
+from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
+from .commit import commit_step, rank_parts, read_manifest, read_marker, step_dir
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_file
 from .tiers.base import Tier
+from .tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
+
+_PACK = re.compile(r"^packs/rank-(\d{6,})\.bin$")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes to do)
 
@@ -69,12 +73,19 @@ def copy_step(
         and not f.startswith("__")
         and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
     }
+    files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
+    writers = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.offsets}
+    lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
+    if lost:
+        raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
     there = dst.sizes(d)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
     total = sum(files[f] for f in todo)
     done = 0
 
     def copy(f: str) -> int:
+        if pack_owner(f) is not None:
+            return copy_pack(src, dst, step, f, files[f])
         data = src.read_bytes(f"{d}/{f}")
         if f in chunk_records:
             rec, key = chunk_records[f]
@@ -102,3 +113,44 @@ def copy_step(
         report.seconds,
     )
     return report
+
+
+def pack_owner(f: str) -> int | None:
+    """The saving rank whose pack file ``f`` (a path inside a step) is, or None."""
+    m = _PACK.match(f)
+    return int(m.group(1)) if m else None
+
+
+def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
+    """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming one chunk at a
+    time and checking each against its writer's part of the manifest as it is read: a chunk that
+    rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
+    bytes copied."""
+    rank = pack_owner(f)
+    assert rank is not None
+    d = step_dir(step)
+    where = f"{src.url}: {d}/{f}"
+    part = rank_parts(src, step, [rank])[rank]
+    spans = part.spans()
+    end = 0
+    for offset, nbytes, path, key, _ in spans:
+        if offset < end or offset - end >= BLOCK:
+            raise CorruptCheckpointError(
+                f"{where}: array {path!r} chunk {key}: offset {offset} overlaps the chunk before it or leaves a gap"
+            )
+        end = offset + nbytes + CHECKSUM_BYTES
+    if end > size:
+        raise CorruptCheckpointError(f"{where}: has {size} bytes, its chunks end at {end} (truncated)")
+
+    def pieces() -> Iterator[bytes]:
+        pos = 0
+        for offset, nbytes, path, key, crc in spans:
+            if offset > pos:
+                yield bytes(offset - pos)  # the alignment gap before a big chunk: a hole of zeros
+            raw = src.read_range(f"{d}/{f}", offset, nbytes + CHECKSUM_BYTES)
+            verify_chunk(raw, expected_crc=crc, nbytes=nbytes, where=f"{where}: array {path!r} chunk {key}")
+            yield raw
+            pos = offset + nbytes + CHECKSUM_BYTES
+
+    dst.write_stream(f"{d}/{f}", pieces)
+    return end

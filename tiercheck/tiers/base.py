@@ -14,7 +14,7 @@ has withdrawn a step's commit marker with ``delete``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
@@ -40,14 +40,27 @@ class Tier(ABC):
         makes."""
         return bytes(self.read(path))  # the same object when read already gave bytes
 
-    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
-        """Read ``path`` into ``out`` (writable, bytes) as far as it goes: returns how many bytes went
-        there and the rest of the file. Restore reads chunks straight into the tensors they fill
-        this way; the default reads the whole file, then copies."""
-        raw = memoryview(self.read(path))
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``path`` from ``offset``: fewer where the file ends first (a chunk
+        in a pack is read this way). The default reads the whole file."""
+        return bytes(memoryview(self.read(path))[offset : offset + length])
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
+        """Read ``path`` (or its ``length`` bytes from ``offset``) into ``out`` (writable, bytes)
+        as far as it goes: returns how many bytes went there and the rest. Restore reads chunks
+        straight into the tensors they fill this way; the default reads, then copies."""
+        raw = memoryview(self.read(path) if length is None else self.read_range(path, offset, length))
+        if length is None:
+            raw = raw[offset:]
         n = min(len(raw), len(out))
         out[:n] = raw[:n]
         return n, bytes(raw[n:])
+
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        """Create or replace ``path`` with the buffers ``pieces()`` yields, in order; durable on
+        return. Copies of pack files go this way, one chunk in memory at a time; a tier that
+        retries calls ``pieces`` again. The default gathers them and writes once."""
+        self.write(path, list(pieces()))
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...

@@ -6,7 +6,8 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,10 +85,46 @@ class LocalTier(Tier):
         with open(self._abs(path), "rb", buffering=0) as f:
             return f.read()  # read straight into one bytes object sized from fstat
 
-    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with open(self._abs(path), "rb", buffering=0) as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
         with open(self._abs(path), "rb") as f:
+            f.seek(offset)
+            if length is not None and length < len(out):
+                out = out[:length]
             n = f.readinto(out)  # buffered: loops until ``out`` is full or the file ends
-            return n, f.read()
+            return n, f.read(-1 if length is None else max(length - n, 0))
+
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        """Written under a temporary name and renamed when whole, as an object store completes
+        an upload: a failed stream leaves nothing under ``path``."""
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            offset = 0
+            for piece in pieces():
+                view = memoryview(piece).cast("B")
+                _write_all(fd, [view], offset)
+                offset += len(view)
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, target)
+
+    def open_pack(self, path: str) -> PackWriter:
+        """A file the I/O threads fill at given offsets, concurrently (a rank's pack)."""
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return PackWriter(self, target)
 
     def exists(self, path: str) -> bool:
         return self._abs(path).exists()
@@ -154,6 +191,62 @@ class LocalTier(Tier):
                 raise
         finally:
             os.close(fd)
+
+
+class PackWriter:
+    """One file written at known offsets by several threads, fsync'd once at the end.
+
+    A write whose offset, length and buffer are block-aligned goes through a second descriptor
+    opened with O_DIRECT (when the tier asks for direct I/O): big chunks bypass the page cache,
+    as they do when each chunk is its own file.
+    """
+
+    def __init__(self, tier: LocalTier, target: Path) -> None:
+        self.tier = tier
+        self.target = target
+        self._fd: int | None = os.open(
+            target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+        self._direct_fd: int | None = None
+        self._lock = threading.Lock()
+
+    def write_at(self, offset: int, parts: Sequence[Buffer]) -> None:
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        if self._fd is None:
+            raise ValueError(f"{self.target} is closed")
+        if self.tier._direct and views and offset % BLOCK == 0:
+            head = views[0]
+            n = len(head) // BLOCK * BLOCK
+            if n >= DIRECT_MIN_BYTES and np.frombuffer(head, dtype=np.uint8).ctypes.data % BLOCK == 0:
+                fd = self._direct()
+                if fd is not None:
+                    _write_all(fd, [head[:n]], offset)
+                    views[0] = head[n:]
+                    offset += n
+        _write_all(self._fd, views, offset)
+
+    def _direct(self) -> int | None:
+        with self._lock:
+            if self._direct_fd is None and self.tier._direct:
+                try:
+                    self._direct_fd = os.open(self.target, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.tier._direct = False  # this filesystem (tmpfs, some network mounts) has no O_DIRECT
+            return self._direct_fd
+
+    def close(self) -> None:
+        """Make everything written durable, then close. Idempotent."""
+        with self._lock:
+            fds, self._fd, self._direct_fd = [self._fd, self._direct_fd], None, None
+        try:
+            if fds[0] is not None and self.tier._fsync:
+                os.fsync(fds[0])  # covers the direct writes' metadata too
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import errno
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -181,7 +181,7 @@ class RemoteTier(Tier):
             self.counters["requests"] += 1
         try:
             return retrying(fn)
-        except (FileNotFoundError, UnsafeCheckpointError, RemoteStorageError):
+        except (FileNotFoundError, UnsafeCheckpointError, RemoteStorageError, _SourceError):
             raise
         except Exception as e:  # botocore / azure-core errors are not all OSErrors: one type for callers
             if is_transient(e):
@@ -215,6 +215,45 @@ class RemoteTier(Tier):
         with self._lock:
             self.counters["bytes_up"] += len(data)
 
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        """Stream into one object: a multipart upload (S3) or staged blocks (Azure) of
+        ``part_bytes`` each, committed when the last piece is in. A transient failure starts the
+        object over (an unfinished upload is never visible)."""
+        target = self._p(path)
+        sent = 0
+
+        def upload() -> None:
+            nonlocal sent
+            sent = 0
+            f = self.fs.open(target, "wb", block_size=max(self.part_bytes, 5 * 2**20))
+            try:
+                source = iter(pieces())
+                while True:
+                    try:
+                        piece = next(source)
+                    except StopIteration:
+                        break
+                    except BaseException as e:  # the source failed (a rotten chunk): not ours to retry
+                        raise _SourceError(e) from None
+                    f.write(piece)
+                    sent += len(piece)
+            except BaseException:
+                # Not close(): that would complete the upload with what was sent so far.
+                with contextlib.suppress(Exception):
+                    f.discard()  # s3fs aborts the multipart upload; Azure drops uncommitted blocks
+                f.closed = True  # and not on garbage collection either (fsspec's __del__ closes)
+                raise
+            f.close()
+
+        try:
+            self._call(f"writing {path}", upload)
+        except _SourceError as e:
+            raise e.args[0] from None
+        except FileNotFoundError as e:
+            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({_brief(e)})") from e
+        with self._lock:
+            self.counters["bytes_up"] += sent
+
     def read_bytes(self, path: str) -> bytes:
         target = self._p(path)
         data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(target))
@@ -225,8 +264,20 @@ class RemoteTier(Tier):
     def read(self, path: str) -> bytearray:
         return bytearray(self.read_bytes(path))  # writable, as tensors made from it must be
 
-    def read_into(self, path: str, out: memoryview) -> tuple[int, bytes]:
-        data = self.read_bytes(path)
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        target = self._p(path)
+        data: bytes = self._call(
+            f"reading {path} [{offset}, {offset + length})",
+            lambda: self.fs.cat_file(target, start=offset, end=offset + length),
+        )
+        with self._lock:
+            self.counters["bytes_down"] += len(data)
+        return data
+
+    def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
+        data = self.read_bytes(path) if length is None else self.read_range(path, offset, length)
+        if length is None and offset:
+            data = data[offset:]
         n = min(len(data), len(out))
         out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
         return n, data[n:]
@@ -284,6 +335,10 @@ class RemoteTier(Tier):
 
     def sync_dirs(self, path: str) -> None:
         """Object stores have no directories; an acknowledged PUT is durable."""
+
+
+class _SourceError(Exception):
+    """What ``write_stream``'s source raised, carried past the retries unchanged."""
 
 
 def _brief(exc: BaseException | None) -> str:

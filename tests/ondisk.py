@@ -1,0 +1,45 @@
+"""Where a saved chunk lies on disk (format 4: a byte range of its writer's pack), for tests that
+damage one on purpose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiercheck.codec import CHECKSUM_BYTES, unseal
+from tiercheck.manifest import RankPart, pack_file, parse_rank_part
+
+
+def chunk_span(step: Path, array: str, key: str) -> tuple[Path, int, int]:
+    """The pack holding chunk ``key`` of ``array`` in the step directory ``step``, the chunk's
+    offset there, and its length (data and checksum trailer)."""
+    for part_path in sorted((step / "manifest").glob("rank-*.json")):
+        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path))
+        if key in part.offsets.get(array, {}):
+            rank = int(part_path.stem.split("-")[1])
+            return step / pack_file(rank), part.offsets[array][key], part.chunk_bytes[array] + CHECKSUM_BYTES
+    raise KeyError(f"no part in {step} lists array {array!r} chunk {key}")
+
+
+def chunks_of(step: Path, array: str) -> list[str]:
+    """The keys of every chunk of ``array`` the parts in ``step`` list, sorted."""
+    keys: set[str] = set()
+    for part_path in (step / "manifest").glob("rank-*.json"):
+        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path))
+        keys.update(part.offsets.get(array, {}))
+    return sorted(keys)
+
+
+def flip_chunk_byte(step: Path, array: str, key: str, index: int) -> None:
+    """Flip one bit of byte ``index`` of a stored chunk (negative: from its end, the trailer's)."""
+    pack, offset, length = chunk_span(step, array, key)
+    data = bytearray(pack.read_bytes())
+    data[offset + (index if index >= 0 else length + index)] ^= 0x01
+    pack.write_bytes(bytes(data))
+
+
+def step_parts(step: Path) -> list[RankPart]:
+    """The rank parts of the manifest in the step directory ``step`` (those of its node's ranks)."""
+    out = []
+    for part_path in sorted((step / "manifest").glob("rank-*.json")):
+        out.append(parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path)))
+    return out
