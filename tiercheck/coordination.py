@@ -138,6 +138,11 @@ class Coordinator:
         self.store.multi_set(list(items), list(items.values()))
         self._count(out=sum(len(k) + len(v) for k, v in items.items()))
 
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to ``key``'s value (creating it): many ranks register at one key."""
+        self.store.append(key, value)
+        self._count(out=len(key) + len(value))
+
     def add(self, key: str, n: int) -> int:
         value = int(self.store.add(key, n))
         self._count(out=len(key) + 8, into=8)

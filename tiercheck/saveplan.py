@@ -3,24 +3,29 @@
 No rank sees every rank's descriptions. Each global array has one coordinating rank (a CRC of its
 name modulo the world size), and the plan is made in four rounds, each closed by a barrier:
 
-1. every rank posts the descriptions of its pieces, grouped by coordinator, into each
-   coordinator's bucket;
+1. every rank describes its pieces, grouped by coordinator, and names each group by a digest of
+   its description. Replicas (DP ranks, TP ranks of a replicated norm) have the same pieces and so
+   the same digest: the first of them posts the description into the coordinator's bucket, each
+   appends its rank to the digest's list of holders (a few bytes, not a description per replica);
 2. each coordinator lays out its arrays (the chunk grid aligned to every piece, refusing a
-   disagreement or a hole) and offers every holder the chunks it holds, each with the full group
-   of ranks holding that chunk;
-3. each rank splits the offers of every group of holders as every other member does (largest
-   first, least loaded; ``planner.assign_owners``): the members see the same offers, so they agree
-   without another exchange. It tells each coordinator which of its chunks it took;
+   disagreement or a hole) and writes one offer per digest: the chunks those pieces hold, each
+   with the full group of ranks holding that chunk;
+3. each rank reads its offers and splits the offers of every group of holders as every other
+   member does (largest first, least loaded; ``planner.assign_owners``): the members see the same
+   offers, so they agree without another exchange. It tells each coordinator which of its chunks
+   it took (only the ranks that took some do);
 4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,
    written beside the data at every save.
 
 A rank sends and receives in proportion to the pieces it holds (plus, as a coordinator, to the
-pieces of a few arrays): about the same at 16,384 ranks as at 8. The plan is cached and redone
-only when some rank's layout changes (every rank then plans again, with a new generation number).
+distinct pieces of a few arrays and a few bytes per holder): about the same at 16,384 ranks as at
+8. The plan is cached and redone only when some rank's layout changes (every rank then plans
+again, with a new generation number).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -60,19 +65,34 @@ def plan_save(
     for d in descs:
         by_coord[shard_of(d.path, world)].append(d)
 
-    # 1. Post my pieces to their coordinators.
+    # 1. Post my pieces to their coordinators. Replicas hold the same pieces: the first of them
+    #    posts the pieces, each appends its rank to the list of holders of that digest.
+    digests: dict[int, str] = {}
     for c, leaves in sorted(by_coord.items()):
-        coord.post(f"{name}/in/{c}", dumps({"rank": rank, "leaves": [d.to_json() for d in leaves]}))
+        body = dumps([d.to_json() for d in leaves])
+        digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+        if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
+            coord.post(f"{name}/in/{c}", f"{digest}|{body}")
+        coord.append(coord.key(name, "in", c, digest, "ranks"), f"{rank},")
     yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
 
-    # 2. As a coordinator: lay out my arrays and offer each chunk to its holders.
-    pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    # 2. As a coordinator: lay out my arrays and offer each chunk to its holders (one offer per
+    #    digest: the holders of the same pieces get the same offer).
+    bodies: dict[str, list[LeafDesc]] = {}
     for value in coord.collect(f"{name}/in/{rank}"):
-        doc = json.loads(value)
-        for leaf in doc["leaves"]:
-            d = LeafDesc.from_json(leaf)
-            pieces[d.path].append((int(doc["rank"]), d))
-    holders_of_mine = sorted({r for ps in pieces.values() for r, _ in ps})
+        digest, body = value.decode().split("|", 1)
+        bodies[digest] = [LeafDesc.from_json(leaf) for leaf in json.loads(body)]
+    registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
+    held = {
+        digest: sorted(int(r) for r in value.decode().split(",") if r)
+        for digest, value in zip(registers, coord.multi_get(list(registers.values())), strict=True)
+    }
+    coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
+    pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    for digest, leaves in bodies.items():
+        for r in held[digest]:
+            for d in leaves:
+                pieces[d.path].append((r, d))
     layouts: dict[str, tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]] = {}
     offers: dict[int, dict[str, list[object]]] = defaultdict(dict)
     try:
@@ -90,10 +110,10 @@ def plan_save(
     except IncompatibleStateError as e:
         coord.report(name, e)
         offers.clear()
-    cand = {coord.key(name, "offer", h, rank): dumps(v) for h, v in offers.items()}
+    cand = {coord.key(name, "offer", rank, digest): dumps(offers[rs[0]]) for digest, rs in held.items() if offers}
     coord.multi_set(cand)
     offered = list(cand)  # deleted at the end; the rest is not needed past this point
-    del cand, offers, pieces
+    del cand, offers, pieces, bodies
     yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
 
@@ -102,7 +122,7 @@ def plan_save(
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
-    for value in coord.multi_get([coord.key(name, "offer", rank, c) for c in coords_of]):
+    for value in coord.multi_get([coord.key(name, "offer", c, digests[c]) for c in coords_of]):
         for path, (short, chunks) in json.loads(value).items():
             dtype, kind, shape, grid = short
             rec = ArrayRecord(path=path, dtype=dtype, kind=kind, shape=tuple(shape), chunks=tuple(grid))
@@ -126,15 +146,18 @@ def plan_save(
         nbytes += offer.nbytes
         taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(list(offer.chunk.coords))
     tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
-    coord.multi_set({coord.key(name, "took", c, rank): dumps(v) for c, v in taken.items()})
+    for c, took in taken.items():
+        if took:  # only the ranks that took chunks of a coordinator's arrays tell it
+            coord.post(f"{name}/took/{c}", dumps({"rank": rank, "took": took}))
     del mine_offers, owners, taken, groups
     yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
 
     # 4. As a coordinator: record every chunk's owner (each must have exactly one).
-    took_keys = [coord.key(name, "took", rank, h) for h in holders_of_mine]
     owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
-    for h, value in zip(holders_of_mine, coord.multi_get(took_keys), strict=True):
-        for path, coord_list in json.loads(value).items():
+    for value in coord.collect(f"{name}/took/{rank}"):
+        doc = json.loads(value)
+        h = int(doc["rank"])
+        for path, coord_list in doc["took"].items():
             for cc in coord_list:
                 key = _chunk(layouts[path][0], tuple(cc)).key
                 if owners_by_path[path].setdefault(key, h) != h:
@@ -148,7 +171,7 @@ def plan_save(
                 name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
             )
         shard[path] = replace(rec, owners=dict(sorted(owned.items())))
-    coord.delete(*offered, *took_keys)  # read by now: every holder passed 'chosen'
+    coord.delete(*offered)  # read by now: every holder passed 'chosen'
     yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
     coord.finish(name)
