@@ -55,7 +55,7 @@ def test_flipped_checksum_trailer_and_truncated_chunk_are_caught(ckpt_dir: Path)
     with pytest.raises(CorruptCheckpointError, match="model/b.*truncated"):
         tiercheck.load(ckpt_dir)
     pack.unlink()
-    with pytest.raises(CorruptCheckpointError, match="model/b.*missing"):
+    with pytest.raises(CorruptCheckpointError, match=r"step 3: array .* pack file is missing"):  # every chunk is in it
         tiercheck.load(ckpt_dir)
 
 

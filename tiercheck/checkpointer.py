@@ -19,19 +19,17 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import __version__
-from .codec import seal
-from .commit import commit_save, list_steps, step_dir, withdraw_step
+from .commit import commit_save, list_steps
 from .coordination import Coordinator, Nodes, default_store, drive, join_nodes, node_id
-from .drain import Drainer, pending_steps
+from .drain import Drainer
 from .errors import RemoteStorageError, StepExistsError
 from .flatten import Leaf, dtype_name, flatten
-from .fmt import fmt_steps
-from .manifest import JSON, RankPart, shard_bytes
+from .manifest import JSON
 from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
 from .restore import load, restore_state
-from .retention import steps_to_delete
+from .retention import LocalSteps
 from .saveplan import plan_save
 from .staging import HostPool
 from .tiers.base import Tier
@@ -130,13 +128,11 @@ class Checkpointer:
         self._pipeline: Pipeline | None = None
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # save() and restore() from several threads stay serialised
-        self._retention_lock = threading.Lock()  # commits of overlapping saves finish on different threads
         self._closed = False
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
-        self._committed = set(self._clean_partial_steps() if self._leader else list_steps(self.tier).committed)
+        self._local = LocalSteps(self.tier, self.retention, leader=self._leader)
         self.remote: Tier | None = None
         self._drainer: Drainer | None = None
-        self._resumer: threading.Thread | None = None
         self._populate: threading.Thread | None = None
         self._drain_failures_seen = 0
         if remote is not None:
@@ -157,13 +153,11 @@ class Checkpointer:
                 coord=self._coord.connect_again(),
                 node_ranks=self.node_ranks,
                 uploads=self._leader,
-                on_settled=self._retain,
+                on_settled=self._local.retain,
             )
+            self._local.pinned = self._drainer.pinned
             if self._leader:
-                self._resumer = threading.Thread(
-                    target=self._resume_drains, args=(sorted(self._committed),), name="tiercheck-resume", daemon=True
-                )
-                self._resumer.start()
+                self._drainer.resume(self._local.sorted())
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
 
     # ------------------------------------------------------------------------------- saving
@@ -175,7 +169,7 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         with self._lock:
-            if step in self._committed:
+            if step in self._local:
                 raise StepExistsError(
                     f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
                 )
@@ -300,12 +294,7 @@ class Checkpointer:
         part, shard = b"", None
         if error is None:
             try:
-                offsets: dict[str, dict[str, int]] = {}
-                for t in job.plan.tasks:
-                    offsets.setdefault(t.path, {})[t.chunk.key] = t.offset
-                sizes = {t.path: t.nbytes for t in job.plan.tasks}
-                part = seal(RankPart(job.tree, job.checksums, offsets, sizes).to_bytes())
-                shard = seal(shard_bytes(job.plan.shard)) if job.plan.shard else None
+                part, shard = job.manifest_parts()
             except (TypeError, ValueError) as e:
                 error = e
         drive(
@@ -324,48 +313,14 @@ class Checkpointer:
             ),
         )
 
-    def _resume_drains(self, committed_before: list[int]) -> None:
-        """Queue the local steps a previous run committed but did not finish draining."""
-        assert self._drainer is not None and self.remote is not None
-        try:
-            steps = pending_steps(committed_before, self.remote, self.drain_options)
-        except Exception as e:  # an unreachable remote must not stop training: drains retry later
-            log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
-            return
-        if steps:
-            log.info("resuming the drain of step(s) %s to %s", fmt_steps(steps), self.remote.url)
-            self._drainer.submit_many(steps)
-
     def _after_commit(self, job: SaveJob) -> None:
         step = job.step
         if self._drainer is not None:
             self._drainer.submit(step, job.handle.drained)
         else:
             job.handle.drained.set_result(False)
-        with self._retention_lock:
-            self._committed.add(step)
-        self._retain()
-
-    def _retain(self) -> None:
-        """Apply local retention; steps still waiting to be drained are kept for a later pass."""
-        with self._retention_lock:
-            pinned = self._drainer.pinned() if self._drainer is not None else set()
-            for old in steps_to_delete(self._committed, self.retention):
-                if old in pinned:
-                    continue  # still to be drained; a later pass deletes it
-                if self._leader:
-                    withdraw_step(self.tier, old)
-                    log.info("retention: deleted step %d from %s", old, self.tier.url)
-                self._committed.discard(old)
-
-    def _clean_partial_steps(self) -> list[int]:
-        listing = list_steps(self.tier)
-        for step in listing.partial:
-            log.warning(
-                "removing partial step %d from %s (left by an interrupted save or deletion)", step, self.tier.url
-            )
-            self.tier.delete_tree(step_dir(step))
-        return listing.committed
+        self._local.add(step)
+        self._local.retain()
 
     # ------------------------------------------------------------------------------ restoring
 
@@ -433,7 +388,7 @@ class Checkpointer:
             self._counters["restore_chunks_received"] = done.chunks_received
             self._counters["restore_remote_reads"] = done.remote_reads
             self._counters["restore_fallbacks"] = done.fallbacks
-            self._committed.update(self.steps())
+            self._local.add(*self.steps())
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._populate = threading.Thread(
                     target=self._populate_local, args=(done.step,), name="tiercheck-populate", daemon=True
@@ -448,8 +403,7 @@ class Checkpointer:
         except Exception as e:  # the restore succeeded; a failed copy only costs the next restart
             log.error("could not copy step %d from %s to %s: %s", step, self.remote.url, self.tier.url, e)
             return
-        with self._retention_lock:
-            self._committed.add(step)
+        self._local.add(step)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -483,8 +437,6 @@ class Checkpointer:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         if self._pipeline is not None:
             self._pipeline.wait_idle(timeout)
-        if self._resumer is not None:
-            self._resumer.join(timeout)
         if not self._drainer.wait(timeout):
             raise TimeoutError(f"drains still running after {timeout} s")
         status = self._drainer.snapshot()
@@ -519,8 +471,6 @@ class Checkpointer:
         if self._populate is not None:
             self._populate.join(timeout)
         if self._drainer is not None:
-            if self._resumer is not None:
-                self._resumer.join(timeout)
             self._drainer.close(drain=drain, timeout=timeout)
 
     def __enter__(self) -> Checkpointer:

@@ -26,6 +26,7 @@ from typing import Any
 from .commit import commit_step, list_steps, read_marker, step_dir, withdraw_step
 from .coordination import Coordinator
 from .errors import CoordinationError
+from .fmt import fmt_steps
 from .manifest import COMMIT_FILE, MANIFEST_FILE
 from .options import DrainOptions
 from .retention import steps_to_delete
@@ -77,6 +78,7 @@ class Drainer:
             "files_already_there": 0,
             "last_drain_s": None,
         }
+        self._resumer: threading.Thread | None = None
         self._thread = threading.Thread(target=self._loop, name="tiercheck-drain", daemon=True)
         self._thread.start()
 
@@ -102,12 +104,31 @@ class Drainer:
                     self._queue.setdefault(step, [])
             self._cond.notify_all()
 
+    def resume(self, local_steps: list[int]) -> None:
+        """In the background: queue the local steps a previous run committed but did not finish
+        draining (those newer than the remote's newest)."""
+
+        def run() -> None:
+            try:
+                steps = pending_steps(local_steps, self.remote, self.options)
+            except Exception as e:  # an unreachable remote must not stop training: drains retry later
+                log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
+                return
+            if steps:
+                log.info("resuming the drain of step(s) %s to %s", fmt_steps(steps), self.remote.url)
+                self.submit_many(steps)
+
+        self._resumer = threading.Thread(target=run, name="tiercheck-resume", daemon=True)
+        self._resumer.start()
+
     def pinned(self) -> set[int]:
         """Steps local retention must keep: waiting to be drained, or being drained."""
         with self._cond:
             return set(self._queue) | ({self._current} if self._current is not None else set())
 
     def wait(self, timeout: float | None = None) -> bool:
+        if self._resumer is not None:
+            self._resumer.join(timeout)
         with self._cond:
             return self._cond.wait_for(
                 lambda: not self._queue and self._current is None and not self._settling, timeout
@@ -125,6 +146,8 @@ class Drainer:
         return out
 
     def close(self, *, drain: bool, timeout: float | None = None) -> None:
+        if self._resumer is not None:
+            self._resumer.join(timeout)
         if drain:
             self.wait(timeout)
         with self._cond:

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, zarr_documents
+from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, seal, zarr_documents
 from .commit import step_dir
 from .flatten import Leaf
 from .layout import Chunk
-from .manifest import JSON, ArrayRecord, pack_file, refs_file
+from .manifest import JSON, ArrayRecord, RankPart, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier, PackWriter
@@ -124,6 +124,16 @@ class SaveJob:
     t_stage0: float = 0.0
     t_write0: float = 0.0
     t_write1: float = 0.0
+
+    def manifest_parts(self) -> tuple[bytes, bytes | None]:
+        """This rank's part of the step's manifest (its tree; each chunk's CRC32C and place in
+        its pack), and its shard (the arrays it coordinates) if any, each sealed."""
+        offsets: dict[str, dict[str, int]] = {}
+        for t in self.plan.tasks:
+            offsets.setdefault(t.path, {})[t.chunk.key] = t.offset
+        sizes = {t.path: t.nbytes for t in self.plan.tasks}
+        part = seal(RankPart(self.tree, self.checksums, offsets, sizes).to_bytes())
+        return part, seal(shard_bytes(self.plan.shard)) if self.plan.shard else None
 
 
 class Pipeline:
