@@ -72,7 +72,7 @@ from tiercheck import __version__  # noqa: E402  (the repository first on sys.pa
 from tiercheck.codec import chunk_nbytes, seal, zarr_documents  # noqa: E402
 from tiercheck.commit import commit_save  # noqa: E402
 from tiercheck.coordination import Coordinator, Nodes, join_nodes, lockstep  # noqa: E402
-from tiercheck.manifest import Manifest, RankPart, shard_bytes  # noqa: E402
+from tiercheck.manifest import Manifest, RankPart, owners_bytes, shard_bytes  # noqa: E402
 from tiercheck.planner import LeafDesc, Need, WritePlan, plan_reads, plan_writes  # noqa: E402
 from tiercheck.restore import agree_on_step, manifest_for, settle  # noqa: E402
 from tiercheck.restoreplan import find_holders  # noqa: E402
@@ -432,6 +432,7 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
                     nodes=nodes[r],
                     part=seal(RankPart(_tree(descs), crcs, offsets, sizes).to_bytes()),
                     shard=seal(shard_bytes(plan.shard)) if plan.shard else None,
+                    owners=seal(owners_bytes(plan.shard)) if plan.shard else None,
                     error=None,
                     metadata={"simulated": True},
                     library_version=__version__,

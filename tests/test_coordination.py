@@ -19,7 +19,7 @@ from tiercheck.commit import commit_save, read_manifest
 from tiercheck.coordination import Coordinator, join_nodes, lockstep
 from tiercheck.errors import CoordinationError, CorruptCheckpointError
 from tiercheck.layout import chunks_in_box
-from tiercheck.manifest import RankPart, part_file, shard_bytes
+from tiercheck.manifest import RankPart, owners_bytes, part_file, shard_bytes
 from tiercheck.planner import LeafDesc, Need
 from tiercheck.restore import agree_on_step, manifest_for
 from tiercheck.restoreplan import find_holders, plan_reads
@@ -51,6 +51,7 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
         tree = {"model": {d.path: {"$tensor": d.path} for d in per_rank[c.rank]}, "rank": c.rank}
         part = seal(RankPart(tree, crcs, {}, {}).to_bytes())
         shard = seal(shard_bytes(plan.shard)) if plan.shard else None
+        owners = seal(owners_bytes(plan.shard)) if plan.shard else None
         commits.append(
             commit_save(
                 c,
@@ -60,6 +61,7 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
                 nodes=nodes[c.rank],
                 part=part,
                 shard=shard,
+                owners=owners,
                 error=None,
                 metadata={"m": 1},
                 library_version="t",

@@ -291,10 +291,10 @@ class Checkpointer:
         c = self._bg_coord
         assert c is not None
         error = job.error
-        part, shard = b"", None
+        part, shard, owners = b"", None, None
         if error is None:
             try:
-                part, shard = job.manifest_parts()
+                part, shard, owners = job.manifest_parts()
             except (TypeError, ValueError) as e:
                 error = e
         drive(
@@ -307,6 +307,7 @@ class Checkpointer:
                 nodes=self._nodes,
                 part=part,
                 shard=shard,
+                owners=owners,
                 error=error,
                 metadata=job.metadata,
                 library_version=__version__,

@@ -28,7 +28,9 @@ from .manifest import (
     Manifest,
     ManifestIndex,
     RankPart,
+    owners_file,
     parse_manifest_doc,
+    parse_owners,
     parse_rank_part,
     parse_shard,
     part_file,
@@ -158,7 +160,13 @@ def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
     return out
 
 
-_PART = re.compile(r"^(rank|arrays)-(\d{6,})\.json$")
+_PART = re.compile(r"^(rank|arrays|owners)-(\d{6,})\.json$")
+_FILES = {"rank": part_file, "arrays": shard_file, "owners": owners_file}
+
+
+def manifest_file(kind: str, rank: int) -> str:
+    """The path, inside a step, of a manifest file: a rank part, an arrays shard, an owners file."""
+    return _FILES[kind](rank)
 
 
 def assemble(
@@ -175,14 +183,19 @@ def assemble(
     arrays: dict[str, ArrayRecord] = {}
     checksums: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
+    writers: dict[str, dict[str, int]] = {}
     trees: list[JSON] = []
     tree_of_rank = [-1] * index.world_size
     seen: dict[str, int] = {}
     for (kind, rank), raw in sorted(files.items()):
-        here = f"{where}: {part_file(rank) if kind == 'rank' else shard_file(rank)}"
+        here = f"{where}: {manifest_file(kind, rank)}"
         doc = unseal(raw, where=here)
         if kind == "arrays":
             arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
+            continue
+        if kind == "owners":
+            if owners:
+                writers.update(parse_owners(doc, where=here, only=only))
             continue
         part = parse_rank_part(doc, where=here)
         for path, by_key in part.checksums.items():
@@ -196,6 +209,8 @@ def assemble(
         tree_of_rank[rank] = seen[text]
     records = {}
     for path, rec in arrays.items():
+        if path in writers:
+            rec = replace(rec, owners=writers[path])
         kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
         at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
         records[path] = replace(rec, checksums=dict(sorted(kept.items())), offsets=at)
@@ -224,14 +239,15 @@ def commit_save(
     nodes: Nodes,
     part: bytes,
     shard: bytes | None,
+    owners: bytes | None = None,
     error: BaseException | None,
     metadata: JSON,
     library_version: str,
 ) -> Protocol[None]:
     """Commit one save once this rank's chunks are durable (or report that they are not).
 
-    Each rank writes its part of the manifest (sealed ``part``, and ``shard`` when it coordinates
-    arrays) beside its chunks and counts itself in; once every rank has, the first rank of each
+    Each rank writes its part of the manifest (sealed ``part``, and ``shard`` and ``owners`` when
+    it coordinates arrays) beside its chunks and counts itself in; once every rank has, the first rank of each
     node writes the step's index and commit marker into its node's directory. A rank that failed
     says so and the step fails on every rank; one that died is given up on after the
     coordinator's timeout. The step is committed once every node committed it. Store traffic is a
@@ -246,6 +262,8 @@ def commit_save(
             tier.write(f"{d}/{part_file(rank)}", [part])
             if shard is not None:
                 tier.write(f"{d}/{shard_file(rank)}", [shard])
+            if owners is not None:
+                tier.write(f"{d}/{owners_file(rank)}", [owners])
             if rank == 0:
                 coord.set(coord.key(name, "meta"), json.dumps({"metadata": metadata, "created": time.time()}))
         except BaseException as e:

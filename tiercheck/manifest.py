@@ -39,6 +39,14 @@ def pack_file(rank: int) -> str:
     return f"{PACKS_DIR}/rank-{rank:06d}.bin"
 
 
+def owners_file(rank: int) -> str:
+    """Who wrote each chunk of the arrays a saving rank coordinated (format 4; in format 3 this
+    was in the arrays shard). Only the rank planning an array's reads needs it: a restoring rank
+    matching its state reads shapes and dtypes, which stay small when every rank writes a chunk
+    of every array (FSDP2)."""
+    return f"{PARTS_DIR}/owners-{rank:06d}.json"
+
+
 def refs_file(rank: int) -> str:
     """A saving rank's zarr keys as a kerchunk reference map: its chunks' byte ranges in its pack,
     and the ``zarr.json`` documents of the arrays it coordinated. Plain zarr reads a step through
@@ -234,6 +242,7 @@ class ManifestIndex:
             "parts": {
                 "ranks": f"{PARTS_DIR}/rank-{{rank:06d}}.json",
                 "arrays": f"{PARTS_DIR}/arrays-{{rank:06d}}.json",
+                "owners": f"{PARTS_DIR}/owners-{{rank:06d}}.json",
                 "arrays_of": "zlib.crc32(path) % world_size",
                 "packs": f"{PACKS_DIR}/rank-{{rank:06d}}.bin",
                 "refs": f"{REFS_DIR}/rank-{{rank:06d}}.json",
@@ -324,8 +333,28 @@ def parse_rank_part(doc: bytes, *, where: str) -> RankPart:
 
 
 def shard_bytes(records: dict[str, ArrayRecord]) -> bytes:
-    arrays = {path: {k: v for k, v in rec.to_json().items() if k != "crc32c"} for path, rec in records.items()}
+    """The arrays file of a coordinator: each array's dtype, kind, shape and chunks."""
+    drop = ("crc32c", "owner", "offset")
+    arrays = {path: {k: v for k, v in rec.to_json().items() if k not in drop} for path, rec in records.items()}
     return json.dumps({"arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
+
+
+def owners_bytes(records: dict[str, ArrayRecord]) -> bytes:
+    """The owners file of a coordinator: ``{"owner": {array path: {chunk key: writing rank}}}``."""
+    doc = {"owner": {path: rec.owners for path, rec in records.items()}}
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+
+def parse_owners(doc: bytes, *, where: str, only: set[str] | None = None) -> dict[str, dict[str, int]]:
+    try:
+        owners = json.loads(doc)["owner"]
+        return {
+            check_array_path(path, where=where): {str(k): _nonneg_int(v) for k, v in by_key.items()}
+            for path, by_key in owners.items()
+            if only is None or path in only
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed owners file ({e!r})") from None
 
 
 def parse_shard(doc: bytes, *, where: str, only: set[str] | None = None, owners: bool = True) -> dict[str, ArrayRecord]:

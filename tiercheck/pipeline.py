@@ -26,7 +26,7 @@ from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, sea
 from .commit import step_dir
 from .flatten import Leaf
 from .layout import Chunk
-from .manifest import JSON, ArrayRecord, RankPart, pack_file, refs_file, shard_bytes
+from .manifest import JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier, PackWriter
@@ -125,15 +125,18 @@ class SaveJob:
     t_write0: float = 0.0
     t_write1: float = 0.0
 
-    def manifest_parts(self) -> tuple[bytes, bytes | None]:
+    def manifest_parts(self) -> tuple[bytes, bytes | None, bytes | None]:
         """This rank's part of the step's manifest (its tree; each chunk's CRC32C and place in
-        its pack), and its shard (the arrays it coordinates) if any, each sealed."""
+        its pack), and if it coordinates arrays their shard (shapes, grids) and owners file (each
+        chunk's writer), each sealed."""
         offsets: dict[str, dict[str, int]] = {}
         for t in self.plan.tasks:
             offsets.setdefault(t.path, {})[t.chunk.key] = t.offset
         sizes = {t.path: t.nbytes for t in self.plan.tasks}
         part = seal(RankPart(self.tree, self.checksums, offsets, sizes).to_bytes())
-        return part, seal(shard_bytes(self.plan.shard)) if self.plan.shard else None
+        if not self.plan.shard:
+            return part, None, None
+        return part, seal(shard_bytes(self.plan.shard)), seal(owners_bytes(self.plan.shard))
 
 
 class Pipeline:

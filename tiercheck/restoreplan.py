@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, unseal
-from .commit import read_index, step_dir
+from .commit import manifest_file, read_index, step_dir
 from .coordination import Coordinator, Nodes, Protocol, dumps, shard_of
 from .errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from .layout import chunk_at
@@ -36,7 +36,9 @@ from .manifest import (
     ArrayRecord,
     Manifest,
     ManifestIndex,
+    owners_file,
     parse_manifest_doc,
+    parse_owners,
     parse_rank_part,
     parse_shard,
     part_file,
@@ -47,7 +49,7 @@ from .tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
 
-FileId = tuple[str, int]  # ("rank" | "arrays", saving rank)
+FileId = tuple[str, int]  # ("rank" | "arrays" | "owners", saving rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +180,9 @@ def fetch(
 def _read(tier: Tier, d: str, f: FileId) -> bytes:
     kind, rank = f
     try:
-        return bytes(tier.read(f"{d}/{part_file(rank) if kind == 'rank' else shard_file(rank)}"))
+        return bytes(tier.read(f"{d}/{manifest_file(kind, rank)}"))
     except FileNotFoundError:
-        if kind == "arrays":
+        if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
             return b""
         raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(rank)} is missing from a committed step") from None
 
@@ -295,6 +297,11 @@ def _coordinate_reads(
             where = f"{source.url}: {d}/{shard_file(s)}"
             if raw:
                 mine.update(parse_shard(unseal(raw, where=where), where=where))
+            raw = _read(source, d, ("owners", s))
+            where = f"{source.url}: {d}/{owners_file(s)}"
+            for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
+                if path in mine:
+                    mine[path] = replace(mine[path], owners=writers)
         for ns in wanted.values():
             for n in ns:
                 if n.path not in mine:
