@@ -191,6 +191,11 @@ def test_drain_finishes_what_a_job_left_and_restore_of_a_node_share(
     assert marker["ranks"] == [0]
     proc = run(*s3_args(s3_server), "restore", url, "--to", str(share), "--ranks", "0-3", check=False)
     assert proc.returncode == 1 and "saved by ranks 0-0" in proc.stderr
+    proc = run(*s3_args(s3_server), "restore", url, "--to", str(share), "--ranks", "0-99999999999", check=False)
+    assert proc.returncode == 1 and "asked for 0-99999999999" in proc.stderr  # refused, no giant set built
+    proc = run(*s3_args(s3_server), "restore", url, "--to", str(tmp_path / "other"), "--ranks", "5-1", check=False)
+    assert proc.returncode == 2 and "5-1 is an empty range of ranks" in proc.stderr
+    assert not (tmp_path / "other" / step_dir(2) / "COMMIT").exists()
 
 
 def test_unreachable_server_and_wrong_credentials_fail_with_one_line(

@@ -90,6 +90,7 @@ def test_full_disk_fails_the_save_with_its_error_and_keeps_the_committed_step(ck
         assert info.value.errno == errno.ENOSPC
         assert ck.stats()["failed"] == 1
         assert ck.steps() == [1]
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000001"], "the failed save's files are gone"
         state["w"].zero_()
         assert ck.restore() == 1  # the failed save does not stand in the way of restoring
         assert torch.equal(state["w"], torch.ones(64 << 10))

@@ -417,10 +417,14 @@ def restore_command(
         if isinstance(dst, LocalTier):
             dst.create()
         n = _pick_step(src, step)
-        wanted = _parse_ranks(ranks) if ranks else None
+        spans = _parse_ranks(ranks) if ranks else None
         world = read_marker(src, n).world_size
-        if wanted is not None and not wanted <= set(range(world)):
-            raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {_ranges(sorted(wanted))}")
+        wanted = None
+        if spans is not None:
+            if any(b >= world for _, b in spans):  # checked before a set is built: 0-999999999 is one line
+                asked = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+                raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {asked}")
+            wanted = {r for a, b in spans for r in range(a, b + 1)}
         if n in list_steps(dst).committed:
             out.print(f"step {n} is already committed in {dst.url}; nothing to do")
             return
@@ -440,15 +444,21 @@ def restore_command(
             out.print(f"ok: step {n} intact in {dst.url}")
 
 
-def _parse_ranks(text: str) -> set[int]:
-    ranks: set[int] = set()
+def _parse_ranks(text: str) -> list[tuple[int, int]]:
+    """``--ranks`` as inclusive ``(first, last)`` spans; an empty or inverted span is an error."""
+    spans: list[tuple[int, int]] = []
     try:
         for part in text.split(","):
             a, _, b = part.strip().partition("-")
-            ranks.update(range(int(a), int(b or a) + 1))
+            spans.append((int(a), int(b or a)))
     except ValueError:
         raise click.BadParameter(f"expected ranks like 0-7 or 0,2,4-5, got {text!r}", param_hint="--ranks") from None
-    return ranks
+    for first, last in spans:
+        if first < 0 or last < first:
+            raise click.BadParameter(
+                f"{first}-{last} is an empty range of ranks (write it low-high)", param_hint="--ranks"
+            )
+    return spans
 
 
 # -------------------------------------------------------------------------------------- drain

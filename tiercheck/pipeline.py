@@ -26,7 +26,7 @@ from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, sea
 from .commit import step_dir
 from .flatten import Leaf
 from .layout import Chunk
-from .manifest import JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
+from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
 from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier, PackWriter
@@ -326,6 +326,20 @@ class Pipeline:
     def _finish(self, job: SaveJob) -> None:
         self._committer.submit(self._commit, job)
 
+    def _remove_partial(self, job: SaveJob) -> None:
+        """A failed save's files go at once (a full disk gets its space back), where this rank
+        alone writes the directory; in a directory shared by a node's ranks, the next start removes
+        them. A step with a commit marker, or a newer save of the same step, is never touched."""
+        step = job.step
+        with self._inflight_lock:  # held throughout: a save of this step submitted now waits
+            if not self.own_dir or self._inflight.get(step) is not job:
+                return
+            try:
+                if _never_committed(self.tier, step):
+                    self.tier.delete_tree(step_dir(step))
+            except OSError as e:
+                log.warning("could not remove the partial step %d from %s: %s", step, self.tier.url, e)
+
     def _commit(self, job: SaveJob) -> None:
         h = job.handle
         try:
@@ -358,6 +372,7 @@ class Pipeline:
         except BaseException as e:
             self.counters["failed"] += 1
             log.error("saving step %d to %s failed: %r", job.step, self.tier.url, e)
+            self._remove_partial(job)
             if not h.staged.done():
                 h.staged.set_exception(e)
             if not h.committed.done():
@@ -366,6 +381,10 @@ class Pipeline:
             with self._idle:
                 self._inflight.pop(job.step, None)
                 self._idle.notify_all()
+
+
+def _never_committed(tier: LocalTier, step: int) -> bool:
+    return not tier.exists(f"{step_dir(step)}/{COMMIT_FILE}")
 
 
 def rank_plan(
