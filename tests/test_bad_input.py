@@ -115,6 +115,20 @@ def test_a_damaged_manifest_part_is_reported_not_parsed(ckpt_dir: Path) -> None:
     assert tiercheck.load(ckpt_dir)["model"]
 
 
+def test_a_chunk_larger_than_its_array_is_refused_before_a_buffer_is_sized_from_it(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    shard = ckpt_dir / "step-00000003" / shard_file(0)
+    doc = json.loads(unseal(shard.read_bytes(), where="test"))
+    doc["arrays"]["model/b"]["chunks"] = [1 << 40]  # 4 TiB of float32 for a 64-element array
+    shard.write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(CorruptCheckpointError, match=r"array 'model/b': chunk \[1099511627776\] is larger than"):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match="larger than"):
+        ck.restore()
+    assert not live["model"]["b"].any() and not live["model"]["w"].any(), "the live state is untouched"
+
+
 def test_missing_step_and_missing_directory(ckpt_dir: Path, tmp_path: Path) -> None:
     saved(ckpt_dir)
     with pytest.raises(CheckpointNotFoundError, match=r"step 7 is not committed .*committed: 3"):

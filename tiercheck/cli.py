@@ -33,7 +33,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckEr
 from .fmt import fmt_steps as _fmt_steps
 from .fmt import plural as _plural
 from .fmt import ranges as _ranges
-from .manifest import Manifest, pack_file
+from .manifest import Manifest, chunk_location
 from .options import RetentionOptions, RetryOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
@@ -347,14 +347,13 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
                     rec = manifest.arrays.get(path)
                     size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
                     for key, crc in sorted(crcs.items()):
-                        offset = part.offsets.get(path, {}).get(key)
-                        file = pack_file(rank) if offset is not None else f"{path}/{key}"
+                        file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
                         jobs.append((path, key, crc, size, file, offset))
         else:
             for rec in manifest.arrays.values():
                 for key, crc in sorted(rec.checksums.items()):
                     if rec.owner(key) in set(marker.ranks):
-                        jobs.append((rec.path, key, crc, chunk_nbytes(rec), f"{rec.path}/{key}", None))
+                        jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
     except TiercheckError as e:
         return [f"step {n}: {e}"]
     total = sum(job[3] or 0 for job in jobs)

@@ -27,12 +27,12 @@ from .commit import commit_step, list_steps, read_marker, step_dir, withdraw_ste
 from .coordination import Coordinator
 from .errors import CoordinationError
 from .fmt import fmt_steps
-from .manifest import COMMIT_FILE, MANIFEST_FILE
+from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_owner
 from .options import DrainOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
-from .transfer import copy_pack, pack_owner
+from .transfer import copy_pack
 
 log = logging.getLogger("tiercheck")
 

@@ -39,6 +39,23 @@ def pack_file(rank: int) -> str:
     return f"{PACKS_DIR}/rank-{rank:06d}.bin"
 
 
+def pack_owner(path: str) -> int | None:
+    """The saving rank whose pack ``path`` (inside a step) is, or None when it is not a pack."""
+    m = _PACK.match(path)
+    return int(m.group(1)) if m else None
+
+
+_PACK = re.compile(rf"^{PACKS_DIR}/rank-(\d{{6,}})\.bin$")
+
+
+def chunk_location(path: str, key: str, writer: int, offset: int | None) -> tuple[str, int | None]:
+    """Where chunk ``key`` of array ``path`` is stored, relative to its step: its writer's pack
+    and its offset there (format 4), or with no offset its own file (``None``: all of it)."""
+    if offset is None:
+        return f"{path}/{key}", None
+    return pack_file(writer), offset
+
+
 def owners_file(rank: int) -> str:
     """Who wrote each chunk of the arrays a saving rank coordinated (format 4; in format 3 this
     was in the arrays shard). Only the rank planning an array's reads needs it: a restoring rank
@@ -106,10 +123,7 @@ class ArrayRecord:
     def location(self, key: str) -> tuple[str, int | None]:
         """Where chunk ``key`` is stored, relative to its step: the owner's pack file and the
         chunk's offset there (format 4), or the chunk's own file (``None``: all of it)."""
-        offset = self.offsets.get(key)
-        if offset is None:
-            return f"{self.path}/{key}", None
-        return pack_file(self.owner(key)), offset
+        return chunk_location(self.path, key, self.owner(key), self.offsets.get(key))
 
     @classmethod
     def from_json(cls, path: str, doc: JSON, *, where: str) -> ArrayRecord:
@@ -128,6 +142,9 @@ class ArrayRecord:
             raise CorruptCheckpointError(f"{here}: malformed record")
         if any(c == 0 for c in chunk):
             raise CorruptCheckpointError(f"{here}: chunk extents must be positive")
+        if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
+            # tiercheck never writes one; readers size a chunk's buffer from it before reading
+            raise CorruptCheckpointError(f"{here}: chunk {list(chunk)} is larger than the array {list(shape)}")
         return cls(
             path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk,
             checksums=checksums, owners=owners, offsets=offsets,

@@ -29,7 +29,7 @@ from .layout import Chunk
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, copy_chunk
-from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier, PackWriter
+from .tiers.local import DIRECT_MIN_BYTES, LocalTier, PackWriter
 
 log = logging.getLogger("tiercheck")
 
@@ -335,7 +335,7 @@ class Pipeline:
             if not self.own_dir or self._inflight.get(step) is not job:
                 return
             try:
-                if _never_committed(self.tier, step):
+                if not self.tier.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
                     self.tier.delete_tree(step_dir(step))
             except OSError as e:
                 log.warning("could not remove the partial step %d from %s: %s", step, self.tier.url, e)
@@ -383,10 +383,6 @@ class Pipeline:
                 self._idle.notify_all()
 
 
-def _never_committed(tier: LocalTier, step: int) -> bool:
-    return not tier.exists(f"{step_dir(step)}/{COMMIT_FILE}")
-
-
 def rank_plan(
     leaves: list[Leaf],
     save_plan: SavePlan,
@@ -409,7 +405,7 @@ def rank_plan(
     tasks, end = [], 0
     for task in eager + lazy:
         if task.nbytes >= DIRECT_MIN_BYTES:
-            end = -(-end // BLOCK) * BLOCK
+            end = align_up(end)
         tasks.append(replace(task, offset=end))
         end += task.nbytes + CHECKSUM_BYTES
     return Plan(

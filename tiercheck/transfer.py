@@ -9,7 +9,6 @@ wrong one.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,13 +17,11 @@ from dataclasses import dataclass
 from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
 from .commit import commit_step, rank_parts, read_manifest, read_marker, step_dir
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_file
+from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_file, pack_owner
 from .tiers.base import Tier
 from .tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
-
-_PACK = re.compile(r"^packs/rank-(\d{6,})\.bin$")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes to do)
 
@@ -113,12 +110,6 @@ def copy_step(
         report.seconds,
     )
     return report
-
-
-def pack_owner(f: str) -> int | None:
-    """The saving rank whose pack file ``f`` (a path inside a step) is, or None."""
-    m = _PACK.match(f)
-    return int(m.group(1)) if m else None
 
 
 def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:

@@ -54,25 +54,27 @@ class LocalTier(Tier):
     def _write_direct(self, target: Path, views: list[memoryview]) -> int:
         """Write the block-aligned head of the first buffer with O_DIRECT; return how many bytes
         that covered (0 when it does not apply), and leave the rest of ``views`` to write."""
-        head = views[0]
-        n = len(head) // BLOCK * BLOCK
-        if n < DIRECT_MIN_BYTES or np.frombuffer(head, dtype=np.uint8).ctypes.data % BLOCK:
+        n = _direct_head(views)
+        fd = self._open_direct(target, os.O_CREAT | os.O_TRUNC) if n else None
+        if fd is None:
             return 0
         try:
-            fd = os.open(
-                target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0), 0o644
-            )
+            _write_all(fd, [views[0][:n]], 0)
+        finally:
+            os.close(fd)
+        views[0] = views[0][n:]
+        return n
+
+    def _open_direct(self, target: Path, flags: int) -> int | None:
+        """``target`` opened for writing with O_DIRECT, or None where the filesystem refuses it
+        (tmpfs, some network mounts): direct I/O is then off for this tier."""
+        try:
+            return os.open(target, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0) | flags, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self._direct = False  # this filesystem (tmpfs, some network mounts) has no O_DIRECT
-            return 0
-        try:
-            _write_all(fd, [head[:n]], 0)
-        finally:
-            os.close(fd)
-        views[0] = head[n:]
-        return n
+            self._direct = False
+            return None
 
     def read(self, path: str) -> bytearray:
         with open(self._abs(path), "rb") as f:
@@ -215,25 +217,18 @@ class PackWriter:
         if self._fd is None:
             raise ValueError(f"{self.target} is closed")
         if self.tier._direct and views and offset % BLOCK == 0:
-            head = views[0]
-            n = len(head) // BLOCK * BLOCK
-            if n >= DIRECT_MIN_BYTES and np.frombuffer(head, dtype=np.uint8).ctypes.data % BLOCK == 0:
-                fd = self._direct()
-                if fd is not None:
-                    _write_all(fd, [head[:n]], offset)
-                    views[0] = head[n:]
-                    offset += n
+            n = _direct_head(views)
+            fd = self._direct() if n else None
+            if fd is not None:
+                _write_all(fd, [views[0][:n]], offset)
+                views[0] = views[0][n:]
+                offset += n
         _write_all(self._fd, views, offset)
 
     def _direct(self) -> int | None:
         with self._lock:
             if self._direct_fd is None and self.tier._direct:
-                try:
-                    self._direct_fd = os.open(self.target, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self.tier._direct = False  # this filesystem (tmpfs, some network mounts) has no O_DIRECT
+                self._direct_fd = self.tier._open_direct(self.target, 0)
             return self._direct_fd
 
     def close(self) -> None:
@@ -247,6 +242,15 @@ class PackWriter:
             for fd in fds:
                 if fd is not None:
                     os.close(fd)
+
+
+def _direct_head(views: list[memoryview]) -> int:
+    """How many leading bytes of the first buffer O_DIRECT can write (block-aligned address and
+    length, and enough of them to be worth it), or 0."""
+    n = len(views[0]) // BLOCK * BLOCK
+    if n < DIRECT_MIN_BYTES or np.frombuffer(views[0], dtype=np.uint8).ctypes.data % BLOCK:
+        return 0
+    return n
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
