@@ -31,7 +31,7 @@ def test_keep_last_and_keep_every_on_disk(ckpt_dir: Path) -> None:
             ck.save(step).wait()
         ck.wait()  # a handle resolves once its step is durable; retention runs right after
         assert ck.steps() == [3, 6, 7]
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000003", "step-00000006", "step-00000007"]
+    assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-00000003", "step-00000006", "step-00000007"]
 
 
 def test_partial_steps_are_never_reported_and_are_cleaned_at_start(ckpt_dir: Path) -> None:
@@ -90,7 +90,7 @@ def test_full_disk_fails_the_save_with_its_error_and_keeps_the_committed_step(ck
         assert info.value.errno == errno.ENOSPC
         assert ck.stats()["failed"] == 1
         assert ck.steps() == [1]
-        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000001"], "the failed save's files are gone"
+        assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-00000001"], "the failed save's files are gone"
         state["w"].zero_()
         assert ck.restore() == 1  # the failed save does not stand in the way of restoring
         assert torch.equal(state["w"], torch.ones(64 << 10))

@@ -24,6 +24,7 @@ from .coordination import Coordinator, Nodes, default_store, drive, join_nodes, 
 from .drain import Drainer
 from .errors import RemoteStorageError, StepExistsError
 from .flatten import Leaf, dtype_name, flatten
+from .lock import DirectoryLock, lock_node
 from .manifest import JSON
 from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
@@ -115,6 +116,9 @@ class Checkpointer:
         self._nodes: Nodes = drive(self._coord, join_nodes(self._coord, me))
         self.node_ranks = self._nodes.ranks
         self._leader = self._nodes.leader == self.rank
+        # One writer per directory: before anything here is listed, removed or written.
+        self._dir_lock = DirectoryLock(self.tier.root)
+        drive(self._coord, lock_node(self._coord, self._nodes.leader, self._dir_lock))
         self._bg_coord: Coordinator | None = None  # the commit thread's own store connection
 
         self.lazy = self.staging.mode == "lazy" or (
@@ -130,34 +134,38 @@ class Checkpointer:
         self._lock = threading.Lock()  # save() and restore() from several threads stay serialised
         self._closed = False
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
-        self._local = LocalSteps(self.tier, self.retention, leader=self._leader)
-        self.remote: Tier | None = None
-        self._drainer: Drainer | None = None
-        self._populate: threading.Thread | None = None
-        self._drain_failures_seen = 0
-        if remote is not None:
-            self.remote = (
-                remote
-                if isinstance(remote, Tier)
-                else open_tier(
-                    remote,
-                    storage_options=remote_options,
-                    retry=self.drain_options.retry,
-                    part_bytes=self.drain_options.part_bytes,
+        try:
+            self._local = LocalSteps(self.tier, self.retention, leader=self._leader)
+            self.remote: Tier | None = None
+            self._drainer: Drainer | None = None
+            self._populate: threading.Thread | None = None
+            self._drain_failures_seen = 0
+            if remote is not None:
+                self.remote = (
+                    remote
+                    if isinstance(remote, Tier)
+                    else open_tier(
+                        remote,
+                        storage_options=remote_options,
+                        retry=self.drain_options.retry,
+                        part_bytes=self.drain_options.part_bytes,
+                    )
                 )
-            )
-            self._drainer = Drainer(
-                self.tier,
-                self.remote,
-                self.drain_options,
-                coord=self._coord.connect_again(),
-                node_ranks=self.node_ranks,
-                uploads=self._leader,
-                on_settled=self._local.retain,
-            )
-            self._local.pinned = self._drainer.pinned
-            if self._leader:
-                self._drainer.resume(self._local.sorted())
+                self._drainer = Drainer(
+                    self.tier,
+                    self.remote,
+                    self.drain_options,
+                    coord=self._coord.connect_again(),
+                    node_ranks=self.node_ranks,
+                    uploads=self._leader,
+                    on_settled=self._local.retain,
+                )
+                self._local.pinned = self._drainer.pinned
+                if self._leader:
+                    self._drainer.resume(self._local.sorted())
+        except BaseException:
+            self._dir_lock.release()
+            raise
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
 
     # ------------------------------------------------------------------------------- saving
@@ -473,6 +481,7 @@ class Checkpointer:
             self._populate.join(timeout)
         if self._drainer is not None:
             self._drainer.close(drain=drain, timeout=timeout)
+        self._dir_lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

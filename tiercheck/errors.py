@@ -20,6 +20,10 @@ class StepExistsError(TiercheckError, FileExistsError):
     """A save would overwrite a step that is already committed."""
 
 
+class DirectoryInUseError(TiercheckError, RuntimeError):
+    """Another writer (another job, or an open ``Checkpointer``) holds the node-local directory."""
+
+
 class CorruptCheckpointError(TiercheckError, ValueError):
     """Stored bytes do not match their checksum, or a manifest cannot be read."""
 

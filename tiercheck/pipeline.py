@@ -24,6 +24,7 @@ import torch
 
 from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, seal, zarr_documents
 from .commit import step_dir
+from .errors import StepExistsError
 from .flatten import Leaf
 from .layout import Chunk
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
@@ -223,6 +224,10 @@ class Pipeline:
     def _stage(self, job: SaveJob) -> None:
         job.t_stage0 = time.perf_counter()
         plan, d = job.plan, step_dir(job.step)
+        if self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
+            raise StepExistsError(
+                f"step {job.step} is already committed in {self.tier.url}; a save never overwrites it"
+            )
         if self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
             self.tier.delete_tree(d)
         bound = self.max_host_bytes
