@@ -26,6 +26,9 @@ RANDOM=$SEED
 KILL_AT=$((2 * EVERY + RANDOM % (STEPS * 3 / 4 - 2 * EVERY)))
 rm -rf "$WORK"
 mkdir -p "$WORK"
+# DeepSpeed compiles its shared-memory op into here, not the shared ~/.cache/torch_extensions: a run
+# interrupted mid-compile leaves a lock file that would hang every later DeepSpeed use on the machine.
+export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions"
 train=("$PY" -u examples/deepspeed_train.py "--steps=$STEPS" "--every=$EVERY")
 quiet() { grep --line-buffered -E '^(step |RESUMED|tiercheck|Traceback|[A-Za-z.]*Error)' || true; }
 echo "tiercheck + DeepSpeed kill-and-resume demo (seed $SEED; replay: bash scripts/demo_deepspeed.sh $SEED)"

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +12,17 @@ import pytest
 import torch
 
 from tests.servers import azure_container, azurite_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiled torch extensions (DeepSpeed's shared-memory op) go to a directory of this run's
+    own: a test killed mid-compile leaves its lock file there, never in the shared
+    ``~/.cache/torch_extensions`` where it would hang every later DeepSpeed use on the machine.
+    Set before any rank or fork server starts, so they inherit it; removed when the run ends."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        private = tempfile.mkdtemp(prefix="tiercheck-torch-extensions-")
+        os.environ["TORCH_EXTENSIONS_DIR"] = private
+        config.add_cleanup(lambda: shutil.rmtree(private, ignore_errors=True))
 
 
 @pytest.fixture(autouse=True)

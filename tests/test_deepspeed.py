@@ -22,6 +22,25 @@ from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.frameworks
 
+_BUILD_LIMIT_S = 900
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shm_op_built() -> None:
+    """Compile DeepSpeed's shared-memory op (g++; ~30 s idle, minutes on a loaded machine) once,
+    here, before the tests whose rank launches have timeouts: a compile killed by a launch
+    timeout would fail the test for the wrong reason. It goes to this run's private
+    TORCH_EXTENSIONS_DIR (conftest.py)."""
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    try:
+        built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=_BUILD_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"compiling DeepSpeed's shared-memory op took over {_BUILD_LIMIT_S} s (is the machine overloaded?)")
+    assert built.returncode == 0, (
+        f"compiling DeepSpeed's shared-memory op failed (it needs g++):\n{built.stderr[-3000:]}"
+    )
+
+
 STEPS, SAVE_AT = 6, 3
 
 

@@ -51,7 +51,7 @@ class DirectoryLock:
         me = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
