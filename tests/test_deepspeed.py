@@ -391,3 +391,43 @@ def _full_disk(rank: int, world_size: int, tmp: str) -> None:
 
 def test_a_failed_write_raises_and_the_previous_checkpoint_restores(tmp_path: Path) -> None:
     run_ranks(_full_disk, 1, str(tmp_path), timeout=120)
+
+
+def _writer_settings(rank: int, world_size: int, tmp: str) -> list[str]:
+    """A config with DeepSpeed's own writer settings: tiercheck builds no DeepSpeed writer (on CPU
+    its parallel-writer setup fails), warns once naming each setting it replaces, and resumes."""
+    import warnings
+
+    import deepspeed
+
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    writer = {"type": "fast", "decoupled": True, "io_buffer_size": 1 << 20}
+
+    def engine(seed: int) -> tuple[Any, list[str]]:
+        config = {**_config(2, 1), "checkpoint": {"writer": dict(writer)}}
+        tiercheck_ds.install(config, local=os.path.join(tmp, "node0"))
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        return built, [str(w.message) for w in caught if "have no effect" in str(w.message)]
+
+    first, messages = engine(0)
+    _train(first, range(2), rank)
+    first.save_checkpoint(os.path.join(tmp, "ckpt"), tag="t")
+    expected = _snapshot(first)
+    first.destroy()
+    fresh, _ = engine(1)
+    fresh.load_checkpoint(os.path.join(tmp, "ckpt"))
+    _assert_identical(_snapshot(fresh), expected)
+    fresh.destroy()
+    return messages
+
+
+def test_deepspeed_writer_settings_are_named_as_ignored_and_do_not_break_the_engine(tmp_path: Path) -> None:
+    [messages] = run_ranks(_writer_settings, 1, str(tmp_path), timeout=120)
+    assert len(messages) == 1, messages
+    assert "checkpoint.writer.type, checkpoint.writer.decoupled, checkpoint.writer.io_buffer_size" in messages[0]

@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -437,6 +438,15 @@ def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
         current.cleanup()
     ours = TiercheckCheckpointEngine(engine, **options)
     engine.checkpoint_engine = ours
+    ignored = _writer_settings(getattr(engine, "_config", None))
+    if ignored:
+        warnings.warn(
+            "tiercheck writes DeepSpeed's checkpoints, so these DeepSpeed config settings have no effect: "
+            f"{', '.join(ignored)} (tiercheck's own are its Checkpointer options, e.g. "
+            "write=tiercheck.WriteOptions(io_threads=..., direct_io=...), given to install())",
+            UserWarning,
+            stacklevel=3,
+        )
     original_save, original = engine.save_checkpoint, engine.load_checkpoint
 
     @functools.wraps(original_save)
@@ -468,15 +478,50 @@ def _patch_configure_checkpointing() -> None:
 
     @functools.wraps(original)
     def configure(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
         given = getattr(self._config, "_param_dict", None)
-        for config, options in _configs:
-            if given is config:
-                _attach(self, options)
-                break
+        options = next((o for config, o in _configs if config is given), None)
+        if options is None:
+            return original(self, *args, **kwargs)
+        # DeepSpeed's own writer (FastPersist, decoupled, DataStates) would only be built to be
+        # replaced: its I/O buffers allocated, and on CPU its parallel-writer setup fails. The plain
+        # engine stands in while DeepSpeed decides which ranks save what.
+        with _plain_engine_while_configuring():
+            out = original(self, *args, **kwargs)
+        _attach(self, options)
         return out
 
     DeepSpeedEngine._configure_checkpointing = configure
+
+
+_WRITER_KEYS = ("checkpoint", "writer")
+_DATASTATES_KEY = "datastates_ckpt"
+
+
+def _writer_settings(config: Any) -> list[str]:
+    """The DeepSpeed config settings of a checkpoint writer that tiercheck replaces, as dotted names."""
+    raw = getattr(config, "_param_dict", None)
+    if not isinstance(raw, Mapping):
+        return []
+    names: list[str] = []
+    writer = (raw.get("checkpoint") or {}).get("writer")
+    if isinstance(writer, Mapping):
+        names += [".".join((*_WRITER_KEYS, str(k))) for k in writer] or [".".join(_WRITER_KEYS)]
+    if raw.get(_DATASTATES_KEY, False) is not False:
+        names.append(_DATASTATES_KEY)
+    return names
+
+
+@contextlib.contextmanager
+def _plain_engine_while_configuring() -> Iterator[None]:
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original = engine_module.create_checkpoint_engine
+    engine_module.create_checkpoint_engine = lambda config_params, **_: TorchCheckpointEngine(config_params)
+    try:
+        yield
+    finally:
+        engine_module.create_checkpoint_engine = original
 
 
 # ------------------------------------------------------------------------------ export
