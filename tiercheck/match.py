@@ -121,7 +121,7 @@ def prepare(
             items.append(ReadItem(rec, local, offsets))
             return live
         dest = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
-        items.append(ReadItem(rec, dest, (0,) * dest.dim()))
+        items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))
         return dest.numpy() if tag == "$ndarray" else dest
 
     keys = list(tree) if fresh else list(state)

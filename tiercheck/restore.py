@@ -19,21 +19,21 @@ ranks meet in the store, never in the training's collectives:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .commit import assemble, list_steps, read_manifest, read_marker
 from .coordination import Coordinator, Nodes, Protocol, drive, dumps, shard_of
 from .errors import (
     CheckpointNotFoundError,
     CoordinationError,
+    CorruptCheckpointError,
     TiercheckError,
 )
 from .flatten import tensor_paths
@@ -42,7 +42,7 @@ from .manifest import JSON, Manifest
 from .match import add_entries, apply, covers, prepare, tree_for
 from .planner import plan_reads as plan_reads_whole
 from .restoreplan import Step, fetch, find_holders, index_of, plan_reads
-from .scatter import ReadItem, move_chunks
+from .scatter import ReadItem, copy_in, move_chunks, staged
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier
@@ -81,9 +81,10 @@ def agree_on_step(
     *,
     requested: int | None,
     remote_steps: Callable[[], list[int]],
+    below: int | None = None,
 ) -> Protocol[StepChoice]:
-    """Every rank learns the same step to restore (None: no tier holds one). ``remote_steps``
-    is called on rank 0 only."""
+    """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
+    when given. ``remote_steps`` is called on rank 0 only."""
     held = held_steps(tier) if coord.rank == nodes.leader else {}
     if coord.rank == nodes.leader:
         coord.post(f"{name}/held", dumps({"ranks": list(nodes.ranks), "held": held}))
@@ -92,6 +93,10 @@ def agree_on_step(
     if coord.rank == 0:
         per_node = [json.loads(v) for v in coord.collect(f"{name}/held")]
         remote = set(remote_steps())
+        if below is not None:
+            remote = {s for s in remote if s < below}
+            for node in per_node:
+                node["held"] = {s: v for s, v in node["held"].items() if int(s) < below}
         try:
             step = choose_step(per_node, requested, remote, world=coord.world_size, where=tier.url)
             coord.set(answer, dumps({"step": step, "remote": step is not None and step in remote}))
@@ -149,13 +154,16 @@ def choose_step(
     return None
 
 
-def settle(coord: Coordinator, name: str, failure: TiercheckError | None) -> Protocol[None]:
+def settle(
+    coord: Coordinator, name: str, failure: TiercheckError | None, *, shared: tuple[type[Exception], ...] = ()
+) -> Protocol[None]:
     """Every rank learns whether any rank failed at this point; the first failure is raised on all
-    of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it)."""
+    of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it, or as
+    the same error where its type is one of ``shared``)."""
     if failure is not None:
         coord.report(name, failure)
     yield coord.arrive(name, what="every rank to get this far in the restore")
-    coord.check(name, failure)
+    coord.check(name, failure, shared=shared)
 
 
 # ------------------------------------------------------------------------------- one restore
@@ -191,11 +199,84 @@ def restore_state(
     io_threads: int,
 ) -> Restored | None:
     """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
-    same ``name``. Returns None when no tier holds a committed step (and none was requested)."""
+    same ``name``. Returns None when no tier holds a committed step (and none was requested).
+
+    All or nothing: every chunk is read into staging memory and verified, on every rank, before
+    the first byte reaches the state. When the chosen step turns out damaged (a bad checksum, a
+    missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
+    step instead, with a warning; a ``requested`` step is never swapped for another."""
+    below: int | None = None
+    attempt = name
+    damaged: list[_Damaged] = []
+    for n in itertools.count(1):
+        try:
+            done = _restore_step(
+                state,
+                coord=coord,
+                name=attempt,
+                tier=tier,
+                nodes=nodes,
+                remote=remote,
+                group=group,
+                requested=requested,
+                below=below,
+                strict=strict,
+                allow_pickle=allow_pickle,
+                others=others,
+                extra=extra,
+                read_once=read_once,
+                io_threads=io_threads,
+            )
+        except _Damaged as d:
+            if requested is not None:
+                raise d.error from None
+            if coord.rank == 0:
+                log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
+            damaged.append(d)
+            below, attempt = d.step, f"{name}.{n}"
+            continue
+        if done is None and damaged:
+            also = f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
+            raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
+        return done
+    raise AssertionError("unreachable")
+
+
+class _Damaged(Exception):
+    """Every rank agreed that ``step`` is damaged on every tier."""
+
+    def __init__(self, step: int, error: CorruptCheckpointError) -> None:
+        self.step, self.error = step, error
+
+
+def _restore_step(
+    state: Mapping[str, Any],
+    *,
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    remote: Tier | None,
+    group: Any,
+    requested: int | None,
+    below: int | None,
+    strict: bool,
+    allow_pickle: bool,
+    others: bool | Callable[[list[str]], Iterable[str]],
+    extra: bool,
+    read_once: bool,
+    io_threads: int,
+) -> Restored | None:
     choice = drive(
         coord,
         agree_on_step(
-            coord, f"{name}/step", tier, nodes, requested=requested, remote_steps=lambda: remote_steps(remote)
+            coord,
+            f"{name}/step",
+            tier,
+            nodes,
+            requested=requested,
+            below=below,
+            remote_steps=lambda: remote_steps(remote),
         ),
     )
     if choice.step is None:
@@ -211,11 +292,14 @@ def restore_state(
     failure: TiercheckError | None = None
     items: list[ReadItem] = []
     decoded: dict[str, Any] = {}
+    view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
     try:
         if others:
-            add_entries(state, manifest, others, where=where)
-        tree = tree_for(manifest, coord.rank, coord.world_size, state, extra=extra)
-        items, decoded = prepare(state, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
+            add_entries(view, manifest, others, where=where)
+            if len(view) > len(state) and not isinstance(state, MutableMapping):
+                raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+        tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=extra)
+        items, decoded = prepare(view, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
     except TiercheckError as e:
         if coord.world_size == 1:
             raise
@@ -237,30 +321,35 @@ def restore_state(
     )
     moved: dict[str, int] = {}
     nbytes = 0
+    reads, live = staged(items)
     try:
-        with torch.no_grad():
-            nbytes = move_chunks(
-                tier,
-                step,
-                plan.records,
-                items,
-                plan.reads,
-                plan.transfers,
-                rank=coord.rank,
-                group=group,
-                io_threads=io_threads,
-                remote=remote if choice.from_remote else None,
-                counters=moved,
-            )
+        nbytes = move_chunks(
+            tier,
+            step,
+            plan.records,
+            reads,
+            plan.reads,
+            plan.transfers,
+            rank=coord.rank,
+            group=group,
+            io_threads=io_threads,
+            remote=remote if choice.from_remote else None,
+            counters=moved,
+        )
     except TiercheckError as e:
-        if coord.world_size == 1:
-            raise
         failure = e
-    if coord.world_size > 1:
-        drive(coord, settle(coord, f"{name}/read", failure))
-    # Every rank is past every key of this restore: remove them.
-    coord.delete(*st.claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
-    coord.finish(name)
+    try:
+        if coord.world_size > 1:
+            drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+        elif failure is not None:
+            raise failure
+    except CorruptCheckpointError as e:
+        raise _Damaged(step, e) from None
+    finally:
+        # Every rank is past every key of this restore: remove them.
+        coord.delete(*st.claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
+        coord.finish(name)
+    copy_in(live)
     apply(state, decoded, where=where)
     log.info(
         "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",

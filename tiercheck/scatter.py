@@ -37,6 +37,7 @@ class ReadItem:
     record: ArrayRecord
     dest: torch.Tensor  # shape and dtype already checked; any device
     offsets: tuple[int, ...]  # where dest sits in the global array
+    fresh: bool = False  # dest is a new tensor, not (part of) the live state
 
     @property
     def need(self) -> Need:
@@ -64,6 +65,10 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
         n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
+    except TiercheckError:
+        raise
+    except OSError as e:  # unreadable (EIO, a directory in its place, ...): as damaged as a bad checksum
+        raise CorruptCheckpointError(f"{where}: cannot read {path}: {e.strerror or e}") from None
     return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
 
 
@@ -105,6 +110,32 @@ def direct_target(rec: ArrayRecord, c: Chunk, items: Iterable[ReadItem], *, whol
     if not region.is_contiguous():
         return None
     return region.reshape(-1).view(torch.uint8)
+
+
+def staged(items: Sequence[ReadItem]) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The same reads with every live destination swapped for a new host tensor, and the (live,
+    staged) pairs to ``copy_in`` once every chunk is verified: a restore that fails part-way
+    leaves the live state as it was. CUDA destinations stage in page-locked memory."""
+    out: list[ReadItem] = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for item in items:
+        if item.fresh:
+            out.append(item)
+            continue
+        live = item.dest
+        buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=live.is_cuda)
+        out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
+        pairs.append((live, buf))
+    return out, pairs
+
+
+def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy verified, staged data into the live tensors (see ``staged``)."""
+    with torch.no_grad():
+        for live, buf in pairs:
+            live.copy_(buf, non_blocking=live.is_cuda)
+    if any(live.is_cuda for live, _ in pairs):
+        torch.cuda.synchronize()
 
 
 def _stops(item: ReadItem) -> tuple[int, ...]:

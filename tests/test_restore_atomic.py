@@ -1,0 +1,145 @@
+"""Restore is all or nothing: a damaged step leaves the live state exactly as it was, and without
+a requested step the newest older whole step is restored instead, with a warning."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiercheck import Checkpointer, CorruptCheckpointError, Shard, WriteOptions
+
+from .conftest import assert_identical
+from .distributed import run_ranks
+from .ondisk import chunk_span, chunks_of, flip_chunk_byte
+
+CHUNK = 4096  # small chunks: one bad chunk among many good ones
+
+
+def _trained(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+    return {"model": model, "optimizer": optimizer, "progress": {"epoch": seed, "t": torch.arange(10.0) * seed}}
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": copy.deepcopy(state["model"].state_dict()),
+        "optimizer": copy.deepcopy(state["optimizer"].state_dict()),
+        "progress": copy.deepcopy(state["progress"]),
+    }
+
+
+def _saved_steps(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps 1 and 2 of a run, and what each holds."""
+    state = _trained(1)
+    with Checkpointer(state, local=root, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        ckpt.save(1).wait()
+        one = _snapshot(state)
+        state["model"](torch.randn(4, 64)).sum().backward()
+        state["optimizer"].step()
+        state["progress"]["epoch"] = 2
+        ckpt.save(2).wait()
+        two = _snapshot(state)
+    return one, two
+
+
+def _damage_last_chunk(step: Path) -> None:
+    """A bad byte in the last chunk of the exp_avg_sq of the first parameter: every other chunk
+    of the step is good, so a restore that copied as it read would overwrite most of the state."""
+    array = "optimizer/state/0/exp_avg_sq"
+    flip_chunk_byte(step, array, chunks_of(step, array)[-1], 5)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated pack"])
+def test_a_failed_restore_of_a_requested_step_leaves_the_state_untouched(ckpt_dir: Path, damage: str) -> None:
+    _saved_steps(ckpt_dir)
+    step2 = ckpt_dir / "step-00000002"
+    if damage == "flipped byte":
+        _damage_last_chunk(step2)
+    else:
+        pack, _, _ = chunk_span(step2, "model/weight", "c.0.0")
+        with pack.open("r+b") as f:  # the pack's last chunk loses its tail; the others stay readable
+            f.truncate(pack.stat().st_size - 100)
+    live = _trained(7)
+    before = _snapshot(live)
+    with Checkpointer(live, local=ckpt_dir) as ckpt, pytest.raises(CorruptCheckpointError, match="step 2"):
+        ckpt.restore(step=2)
+    assert_identical(_snapshot(live), before)
+
+
+def test_without_a_requested_step_a_damaged_newest_step_falls_back_with_a_warning(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one, _ = _saved_steps(ckpt_dir)
+    _damage_last_chunk(ckpt_dir / "step-00000002")
+    live = _trained(7)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore() == 1
+    assert_identical(_snapshot(live), one)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot restore step 2" in r.message]
+    assert len(warned) == 1, [r.message for r in caplog.records]
+    assert "exp_avg_sq" in warned[0].message  # names what is damaged
+
+
+def test_when_every_step_is_damaged_restore_raises_and_the_state_is_untouched(ckpt_dir: Path) -> None:
+    _saved_steps(ckpt_dir)
+    for step in ("step-00000001", "step-00000002"):
+        _damage_last_chunk(ckpt_dir / step)
+    live = _trained(7)
+    before = _snapshot(live)
+    nothing_whole = pytest.raises(
+        CorruptCheckpointError, match=r"step 2: .*no older committed step is whole to restore; step\(s\) 1 are damaged"
+    )
+    with Checkpointer(live, local=ckpt_dir) as ckpt, nothing_whole:
+        ckpt.restore()
+    assert_identical(_snapshot(live), before)
+
+
+def _two_node_state(rank: int, fill: float) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """A replicated tensor and this rank's half of a row-sharded one."""
+    w, half = torch.full((64, 64), fill), torch.full((128, 64), fill)
+    return {"w": w, "rows": Shard(half, global_shape=(256, 64), offsets=(128 * rank, 0))}, w, half
+
+
+def _save_on_two_nodes(rank: int, world_size: int, roots: list[str]) -> None:
+    state, w, half = _two_node_state(rank, 0.0)
+    with Checkpointer(state, local=roots[rank], write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        for step in (1, 2):
+            w.fill_(step)
+            half.fill_(10 * step + rank)
+            ckpt.save(step).wait()
+
+
+def _restore_on_two_nodes(rank: int, world_size: int, roots: list[str], step: int | None) -> Any:
+    state, w, half = _two_node_state(rank, -1.0)
+    with Checkpointer(state, local=roots[rank], write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        try:
+            got = ckpt.restore(step=step)
+        except CorruptCheckpointError as e:
+            return type(e).__name__, bool((w == -1).all() and (half == -1).all())
+        return got, w.clone(), half.clone()
+
+
+def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: Path) -> None:
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
+    step2 = Path(roots[1]) / "step-00000002"  # only node 1's copy is bad, and only one of its chunks
+    flip_chunk_byte(step2, "rows", chunks_of(step2, "rows")[-1], 3)
+
+    refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
+    assert refused == [("CorruptCheckpointError", True)] * 2, refused
+
+    fell_back = run_ranks(_restore_on_two_nodes, 2, roots, None, start_method="forkserver")
+    for rank, (step, w, half) in enumerate(fell_back):
+        assert step == 1
+        assert torch.equal(w, torch.full((64, 64), 1.0))
+        assert torch.equal(half, torch.full((128, 64), 10.0 + rank))
