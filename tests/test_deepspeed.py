@@ -169,6 +169,16 @@ def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) ->
     assert {p["file"] for p in pointers} == expected
 
 
+class Payload:
+    """Unpickling it creates ``marker``: proof that a pickle ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (Path(self.marker),))
+
+
 class Opaque:
     """A user's object in ``client_state``: not among the types allowed without pickle."""
 
@@ -191,7 +201,22 @@ def _switch_formats(rank: int, world_size: int, tmp: str) -> None:
     native.save_checkpoint(os.path.join(tmp, "native"), tag="native")  # torch.save files, no tiercheck
     expected = _snapshot(native)
 
+    # A planted pickle in DeepSpeed's own files does not run without the caller's opt-in.
+    import shutil
+
+    from tiercheck.errors import UnsafeCheckpointError
+
+    planted, ran = os.path.join(tmp, "planted"), os.path.join(tmp, "payload-ran")
+    shutil.copytree(os.path.join(tmp, "native"), planted)
+    model_file = os.path.join(planted, "native", "mp_rank_00_model_states.pt")
+    torch.save({**torch.load(model_file, weights_only=False), "extra": Payload(ran)}, model_file)
     engine = _engine(1, 1, seed=1, local=os.path.join(tmp, "node0"))
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"mp_rank_00_model_states\.pt: the checkpoint holds an object of type getattr"
+    ):
+        engine.load_checkpoint(planted, tag="native")
+    assert not os.path.exists(ran)
+
     engine.load_checkpoint(os.path.join(tmp, "native"), tag="native")
     _assert_identical(_snapshot(engine), expected)
 

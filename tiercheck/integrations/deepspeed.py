@@ -55,6 +55,7 @@ from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError, U
 from ..tiers.base import Tier
 from .deepspeed_files import (
     find_tag,
+    load_object,
     move,
     pack,
     read_pointer,
@@ -67,6 +68,7 @@ try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 except ImportError as e:  # pragma: no cover - exercised only without deepspeed
     raise ImportError(
@@ -79,7 +81,7 @@ log = logging.getLogger("tiercheck.deepspeed")
 
 _META = "tiercheck.deepspeed"  # the entry of each rank's saved state naming the tag and this rank's files
 # Types DeepSpeed puts in its files, rebuilt by torch's weights-only unpickler (they run no code of the file's).
-_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, fragment_address)
+_SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum)
 
 
 @dataclasses.dataclass
@@ -167,8 +169,14 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         key = os.path.abspath(path)
         if key not in self._restored:
             pointer = read_pointer(path)
-            if pointer is None:  # a checkpoint DeepSpeed wrote itself; read as DeepSpeed would
-                return torch.load(path, map_location=map_location, weights_only=False)
+            if pointer is None:  # a checkpoint DeepSpeed wrote itself: no unpickling without opt-in
+                return load_object(
+                    path,
+                    allow_pickle=self.allow_pickle,
+                    safe_globals=self.safe_globals,
+                    where=path,
+                    map_location=map_location,
+                )
             self._restored.update(self._read_alone(pointer, os.path.dirname(key)))
             if key not in self._restored:
                 raise CheckpointNotFoundError(f"{path}: step {pointer['step']} in {pointer['root']} has no such file")

@@ -67,12 +67,17 @@ def unpack(obj: Any, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where
     return obj
 
 
-def load_object(data: bytes, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str) -> Any:
+def load_object(
+    data: bytes | str, *, allow_pickle: bool, safe_globals: tuple[Any, ...], where: str, map_location: Any = None
+) -> Any:
+    """``torch.load`` of ``data`` (bytes, or a file's path): with ``weights_only=True`` and the
+    allow-list ``safe_globals`` unless the caller allows pickle."""
+    source = io.BytesIO(data) if isinstance(data, bytes) else data
     if allow_pickle:
-        return torch.load(io.BytesIO(data), weights_only=False)
+        return torch.load(source, map_location=map_location, weights_only=False)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(io.BytesIO(data), weights_only=True)
+            return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises UnpicklingError (and others) for a type not allowed
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         what = f"of type {found.group(1)}" if found else f"that torch.load(weights_only=True) refuses ({e})"
