@@ -456,3 +456,36 @@ def test_deepspeed_writer_settings_are_named_as_ignored_and_do_not_break_the_eng
     [messages] = run_ranks(_writer_settings, 1, str(tmp_path), timeout=120)
     assert len(messages) == 1, messages
     assert "checkpoint.writer.type, checkpoint.writer.decoupled, checkpoint.writer.io_buffer_size" in messages[0]
+
+
+def _escaping_tag(rank: int, world_size: int, tmp: str) -> None:
+    import tiercheck
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+    from tiercheck.errors import UnsafeCheckpointError
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    local = os.path.join(tmp, "node0")
+    for step, tag in ((1, "../escaped"), (2, "/tmp/absolute")):  # a hand-made step, as a hostile one would be
+        state = {
+            "tiercheck.deepspeed": {"tag": tag, "files": ["mp_rank_00_model_states.pt"]},
+            "mp_rank_00_model_states.pt": {"module": {"w": torch.zeros(2)}},
+        }
+        with tiercheck.Checkpointer(state, local=local) as ckpt:
+            ckpt.save(step, metadata={"deepspeed": {"tag": tag}}).wait()
+        with pytest.raises(UnsafeCheckpointError, match=f"the DeepSpeed tag {tag!r} is not a plain directory name"):
+            tiercheck_ds.export(local, os.path.join(tmp, "exported"), step=step)
+    engine = _engine(0, 1, seed=0, local=local)
+    with pytest.raises(UnsafeCheckpointError, match="'/tmp/absolute' is not a plain directory name"):
+        engine.load_checkpoint(os.path.join(tmp, "checkpoints"))  # the newest step
+    engine.destroy()
+
+
+def test_a_tag_that_leaves_the_directory_is_refused(tmp_path: Path) -> None:
+    run_ranks(_escaping_tag, 1, str(tmp_path / "run"), timeout=120)
+    cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "run" / "node0"), str(tmp_path / "x")]
+    done = subprocess.run(cli, capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert "'/tmp/absolute' is not a plain directory name" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written beside it
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["node0"]
+    assert not Path("/tmp/absolute").exists()

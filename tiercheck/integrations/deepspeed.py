@@ -54,6 +54,7 @@ from ..checkpointer import Checkpointer, load
 from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError, UnsafeCheckpointError
 from ..tiers.base import Tier
 from .deepspeed_files import (
+    checked_tag,
     find_tag,
     load_object,
     move,
@@ -263,7 +264,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         meta = self._state.pop(_META, None)
         if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
             raise CheckpointNotFoundError(f"step {got} in {ckpt.tier.url} was not saved by the DeepSpeed integration")
-        tag = meta["tag"]
+        tag = checked_tag(meta["tag"], where=f"{ckpt.tier.url}: step {got}")
         folder = os.path.join(os.path.abspath(load_dir), tag)
         self._restored = {os.path.join(folder, name): value for name, value in self._state.items()}
         write_pointers(folder, ckpt, got, list(self._state))
@@ -555,7 +556,7 @@ def export(
     meta = state.pop(_META, None)
     if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
         raise CheckpointNotFoundError(f"{os.fspath(source)}: the step was not saved by the DeepSpeed integration")
-    tag = meta["tag"]
+    tag = checked_tag(meta["tag"], where=os.fspath(source))
     folder = Path(save_dir) / tag
     folder.mkdir(parents=True, exist_ok=True)
     allowed = (*_SAFE_GLOBALS, *safe_globals)

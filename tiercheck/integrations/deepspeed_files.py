@@ -106,6 +106,14 @@ def move(obj: Any, map_location: Any) -> Any:
     return obj
 
 
+def checked_tag(tag: object, *, where: str) -> str:
+    """A tag read from a checkpoint, refused unless it is one plain directory name: a tag like
+    ``../x`` or ``/etc`` would make export and load write outside the directory the caller named."""
+    if not isinstance(tag, str) or tag in ("", ".", "..") or len(tag) > 255 or any(c in tag for c in "/\\\0"):
+        raise UnsafeCheckpointError(f"{where}: the DeepSpeed tag {str(tag)[:300]!r} is not a plain directory name")
+    return tag
+
+
 def find_tag(tier: Tier, tag: str) -> int | None:
     """The newest committed step on ``tier`` whose metadata names ``tag``."""
     guess = re.fullmatch(r"global_step(\d+)", tag)
