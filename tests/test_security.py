@@ -78,3 +78,77 @@ def test_a_tree_referring_to_an_unlisted_array_is_refused(ckpt_dir: Path) -> Non
     rewrite_manifest(ckpt_dir, 3, lambda doc: doc["trees"][0]["model"].update(x={"$tensor": "../secret"}))
     with pytest.raises(tiercheck.CorruptCheckpointError, match="manifest lacks"):
         tiercheck.load(ckpt_dir)
+
+
+# ---------------------------------------------------------------------------- symbolic links
+
+
+def _outside_copy(src: Path, outside: Path) -> Path:
+    """A byte-identical copy of ``src`` outside the checkpoint: a link to it would verify."""
+    import shutil
+
+    (shutil.copytree if src.is_dir() else shutil.copy2)(src, outside)
+    return outside
+
+
+def _refused_everywhere(ckpt_dir: Path, message: str) -> None:
+    from click.testing import CliRunner
+
+    from tiercheck.cli import main
+
+    with pytest.raises(UnsafeCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(UnsafeCheckpointError, match=message):
+        ck.restore(step=3)
+    assert not live["model"]["w"].any()
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code != 0 and "symbolic link" in result.output, result.output
+
+
+@pytest.mark.parametrize("link", ["pack", "packs directory"])
+def test_a_symlink_inside_a_step_is_never_followed(ckpt_dir: Path, tmp_path: Path, link: str) -> None:
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    inside = step / "packs" / "rank-000000.bin" if link == "pack" else step / "packs"
+    target = _outside_copy(inside, tmp_path / "outside")
+    import shutil
+
+    (shutil.rmtree if inside.is_dir() else Path.unlink)(inside)
+    inside.symlink_to(target)
+    _refused_everywhere(ckpt_dir, f"{inside} is a symbolic link")
+
+
+def test_a_symlinked_step_directory_is_ignored_with_a_warning(
+    ckpt_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = saved(ckpt_dir, step=2)
+    with Checkpointer({"model": model}, local=ckpt_dir) as ck:  # a whole step 3 elsewhere, linked in
+        ck.save(3).wait()
+    step3 = ckpt_dir / "step-00000003"
+    target = _outside_copy(step3, tmp_path / "elsewhere")
+    import shutil
+
+    shutil.rmtree(step3)
+    step3.symlink_to(target, target_is_directory=True)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck:  # starts, and restores the real step
+        assert ck.steps() == [2]
+        assert ck.restore() == 2
+    assert torch.equal(live["model"]["w"], model["w"])
+    assert any("step-00000003" in r.message and "symbolic link" in r.message for r in caplog.records)
+    assert (target / "COMMIT").exists(), "the link's target is left alone"
+
+
+def test_restore_to_never_writes_through_a_symlinked_target_step(ckpt_dir: Path, tmp_path: Path) -> None:
+    from tiercheck.tiers.local import LocalTier
+    from tiercheck.transfer import copy_step
+
+    saved(ckpt_dir)
+    target, elsewhere = tmp_path / "target", tmp_path / "elsewhere"
+    target.mkdir()
+    elsewhere.mkdir()
+    (target / "step-00000003").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UnsafeCheckpointError, match="is a symbolic link"):
+        copy_step(LocalTier(ckpt_dir), LocalTier(target), 3)
+    assert list(elsewhere.iterdir()) == []

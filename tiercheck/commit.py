@@ -10,6 +10,7 @@ deletion leaves a partial step (cleaned up later), never a damaged committed one
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections import defaultdict
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from .codec import checksum, unseal
 from .coordination import Barrier, Coordinator, Nodes, Protocol
-from .errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError, UnsafeCheckpointError
 from .manifest import (
     COMMIT_FILE,
     JSON,
@@ -37,6 +38,8 @@ from .manifest import (
     shard_file,
 )
 from .tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
@@ -59,7 +62,12 @@ def list_steps(tier: Tier) -> StepListing:
         if not m:
             continue
         step = int(m.group(1))
-        (committed if tier.exists(f"{name}/{COMMIT_FILE}") else partial).append(step)
+        try:
+            done = tier.exists(f"{name}/{COMMIT_FILE}")
+        except UnsafeCheckpointError as e:  # e.g. a step directory that is a symbolic link
+            log.warning("ignoring %s in %s: %s", name, tier.url, e)
+            continue
+        (committed if done else partial).append(step)
     return StepListing(sorted(committed), sorted(partial))
 
 

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +32,29 @@ class LocalTier(Tier):
     def create(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def _abs(self, path: str) -> Path:
-        # Paths come from our own planning, but also from manifests read back: refuse escapes.
-        if path.startswith("/") or "\\" in path or any(p in ("..",) for p in path.split("/")):
+    def _abs(self, path: str, *, link_at_end: bool = False) -> Path:
+        """``path`` under the root. Paths come from our own planning, but also from manifests read
+        back: escapes are refused, and so is a symbolic link anywhere below the root (tiercheck
+        never writes one; followed, it would read or write outside the checkpoint). The root itself
+        may be a link (an NVMe mount). With ``link_at_end``, the last component may be a link: it
+        is removed, not followed."""
+        if path.startswith("/") or "\\" in path or "\0" in path or any(p in ("..",) for p in path.split("/")):
             raise UnsafeCheckpointError(f"path {path!r} would leave the checkpoint root {self.root}")
-        return self.root / path if path else self.root
+        if not path:
+            return self.root
+        here = self.root
+        parts = [p for p in path.split("/") if p]
+        for i, part in enumerate(parts):
+            here = here / part
+            try:
+                mode = os.lstat(here).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break  # nothing further exists to be a link
+            if stat.S_ISLNK(mode) and not (link_at_end and i == len(parts) - 1):
+                raise UnsafeCheckpointError(
+                    f"{here} is a symbolic link; a checkpoint never holds one, so tiercheck will not follow it"
+                )
+        return self.root / path
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         target = self._abs(path)
@@ -140,7 +159,13 @@ class LocalTier(Tier):
     def sizes(self, path: str) -> dict[str, int]:
         top = self._abs(path)
         out: dict[str, int] = {}
-        for dirpath, _, files in os.walk(top):
+        for dirpath, dirs, files in os.walk(top):
+            for f in (*dirs, *files):
+                full = os.path.join(dirpath, f)
+                if os.path.islink(full):
+                    raise UnsafeCheckpointError(
+                        f"{full} is a symbolic link; a checkpoint never holds one, so tiercheck will not follow it"
+                    )
             for f in files:
                 full = os.path.join(dirpath, f)
                 with contextlib.suppress(FileNotFoundError):
@@ -155,7 +180,7 @@ class LocalTier(Tier):
         self._sync_dir(target.parent)
 
     def delete(self, path: str) -> None:
-        target = self._abs(path)
+        target = self._abs(path, link_at_end=True)
         try:
             target.unlink()
         except FileNotFoundError:
@@ -163,9 +188,12 @@ class LocalTier(Tier):
         self._sync_dir(target.parent)
 
     def delete_tree(self, path: str) -> None:
-        target = self._abs(path)
+        target = self._abs(path, link_at_end=True)
         with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(target)
+            if target.is_symlink() or not target.is_dir():  # a link (never followed) or a stray file
+                target.unlink()
+            else:
+                shutil.rmtree(target)
         self._sync_dir(target.parent)
 
     def sync_dirs(self, path: str) -> None:
