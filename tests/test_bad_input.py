@@ -224,3 +224,14 @@ def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     (d / "manifest.json").write_bytes(data)
     marker = {"format": "tiercheck", "step": step, "manifest_crc32c": checksum(data), "manifest_size": len(data)}
     (d / "COMMIT").write_text(json.dumps(marker))
+
+
+def test_a_stray_file_named_like_a_step_does_not_stop_a_checkpointer(ckpt_dir: Path) -> None:
+    model = saved(ckpt_dir)
+    (ckpt_dir / "step-00000009").write_text("not a step")
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck:  # the stray file is a partial step: removed
+        assert ck.restore() == 3
+        assert ck.steps() == [3]
+    assert torch.equal(live["model"]["w"], model["w"])
+    assert not (ckpt_dir / "step-00000009").exists()
