@@ -232,3 +232,22 @@ def test_plan_sizes_gpt3_and_a_7b_model_by_hand(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the measurement cleaned up after itself
     table = run("plan", "--params", "7e9", "--dp", "8").stdout
     assert "interval (Daly)" in table and "typical figures" in table
+
+
+_NO_TORCH = """
+import sys
+from click.testing import CliRunner
+from tiercheck.cli import main
+runs = [["--help"], ["ls", sys.argv[1]], ["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["plan", "--params", "7e9"]]
+for args in runs:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (args, result.output)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_commands_that_need_no_tensors_do_not_import_torch(saved: Path) -> None:
+    """`import torch` takes seconds; --help, ls, inspect, verify and plan answer without it."""
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, str(saved)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -2,8 +2,9 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING, Any
+
 from . import errors
-from .checkpointer import Checkpointer, load
 from .errors import (
     CheckpointNotFoundError,
     CoordinationError,
@@ -25,8 +26,27 @@ from .options import (
     StagingOptions,
     WriteOptions,
 )
-from .pipeline import SaveHandle
-from .sharding import Shard, per_rank
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, load
+    from .pipeline import SaveHandle
+    from .sharding import Shard, per_rank
+
+# What needs torch is imported on first use, so that `tiercheck --help`, `ls` and `inspect` start
+# in a fraction of a second instead of the seconds `import torch` takes.
+_LAZY = {"Checkpointer": "checkpointer", "load": "checkpointer", "SaveHandle": "pipeline", "Shard": "sharding"}
+_LAZY["per_rank"] = "sharding"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointNotFoundError",

@@ -29,8 +29,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from .errors import CoordinationError
 
 log = logging.getLogger("tiercheck")
@@ -64,6 +62,8 @@ class Coordinator:
 
     @classmethod
     def single(cls, timeout_s: float) -> Coordinator:
+        import torch.distributed as dist  # commands that only list or inspect never load torch
+
         return cls(dist.HashStore(), rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
 
     def key(self, *parts: object) -> str:
@@ -96,7 +96,7 @@ class Coordinator:
         self._count(out=sum(map(len, keys)))
         try:
             self.store.wait(keys, timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistError) as e:  # a timeout, or the store's server (rank 0) is gone
+        except RuntimeError as e:  # a timeout, or the store's server (rank 0) is gone (DistError is one)
             missing = [k for k in keys if not self.has(k)]
             raise CoordinationError(
                 f"rank {self.rank}: gave up waiting for {what} after {timeout:.0f} s "
@@ -107,7 +107,7 @@ class Coordinator:
         self._count(out=len(key))
         try:
             return bool(self.store.check([key]))
-        except (RuntimeError, dist.DistError):
+        except RuntimeError:  # torch's DistError is one
             return False
 
     def decide(self, key: str, proposal: str) -> str:
@@ -153,7 +153,7 @@ class Coordinator:
             self._count(out=len(key))
             try:
                 self.store.delete_key(key)
-            except (RuntimeError, dist.DistError):
+            except RuntimeError:  # torch's DistError is one
                 log.debug("could not delete %s from the store", key)
 
     # ---------------------------------------------------------------------------- patterns
@@ -274,6 +274,8 @@ def join_nodes(coord: Coordinator, node: str) -> Protocol[Nodes]:
 
 def _own_client(store: Any, timeout_s: float) -> Any:
     """A new TCPStore client to the server behind ``store`` (other stores are shared as they are)."""
+    import torch.distributed as dist
+
     base = store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
