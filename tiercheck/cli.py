@@ -294,14 +294,15 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         out.print(f"  saving topology: {world} rank(s) on {nodes} node(s); this tier holds the files of ranks "
                   f"{_ranges(sorted(marker.ranks))}")  # fmt: skip
         out.print(f"  metadata: {json.dumps(manifest.metadata)}", markup=False)
-        table = Table(box=None, pad_edge=False)
-        for col, just in (("array", "left"), ("dtype", "left"), ("shape", "left"), ("chunks", "left"),
-                          ("n", "right"), ("size", "right"), ("written by ranks", "left")):  # fmt: skip
-            table.add_column(col, justify=just)  # type: ignore[arg-type]
-        for a in arrays:
-            table.add_row(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]),
-                          _human(a["bytes"]), _ranges(a["written_by_ranks"]))  # fmt: skip
-        out.print(table)
+        columns = (("array", "<"), ("dtype", "<"), ("shape", "<"), ("chunks", "<"), ("n", ">"), ("size", ">"),
+                   ("written by ranks", "<"))  # fmt: skip
+        rows = [(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]), _human(a["bytes"]),
+                 _ranges(a["written_by_ranks"])) for a in arrays]  # fmt: skip
+        # Plain aligned lines: rich's table takes ~1 ms a row (20,000 arrays: 18 s).
+        widths = [max([len(name), *(len(r[i]) for r in rows)]) for i, (name, _) in enumerate(columns)]
+        line = "  ".join(f"{{:{align}{w}}}" for (_, align), w in zip(columns, widths, strict=True))
+        click.echo(line.format(*(name for name, _ in columns)).rstrip())
+        click.echo("\n".join(line.format(*r).rstrip() for r in rows))
 
 
 # ------------------------------------------------------------------------------------- verify
