@@ -207,7 +207,7 @@ def test_unreachable_server_and_wrong_credentials_fail_with_one_line(
     assert proc.returncode == 1 and "access denied" in proc.stderr and "nope" not in proc.stderr
     closed = ["-o", "endpoint_url=http://127.0.0.1:9", "-o", "key=k", "-o", "secret=s"]
     proc = run("--retry-deadline", "2", *closed, "ls", url, check=False)
-    assert proc.returncode == 1 and "still failing after" in proc.stderr
+    assert proc.returncode == 1 and "gave up after" in proc.stderr
     assert proc.stderr.count("\n") == 1
 
 

@@ -136,3 +136,24 @@ def test_wrong_credentials_fail_fast_and_keep_the_local_checkpoint(
         assert status["retries"] == 0
         assert "not-the-secret" not in str(info.value) and "Xby8" not in str(info.value)
     assert_identical(tiercheck.load(tmp_path / "local"), state_of(5))
+
+
+def test_close_with_the_remote_down_is_bounded_and_reports_the_undrained_steps(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with FaultProxy(s3_server.endpoint_url, reset=1.0, seed=3) as proxy:  # every request is reset
+        ck = Checkpointer(
+            state_of(5),
+            local=tmp_path / "local",
+            remote=f"s3://{s3_bucket}/run",
+            remote_options=s3_server.storage_options(endpoint_url=proxy.url),
+            drain=DrainOptions(retry=PATIENT),  # would retry for 120 s
+        )
+        ck.save(5).wait()
+        undrained = ck.close(timeout=2)
+        # Returned long before the retries' own deadline, naming the step; the drain gave up.
+        assert undrained == [5]
+        assert ck.close() == []  # idempotent
+    warned = [r.message for r in caplog.records if r.levelname == "WARNING" and "not drained" in r.message]
+    assert len(warned) == 1 and "step(s) 5 not drained" in warned[0] and "tiercheck drain" in warned[0]
+    assert list_steps(tiercheck.tiers.local.LocalTier(tmp_path / "local")).committed == [5]  # kept locally

@@ -24,6 +24,7 @@ from .coordination import Coordinator, Nodes, default_store, drive, join_nodes, 
 from .drain import Drainer
 from .errors import RemoteStorageError, StepExistsError
 from .flatten import Leaf, dtype_name, flatten
+from .fmt import fmt_steps
 from .lock import DirectoryLock, lock_node
 from .manifest import JSON
 from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
@@ -467,11 +468,14 @@ class Checkpointer:
             "remote": self._drainer.snapshot() if self._drainer is not None else None,
         }
 
-    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
         """Wait for in-flight saves and (with ``drain``) for drains to the remote tier, then stop
-        the background threads. Idempotent. A drain still unfinished resumes in the next run."""
+        the background threads; ``timeout`` bounds the wait for drains. Returns the committed steps
+        not drained to the remote tier (empty without one), with a WARNING when ``drain`` asked
+        for them: they stay in the local directory, and the next run with this remote tier (or
+        ``tiercheck drain``) finishes them. Idempotent."""
         if self._closed:
-            return
+            return []
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
@@ -479,9 +483,19 @@ class Checkpointer:
             self._pipeline.close()
         if self._populate is not None:
             self._populate.join(timeout)
-        if self._drainer is not None:
-            self._drainer.close(drain=drain, timeout=timeout)
+        undrained = self._drainer.close(drain=drain, timeout=timeout) if self._drainer is not None else []
         self._dir_lock.release()
+        if undrained and drain and self.remote is not None:
+            log.warning(
+                "closing with step(s) %s not drained to %s; they stay in %s, and the next run with this "
+                "remote tier (or `tiercheck drain %s %s`) drains them",
+                fmt_steps(undrained),
+                self.remote.url,
+                self.tier.url,
+                self.tier.url,
+                self.remote.url,
+            )
+        return undrained
 
     def __enter__(self) -> Checkpointer:
         return self

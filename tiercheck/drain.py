@@ -63,6 +63,7 @@ class Drainer:
         self._cond = threading.Condition()
         self._queue: dict[int, list[Future[bool]]] = {}
         self._current: int | None = None
+        self._failed: set[int] = set()  # drains that failed in this run (the local copy is kept)
         self._settling = False
         self._stop = False
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
@@ -145,21 +146,33 @@ class Drainer:
             out["requests"] = counters["requests"]
         return out
 
-    def close(self, *, drain: bool, timeout: float | None = None) -> None:
+    def close(self, *, drain: bool, timeout: float | None = None) -> list[int]:
+        """Stop, after waiting (with ``drain``) for the queued drains; ``timeout`` bounds the whole
+        wait. Returns the steps left undrained: queued, in flight when the wait ran out (their
+        requests stop retrying), or failed in this run."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         if self._resumer is not None:
-            self._resumer.join(timeout)
+            self._resumer.join(left())
         if drain:
-            self.wait(timeout)
+            self.wait(left())
         with self._cond:
+            undrained = set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
             self._stop = True
             for futures in self._queue.values():
                 for f in futures:
                     f.cancel()
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(left())
+        if self._thread.is_alive():  # an upload still in flight: its requests give up at their next retry
+            self.remote.abort()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not self._thread.is_alive(), cancel_futures=True)
+        return sorted(undrained)
 
     # --- drain thread -------------------------------------------------------------------------
 
@@ -185,11 +198,13 @@ class Drainer:
                 with self._cond:
                     self.status.update(drained=self.status["drained"] + 1, last_drained=chosen)
                     self.status["last_drain_s"] = time.perf_counter() - t0
+                    self._failed.discard(chosen)
                 for f in futures:
                     f.set_result(True)
             except BaseException as e:
                 with self._cond:
                     self.status["failed"] += 1
+                    self._failed.add(chosen)
                     self.status["last_error"] = f"step {chosen}: {type(e).__name__}: {e}"
                 log.error("drain of step %d to %s failed (the local copy is kept): %s", chosen, self.remote.url, e)
                 for f in futures:

@@ -90,3 +90,8 @@ class Tier(ABC):
         """Every file under ``path`` with its size, keyed by path relative to ``path`` (used to
         resume a copy). The default knows nothing, so everything is copied again."""
         return {}
+
+    def abort(self) -> None:
+        """Stop retrying: requests in flight give up at their next retry (a closing drain whose
+        wait ran out). A no-op for tiers that do not retry."""
+        return None

@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_after_delay
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    stop_when_event_set,
+)
 from tenacity.wait import wait_random_exponential
 
 from ..errors import RemoteStorageError, UnsafeCheckpointError
@@ -156,6 +163,10 @@ class RemoteTier(Tier):
             self.fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
         self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0}
         self._lock = threading.Lock()
+        self._aborted = threading.Event()
+
+    def abort(self) -> None:
+        self._aborted.set()
 
     def _p(self, path: str) -> str:
         if path.startswith("/") or "\\" in path or ".." in path.split("/"):
@@ -173,7 +184,7 @@ class RemoteTier(Tier):
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             wait=wait_random_exponential(multiplier=r.initial_backoff_s, max=r.max_backoff_s),
-            stop=stop_after_attempt(r.attempts) | stop_after_delay(r.deadline_s),
+            stop=stop_after_attempt(r.attempts) | stop_after_delay(r.deadline_s) | stop_when_event_set(self._aborted),
             before_sleep=count_retry,
             reraise=True,
         )
@@ -185,9 +196,12 @@ class RemoteTier(Tier):
             raise
         except Exception as e:  # botocore / azure-core errors are not all OSErrors: one type for callers
             if is_transient(e):
+                stats = retrying.statistics
+                why = "the tier was closed" if self._aborted.is_set() else "retry limits"
                 raise RemoteStorageError(
-                    f"{self.url}: {what}: still failing after {r.attempts} attempts / {r.deadline_s:.0f} s "
-                    f"({_brief(e)})"
+                    f"{self.url}: {what}: gave up after {stats.get('attempt_number', 1)} attempt(s) in "
+                    f"{stats.get('delay_since_first_attempt', 0.0):.0f} s ({why}: {r.attempts} attempts / "
+                    f"{r.deadline_s:.0f} s): {_brief(e)}"
                 ) from e
             status = _status(e)
             if isinstance(e, PermissionError) or status in (401, 403):
