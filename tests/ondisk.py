@@ -43,3 +43,36 @@ def step_parts(step: Path) -> list[RankPart]:
     for part_path in sorted((step / "manifest").glob("rank-*.json")):
         out.append(parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path)))
     return out
+
+
+def as_format3(step: Path) -> None:
+    """Rewrite the single-node step directory ``step`` as format 3 laid it out: each chunk its own
+    file ``<array>/<key>`` (data and trailer), no packs, the parts without offsets; re-signed."""
+    import json
+
+    from tiercheck.codec import checksum, seal
+
+    for part_path in sorted((step / "manifest").glob("rank-*.json")):
+        rank = int(part_path.stem.split("-")[1])
+        doc = json.loads(unseal(part_path.read_bytes(), where=str(part_path)))
+        pack = (step / pack_file(rank)).read_bytes()
+        for array, by_key in doc["offset"].items():
+            for key, offset in by_key.items():
+                out = step / array / key
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(pack[offset : offset + doc["nbytes"][array] + CHECKSUM_BYTES])
+        doc["offset"], doc["nbytes"] = {}, {}
+        part_path.write_bytes(seal(json.dumps(doc).encode()))
+    for d in ("packs", "refs"):
+        for f in (step / d).iterdir():
+            f.unlink()
+        (step / d).rmdir()
+    index = json.loads((step / "manifest.json").read_bytes())
+    index["format_version"] = 3
+    index["parts"].pop("packs", None)
+    index["parts"].pop("refs", None)
+    data = json.dumps(index).encode()
+    (step / "manifest.json").write_bytes(data)
+    marker = json.loads((step / "COMMIT").read_bytes())
+    marker.update(manifest_crc32c=checksum(data), manifest_size=len(data))
+    (step / "COMMIT").write_text(json.dumps(marker))

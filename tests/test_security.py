@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import json
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +13,15 @@ import pytest
 import torch
 
 import tiercheck
+from tests.ondisk import as_format3
 from tests.test_bad_input import rewrite_manifest, saved
 from tiercheck import Checkpointer
+from tiercheck.codec import seal, unseal
+from tiercheck.drain import upload_step
 from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
+from tiercheck.manifest import owners_file
+from tiercheck.tiers.local import LocalTier
+from tiercheck.transfer import copy_step
 
 
 class Opaque:
@@ -152,3 +160,61 @@ def test_restore_to_never_writes_through_a_symlinked_target_step(ckpt_dir: Path,
     with pytest.raises(UnsafeCheckpointError, match="is a symbolic link"):
         copy_step(LocalTier(ckpt_dir), LocalTier(target), 3)
     assert list(elsewhere.iterdir()) == []
+
+
+# ------------------------------------------------------------------ copies commit only whole steps
+
+
+def test_a_chunk_owner_outside_the_world_is_refused(ckpt_dir: Path, tmp_path: Path) -> None:
+    saved(ckpt_dir)
+    owners = ckpt_dir / "step-00000003" / owners_file(0)
+    doc = json.loads(unseal(owners.read_bytes(), where="test"))
+    doc["owner"]["model/w"]["c.0.0"] = 5
+    owners.write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(tiercheck.CorruptCheckpointError, match=r"array 'model/w' chunk c.0.0: owner 5 is not a rank"):
+        tiercheck.load(ckpt_dir)
+    with pytest.raises(tiercheck.CorruptCheckpointError, match="owner 5 is not a rank"):
+        copy_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "target"), 3)
+    assert not (tmp_path / "target" / "step-00000003" / "COMMIT").exists()
+
+
+def test_a_format3_copy_commits_only_with_every_chunk_file(ckpt_dir: Path, tmp_path: Path) -> None:
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    as_format3(step)
+    (step / "model/w/c.1.0").rename(step / "model/w/c.9.0")  # a chunk key rewritten on disk
+    target = tmp_path / "target"
+    with pytest.raises(
+        tiercheck.CorruptCheckpointError, match=r"1 chunk file\(s\) the manifest names are missing, e.g. model/w/c.1.0"
+    ):
+        copy_step(LocalTier(ckpt_dir), LocalTier(target), 3)
+    assert not (target / "step-00000003" / "COMMIT").exists()
+    assert not (target / "step-00000003" / "model/w/c.9.0").exists()
+
+
+def test_a_format3_drain_checks_each_chunk_as_read(ckpt_dir: Path, tmp_path: Path) -> None:
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    as_format3(step)
+    chunk = step / "model/w/c.2.0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    remote = LocalTier(tmp_path / "remote")
+    with (
+        ThreadPoolExecutor(2) as pool,
+        pytest.raises(tiercheck.CorruptCheckpointError, match=r"step-00000003/model/w/c.2.0: .*checksum"),
+    ):
+        upload_step(LocalTier(ckpt_dir), remote, 3, pool=pool)
+    assert not (tmp_path / "remote" / "step-00000003" / "COMMIT").exists()
+    data[10] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    (step / "model/w/c.9.0").write_bytes(bytes(data))  # a chunk file no part of the manifest names
+    with (
+        ThreadPoolExecutor(2) as pool,
+        pytest.raises(
+            tiercheck.CorruptCheckpointError, match=r"model/w/c.9.0: a chunk file the manifest does not name"
+        ),
+    ):
+        upload_step(LocalTier(ckpt_dir), remote, 3, pool=pool)
+    assert not (tmp_path / "remote" / "step-00000003" / "COMMIT").exists()

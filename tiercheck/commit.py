@@ -219,6 +219,12 @@ def assemble(
     for path, rec in arrays.items():
         if path in writers:
             rec = replace(rec, owners=writers[path])
+        for key, owner in rec.owners.items():
+            if owner >= index.world_size:
+                raise CorruptCheckpointError(
+                    f"{where}: array {path!r} chunk {key}: owner {owner} is not a rank of the "
+                    f"{index.world_size} that saved the step"
+                )
         kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
         at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
         records[path] = replace(rec, checksums=dict(sorted(kept.items())), offsets=at)

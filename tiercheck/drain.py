@@ -32,7 +32,7 @@ from .options import DrainOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
-from .transfer import copy_pack
+from .transfer import chunk_file_crcs, copy_chunk_file, copy_pack
 
 log = logging.getLogger("tiercheck")
 
@@ -334,6 +334,7 @@ def upload_step(
     files = {f: n for f, n in files.items() if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")}
     there = remote.sizes(d)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    crcs = chunk_file_crcs(local, step, list(marker.ranks))
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:
@@ -341,10 +342,9 @@ def upload_step(
             n = copy_pack(local, remote, step, f, files[f])
             on_file(n)
             return n
-        data = local.read_bytes(f"{d}/{f}")
-        remote.write(f"{d}/{f}", [data])
-        on_file(len(data))
-        return len(data)
+        n = copy_chunk_file(local, remote, step, f, crcs)  # format 3: each chunk file checked as read
+        on_file(n)
+        return n
 
     nbytes = sum(pool.map(copy, todo))
     log.info(

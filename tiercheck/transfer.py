@@ -9,19 +9,22 @@ wrong one.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
-from .commit import commit_step, rank_parts, read_manifest, read_marker, step_dir
+from .commit import commit_step, rank_parts, read_index, read_manifest, read_marker, step_dir
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_file, pack_owner
 from .tiers.base import Tier
 from .tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
+
+_CHUNK_FILE = re.compile(r"(^|/)c([./]\d+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes to do)
 
@@ -69,8 +72,18 @@ def copy_step(
         if f not in (COMMIT_FILE, MANIFEST_FILE)
         and not f.startswith("__")
         and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
+        and (f in chunk_records or not _CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
     }
     files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
+    absent = sorted(
+        f
+        for f, (rec, key) in chunk_records.items()
+        if key not in rec.offsets and rec.owner(key) in wanted and f not in files
+    )
+    if absent:  # format 3 and before: each chunk its own file
+        raise CorruptCheckpointError(
+            f"{src.url}: step {step}: {len(absent)} chunk file(s) the manifest names are missing, e.g. {absent[0]}"
+        )
     writers = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.offsets}
     lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
     if lost:
@@ -145,3 +158,33 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
 
     dst.write_stream(f"{d}/{f}", pieces)
     return end
+
+
+def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | None:
+    """The checksum of each chunk file (format 3: each chunk its own file) that ``ranks`` wrote
+    in ``step``, by its path inside the step; None for a format that keeps no such files to check
+    this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
+    if read_index(src, step)[1]["format_version"] != 3:
+        return None
+    parts = rank_parts(src, step, ranks)
+    return {
+        f"{path}/{key}": crc
+        for part in parts.values()
+        for path, by in part.checksums.items()
+        for key, crc in by.items()
+    }
+
+
+def copy_chunk_file(src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None) -> int:
+    """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
+    checked against its checksum as read (one the manifest does not name is refused). Returns
+    the bytes copied."""
+    d = step_dir(step)
+    data = src.read_bytes(f"{d}/{f}")
+    if crcs is not None and _CHUNK_FILE.search(f):
+        where = f"{src.url}: {d}/{f}"
+        if f not in crcs:
+            raise CorruptCheckpointError(f"{where}: a chunk file the manifest does not name")
+        verify_chunk(data, expected_crc=crcs[f], nbytes=max(len(data) - CHECKSUM_BYTES, 0), where=where)
+    dst.write(f"{d}/{f}", [data])
+    return len(data)
