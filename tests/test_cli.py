@@ -263,3 +263,25 @@ def test_inspect_lists_every_array_of_a_large_step_once(tmp_path: Path) -> None:
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("layer")]
     assert sorted(r[0] for r in rows) == sorted(state)
     assert all(r[1:] == ["float32", "[3]", "[3]", "1", "12", "B", "0"] for r in rows), rows[:3]
+
+
+def test_a_refused_restore_leaves_no_target_behind(tmp_path: Path, saved: Path) -> None:
+    target = tmp_path / "never"
+    proc = run("restore", str(saved), "--to", str(target), "--step", "999", check=False)
+    assert proc.returncode != 0 and "999" in proc.stderr, proc.stderr
+    assert not target.exists()
+
+
+def test_verify_and_restore_follow_no_symlink_out_of_the_checkpoint(tmp_path: Path, saved: Path) -> None:
+    pack = saved / step_dir(20) / "packs" / "rank-000000.bin"
+    outside = tmp_path / "outside.bin"
+    pack.rename(outside)
+    pack.symlink_to(outside)
+    symlink = f"{pack} is a symbolic link"
+    proc = run("verify", str(saved), "--step", "20", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert f"damaged: step 20: array 'model/layer0' chunk c.0.0: {symlink}" in proc.stderr, proc.stderr
+    target = tmp_path / "target"
+    proc = run("restore", str(saved), "--to", str(target), "--step", "20", check=False)
+    assert proc.returncode != 0 and symlink in proc.stderr, proc.stderr
+    assert not (target / step_dir(20) / "COMMIT").exists()

@@ -415,8 +415,6 @@ def restore_command(
     with errors_as_one_line():
         src = ctx.tier(source)
         dst = ctx.tier(target, must_exist=False)
-        if isinstance(dst, LocalTier):
-            dst.create()
         n = _pick_step(src, step)
         spans = _parse_ranks(ranks) if ranks else None
         world = read_marker(src, n).world_size
@@ -430,6 +428,8 @@ def restore_command(
             out.print(f"step {n} is already committed in {dst.url}; nothing to do")
             return
         total_hint = _step_bytes(read_manifest(src, n))
+        if isinstance(dst, LocalTier):
+            dst.create()  # only now: a refused restore leaves no new directory behind
         with _progress(ctx, f"step {n}", total_hint) as report:
             result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
         out.print(
