@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,3 +237,40 @@ def test_a_stray_file_named_like_a_step_does_not_stop_a_checkpointer(ckpt_dir: P
         assert ck.steps() == [3]
     assert torch.equal(live["model"]["w"], model["w"])
     assert not (ckpt_dir / "step-00000009").exists()
+
+
+def test_metadata_round_trips_nan_and_infinities(ckpt_dir: Path) -> None:
+    import math
+
+    from tiercheck.commit import read_manifest
+    from tiercheck.tiers.local import LocalTier
+
+    meta = {"loss": math.nan, "grad_norm": math.inf, "lows": [-math.inf, 1.5], "epoch": 3, "note": None}
+    with Checkpointer({"w": torch.zeros(4)}, local=ckpt_dir) as ck:
+        ck.save(1, metadata=meta).wait()  # a diverging loss does not stop the save
+        ck.save(2, metadata={"loss": 0.5}).wait()
+    got = read_manifest(LocalTier(ckpt_dir), 1).metadata
+    assert isinstance(got, dict) and math.isnan(got["loss"])
+    assert {k: v for k, v in got.items() if k != "loss"} == {k: v for k, v in meta.items() if k != "loss"}
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"t": torch.zeros(1)}, r"metadata\['t'\]: a Tensor cannot be stored as metadata \(a tensor or numpy value"),
+        ({"n": np.float32(1.5)}, r"metadata\['n'\]: a float32 cannot be stored as metadata \(a tensor or numpy"),
+        ({"s": {1, 2}}, r"metadata\['s'\]: a set cannot be stored as metadata"),
+        ({"b": b"x"}, r"metadata\['b'\]: a bytes cannot be stored as metadata"),
+        ({"xs": [(1, 2)]}, r"metadata\['xs'\]\[0\]: a tuple cannot be stored .*pass a list"),
+        ({1: "a"}, r"metadata: key 1 is not a string"),
+    ],
+)
+def test_metadata_that_would_not_round_trip_is_refused_before_anything_is_written(
+    ckpt_dir: Path, bad: dict[Any, Any], message: str
+) -> None:
+    with Checkpointer({"w": torch.zeros(4)}, local=ckpt_dir) as ck:
+        with pytest.raises(tiercheck.UnsupportedValueError, match=message):
+            ck.save(1, metadata=bad)
+        assert list(ckpt_dir.glob("step-*")) == []
+        ck.save(1, metadata={"ok": True}).wait()  # the refused save poisons nothing
+        assert ck.steps() == [1]

@@ -27,6 +27,7 @@ from .flatten import Leaf, dtype_name, flatten
 from .fmt import fmt_steps
 from .lock import DirectoryLock, lock_node
 from .manifest import JSON
+from .metadata import encode as encode_metadata
 from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
@@ -177,6 +178,7 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        metadata = encode_metadata(metadata)  # refused here, before anything is written
         with self._lock:
             if step in self._local:
                 raise StepExistsError(

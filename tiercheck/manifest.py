@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from .metadata import decode as decode_metadata
 
 FORMAT_NAME = "tiercheck"
 FORMAT_VERSION = 4  # 4: chunks in one pack file per rank; 3: the manifest in parts; 3, 2 and 1 are still read
@@ -226,7 +227,7 @@ class Manifest:
                 trees=trees,
                 tree_of_rank=tree_of_rank,
                 arrays=arrays,
-                metadata=doc.get("metadata"),
+                metadata=decode_metadata(doc.get("metadata"), where=where),
                 topology=dict(doc.get("topology") or {}),
                 format_version=version,
             )
@@ -276,7 +277,7 @@ class ManifestIndex:
                 created_unix=float(doc["created_unix"]),
                 world_size=_positive_int(doc["world_size"]),
                 nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
-                metadata=doc.get("metadata"),
+                metadata=decode_metadata(doc.get("metadata"), where=where),
                 format_version=_nonneg_int(doc["format_version"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
