@@ -274,3 +274,44 @@ def test_metadata_that_would_not_round_trip_is_refused_before_anything_is_writte
         assert list(ckpt_dir.glob("step-*")) == []
         ck.save(1, metadata={"ok": True}).wait()  # the refused save poisons nothing
         assert ck.steps() == [1]
+
+
+def _edit_shard(ckpt_dir: Path, path: str, field: str, value: object) -> None:
+    shard = ckpt_dir / "step-00000003" / shard_file(0)
+    doc = json.loads(unseal(shard.read_bytes(), where="test"))
+    doc["arrays"][path][field] = value
+    shard.write_bytes(seal(json.dumps(doc).encode()))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("chunks", [10**400], r"array 'model/b': chunk \[1000.*\] is larger than the array \[64\]"),
+        ("shape", [10**13, 64], r"array 'model/w': shape \[10000000000000, 64\] is beyond any tensor"),
+        ("shape", [2**63], r"array 'model/b': shape \[9223372036854775808\] is beyond any tensor"),
+    ],
+)
+def test_hostile_shapes_are_refused_with_integer_math_before_any_buffer(
+    ckpt_dir: Path, field: str, value: object, message: str
+) -> None:
+    saved(ckpt_dir)
+    path = "model/w" if value == [10**13, 64] else "model/b"
+    _edit_shard(ckpt_dir, path, field, value)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match=message):
+        ck.restore(step=3)
+    assert not live["model"]["w"].any()
+
+
+@pytest.mark.parametrize("crc", [1e400, -1, 2**32, "7", 1.5])
+def test_a_crc_that_is_not_a_32_bit_integer_is_refused(ckpt_dir: Path, crc: object) -> None:
+    saved(ckpt_dir)
+    part = ckpt_dir / "step-00000003" / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    key = next(iter(doc["crc32c"]["model/b"]))
+    doc["crc32c"]["model/b"][key] = crc
+    part.write_bytes(seal(json.dumps(doc).encode()))  # 1e400 is written as Infinity
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        tiercheck.load(ckpt_dir)

@@ -35,11 +35,17 @@ def chunk_shape(shape: Sequence[int], itemsize: int, target_bytes: int) -> Shape
         if row_bytes * extent <= target_bytes:
             break  # this dimension and all after it fit whole
         if row_bytes <= target_bytes:
-            parts = math.ceil(extent * row_bytes / target_bytes)
-            chunk[i] = math.ceil(extent / parts)
+            parts = ceil_div(extent * row_bytes, target_bytes)
+            chunk[i] = ceil_div(extent, parts)
             break
         chunk[i] = 1  # one index of this dimension is still too big: cut deeper
     return tuple(chunk)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Integer ceiling of ``a / b``: exact for any size (float division is not, past 2**53, and
+    overflows past 1e308: a hostile chunk extent of 10**400 read as zero chunks)."""
+    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ def chunks(shape: Sequence[int], chunk: Sequence[int]) -> Iterator[Chunk]:
     shape = tuple(shape)
     if any(d == 0 for d in shape):
         return
-    counts = [math.ceil(d / c) for d, c in zip(shape, chunk, strict=True)]
+    counts = [ceil_div(d, c) for d, c in zip(shape, chunk, strict=True)]
     for coords in itertools.product(*(range(n) for n in counts)):
         starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))
         stops = tuple(min(s + c, d) for s, c, d in zip(starts, chunk, shape, strict=True))
@@ -126,7 +132,7 @@ def grid_for_boxes(
                 if chunk[i] * 4 < rows and block[i] * row_bytes <= 4 * target_bytes:
                     chunk[i] = block[i]  # an awkward divisor: one larger chunk beats many tiny ones
             else:
-                chunk[i] = math.ceil(block[i] / math.ceil(block[i] / rows))
+                chunk[i] = ceil_div(block[i], ceil_div(block[i], rows))
             break
         chunk[i] = 1
     return tuple(chunk)
@@ -148,7 +154,7 @@ def chunks_in_box(
     """The chunks of the grid that intersect the box, in C order."""
     if any(n == 0 for n in extents) or any(d == 0 for d in shape):
         return
-    ranges = [range(o // c, math.ceil((o + n) / c)) for o, n, c in zip(offsets, extents, chunk, strict=True)]
+    ranges = [range(o // c, ceil_div(o + n, c)) for o, n, c in zip(offsets, extents, chunk, strict=True)]
     for coords in itertools.product(*ranges):
         starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))
         stops = tuple(min(s + c, d) for s, c, d in zip(starts, chunk, shape, strict=True))

@@ -134,13 +134,19 @@ class ArrayRecord:
             shape = tuple(_nonneg_int(v) for v in doc["shape"])
             chunk = tuple(_nonneg_int(v) for v in doc["chunks"])
             dtype, kind = doc["dtype"], doc["kind"]
-            checksums = {str(k): int(v) for k, v in doc["crc32c"].items()}
+            checksums = {str(k): _crc(v) for k, v in doc["crc32c"].items()}
             owners = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()}
             offsets = {str(k): _nonneg_int(v) for k, v in (doc.get("offset") or {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{here}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
             raise CorruptCheckpointError(f"{here}: malformed record")
+        if len(shape) > MAX_NDIM or math.prod(shape) > MAX_ELEMENTS:
+            # bounded before any buffer or chunk grid is sized from it
+            raise CorruptCheckpointError(
+                f"{here}: shape {str(list(shape))[:200]} is beyond any tensor tiercheck saves "
+                f"(at most {MAX_NDIM} dimensions and 2**48 elements)"
+            )
         if any(c == 0 for c in chunk):
             raise CorruptCheckpointError(f"{here}: chunk extents must be positive")
         if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
@@ -154,6 +160,10 @@ class ArrayRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+MAX_NDIM = 64
+MAX_ELEMENTS = 1 << 48
 
 
 def _nonneg_int(v: object) -> int:
@@ -439,5 +449,5 @@ class CommitMarker:
                 ranks=tuple(_nonneg_int(r) for r in doc.get("ranks", [0])),
                 world_size=_nonneg_int(doc.get("world_size", 1)),
             )
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: commit marker is damaged ({e!r})") from None

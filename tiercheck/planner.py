@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, itemsize
 from .errors import IncompatibleStateError
-from .layout import Chunk, chunks_in_box, grid_for_boxes
+from .layout import Chunk, ceil_div, chunks_in_box, grid_for_boxes
 from .manifest import ArrayRecord
 
 
@@ -138,7 +138,7 @@ def chunk_array(
     for rank, d in pieces:
         for c in chunks_in_box(shape, grid, d.offsets, d.shape):
             by_chunk.setdefault(c.coords, (c, []))[1].append(rank)
-    expected = math.prod(math.ceil(s / c) for s, c in zip(shape, grid, strict=True)) if all(shape) else 0
+    expected = math.prod(ceil_div(s, c) for s, c in zip(shape, grid, strict=True)) if all(shape) else 0
     if len(by_chunk) != expected:
         raise IncompatibleStateError(f"array {path!r}{list(shape)}: {_hole(shape, grid, by_chunk)} is held by no rank")
     return rec, [(c, tuple(sorted(hs))) for _, (c, hs) in sorted(by_chunk.items())]
