@@ -315,3 +315,22 @@ def test_a_crc_that_is_not_a_32_bit_integer_is_refused(ckpt_dir: Path, crc: obje
     part.write_bytes(seal(json.dumps(doc).encode()))  # 1e400 is written as Infinity
     with pytest.raises(CorruptCheckpointError, match="CRC32C"):
         tiercheck.load(ckpt_dir)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "COMMIT", "manifest/rank-000000.json"])
+def test_a_huge_sparse_manifest_file_is_refused_without_reading_it(ckpt_dir: Path, name: str) -> None:
+    saved(ckpt_dir)
+    with (ckpt_dir / "step-00000003" / name).open("r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, sparse: no disk used, but a whole read would allocate it all
+    with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match=f"{name} is larger than 256 MiB"):
+        tiercheck.load(ckpt_dir, 3)
+
+
+def test_a_world_size_beyond_any_job_is_refused(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    marker = ckpt_dir / "step-00000003" / "COMMIT"
+    doc = json.loads(marker.read_bytes())
+    doc["world_size"] = 10**12  # set(range(world_size)) would never finish
+    marker.write_bytes(json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match=r"commit marker is damaged .*world_size 1000000000000 is beyond"):
+        tiercheck.load(ckpt_dir, 3)

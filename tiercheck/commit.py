@@ -97,15 +97,27 @@ def withdraw_step(tier: Tier, step: int) -> None:
     tier.delete_tree(d)
 
 
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest file, part or marker; 16,384 ranks commit 2.75 MiB in all
+
+
+def read_small(tier: Tier, path: str, *, where: str) -> bytes:
+    """A manifest file, part or commit marker, read whole, refused past ``MAX_MANIFEST_BYTES``
+    without reading (or allocating) more: a hostile sparse file of many GiB costs nothing."""
+    data = tier.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; no manifest is")
+    return data
+
+
 def read_marker(tier: Tier, step: int) -> CommitMarker:
     d = step_dir(step)
     where = f"{tier.url}: step {step}"
     try:
-        marker_bytes = tier.read(f"{d}/{COMMIT_FILE}")
+        marker_bytes = read_small(tier, f"{d}/{COMMIT_FILE}", where=where)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} is not committed (no {d}/{COMMIT_FILE})") from None
     marker = CommitMarker.from_bytes(marker_bytes, where=where)
-    if marker.step != step or not set(marker.ranks) <= set(range(marker.world_size)):
+    if marker.step != step or not all(0 <= r < marker.world_size for r in marker.ranks):
         raise CorruptCheckpointError(f"{where}: the commit marker names step {marker.step} or ranks out of range")
     return marker
 
@@ -117,7 +129,7 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
     where = f"{tier.url}: step {step}"
     marker = read_marker(tier, step)
     try:
-        data = bytes(tier.read(f"{d}/{MANIFEST_FILE}"))
+        data = read_small(tier, f"{d}/{MANIFEST_FILE}", where=where)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is missing from a committed step") from None
     if len(data) != marker.manifest_size or checksum(data) != marker.manifest_crc32c:
@@ -146,7 +158,9 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
         for name in tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}"):
             m = _PART.match(name)
             if m and int(m.group(2)) < index.world_size:
-                files[m.group(1), int(m.group(2))] = bytes(tier.read(f"{step_dir(step)}/{PARTS_DIR}/{name}"))
+                files[m.group(1), int(m.group(2))] = read_small(
+                    tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where
+                )
         manifest = assemble(index, files, where=where)
     if manifest.step != step or manifest.world_size != marker.world_size:
         raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")
@@ -161,7 +175,7 @@ def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
         path = f"{step_dir(step)}/{part_file(rank)}"
         where = f"{tier.url}: {path}"
         try:
-            raw = tier.read(path)
+            raw = read_small(tier, path, where=where)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where} is missing from a committed step") from None
         out[rank] = parse_rank_part(unseal(raw, where=where), where=where)

@@ -166,6 +166,16 @@ MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 48
 
 
+MAX_WORLD_SIZE = 1 << 20  # saving ranks; sets and lists of ranks are sized from it
+
+
+def _world_size(v: object) -> int:
+    n = _nonneg_int(v)
+    if n > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {n} is beyond any job ({MAX_WORLD_SIZE} ranks)")
+    return n
+
+
 def _nonneg_int(v: object) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"expected a non-negative integer, got {v!r}")
@@ -285,7 +295,7 @@ class ManifestIndex:
                 step=_nonneg_int(doc["step"]),
                 library_version=str(doc["library_version"]),
                 created_unix=float(doc["created_unix"]),
-                world_size=_positive_int(doc["world_size"]),
+                world_size=_positive_int(_world_size(doc["world_size"])),
                 nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
                 metadata=decode_metadata(doc.get("metadata"), where=where),
                 format_version=_nonneg_int(doc["format_version"]),
@@ -447,7 +457,7 @@ class CommitMarker:
                 manifest_crc32c=_nonneg_int(doc["manifest_crc32c"]),
                 manifest_size=_nonneg_int(doc["manifest_size"]),
                 ranks=tuple(_nonneg_int(r) for r in doc.get("ranks", [0])),
-                world_size=_nonneg_int(doc.get("world_size", 1)),
+                world_size=_world_size(doc.get("world_size", 1)),
             )
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: commit marker is damaged ({e!r})") from None

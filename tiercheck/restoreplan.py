@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, unseal
-from .commit import manifest_file, read_index, step_dir
+from .commit import manifest_file, read_index, read_small, step_dir
 from .coordination import Coordinator, Nodes, Protocol, dumps, shard_of
 from .errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from .layout import chunk_at
@@ -180,7 +180,7 @@ def fetch(
 def _read(tier: Tier, d: str, f: FileId) -> bytes:
     kind, rank = f
     try:
-        return bytes(tier.read(f"{d}/{manifest_file(kind, rank)}"))
+        return read_small(tier, f"{d}/{manifest_file(kind, rank)}", where=tier.url)
     except FileNotFoundError:
         if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
             return b""
