@@ -280,14 +280,17 @@ def test_the_object_store_clients_are_extras_and_test_pulls_them() -> None:
     assert extras["all"] == ["tiercheck[s3,azure]"] and "tiercheck[s3,azure]" in extras["test"]
 
 
-def test_the_cli_snippet_of_the_help_is_one_process_without_torch() -> None:
-    """-o after the subcommand and the new validation cost no torch import either."""
+def test_the_cli_in_process_imports_no_torch_and_leaves_logging_as_it_was() -> None:
+    """-o after the subcommand and the new validation cost no torch import either; the handler the
+    command adds for its WARNINGs goes when it ends (tests and embedders run ``main`` in-process)."""
     code = textwrap.dedent("""
-        import sys
+        import logging, sys
         from click.testing import CliRunner
         from tiercheck.cli import main
+        logger = logging.getLogger("tiercheck")
         r = CliRunner().invoke(main, ["plan", "--params", "7e9", "-o", "x=1"])
         assert r.exit_code == 0, r.output
+        assert logger.handlers == [] and logger.level == logging.NOTSET  # the command's logging undone
         print("torch" in sys.modules)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

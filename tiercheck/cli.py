@@ -85,7 +85,7 @@ def main(ctx: click.Context, options: tuple[str, ...], retry_deadline: float, qu
     URL_OR_DIR is a local directory, or a remote URL: s3://bucket/prefix, az://container/prefix,
     abfs://..., file:///path (credentials from -o options or the environment).
     """  # fmt: skip
-    configure_logging(verbose)
+    ctx.call_on_close(configure_logging(verbose))
     retry = RetryOptions(attempts=50, initial_backoff_s=0.2, max_backoff_s=10.0, deadline_s=retry_deadline)
     ctx.obj = Context(parse_options(options), retry, quiet or not sys.stderr.isatty())
 

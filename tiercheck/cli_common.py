@@ -186,12 +186,20 @@ class _ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
-def configure_logging(verbose: bool) -> None:
-    """The ``tiercheck`` logger's WARNINGs (retries, skipped steps) show by default, INFO with ``-v``."""
+def configure_logging(verbose: bool) -> Callable[[], None]:
+    """The ``tiercheck`` logger's WARNINGs (retries, skipped steps) show by default, INFO with ``-v``.
+    Returns the undo, for when the command ends: a process that runs ``main`` in itself (tests,
+    ``CliRunner``) gets its logger back as it was."""
     logger = logging.getLogger("tiercheck")
-    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
-        logger.addHandler(_ConsoleHandler())
+    handler, level = _ConsoleHandler(), logger.level
+    logger.addHandler(handler)
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    return undo
 
 
 def human(n: float, *, binary: bool = True) -> str:
