@@ -295,3 +295,40 @@ def test_the_cli_in_process_imports_no_torch_and_leaves_logging_as_it_was() -> N
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+# ------------------------------------------------------------------ progress bars on a terminal
+
+
+def on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """Run the command with stderr on a pseudo-terminal (as a user at a shell has it)."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "tiercheck", *args], stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    stdout = proc.communicate(timeout=120)[0]
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    return proc.returncode, stdout, b"".join(chunks).decode()
+
+
+def test_copies_and_drains_show_a_progress_bar_on_a_terminal(tmp_path: Path, saved: Path) -> None:
+    rc, stdout, bar = on_a_terminal("restore", str(saved), "--to", str(tmp_path / "node"))
+    assert rc == 0 and stdout.startswith("restored step 5"), (stdout, bar)
+    final = bar.rsplit("\r", 2)[-2]  # the bar's last frame
+    assert "step 5" in final and "━" in final and "0:00:00" in final, repr(bar)
+    rc, stdout, bar = on_a_terminal("drain", str(saved), "--to", f"file://{tmp_path / 'remote'}")
+    assert rc == 0 and "step 5 -> " in stdout and "committed" in stdout, (stdout, bar)
+    assert "step 5" in bar and "━" in bar, repr(bar)
+    rc, stdout, bar = on_a_terminal("-q", "restore", str(saved), "--to", str(tmp_path / "quiet"))
+    assert rc == 0 and "━" not in bar, repr(bar)
