@@ -208,7 +208,9 @@ def test_unreachable_server_and_wrong_credentials_fail_with_one_line(
     closed = ["-o", "endpoint_url=http://127.0.0.1:9", "-o", "key=k", "-o", "secret=s"]
     proc = run("--retry-deadline", "2", *closed, "ls", url, check=False)
     assert proc.returncode == 1 and "gave up after" in proc.stderr
-    assert proc.stderr.count("\n") == 1
+    *retries, last = proc.stderr.strip().splitlines()  # each retry said aloud, then the one-line error
+    assert last.startswith("tiercheck: error: ") and "gave up after" in last
+    assert retries and all(line.startswith("WARNING: ") and "retrying in" in line for line in retries), retries
 
 
 def test_plan_sizes_gpt3_and_a_7b_model_by_hand(tmp_path: Path) -> None:

@@ -30,12 +30,14 @@ from .options import (
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer, load
     from .pipeline import SaveHandle
+    from .rng import RNGState
     from .sharding import Shard, per_rank
 
 # What needs torch is imported on first use, so that `tiercheck --help`, `ls` and `inspect` start
 # in a fraction of a second instead of the seconds `import torch` takes.
 _LAZY = {"Checkpointer": "checkpointer", "load": "checkpointer", "SaveHandle": "pipeline", "Shard": "sharding"}
 _LAZY["per_rank"] = "sharding"
+_LAZY["RNGState"] = "rng"
 
 
 def __getattr__(name: str) -> Any:
@@ -57,6 +59,7 @@ __all__ = [
     "DistributedOptions",
     "DrainOptions",
     "IncompatibleStateError",
+    "RNGState",
     "RemoteStorageError",
     "RetentionOptions",
     "RetryOptions",

@@ -10,22 +10,36 @@ exit status 1; nothing committed is ever deleted or overwritten except by ``gc``
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, NoReturn
+from typing import Any
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from . import __version__
+from .cli_common import (
+    Context,
+    OneLineGroup,
+    _typed,
+    age,
+    configure_logging,
+    err,
+    errors_as_one_line,
+    fail,
+    human,
+    out,
+    parameter_count,
+    parse_options,
+    positive_number,
+    progress,
+    remote_options,
+    step_value,
+)
 from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
 from .commit import list_steps, rank_parts, read_manifest, read_marker, step_dir, withdraw_step
 from .drain import upload_step
@@ -38,64 +52,11 @@ from .options import RetentionOptions, RetryOptions
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
-from .tiers.remote import open_tier, redact
+from .tiers.remote import redact
 from .transfer import copy_step
 
-# Piped output (scripts, logs, tests) gets wide lines rather than tables wrapped at 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
-
-class Context:
-    def __init__(self, options: dict[str, str], retry: RetryOptions, quiet: bool) -> None:
-        self.options = options
-        self.retry = retry
-        self.quiet = quiet
-
-    def tier(self, url: str, *, must_exist: bool = True) -> Tier:
-        tier = open_tier(url, storage_options=_typed(self.options) or None, retry=self.retry)
-        if must_exist and isinstance(tier, LocalTier) and not tier.root.is_dir():
-            raise CheckpointNotFoundError(f"no such directory: {tier.root}")
-        return tier
-
-
-def _typed(options: dict[str, str]) -> dict[str, Any]:
-    """``-o key=value`` strings as JSON where they parse (numbers, booleans), else strings."""
-    typed: dict[str, Any] = {}
-    for k, v in options.items():
-        try:
-            typed[k] = json.loads(v)
-        except ValueError:
-            typed[k] = v
-    return typed
-
-
-def fail(message: str) -> NoReturn:
-    err.print(f"tiercheck: error: {message}", markup=False)
-    sys.exit(1)
-
-
-@contextmanager
-def errors_as_one_line() -> Iterator[None]:
-    try:
-        yield
-    except (TiercheckError, OSError, ValueError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except KeyboardInterrupt:
-        fail("interrupted; run the same command again to resume")
-
-
-def _parse_options(values: tuple[str, ...]) -> dict[str, str]:
-    options = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected key=value, got {item!r}", param_hint="-o/--option")
-        options[key] = value
-    return options
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="tiercheck")
 @click.option(
     "-o",
@@ -103,12 +64,14 @@ def _parse_options(values: tuple[str, ...]) -> dict[str, str]:
     "options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="fsspec option for remote URLs (e.g. -o endpoint_url=http://... -o key=...); repeatable.",
+    help="fsspec option for remote URLs (e.g. -o endpoint_url=http://... -o key=...); repeatable; also "
+    "after the subcommand.",
 )
 @click.option(
     "--retry-deadline",
     type=float,
     default=120.0,
+    callback=positive_number,
     show_default=True,
     metavar="SECONDS",
     help="Give up on a remote request that keeps failing transiently after this long.",
@@ -122,9 +85,9 @@ def main(ctx: click.Context, options: tuple[str, ...], retry_deadline: float, qu
     URL_OR_DIR is a local directory, or a remote URL: s3://bucket/prefix, az://container/prefix,
     abfs://..., file:///path (credentials from -o options or the environment).
     """  # fmt: skip
-    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, format="%(levelname)s %(message)s")
+    ctx.call_on_close(configure_logging(verbose))
     retry = RetryOptions(attempts=50, initial_backoff_s=0.2, max_backoff_s=10.0, deadline_s=retry_deadline)
-    ctx.obj = Context(_parse_options(options), retry, quiet or not sys.stderr.isatty())
+    ctx.obj = Context(parse_options(options), retry, quiet or not sys.stderr.isatty())
 
 
 pass_context = click.make_pass_decorator(Context)
@@ -145,40 +108,8 @@ def _pick_step(tier: Tier, step: str) -> int:
     return n
 
 
-def _human(n: float, *, binary: bool = True) -> str:
-    """Bytes with a unit: KiB, MiB... (``binary``) or kB, MB... (decimal, as bandwidths are quoted)."""
-    base, units = (
-        (1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB", "PB"))
-    )
-    for unit in units:
-        if abs(n) < base or unit == units[-1]:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= base
-    raise AssertionError
-
-
-def _age(created: float) -> str:
-    s = max(0.0, time.time() - created)
-    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s >= n:
-            return f"{s / n:.1f} {unit}"
-    return f"{s:.0f} s"
-
-
 def _step_bytes(manifest: Manifest) -> int:
     return sum(len(rec.checksums) * chunk_nbytes(rec) for rec in manifest.arrays.values())
-
-
-@contextmanager
-def _progress(ctx: Context, what: str, total: int) -> Iterator[Callable[[int, int], None]]:
-    if ctx.quiet or total == 0:
-        yield lambda done, total: None
-        return
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task(what, total=total)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 # ----------------------------------------------------------------------------------------- ls
@@ -187,6 +118,7 @@ def _progress(ctx: Context, what: str, total: int) -> Iterator[Callable[[int, in
 @main.command("ls")
 @click.argument("locations", nargs=-1, required=True, metavar="URL_OR_DIR...")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@remote_options
 @pass_context
 def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
     """Steps in one or more tiers: committed, partial or draining, size, age, which tier holds them.
@@ -239,9 +171,9 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
         table.add_column("age", justify="right")
         for row in ordered:
             cells = [row["tiers"].get(n, {}).get("status", "-") for n in names]
-            size = _human(row["bytes"]) if "bytes" in row else "-"
-            age = _age(row["created_unix"]) if "created_unix" in row else "-"
-            table.add_row(str(row["step"]), *cells, size, age)
+            size = human(row["bytes"]) if "bytes" in row else "-"
+            created = age(row["created_unix"]) if "created_unix" in row else "-"
+            table.add_row(str(row["step"]), *cells, size, created)
         out.print(table)
 
 
@@ -250,8 +182,9 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
 
 @main.command("inspect")
 @click.argument("location", metavar="URL_OR_DIR")
-@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@remote_options
 @pass_context
 def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> None:
     """Tensors, shapes, dtypes, shard layout, saving topology and user metadata of a step."""
@@ -287,7 +220,7 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         world = manifest.world_size
         raw = manifest.topology.get("nodes", 1)  # a count since format 3, node ids before
         nodes = raw if isinstance(raw, int) else (len(set(map(str, raw))) if isinstance(raw, list) else 1) or 1
-        out.print(f"step {n} in {doc['location']}: {_human(doc['bytes'])} in {len(arrays)} arrays")
+        out.print(f"step {n} in {doc['location']}: {human(doc['bytes'])} in {len(arrays)} arrays")
         out.print(
             f"  saved {doc['created_utc']} by tiercheck {manifest.library_version} (format {doc['format_version']})"
         )
@@ -296,7 +229,7 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         out.print(f"  metadata: {json.dumps(manifest.metadata)}", markup=False)
         columns = (("array", "<"), ("dtype", "<"), ("shape", "<"), ("chunks", "<"), ("n", ">"), ("size", ">"),
                    ("written by ranks", "<"))  # fmt: skip
-        rows = [(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]), _human(a["bytes"]),
+        rows = [(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]), human(a["bytes"]),
                  _ranges(a["written_by_ranks"])) for a in arrays]  # fmt: skip
         # Plain aligned lines: rich's table takes ~1 ms a row (20,000 arrays: 18 s).
         widths = [max([len(name), *(len(r[i]) for r in rows)]) for i, (name, _) in enumerate(columns)]
@@ -310,9 +243,10 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
 
 @main.command("verify")
 @click.argument("location", metavar="URL_OR_DIR")
-@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
 @click.option("--all", "every", is_flag=True, help="Verify every committed step.")
 @click.option("--threads", default=8, show_default=True, help="Chunks read at once.")
+@remote_options
 @pass_context
 def verify_command(ctx: Context, location: str, step: str, every: bool, threads: int) -> None:
     """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
@@ -380,7 +314,7 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
         return nbytes or 0
 
     done = 0
-    with _progress(ctx, f"step {n}", total) as report, ThreadPoolExecutor(max(1, threads)) as pool:
+    with progress(ctx, f"step {n}", total) as report, ThreadPoolExecutor(max(1, threads)) as pool:
         for nbytes in pool.map(check, jobs):
             done += nbytes
             report(done, total)
@@ -393,7 +327,7 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
 @main.command("restore")
 @click.argument("source", metavar="SRC")
 @click.option("--to", "target", required=True, metavar="DIR", help="The node's local checkpoint directory.")
-@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
 @click.option(
     "--ranks",
     default=None,
@@ -402,6 +336,7 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
 )
 @click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
 @click.option("--threads", default=8, show_default=True, help="Files copied at once.")
+@remote_options
 @pass_context
 def restore_command(
     ctx: Context, source: str, target: str, step: str, ranks: str | None, verify_after: bool, threads: int
@@ -430,11 +365,11 @@ def restore_command(
         total_hint = _step_bytes(read_manifest(src, n))
         if isinstance(dst, LocalTier):
             dst.create()  # only now: a refused restore leaves no new directory behind
-        with _progress(ctx, f"step {n}", total_hint) as report:
+        with progress(ctx, f"step {n}", total_hint) as report:
             result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
         out.print(
             f"restored step {n} to {dst.url}: {result.files_copied} files copied "
-            f"({_human(result.bytes_copied)}), {result.files_already_there} already there, {result.seconds:.1f} s"
+            f"({human(result.bytes_copied)}), {result.files_already_there} already there, {result.seconds:.1f} s"
         )
         if verify_after:
             bad = _verify_step(ctx, dst, n, threads)
@@ -468,8 +403,14 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
 @main.command("drain")
 @click.argument("local", metavar="DIR")
 @click.option("--to", "remote", required=True, metavar="URL", help="The remote tier.")
-@click.option("--step", default=None, help="Drain this step (default: every committed step newer than the remote's).")
+@click.option(
+    "--step",
+    default=None,
+    callback=step_value,
+    help="Drain this step (default: every committed step newer than the remote's).",
+)
 @click.option("--threads", default=8, show_default=True, help="Files uploaded at once.")
+@remote_options
 @pass_context
 def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:
     """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
@@ -495,7 +436,7 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
             for n in steps:
                 total = _step_bytes(read_manifest(src, n))
                 done = 0
-                with _progress(ctx, f"step {n}", total) as report:
+                with progress(ctx, f"step {n}", total) as report:
 
                     def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
                         nonlocal done
@@ -509,7 +450,7 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
                     else "uploaded; waiting for the other nodes' files before it can commit"
                 )  # fmt: skip
                 out.print(
-                    f"step {n} -> {dst.url}: {result.files_uploaded} files ({_human(result.bytes_uploaded)}), "
+                    f"step {n} -> {dst.url}: {result.files_uploaded} files ({human(result.bytes_uploaded)}), "
                     f"{result.files_already_there} already there; {state}"
                 )
 
@@ -520,10 +461,11 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
 @main.command("export-deepspeed")
 @click.argument("source", metavar="SRC")
 @click.argument("save_dir", metavar="SAVE_DIR")
-@click.option("--step", default="latest", show_default=True, help="Step number, or 'latest'.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
 @click.option(
     "--allow-pickle", is_flag=True, help="Unpickle objects outside the allow-list (only for checkpoints you trust)."
 )
+@remote_options
 @pass_context
 def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str, allow_pickle: bool) -> None:
     """Write a step saved through the DeepSpeed plugin as DeepSpeed's own files.
@@ -556,6 +498,7 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
     help="Remove partial steps only when older than the newest committed step and this old.",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@remote_options
 @pass_context
 def gc_command(
     ctx: Context, location: str, keep_last: int | None, keep_every: int | None, grace_hours: float, dry_run: bool
@@ -605,7 +548,13 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 
 @main.command("plan")
-@click.option("--params", type=float, default=None, help="Total parameters (e.g. 7e9); or give the layer sizes.")
+@click.option(
+    "--params",
+    type=float,
+    default=None,
+    callback=parameter_count,
+    help="Total parameters (e.g. 7e9); or give the layer sizes.",
+)
 @click.option("--layers", type=int, default=None)
 @click.option("--hidden", type=int, default=None)
 @click.option("--vocab", type=int, default=None)
@@ -629,6 +578,7 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     type=float,
     default=5000.0,
     show_default=True,
+    callback=positive_number,
     help="Mean time between failures of one node; the job's is this divided by the node count.",
 )
 @click.option(
@@ -649,6 +599,7 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     help="Measure a tier with a short real write and read (256 MiB); repeatable.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@remote_options
 @pass_context
 def plan_command(ctx: Context, **kw: Any) -> None:
     """Size a model's checkpoints: bytes in total, per rank and per node, save and restore time on
@@ -706,7 +657,7 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
         f"model: {m['n_params'] / 1e9:.2f} B parameters, {m['weight_bytes']} B/param weights, "
         f"optimizer {m['optimizer']}; TP={m['tp']} PP={m['pp']} DP={m['dp']} on {z['ranks']} GPUs, {z['nodes']} node(s)"
     )
-    dec = {k: _human(z[k], binary=False) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
+    dec = {k: human(z[k], binary=False) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
                                                     "per_rank_bytes", "per_node_bytes")}  # fmt: skip
     out.print(
         f"checkpoint: {dec['total_bytes']} in all (weights {dec['weights_bytes']}, optimizer "

@@ -229,6 +229,8 @@ class Pipeline:
                 f"step {job.step} is already committed in {self.tier.url}; a save never overwrites it"
             )
         if self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
+            log.warning("removing partial step %d from %s (left by a failed save) before saving it again", job.step,
+                        self.tier.url)  # fmt: skip
             self.tier.delete_tree(d)
         bound = self.max_host_bytes
         self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))

@@ -59,6 +59,13 @@ _TRANSIENT_NAMES = {
 }  # fmt: skip
 
 
+# The optional backends, by URL scheme: the package and the extra of ours that installs it.
+_EXTRAS = {
+    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
+    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "adl": ("adlfs", "azure"),
+}  # fmt: skip
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts."""
     seen: set[int] = set()
@@ -123,9 +130,12 @@ def open_tier(
     part_bytes: int = 16 * 2**20,
 ) -> Tier:
     """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
-    scheme = urlsplit(url).scheme
+    parts = urlsplit(url)
+    scheme = parts.scheme
     if scheme in ("", "file", "local"):
         return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
+    if scheme in _EXTRAS and not parts.netloc:  # s3:/bucket or s3:bucket: fsspec would list nothing, silently
+        raise ValueError(f"{redact(url)}: not a URL fsspec can list; write {scheme}://bucket/prefix (two slashes)")
     return RemoteTier(url, storage_options=storage_options, retry=retry, part_bytes=part_bytes)
 
 
@@ -156,7 +166,16 @@ class RemoteTier(Tier):
             options["config_kwargs"] = config
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
-        except (ImportError, ValueError) as e:
+        except ImportError as e:
+            extra = _EXTRAS.get(urlsplit(url).scheme)
+            if extra is None:
+                raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
+            package, name = extra
+            raise RemoteStorageError(
+                f"cannot open {self.url}: {package} is not installed; pip install 'tiercheck[{name}]' "
+                f"(or 'tiercheck[all]') ({e})"
+            ) from None
+        except ValueError as e:
             raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
         self.root = root.rstrip("/")
         if urlsplit(url).scheme in ("s3", "s3a") and hasattr(self.fs, "retries"):
@@ -174,13 +193,25 @@ class RemoteTier(Tier):
         return f"{self.root}/{path}" if path else self.root
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        r = self.retry
+
         def count_retry(state: RetryCallState) -> None:
             with self._lock:
                 self.counters["retries"] += 1
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("%s %s: attempt %d failed (%s), retrying", self.url, what, state.attempt_number, _brief(exc))
+            # What is retried, for how long so far and until when: a silent retry loop looks like a hang.
+            log.warning(
+                "%s: %s: attempt %d of %d failed after %.1f s (%s); retrying in %.1f s, for up to %.0f s in all",
+                self.url,
+                what,
+                state.attempt_number,
+                r.attempts,
+                state.seconds_since_start or 0.0,
+                _brief(exc),
+                state.upcoming_sleep,
+                r.deadline_s,
+            )
 
-        r = self.retry
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             wait=wait_random_exponential(multiplier=r.initial_backoff_s, max=r.max_backoff_s),
