@@ -239,3 +239,26 @@ def test_fsdp2_save_on_2_ranks_load_on_1_and_4(tmp_path: Path) -> None:
                 _equal(saved[0][step], state, f"{world} ranks, rank {rank}, step {step}")
                 _equal(saved[0][step]["model"], live_model, f"{world} ranks, rank {rank}, step {step}, model")
     assert not torch.equal(saved[0][100]["model"]["0.weight"], saved[0][200]["model"]["0.weight"])
+
+
+def _layout_changes(rank: int, world: int, root: str) -> list[bool]:
+    """A replicated tensor grows between saves: DCP gives it to one rank, the only one whose tiercheck leaves
+    change; every rank must still re-plan together (tiercheck plans collectively)."""
+    opts = {"distributed": tiercheck.DistributedOptions(timeout_s=30)}
+    saved = {}
+    with TiercheckWriter(local=root, **opts) as writer:
+        for step, n in ((1, 3), (2, 5), (3, 5)):
+            sd = {"w": torch.arange(16.0) + step, "hist": torch.arange(float(n)), "step": step}
+            saved[step] = _full(sd)
+            dcp.save(sd, storage_writer=writer, checkpoint_id=step)
+    same = []
+    for step, n in ((1, 3), (2, 5), (3, 5)):
+        into = {"w": torch.zeros(16), "hist": torch.zeros(n), "step": -1}
+        dcp.load(into, storage_reader=TiercheckReader(local=root, **opts), checkpoint_id=step)
+        _equal(saved[step], _full(into), f"step {step}")
+        same.append(True)
+    return same
+
+
+def test_layout_change_on_one_rank_replans_every_rank(tmp_path: Path) -> None:
+    assert run_ranks(_layout_changes, 2, str(tmp_path / "ckpt"), start_method="forkserver") == [[True] * 3] * 2
