@@ -108,6 +108,8 @@ def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
         _equal(saved[step], _full(into), f"step {step}")
         set_state_dict(model, optimizer, model_state_dict=into["model"], optim_state_dict=into["optim"])
         _equal(saved[step]["model"], _full(model.state_dict()))
+    with pytest.raises(CheckpointException, match="step 99 is not committed"):
+        dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=99)
     # A plain tiercheck step: tiercheck.load (and so `tiercheck ls/verify/restore`) reads it.
     plain = tiercheck.load(root, 101)
     _equal(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})

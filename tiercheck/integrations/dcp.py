@@ -382,6 +382,8 @@ class TiercheckReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """All ranks: agree on the step (a collective on the process group) and rebuild its DCP metadata."""
+        if "rank" in kwargs:  # DCP's retry for rank-local metadata, after this failed: there is none
+            raise CheckpointNotFoundError("tiercheck steps have no rank-local DCP metadata")
         local = LocalTier(self.local)
         remote = open_tier(self.remote, storage_options=self.remote_options) if self.remote else None
         mine: dict[str, Any] = {}
