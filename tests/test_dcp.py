@@ -116,6 +116,19 @@ def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
     assert torch.load(io.BytesIO(plain["train.step"]), weights_only=True) == 2
 
 
+def test_drained_to_remote_and_loaded_from_there(tmp_path: Path) -> None:
+    """The drain takes a DCP step to the remote tier; a node whose local directory is empty loads from there."""
+    remote = (tmp_path / "remote").as_uri()
+    _, _, sd = _state(3)
+    saved = _full(sd)
+    writer = TiercheckWriter(local=tmp_path / "node-a", remote=remote)
+    dcp.save(sd, storage_writer=writer, checkpoint_id=40)
+    assert writer.close() == []  # waited for the drain
+    _, _, into = _state(6)
+    dcp.load(into, storage_reader=TiercheckReader(local=tmp_path / "node-b", remote=remote))
+    _equal(saved, _full(into))
+
+
 def test_reader_refuses_pickles_and_process_mode_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     with TiercheckWriter(local=root) as writer:

@@ -121,15 +121,14 @@ def _acquire(local: Path, remote: str | None, options: dict[str, Any], *, writer
         return shared
 
 
-def _release(shared: _Shared, *, writer: bool, timeout: float | None = None) -> list[int]:
+def _release(shared: _Shared, *, drain: bool, timeout: float | None = None) -> list[int]:
+    """Drop one use; the last closes the Checkpointer (waiting for its saves, and with ``drain`` its drains)."""
     with _open_lock:
         shared.users -= 1
-        if writer:
-            shared.writer = False
-        if shared.users > 0:
-            return []
-        del _open[shared.key]
-    return shared.ckpt.close(drain=writer, timeout=timeout)
+        last = shared.users == 0
+        if last:
+            del _open[shared.key]
+    return shared.ckpt.close(drain=drain, timeout=timeout) if last else []
 
 
 def _options(options: dict[str, Any]) -> dict[str, Any]:
@@ -316,9 +315,12 @@ class TiercheckWriter(StorageWriter):
         shared, self._shared = self._shared, None
         if shared is None:
             return []
-        if not drain:
-            shared.ckpt.wait()
-        return _release(shared, writer=True, timeout=timeout)
+        shared.writer = False
+        try:
+            shared.ckpt.wait()  # this writer's saves, even where a reader keeps the Checkpointer open
+        except Exception as e:  # the save's own future carried it already
+            log.warning("closing a TiercheckWriter whose last save failed: %s", e)
+        return _release(shared, drain=drain, timeout=timeout)
 
     def __enter__(self) -> TiercheckWriter:
         return self
@@ -490,7 +492,7 @@ class TiercheckReader(StorageReader):
         try:
             yield shared
         finally:
-            _release(shared, writer=False)
+            _release(shared, drain=False)  # drains are the writer's business
 
     def _safe_bytes(self, fqn: str, raw: Any) -> bytes:
         if not isinstance(raw, bytes):
