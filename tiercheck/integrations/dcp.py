@@ -8,33 +8,25 @@
     dcp.load(state_dict, storage_reader=TiercheckReader(local="/nvme/ckpt/run1"))   # the newest committed step
     writer.close()                                                                 # waits for the drain
 
-DCP plans what is written (its planners flatten the state dict, pick one rank for each replicated item and
-build the global ``Metadata``); these classes are where it goes: one tiercheck step per ``dcp.save``, whose
-``checkpoint_id`` is the step number. The call order is DCP's (``storage.py``):
+DCP plans what is written (its planner flattens the state dict, picks one rank per replicated item and builds
+the global ``Metadata``); these classes store it as one tiercheck step per save, ``checkpoint_id`` its number.
+DCP's call order (``storage.py``), and what each call does here:
 
-Saving (``TiercheckWriter``): ``reset(checkpoint_id)`` (all ranks; the step) -> ``set_up_storage_writer``
-(all) -> ``prepare_local_plan`` (all; unchanged) -> ``prepare_global_plan`` (the coordinator, rank 0: it
-notes whether any rank's share of the tensors changed since the last save, and tells every rank through the
-plans' ``storage_data``) -> ``write_data`` (all: each item DCP gave this rank becomes a value of one
-``tiercheck.Checkpointer`` state, ``tiercheck.Shard(tensor, offsets=chunk offsets, global_shape=size)`` for
-tensors and ``bytes`` for DCP's pickled objects; ``Checkpointer.save`` copies them into its reusable host
-pool, writes them with CRCs to the local tier and commits once every rank's part is durable; the future
-completes then, so ``dcp.save`` returns a committed step) -> ``finish`` (the coordinator; nothing is left:
-the step is committed, and the drain to the remote tier runs on in the background).
+Saving: ``reset(checkpoint_id)`` (all ranks: the step) -> ``set_up_storage_writer`` (all) ->
+``prepare_local_plan`` (all; as is) -> ``prepare_global_plan`` (coordinator: notes whether any rank's share
+changed, and says so to every rank in ``storage_data``) -> ``write_data`` (all: the rank's items become one
+Checkpointer state, tensors as ``Shard`` pieces, DCP's pickled objects as ``bytes``; ``save`` stages, writes with
+CRCs and commits once every rank's part is durable, and the future completes then) -> ``finish``
+(coordinator: the step is committed already; the drain to the remote tier runs on in the background).
 
-Loading (``TiercheckReader``): ``reset(checkpoint_id)`` (all ranks, only when one is given) ->
-``read_metadata`` (all: the ranks agree on the step, the requested one or the newest committed on every
-rank's local tier or on the remote tier, and rebuild DCP's ``Metadata`` from the step's JSON) ->
-``set_up_storage_reader`` / ``prepare_local_plan`` / ``prepare_global_plan`` (unchanged) -> ``read_data``
-(all: per tensor, the box of the global regions DCP's ``ReadItem``\\ s ask for is restored as a ``Shard`` of
-a fresh buffer by one collective ``Checkpointer.restore``, every chunk read from the fastest tier holding a
-valid copy and verified before any byte is handed over; then each item's region is copied to
-``planner.resolve_tensor(item)`` and committed, and each byte item goes to ``planner.load_bytes``).
+Loading: ``reset`` (all, only with a ``checkpoint_id``) -> ``read_metadata`` (all: agree on the step,
+rebuild ``Metadata`` from its JSON) -> ``set_up_storage_reader`` / ``prepare_*_plan`` (as is) ->
+``read_data`` (all: one collective ``Checkpointer.restore`` of the box each tensor's read items cover,
+every chunk from the fastest valid tier and verified first; then the regions go to the planner).
 
-One ``tiercheck.Checkpointer`` per local directory and process serves the writer and the readers of that
-directory (tiercheck allows one writer per directory: a second Checkpointer there would be refused with
-``DirectoryInUseError``). A writer keeps it, with its host pool and save plan, until ``writer.close()``; a
-reader without a writer uses one for the duration of ``read_data`` and closes it.
+One Checkpointer per local directory and process serves its writer and readers (tiercheck allows one
+writer per directory: a second Checkpointer would get ``DirectoryInUseError``). The writer keeps it, host
+pool and save plan with it, until ``close()``; a reader without a writer opens one for ``read_data``.
 """
 
 from __future__ import annotations
@@ -42,11 +34,10 @@ from __future__ import annotations
 import io
 import logging
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -64,7 +55,6 @@ from ..errors import (
     CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
-    DirectoryInUseError,
     TiercheckError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -75,6 +65,7 @@ from ..tiers.base import Tier
 from ..tiers.local import LocalTier
 from ..tiers.remote import open_tier
 from .dcp_metadata import describe_metadata, describe_plans, layout_digest, step_of, to_metadata
+from .dcp_shared import Shared, acquire, release
 
 __all__ = ["TiercheckReader", "TiercheckWriter"]
 
@@ -84,51 +75,6 @@ _CHECKPOINTER_OPTIONS = frozenset(
     {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain"}
 )
 _LAYOUT_KEY = "tiercheck_layout"  # in SavePlan.storage_data: the generation of the ranks' layout
-
-
-# ------------------------------------------------------------------------------- one Checkpointer per directory
-
-
-@dataclass
-class _Shared:
-    """The Checkpointer of one local directory in this process, and who uses it."""
-
-    key: str
-    ckpt: Checkpointer
-    state: dict[str, Any]  # what the Checkpointer saves / restores: filled for one call, then emptied
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one save or restore fills `state` at a time
-    users: int = 0
-    writer: bool = False
-
-
-_open: dict[str, _Shared] = {}
-_open_lock = threading.Lock()
-
-
-def _acquire(local: Path, remote: str | None, options: dict[str, Any], *, writer: bool) -> _Shared:
-    """The directory's Checkpointer, created (by every rank together: a collective) if none is open."""
-    key = str(local.resolve())
-    with _open_lock:
-        shared = _open.get(key)
-        if shared is not None and writer and shared.writer:
-            raise DirectoryInUseError(f"another TiercheckWriter of this process writes {key}; close it first")
-        if shared is None:
-            state: dict[str, Any] = {}
-            shared = _Shared(key, Checkpointer(state, local=local, remote=remote, **options), state)
-            _open[key] = shared
-        shared.users += 1
-        shared.writer = shared.writer or writer
-        return shared
-
-
-def _release(shared: _Shared, *, drain: bool, timeout: float | None = None) -> list[int]:
-    """Drop one use; the last closes the Checkpointer (waiting for its saves, and with ``drain`` its drains)."""
-    with _open_lock:
-        shared.users -= 1
-        last = shared.users == 0
-        if last:
-            del _open[shared.key]
-    return shared.ckpt.close(drain=drain, timeout=timeout) if last else []
 
 
 def _options(options: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +121,7 @@ class TiercheckWriter(StorageWriter):
         self._step: int | None = None
         self._coordinator = False
         self._dcp_rank: int | None = None
-        self._shared: _Shared | None = None
+        self._shared: Shared | None = None
         self._closed = False
         # The coordinator's view of the layout (which rank writes which region), and each rank's.
         self._digest: str | None = None
@@ -291,9 +237,9 @@ class TiercheckWriter(StorageWriter):
             raise RuntimeError("TiercheckWriter: the coordinator has no global save plan (prepare_global_plan not run)")
         return {"dcp": described}
 
-    def _checkpointer(self) -> _Shared:
+    def _checkpointer(self) -> Shared:
         if self._shared is None:
-            self._shared = _acquire(self.local, self.remote, self.options, writer=True)
+            self._shared = acquire(self.local, self.remote, self.options, writer=True)
             ckpt = self._shared.ckpt
             if self._dcp_rank is not None and self._dcp_rank != ckpt.rank:
                 raise ValueError(
@@ -320,7 +266,7 @@ class TiercheckWriter(StorageWriter):
             shared.ckpt.wait()  # this writer's saves, even where a reader keeps the Checkpointer open
         except Exception as e:  # the save's own future carried it already
             log.warning("closing a TiercheckWriter whose last save failed: %s", e)
-        return _release(shared, drain=drain, timeout=timeout)
+        return release(shared, drain=drain, timeout=timeout)
 
     def __enter__(self) -> TiercheckWriter:
         return self
@@ -485,14 +431,12 @@ class TiercheckReader(StorageReader):
         return _done(None)
 
     @contextmanager
-    def _checkpointer(self) -> Iterator[_Shared]:
-        shared = _acquire(
-            self.local, self.remote, {**self.options, "remote_options": self.remote_options}, writer=False
-        )
+    def _checkpointer(self) -> Iterator[Shared]:
+        shared = acquire(self.local, self.remote, {**self.options, "remote_options": self.remote_options}, writer=False)
         try:
             yield shared
         finally:
-            _release(shared, drain=False)  # drains are the writer's business
+            release(shared, drain=False)  # drains are the writer's business
 
     def _safe_bytes(self, fqn: str, raw: Any) -> bytes:
         if not isinstance(raw, bytes):
