@@ -1,0 +1,279 @@
+"""``torch.distributed.checkpoint`` (DCP) through tiercheck: ``TiercheckWriter`` / ``TiercheckReader``.
+
+Every test compares bit for bit. The multi-rank ones run real gloo processes on CPU: an FSDP2 model saved by
+2 ranks (``dcp.save`` and ``dcp.async_save``) is loaded by 1 rank (a plain model) and by 4 ranks (FSDP2 again),
+DCP resharding as it does with its own storage.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+import tiercheck
+from tiercheck.commit import step_dir
+from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
+
+from .distributed import run_ranks
+from .ondisk import chunks_of, flip_chunk_byte
+
+pytestmark = [
+    # DCP's own notices: no process group in one process, its deprecated synchronize_staging in async_save
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`synchronize_staging` is deprecated:FutureWarning"),
+]
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 4))
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(5, 6, generator=g)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full(value: Any) -> Any:
+    """Whole CPU tensors (DTensors gathered) of a nested state dict, cloned."""
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full(v) for v in value]
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def _equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where} differs"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------------------------- one process
+
+
+def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model = _model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1))
+    _train(model, optimizer, seed)
+    msd, osd = get_state_dict(model, optimizer)
+    return model, optimizer, {"model": msd, "optim": osd, "train": {"step": seed, "tokens": [seed, 2 * seed]}}
+
+
+def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
+    """checkpoint_id is the step (int or decimal string), None loads the newest; the step is a normal
+    tiercheck step; a reader of the directory the writer holds shares its Checkpointer (no lock conflict)."""
+    root = tmp_path / "ckpt"
+    _, _, first = _state(1)
+    _, _, second = _state(2)
+    saved = {100: _full(first), 101: _full(second)}
+    with TiercheckWriter(local=root) as writer:
+        dcp.save(first, storage_writer=writer, checkpoint_id=100)
+        dcp.save(second, storage_writer=writer, checkpoint_id="101")
+        assert writer.checkpointer is not None and writer.checkpointer.steps() == [100, 101]
+        with pytest.raises(CheckpointException, match="needs the step as checkpoint_id"):
+            dcp.save(second, storage_writer=writer)  # DCP calls no reset() without one
+        _, _, into = _state(7)
+        dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=100)  # while the writer is open
+        _equal(saved[100], _full(into))
+    for checkpoint_id, step in ((None, 101), ("100", 100), (101, 101)):
+        model, optimizer, into = _state(9)
+        dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=checkpoint_id)
+        _equal(saved[step], _full(into), f"step {step}")
+        set_state_dict(model, optimizer, model_state_dict=into["model"], optim_state_dict=into["optim"])
+        _equal(saved[step]["model"], _full(model.state_dict()))
+    with pytest.raises(CheckpointException, match="step 99 is not committed"):
+        dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=99)
+    # A plain tiercheck step: tiercheck.load (and so `tiercheck ls/verify/restore`) reads it.
+    plain = tiercheck.load(root, 101)
+    _equal(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})
+    assert torch.load(io.BytesIO(plain["train.step"]), weights_only=True) == 2
+
+
+def test_drained_to_remote_and_loaded_from_there(tmp_path: Path) -> None:
+    """The drain takes a DCP step to the remote tier; a node whose local directory is empty loads from there."""
+    remote = (tmp_path / "remote").as_uri()
+    _, _, sd = _state(3)
+    saved = _full(sd)
+    writer = TiercheckWriter(local=tmp_path / "node-a", remote=remote)
+    dcp.save(sd, storage_writer=writer, checkpoint_id=40)
+    assert writer.close() == []  # waited for the drain
+    _, _, into = _state(6)
+    dcp.load(into, storage_reader=TiercheckReader(local=tmp_path / "node-b", remote=remote))
+    _equal(saved, _full(into))
+
+
+def test_reader_refuses_pickles_and_process_mode_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with TiercheckWriter(local=root) as writer:
+        dcp.save({"w": torch.arange(4.0), "cfg": _Config(3)}, storage_writer=writer, checkpoint_id=5)
+        with pytest.raises(TypeError, match="AsyncCheckpointerType.THREAD"):
+            pickle.dumps(writer)
+    into: dict[str, Any] = {"w": torch.zeros(4), "cfg": None}
+    with pytest.raises(CheckpointException, match="UnsafeCheckpointError"):
+        dcp.load(into, storage_reader=TiercheckReader(local=root))
+    dcp.load(into, storage_reader=TiercheckReader(local=root, safe_globals=[_Config]))
+    assert into["cfg"] == _Config(3) and torch.equal(into["w"], torch.arange(4.0))
+
+
+class _Config:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Config) and other.n == self.n
+
+
+def test_corrupt_chunk_fails_load(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with TiercheckWriter(local=root) as writer:
+        dcp.save({"w": torch.arange(64.0).reshape(8, 8)}, storage_writer=writer, checkpoint_id=3)
+    step = root / step_dir(3)
+    flip_chunk_byte(step, "w", chunks_of(step, "w")[0], 5)
+    into = {"w": torch.zeros(8, 8)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(into, storage_reader=TiercheckReader(local=root))
+    errors = [exc for exc, _ in info.value.failures.values()]
+    assert any(isinstance(e, tiercheck.CorruptCheckpointError) for e in errors), errors
+    assert "CorruptCheckpointError" in str(info.value)
+    assert torch.equal(into["w"], torch.zeros(8, 8))  # nothing reached the state
+
+
+def test_async_save_thread(tmp_path: Path) -> None:
+    """async_save (THREAD) resolves once the step is committed; changes after it returned are not saved."""
+    root = tmp_path / "ckpt"
+    model, _, sd = _state(4)
+    saved = _full(sd)
+    with TiercheckWriter(local=root) as writer:
+        fut = dcp.async_save(
+            sd, storage_writer=writer, checkpoint_id=7, async_checkpointer_type=AsyncCheckpointerType.THREAD
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # training goes on: in place, as optimizer.step() does
+        assert not isinstance(fut, dcp.state_dict_saver.AsyncSaveResponse)
+        fut.result(timeout=60)
+        assert writer.checkpointer is not None and writer.checkpointer.steps() == [7]
+    _, _, into = _state(8)
+    dcp.load(into, storage_reader=TiercheckReader(local=root))
+    _equal(saved, _full(into))
+
+
+# ------------------------------------------------------------------------------- several ranks (gloo, CPU)
+
+
+def _fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp_state(seed: int, *, shard: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model = _model(seed)
+    if shard:
+        model = _fsdp(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, optimizer, seed)
+    msd, osd = get_state_dict(model, optimizer)
+    extra = {"rng": torch.Generator().manual_seed(seed).get_state(), "step": seed}  # replicated: one rank writes
+    return model, optimizer, {"model": msd, "optim": osd, "extra": extra}
+
+
+def _save_fsdp(rank: int, world: int, root: str) -> dict[int, Any]:
+    """Saves step 100 with dcp.save and, after training on, step 200 with dcp.async_save; returns what was saved."""
+    warnings.simplefilter("ignore", FutureWarning)
+    ckpt_group = torch.distributed.new_group(backend="gloo")
+    model, optimizer, sd = _fsdp_state(0, shard=True)
+    out = {100: _full(sd)}
+    with TiercheckWriter(local=root) as writer:
+        dcp.save(sd, storage_writer=writer, checkpoint_id=100)
+        _train(model, optimizer, 1)
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd, "extra": {**sd["extra"], "step": 1}}
+        out[200] = _full(sd)
+        # DCP's thread runs collectives while training runs its own: on a group of their own (as torchtitan does)
+        fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id="200", process_group=ckpt_group)
+        _train(model, optimizer, 2)  # training goes on while the save runs
+        fut.result(timeout=60)
+        assert writer.checkpointer is not None and writer.checkpointer.steps() == [100, 200]
+    return out
+
+
+def _load_fsdp(rank: int, world: int, root: str, shard: bool) -> dict[int, Any]:
+    """Loads step 100 and the newest (200) into a fresh model: FSDP2 over ``world`` ranks, or plain."""
+    out = {}
+    for checkpoint_id in (100, None):  # None: the newest, 200
+        model, optimizer, sd = _fsdp_state(5, shard=shard)
+        reader = TiercheckReader(local=root)
+        dcp.load(sd, storage_reader=reader, checkpoint_id=checkpoint_id)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        out[100 if checkpoint_id else 200] = (_full(sd), _full(model.state_dict()))
+    return out
+
+
+def test_fsdp2_save_on_2_ranks_load_on_1_and_4(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")  # one node: every rank shares the directory
+    saved = run_ranks(_save_fsdp, 2, root, start_method="forkserver")
+    _equal(saved[0], saved[1])  # the gathered full state is the same on both ranks
+    for world, shard in ((1, False), (4, True)):
+        loaded = run_ranks(_load_fsdp, world, root, shard, start_method="forkserver")
+        for rank, got in enumerate(loaded):
+            for step in (100, 200):
+                state, live_model = got[step]
+                _equal(saved[0][step], state, f"{world} ranks, rank {rank}, step {step}")
+                _equal(saved[0][step]["model"], live_model, f"{world} ranks, rank {rank}, step {step}, model")
+    assert not torch.equal(saved[0][100]["model"]["0.weight"], saved[0][200]["model"]["0.weight"])
+
+
+def _layout_changes(rank: int, world: int, root: str) -> list[bool]:
+    """A replicated tensor grows between saves: DCP gives it to one rank, the only one whose tiercheck leaves
+    change; every rank must still re-plan together (tiercheck plans collectively)."""
+    opts = {"distributed": tiercheck.DistributedOptions(timeout_s=30)}
+    saved = {}
+    with TiercheckWriter(local=root, **opts) as writer:
+        for step, n in ((1, 3), (2, 5), (3, 5)):
+            sd = {"w": torch.arange(16.0) + step, "hist": torch.arange(float(n)), "step": step}
+            saved[step] = _full(sd)
+            dcp.save(sd, storage_writer=writer, checkpoint_id=step)
+    same = []
+    for step, n in ((1, 3), (2, 5), (3, 5)):
+        into = {"w": torch.zeros(16), "hist": torch.zeros(n), "step": -1}
+        dcp.load(into, storage_reader=TiercheckReader(local=root, **opts), checkpoint_id=step)
+        _equal(saved[step], _full(into), f"step {step}")
+        same.append(True)
+    return same
+
+
+def test_layout_change_on_one_rank_replans_every_rank(tmp_path: Path) -> None:
+    assert run_ranks(_layout_changes, 2, str(tmp_path / "ckpt"), start_method="forkserver") == [[True] * 3] * 2
