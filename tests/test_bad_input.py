@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +18,18 @@ from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, flip_chunk_byte
 from tiercheck import Checkpointer, WriteOptions
 from tiercheck.codec import checksum, seal, unseal
+from tiercheck.commit import read_manifest
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleStateError,
     TiercheckError,
+    UnsupportedValueError,
 )
+from tiercheck.layout import chunk_at
 from tiercheck.manifest import part_file, shard_file
+from tiercheck.scatter import read_chunk
+from tiercheck.tiers.local import LocalTier
 
 
 def saved(ckpt_dir: Path, step: int = 3) -> dict[str, torch.Tensor]:
@@ -334,3 +342,93 @@ def test_a_world_size_beyond_any_job_is_refused(ckpt_dir: Path) -> None:
     marker.write_bytes(json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError, match=r"commit marker is damaged .*world_size 1000000000000 is beyond"):
         tiercheck.load(ckpt_dir, 3)
+
+
+def _swap_kind(path: Path) -> None:
+    """A directory where a file should be, or a file where a directory should be."""
+    if path.is_dir():
+        for p in sorted(path.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        path.rmdir()
+        path.write_bytes(b"{}")
+    else:
+        path.unlink()
+        path.mkdir()
+
+
+@pytest.mark.parametrize(
+    "name", ["COMMIT", "manifest.json", "manifest", "manifest/rank-000000.json", "packs", "packs/rank-000000.bin"]
+)
+def test_a_directory_where_a_file_should_be_and_the_reverse_are_reported(
+    ckpt_dir: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved(ckpt_dir)
+    _swap_kind(ckpt_dir / "step-00000003" / name)
+    with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match="step 3|step-00000003"):
+        tiercheck.load(ckpt_dir, 3)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "step 3" in proc.stderr or "step-00000003" in proc.stderr, proc.stderr
+
+
+def test_a_state_nested_beyond_the_depth_limit_is_refused_on_save_and_on_load(ckpt_dir: Path) -> None:
+    deep: Any = {"x": torch.ones(2)}
+    for _ in range(600):
+        deep = {"a": deep}
+    with (
+        Checkpointer({"m": deep}, local=ckpt_dir) as ck,
+        pytest.raises(UnsupportedValueError, match=r"m/a/a/.*: nested deeper than 100 levels"),
+    ):
+        ck.save(1)
+    assert not list(ckpt_dir.glob("step-*"))  # refused before anything was written
+
+    saved(ckpt_dir)  # the same depth, planted in a manifest (JSON itself parses 600 levels)
+    part = ckpt_dir / "step-00000003" / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    doc["tree"]["model"]["deep"] = json.loads("[" * 600 + "]" * 600)
+    part.write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(CorruptCheckpointError, match="nested deeper than 100 levels"):
+        tiercheck.load(ckpt_dir, 3)
+
+
+def test_a_device_or_dtype_that_is_not_one_is_reported(ckpt_dir: Path) -> None:
+    for tag, value in [("$device", "garbage"), ("$dtype", "garbage"), ("$npscalar", ["<x9", "AA=="])]:
+        state = {"model": {"w": torch.ones(2)}, "extra": {"where": torch.device("cpu")}}
+        with Checkpointer(state, local=ckpt_dir / tag) as ck:
+            ck.save(1).wait()
+        part = ckpt_dir / tag / "step-00000001" / part_file(0)
+        doc = json.loads(unseal(part.read_bytes(), where="test"))
+        doc["tree"]["extra"]["where"] = {tag: value}
+        part.write_bytes(seal(json.dumps(doc).encode()))
+        with pytest.raises(CorruptCheckpointError, match=rf"extra/where: cannot decode \{tag} value"):
+            tiercheck.load(ckpt_dir / tag)
+
+
+def test_a_fresh_load_of_an_array_too_large_for_memory_is_the_library_error(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    _edit_shard(ckpt_dir, "model/b", "shape", [2**47])  # 512 TiB of float32: within the format's bound
+    _edit_shard(ckpt_dir, "model/b", "chunks", [2**47])
+    with pytest.raises(tiercheck.StagingError, match=r"model/b: cannot allocate 562,949,953,421,312 bytes"):
+        tiercheck.load(ckpt_dir, 3)
+
+
+def test_a_chunk_larger_than_its_stored_file_allocates_only_what_is_stored(ckpt_dir: Path) -> None:
+    """A record claiming a 256 MiB chunk in a pack of a few KiB: the read is sized by the file
+    and fails as truncated; no buffer of the claimed size is made (it was, before any check)."""
+    saved(ckpt_dir)
+    _edit_shard(ckpt_dir, "model/b", "shape", [2**26])
+    _edit_shard(ckpt_dir, "model/b", "chunks", [2**26])
+    tier = LocalTier(ckpt_dir)
+    rec = read_manifest(tier, 3).arrays["model/b"]
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            CorruptCheckpointError, match=r"'model/b' chunk c\.0: chunk has \d+ bytes, expected 268435460"
+        ):
+            read_chunk(tier, 3, rec, chunk_at(rec.shape, rec.chunks, (0,)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

@@ -286,9 +286,10 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
                         file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
                         jobs.append((path, key, crc, size, file, offset))
         else:
+            ranks = set(marker.ranks)
             for rec in manifest.arrays.values():
                 for key, crc in sorted(rec.checksums.items()):
-                    if rec.owner(key) in set(marker.ranks):
+                    if rec.owner(key) in ranks:
                         jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
     except TiercheckError as e:
         return [f"step {n}: {e}"]
@@ -300,11 +301,13 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
         where = f"{tier.url}: step {n}: array {path!r} chunk {key}"
         try:
             try:
-                if offset is None:
+                if nbytes is None:  # a format-3 chunk file of an array recorded elsewhere: all of it
+                    assert offset is None
                     raw = tier.read(f"{step_dir(n)}/{file}")
-                else:
-                    assert nbytes is not None
-                    raw = tier.read_range(f"{step_dir(n)}/{file}", offset, nbytes + CHECKSUM_BYTES)
+                else:  # in its pack; or its own file, read one byte past its end so one too long shows
+                    raw = tier.read_range(
+                        f"{step_dir(n)}/{file}", offset or 0, nbytes + CHECKSUM_BYTES + (offset is None)
+                    )
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{where}: {file} is missing") from None
             size = len(raw) - CHECKSUM_BYTES if nbytes is None else nbytes

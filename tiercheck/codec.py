@@ -159,10 +159,11 @@ def verify_parts(
     """Check a stored chunk read in two parts: the first bytes of its data (all of them, or the part
     an edge chunk holds before its padding), read wherever they belong, and the rest of the file
     (the padding, if any, and the checksum trailer). Returns ``data``."""
-    if len(data) + len(rest) != nbytes + CHECKSUM_BYTES or len(rest) < CHECKSUM_BYTES:
+    got, want = len(data) + len(rest), nbytes + CHECKSUM_BYTES
+    if got != want or len(rest) < CHECKSUM_BYTES:
         raise CorruptCheckpointError(
-            f"{where}: chunk has {len(data) + len(rest)} bytes, expected {nbytes + CHECKSUM_BYTES} "
-            "(truncated or damaged)"
+            f"{where}: chunk has {got if got < want else f'more than {want}'} bytes, expected {want} "
+            f"({'truncated' if got < want else 'too long'} or damaged)"
         )
     tail = memoryview(rest)
     actual = checksum(data)

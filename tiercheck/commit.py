@@ -102,11 +102,18 @@ MAX_MANIFEST_BYTES = 256 << 20  # a manifest file, part or marker; 16,384 ranks 
 
 def read_small(tier: Tier, path: str, *, where: str) -> bytes:
     """A manifest file, part or commit marker, read whole, refused past ``MAX_MANIFEST_BYTES``
-    without reading (or allocating) more: a hostile sparse file of many GiB costs nothing."""
-    data = tier.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+    without reading (or allocating) more: a hostile sparse file of many GiB costs nothing.
+    Raises ``FileNotFoundError`` when it is missing; any other failure to read it (a directory
+    in its place, no permission, EIO) is the step's damage."""
+    try:
+        data = tier.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where}: cannot read {path}: {e.strerror or e}") from None
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; no manifest is")
-    return data
+    return bytes(data)
 
 
 def read_marker(tier: Tier, step: int) -> CommitMarker:
@@ -155,7 +162,11 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     else:
         index = ManifestIndex.from_doc(doc, where=where)
         files = {}
-        for name in tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}"):
+        try:
+            names = tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}")
+        except OSError as e:  # a file in its place, no permission
+            raise CorruptCheckpointError(f"{where}: cannot list {PARTS_DIR}/: {e.strerror or e}") from None
+        for name in names:
             m = _PART.match(name)
             if m and int(m.group(2)) < index.world_size:
                 files[m.group(1), int(m.group(2))] = read_small(

@@ -87,6 +87,11 @@ def _escape(component: str) -> str:
     return text
 
 
+MAX_DEPTH = 100
+"""How deeply a state may nest (dicts, lists, tuples): far beyond any training state, and well
+within what decoding can recurse through. Saving refuses deeper states, loading deeper trees."""
+
+
 class _Encoder:
     def __init__(self, *, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
@@ -102,6 +107,8 @@ class _Encoder:
         return check_array_path(path, where="encoding the state")
 
     def encode(self, obj: Any, parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
+        if len(parts) > MAX_DEPTH:
+            raise UnsupportedValueError(f"{'/'.join(parts[:8])}/...: nested deeper than {MAX_DEPTH} levels")
         placed = placement_of(obj, where="/".join(parts))
         if placed is not None:
             tensor, global_shape, offsets = placed
@@ -184,9 +191,13 @@ TensorSource = Callable[[str, str, Any], Any]
 """(tag, array path, live value or None) -> the decoded tensor/ndarray."""
 
 
-def decode(node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, live: Any = None) -> Any:
+def decode(
+    node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, live: Any = None, depth: int = 0
+) -> Any:
     """Rebuild a value from its encoding. ``live`` is the value it replaces, if any: tensors are
     handed to ``source`` together with their live counterpart so it can restore them in place."""
+    if depth > MAX_DEPTH:
+        raise CorruptCheckpointError(f"{where[:300]}...: nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
         live_list = live if isinstance(live, list) else []
         return [
@@ -196,6 +207,7 @@ def decode(node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, 
                 allow_pickle=allow_pickle,
                 where=f"{where}/{i}",
                 live=live_list[i] if i < len(live_list) else None,
+                depth=depth + 1,
             )
             for i, v in enumerate(node)
         ]
@@ -206,17 +218,19 @@ def decode(node: JSON, source: TensorSource, *, allow_pickle: bool, where: str, 
         if tag in ("$tensor", "$ndarray"):
             return source(tag, val, live)
         if tag.startswith("$"):
-            return _decode_tagged(tag, val, source, allow_pickle=allow_pickle, where=where, live=live)
+            return _decode_tagged(tag, val, source, allow_pickle=allow_pickle, where=where, live=live, depth=depth)
     live_map = live if isinstance(live, Mapping) else {}
     return {
-        k: decode(v, source, allow_pickle=allow_pickle, where=f"{where}/{k}", live=live_map.get(k))
+        k: decode(v, source, allow_pickle=allow_pickle, where=f"{where}/{k}", live=live_map.get(k), depth=depth + 1)
         for k, v in node.items()
     }
 
 
-def _decode_tagged(tag: str, val: Any, source: TensorSource, *, allow_pickle: bool, where: str, live: Any) -> Any:
+def _decode_tagged(
+    tag: str, val: Any, source: TensorSource, *, allow_pickle: bool, where: str, live: Any, depth: int
+) -> Any:
     def sub(v: Any, w: str, lv: Any = None) -> Any:
-        return decode(v, source, allow_pickle=allow_pickle, where=w, live=lv)
+        return decode(v, source, allow_pickle=allow_pickle, where=w, live=lv, depth=depth + 1)
 
     try:
         if tag == "$float":
@@ -250,8 +264,9 @@ def _decode_tagged(tag: str, val: Any, source: TensorSource, *, allow_pickle: bo
             return pickle.loads(base64.b64decode(val, validate=True))
     except (UnsafeCheckpointError, IncompatibleStateError):
         raise
-    except (ValueError, TypeError, IndexError) as e:
-        raise CorruptCheckpointError(f"{where}: cannot decode {tag} value ({e})") from None
+    except (ValueError, TypeError, IndexError, RuntimeError, UnsupportedValueError) as e:
+        # RuntimeError: torch.device("garbage"); UnsupportedValueError: a dtype torch lacks
+        raise CorruptCheckpointError(f"{where}: cannot decode {tag} value ({str(e)[:200]})") from None
     raise CorruptCheckpointError(f"{where}: unknown tag {tag!r} (written by a newer tiercheck?)")
 
 

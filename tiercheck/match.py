@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, IncompatibleStateError
+from .errors import CorruptCheckpointError, IncompatibleStateError, StagingError
 from .flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
-from .manifest import JSON, Manifest
+from .manifest import JSON, ArrayRecord, Manifest
 from .scatter import ReadItem
 from .sharding import placement_of
 
@@ -120,7 +120,7 @@ def prepare(
                 )
             items.append(ReadItem(rec, local, offsets))
             return live
-        dest = torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
+        dest = _allocate(rec, where=here)
         items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))
         return dest.numpy() if tag == "$ndarray" else dest
 
@@ -188,3 +188,16 @@ def _update_in_place(live: Any, new: Any) -> bool:
                 live[i] = v
         return True
     return False
+
+
+def _allocate(rec: ArrayRecord, *, where: str) -> torch.Tensor:
+    """A new tensor for an array a fresh load returns, sized from the manifest (bounded there to
+    2**48 elements): one too large for this machine is the library's error, not the allocator's."""
+    try:
+        return torch.empty(rec.shape, dtype=torch_dtype(rec.dtype))
+    except (RuntimeError, MemoryError) as e:
+        nbytes = rec.numel * torch.empty((), dtype=torch_dtype(rec.dtype)).element_size()
+        raise StagingError(
+            f"{where}: cannot allocate {nbytes:,} bytes for its {rec.dtype}{list(rec.shape)} "
+            f"({type(e).__name__}); the manifest may be damaged, or the array larger than this machine's memory"
+        ) from None

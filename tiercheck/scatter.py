@@ -56,12 +56,16 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     file, offset = rec.location(key)
     path = f"{step_dir(step)}/{file}"
     nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
-    length = None if offset is None else nbytes + CHECKSUM_BYTES
+    # A chunk's own file is read one byte past its expected end, so one that is too long shows.
+    length = nbytes + CHECKSUM_BYTES + (offset is None)
     try:
-        if into is None and offset is None:
-            return verify_chunk(tier.read(path), expected_crc=crc, nbytes=nbytes, where=where)
-        if into is None:  # a writable buffer: tensors are made from what this returns
-            into = memoryview(bytearray(nbytes))
+        if into is None:
+            # Sized by what is stored, not by the manifest alone, and writable: tensors are made
+            # from what this returns.
+            raw = tier.read_range(path, offset or 0, length)
+            return verify_chunk(
+                raw if isinstance(raw, bytearray) else bytearray(raw), expected_crc=crc, nbytes=nbytes, where=where
+            )
         n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
@@ -205,7 +209,8 @@ def move_chunks(
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
             # otherwise); the error reaches every rank once the transfers are over.
             errors.append(e)
-            return path, c, torch.zeros(chunk_nbytes(rec), dtype=torch.uint8)
+            filler = torch.zeros(chunk_nbytes(rec) if (path, c.coords) in sends else 0, dtype=torch.uint8)
+            return path, c, filler
         if target is not None:
             return path, c, target  # read in place: nothing to copy
         data = torch.frombuffer(raw, dtype=torch.uint8)

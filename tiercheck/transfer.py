@@ -146,7 +146,7 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
     if end > size:
         raise CorruptCheckpointError(f"{where}: has {size} bytes, its chunks end at {end} (truncated)")
 
-    def pieces() -> Iterator[bytes]:
+    def pieces() -> Iterator[bytes | bytearray]:
         pos = 0
         for offset, nbytes, path, key, crc in spans:
             if offset > pos:

@@ -40,9 +40,10 @@ class Tier(ABC):
         makes."""
         return bytes(self.read(path))  # the same object when read already gave bytes
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int) -> bytes | bytearray:
         """``length`` bytes of ``path`` from ``offset``: fewer where the file ends first (a chunk
-        in a pack is read this way). The default reads the whole file."""
+        in a pack is read this way), never a buffer larger than what is stored. The default
+        reads the whole file."""
         return bytes(memoryview(self.read(path))[offset : offset + length])
 
     def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:

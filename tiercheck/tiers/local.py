@@ -106,10 +106,15 @@ class LocalTier(Tier):
         with open(self._abs(path), "rb", buffering=0) as f:
             return f.read()  # read straight into one bytes object sized from fstat
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int) -> bytearray:
+        """Writable, and sized from the file: a ``length`` far beyond what is stored (a hostile
+        manifest's) allocates nothing more."""
         with open(self._abs(path), "rb", buffering=0) as f:
+            buf = bytearray(max(0, min(length, os.fstat(f.fileno()).st_size - offset)))
             f.seek(offset)
-            return f.read(length)
+            n = f.readinto(buf) or 0
+            del buf[n:]  # the file shrank since fstat
+            return buf
 
     def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
         with open(self._abs(path), "rb") as f:
