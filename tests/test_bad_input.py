@@ -432,3 +432,32 @@ def test_a_chunk_larger_than_its_stored_file_allocates_only_what_is_stored(ckpt_
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    _edit_shard(ckpt_dir, "model/b", "chunks", [1])  # 64 chunks, of which the manifest names 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert "step 3: array 'model/b': the manifest names 1 chunks of its 64" in proc.stderr, proc.stderr
+    with pytest.raises(CorruptCheckpointError, match=r"'model/b' chunk c\.1: the manifest has no checksum"):
+        tiercheck.load(ckpt_dir, 3)
+    _edit_shard(ckpt_dir, "model/b", "shape", [2**40])  # a grid of 2**40 chunks would never be walked
+    with pytest.raises(
+        CorruptCheckpointError, match=r"'model/b': chunk \[1\] cuts the array .* into 1,099,511,627,776"
+    ):
+        tiercheck.load(ckpt_dir, 3)
+
+
+def test_a_sharding_that_cuts_an_array_too_finely_is_refused_on_save() -> None:
+    from tiercheck.planner import LeafDesc, chunk_array
+
+    n = 8_388_617  # a prime: two shards split there leave a common grid of one element a chunk
+    pieces = [
+        (0, LeafDesc("w", "float32", "tensor", (2 * n,), (0,), (n,), False)),
+        (1, LeafDesc("w", "float32", "tensor", (2 * n,), (n,), (n,), False)),
+    ]
+    with pytest.raises(UnsupportedValueError, match=r"'w'\[16777234\]: .* into 16,777,234 chunks"):
+        chunk_array("w", pieces, 4096)

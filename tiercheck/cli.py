@@ -47,6 +47,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckEr
 from .fmt import fmt_steps as _fmt_steps
 from .fmt import plural as _plural
 from .fmt import ranges as _ranges
+from .layout import grid_size
 from .manifest import Manifest, chunk_location
 from .options import RetentionOptions, RetryOptions
 from .retention import steps_to_delete
@@ -293,8 +294,15 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
                         jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
     except TiercheckError as e:
         return [f"step {n}: {e}"]
-    total = sum(job[3] or 0 for job in jobs)
     bad: list[str] = []
+    if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
+        for rec in manifest.arrays.values():
+            if len(rec.checksums) != grid_size(rec.shape, rec.chunks):
+                bad.append(
+                    f"step {n}: array {rec.path!r}: the manifest names {len(rec.checksums):,} chunks "
+                    f"of its {grid_size(rec.shape, rec.chunks):,}"
+                )
+    total = sum(job[3] or 0 for job in jobs)
 
     def check(job: tuple[str, str, int, int | None, str, int | None]) -> int:
         path, key, crc, nbytes, file, offset = job

@@ -48,6 +48,19 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_CHUNKS = 1 << 24
+"""Chunks in one array's grid, at most: each has a checksum in a manifest file (capped at
+256 MiB, ~20 bytes a checksum), and restore walks the grid. A grid beyond it is refused on
+save (with the sharding named) and on load (a hostile record of 2**48 one-element chunks)."""
+
+
+def grid_size(shape: Sequence[int], chunk: Sequence[int]) -> int:
+    """How many chunks the grid has, without walking it (integer math)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return math.prod(ceil_div(d, c) for d, c in zip(shape, chunk, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One chunk of an array: its grid coordinates and the part of the array it holds."""

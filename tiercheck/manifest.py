@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from .layout import MAX_CHUNKS, grid_size
 from .metadata import decode as decode_metadata
 
 FORMAT_NAME = "tiercheck"
@@ -152,6 +153,11 @@ class ArrayRecord:
         if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
             # tiercheck never writes one; readers size a chunk's buffer from it before reading
             raise CorruptCheckpointError(f"{here}: chunk {list(chunk)} is larger than the array {list(shape)}")
+        if grid_size(shape, chunk) > MAX_CHUNKS:
+            raise CorruptCheckpointError(
+                f"{here}: chunk {list(chunk)} cuts the array {list(shape)[:8]} into "
+                f"{grid_size(shape, chunk):,} chunks, more than tiercheck ever writes ({MAX_CHUNKS:,})"
+            )
         return cls(
             path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk,
             checksums=checksums, owners=owners, offsets=offsets,

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .codec import chunk_nbytes, itemsize
-from .errors import IncompatibleStateError
-from .layout import Chunk, ceil_div, chunks_in_box, grid_for_boxes
+from .errors import IncompatibleStateError, UnsupportedValueError
+from .layout import MAX_CHUNKS, Chunk, chunks_in_box, grid_for_boxes, grid_size
 from .manifest import ArrayRecord
 
 
@@ -133,12 +133,17 @@ def chunk_array(
     shape = first.global_shape
     boxes = [(d.offsets, d.shape) for _, d in pieces if math.prod(d.shape) > 0]
     grid = grid_for_boxes(shape, boxes, itemsize(first.dtype), target_chunk_bytes)
+    if grid_size(shape, grid) > MAX_CHUNKS:  # it could not be read back (nor planned in time)
+        raise UnsupportedValueError(
+            f"array {path!r}{list(shape)}: its shards' boundaries cut it into {grid_size(shape, grid):,} chunks "
+            f"of {list(grid)}, more than {MAX_CHUNKS:,}; shard it at coarser offsets or raise WriteOptions.chunk_bytes"
+        )
     rec = ArrayRecord(path=path, dtype=first.dtype, kind=first.kind, shape=shape, chunks=grid)
     by_chunk: dict[tuple[int, ...], tuple[Chunk, list[int]]] = {}
     for rank, d in pieces:
         for c in chunks_in_box(shape, grid, d.offsets, d.shape):
             by_chunk.setdefault(c.coords, (c, []))[1].append(rank)
-    expected = math.prod(ceil_div(s, c) for s, c in zip(shape, grid, strict=True)) if all(shape) else 0
+    expected = grid_size(shape, grid)
     if len(by_chunk) != expected:
         raise IncompatibleStateError(f"array {path!r}{list(shape)}: {_hole(shape, grid, by_chunk)} is held by no rank")
     return rec, [(c, tuple(sorted(hs))) for _, (c, hs) in sorted(by_chunk.items())]
