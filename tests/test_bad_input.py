@@ -362,10 +362,15 @@ def _swap_kind(path: Path) -> None:
 def test_a_directory_where_a_file_should_be_and_the_reverse_are_reported(
     ckpt_dir: Path, name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    older = saved(ckpt_dir, step=2)
     saved(ckpt_dir)
     _swap_kind(ckpt_dir / "step-00000003" / name)
     with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match="step 3|step-00000003"):
         tiercheck.load(ckpt_dir, 3)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck:
+        assert ck.restore() == 2  # the damaged newest step does not block the one before it
+    assert_identical(live["model"], older)
     proc = subprocess.run(
         [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, CorruptCheckpointError, Shard, WriteOptions
+from tiercheck.manifest import part_file
 
 from .conftest import assert_identical
 from .distributed import run_ranks
@@ -134,6 +135,24 @@ def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: 
     run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
     step2 = Path(roots[1]) / "step-00000002"  # only node 1's copy is bad, and only one of its chunks
     flip_chunk_byte(step2, "rows", chunks_of(step2, "rows")[-1], 3)
+
+    refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
+    assert refused == [("CorruptCheckpointError", True)] * 2, refused
+
+    fell_back = run_ranks(_restore_on_two_nodes, 2, roots, None, start_method="forkserver")
+    for rank, (step, w, half) in enumerate(fell_back):
+        assert step == 1
+        assert torch.equal(w, torch.full((64, 64), 1.0))
+        assert torch.equal(half, torch.full((128, 64), 10.0 + rank))
+
+
+def test_two_ranks_agree_to_fall_back_when_one_ranks_manifest_part_is_damaged(tmp_path: Path) -> None:
+    """Damage found while the manifest is fetched (not while chunks are read) is the step's damage
+    too: the rank reading the part and the rank waiting on it both fall back, to the same step."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
+    part = Path(roots[1]) / "step-00000002" / part_file(1)
+    part.write_bytes(part.read_bytes()[:-9] + b"garbage!!")
 
     refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
     assert refused == [("CorruptCheckpointError", True)] * 2, refused

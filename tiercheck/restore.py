@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +242,17 @@ def restore_state(
     raise AssertionError("unreachable")
 
 
+DAMAGE = (CorruptCheckpointError,)
+"""Failures every rank raises as they are (not as another rank's ``CoordinationError``): each rank
+then agrees the step is damaged, and they try an older one together."""
+
+
+def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
+    """Every rank is past every key of this restore attempt: remove them."""
+    coord.delete(*claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
+    coord.finish(name)
+
+
 class _Damaged(Exception):
     """Every rank agreed that ``step`` is damaged on every tier."""
 
@@ -283,28 +294,34 @@ def _restore_step(
         return None
     step = choice.step
     here = choice.held.get(str(step), [[], 0])[0]
-    st = drive(
-        coord,
-        find_holders(coord, name, tier, nodes, step, here, remote=remote, from_remote=choice.from_remote),
-    )
     where = f"{tier.url}: step {step}"
-    manifest = drive(coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others)))
+    claimed: tuple[str, ...] = ()
     failure: TiercheckError | None = None
     items: list[ReadItem] = []
     decoded: dict[str, Any] = {}
     view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
-    try:
-        if others:
-            add_entries(view, manifest, others, where=where)
-            if len(view) > len(state) and not isinstance(state, MutableMapping):
-                raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
-        tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=extra)
-        items, decoded = prepare(view, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
-    except TiercheckError as e:
-        if coord.world_size == 1:
-            raise
-        failure = e
-    drive(coord, settle(coord, f"{name}/prepared", failure))
+    try:  # a damaged index, manifest file or tree is the step's damage as much as a bad chunk
+        st = drive(
+            coord,
+            find_holders(coord, name, tier, nodes, step, here, remote=remote, from_remote=choice.from_remote),
+        )
+        claimed = st.claimed
+        manifest = drive(coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others)))
+        try:
+            if others:
+                add_entries(view, manifest, others, where=where)
+                if len(view) > len(state) and not isinstance(state, MutableMapping):
+                    raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=extra)
+            items, decoded = prepare(view, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
+        except TiercheckError as e:
+            if coord.world_size == 1:
+                raise
+            failure = e
+        drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
+    except CorruptCheckpointError as e:
+        _leave(coord, name, claimed)
+        raise _Damaged(step, e) from None
     plan = drive(
         coord,
         plan_reads(
@@ -346,9 +363,7 @@ def _restore_step(
     except CorruptCheckpointError as e:
         raise _Damaged(step, e) from None
     finally:
-        # Every rank is past every key of this restore: remove them.
-        coord.delete(*st.claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
-        coord.finish(name)
+        _leave(coord, name, claimed)
     copy_in(live)
     apply(state, decoded, where=where)
     log.info(
@@ -398,14 +413,14 @@ def manifest_for(
             more = {("rank", w) for w in range(ix.world_size)} - set(got)
     except TiercheckError as e:
         failure = e
-    yield from settle(coord, f"{root}/tree", failure)
+    yield from settle(coord, f"{root}/tree", failure, shared=DAMAGE)
     got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
     paths: set[str] = set()
     try:
         paths = {p for t in assemble(ix, got, where=where).trees for p in tensor_paths(t) if isinstance(p, str)}
     except TiercheckError as e:
         failure = e
-    yield from settle(coord, f"{root}/paths", failure)
+    yield from settle(coord, f"{root}/paths", failure, shared=DAMAGE)
     shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
     got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
     manifest: Manifest | None = None
@@ -414,7 +429,7 @@ def manifest_for(
     except TiercheckError as e:
         failure = e
     del got
-    yield from settle(coord, f"{root}/manifest", failure)
+    yield from settle(coord, f"{root}/manifest", failure, shared=DAMAGE)
     assert manifest is not None
     return manifest
 

@@ -93,7 +93,7 @@ def find_holders(
             own = e
             coord.report(f"{root}/holders", e)
     yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
-    coord.check(f"{root}/holders", own)
+    coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
     if coord.has(index_key):
         index = coord.get(index_key)
     elif from_remote and remote is not None:  # no node holds any of it
@@ -169,7 +169,7 @@ def fetch(
                     coord.set(file_key, data)
                     served += [want, file_key]
     yield coord.arrive(f"{name}/served", what="the nodes holding the step to share manifest files")
-    coord.check(name, own)
+    coord.check(name, own, shared=(CorruptCheckpointError,))
     for f, value in zip(away, coord.multi_get([coord.key(name, "file", *f) for f in away]), strict=True):
         got[f] = value
     yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
