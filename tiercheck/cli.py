@@ -257,10 +257,15 @@ def verify_command(ctx: Context, location: str, step: str, every: bool, threads:
     """
     with errors_as_one_line():
         tier = ctx.tier(location)
-        steps = list_steps(tier).committed if every else [_pick_step(tier, step)]
+        listing = list_steps(tier)
+        steps = listing.committed if every else [_pick_step(tier, step)]
         if not steps:
             raise CheckpointNotFoundError(f"{tier.url} holds no committed step")
-        damaged: list[str] = []
+        damaged = [  # a step directory that cannot be read is not intact either
+            f"step {n}: cannot read {step_dir(n)}: {why}"
+            for n, why in listing.unreadable.items()
+            if every or (step == "latest" and n > steps[-1])
+        ]
         for n in steps:
             damaged.extend(_verify_step(ctx, tier, n, threads))
         if damaged:
@@ -320,8 +325,10 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
                 raise CorruptCheckpointError(f"{where}: {file} is missing") from None
             size = len(raw) - CHECKSUM_BYTES if nbytes is None else nbytes
             verify_chunk(raw, expected_crc=crc, nbytes=size, where=where)
-        except (TiercheckError, OSError) as e:
+        except TiercheckError as e:
             bad.append(f"step {n}: array {path!r} chunk {key}: {str(e).rsplit(': ', 1)[-1]}")
+        except OSError as e:  # no permission, EIO, a directory in its place
+            bad.append(f"step {n}: array {path!r} chunk {key}: cannot read {file}: {e.strerror or e}")
         return nbytes or 0
 
     done = 0

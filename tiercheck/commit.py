@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .codec import checksum, unseal
 from .coordination import Barrier, Coordinator, Nodes, Protocol
@@ -52,11 +52,13 @@ def step_dir(step: int) -> str:
 class StepListing:
     committed: list[int]  # ascending
     partial: list[int]  # directories without a commit marker (in flight, or left by a crash)
+    unreadable: dict[int, str] = field(default_factory=dict)  # step directories that cannot be read: why
 
 
 def list_steps(tier: Tier) -> StepListing:
     committed: list[int] = []
     partial: list[int] = []
+    unreadable: dict[int, str] = {}
     for name in tier.list_dir(""):
         m = _STEP_DIR.match(name)
         if not m:
@@ -64,11 +66,15 @@ def list_steps(tier: Tier) -> StepListing:
         step = int(m.group(1))
         try:
             done = tier.exists(f"{name}/{COMMIT_FILE}")
-        except UnsafeCheckpointError as e:  # e.g. a step directory that is a symbolic link
-            log.warning("ignoring %s in %s: %s", name, tier.url, e)
+        except OSError as e:
+            # A step directory that is a symbolic link (UnsafeCheckpointError), or one that cannot
+            # be read: neither committed (restore passes it by) nor partial (never removed).
+            why = str(e) if isinstance(e, UnsafeCheckpointError) else f"cannot read it ({e.strerror or e})"
+            log.warning("ignoring %s in %s: %s", name, tier.url, why)
+            unreadable[step] = why
             continue
         (committed if done else partial).append(step)
-    return StepListing(sorted(committed), sorted(partial))
+    return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())))
 
 
 def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...] = (0,), world_size: int = 1) -> None:
