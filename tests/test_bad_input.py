@@ -519,3 +519,34 @@ def test_an_unreadable_step_does_not_block_restoring_an_older_one(ckpt_dir: Path
     assert verify.returncode == 1 and "Traceback" not in verify.stderr, verify.stderr
     assert "step-00000003" in verify.stderr or "step 3" in verify.stderr, verify.stderr
     assert "Permission denied" in verify.stderr, verify.stderr
+
+
+_RESTORE_WITH_REMOTE = """
+import sys, torch, tiercheck
+live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+with tiercheck.Checkpointer(live, local=sys.argv[1], remote=sys.argv[3]) as ck:
+    step = ck.restore()
+torch.save({"step": step, **live["model"]}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("target", ["step-00000003", "step-00000003/packs/rank-000000.bin"])
+def test_an_unreadable_local_step_is_restored_from_the_remote_tier(tmp_path: Path, target: str) -> None:
+    local, remote = tmp_path / "local", (tmp_path / "remote").as_uri()
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
+    with Checkpointer(state, local=local, remote=remote, write=WriteOptions(chunk_bytes=4096)) as ck:
+        ck.save(3)
+    (local / target).chmod(0)
+    out = tmp_path / "restored.pt"
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _RESTORE_WITH_REMOTE, str(local), str(out), remote],
+            preexec_fn=_meet_permission_bits, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    finally:
+        (local / target).chmod(0o755)
+    assert child.returncode == 0, child.stderr
+    assert "Permission denied" in child.stderr, child.stderr
+    got = torch.load(out)
+    assert got.pop("step") == 3
+    assert_identical(got, state["model"])
