@@ -130,12 +130,8 @@ def _restore_on_two_nodes(rank: int, world_size: int, roots: list[str], step: in
         return got, w.clone(), half.clone()
 
 
-def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: Path) -> None:
-    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
-    step2 = Path(roots[1]) / "step-00000002"  # only node 1's copy is bad, and only one of its chunks
-    flip_chunk_byte(step2, "rows", chunks_of(step2, "rows")[-1], 3)
-
+def _refused_as_asked_then_fell_back_together(roots: list[str]) -> None:
+    """Step 2 asked for: both ranks refuse, their state untouched; none asked for: both restore step 1."""
     refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
     assert refused == [("CorruptCheckpointError", True)] * 2, refused
 
@@ -144,6 +140,15 @@ def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: 
         assert step == 1
         assert torch.equal(w, torch.full((64, 64), 1.0))
         assert torch.equal(half, torch.full((128, 64), 10.0 + rank))
+
+
+def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: Path) -> None:
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
+    step2 = Path(roots[1]) / "step-00000002"  # only node 1's copy is bad, and only one of its chunks
+    flip_chunk_byte(step2, "rows", chunks_of(step2, "rows")[-1], 3)
+
+    _refused_as_asked_then_fell_back_together(roots)
 
 
 def test_two_ranks_agree_to_fall_back_when_one_ranks_manifest_part_is_damaged(tmp_path: Path) -> None:
@@ -154,11 +159,4 @@ def test_two_ranks_agree_to_fall_back_when_one_ranks_manifest_part_is_damaged(tm
     part = Path(roots[1]) / "step-00000002" / part_file(1)
     part.write_bytes(part.read_bytes()[:-9] + b"garbage!!")
 
-    refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
-    assert refused == [("CorruptCheckpointError", True)] * 2, refused
-
-    fell_back = run_ranks(_restore_on_two_nodes, 2, roots, None, start_method="forkserver")
-    for rank, (step, w, half) in enumerate(fell_back):
-        assert step == 1
-        assert torch.equal(w, torch.full((64, 64), 1.0))
-        assert torch.equal(half, torch.full((128, 64), 10.0 + rank))
+    _refused_as_asked_then_fell_back_together(roots)
