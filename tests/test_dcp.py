@@ -8,6 +8,7 @@ DCP resharding as it does with its own storage.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import warnings
 from pathlib import Path
@@ -21,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tiercheck
-from tiercheck.commit import step_dir
+from tiercheck.commit import read_index, step_dir
 from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
+from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, flip_chunk_byte
@@ -114,6 +116,21 @@ def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
     plain = tiercheck.load(root, 101)
     _equal(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})
     assert torch.load(io.BytesIO(plain["train.step"]), weights_only=True) == 2
+
+
+def test_a_state_of_many_tensors_fits_the_commit_metadata(tmp_path: Path) -> None:
+    """DCP's per-tensor metadata for 5,000 deeply named tensors (1.2 MiB of JSON, as an MoE model's
+    experts make with shorter names by the ten thousand) is kept with the step; the commit metadata
+    was bounded at 1 MiB, and every save of such a state was refused."""
+    names = [f"model.{'decoder.block.' * 10}{i // 64}.mlp.experts.{i % 64}.w1.weight" for i in range(5_000)]
+    sd = {name: torch.full((1,), float(i)) for i, name in enumerate(names)}
+    with TiercheckWriter(local=tmp_path) as writer:
+        dcp.save(sd, storage_writer=writer, checkpoint_id=1)
+    _, index, _ = read_index(LocalTier(tmp_path), 1)
+    assert len(json.dumps(index["metadata"]["dcp"])) > 1 << 20
+    into = {name: torch.zeros(1) for name in names}
+    dcp.load(into, storage_reader=TiercheckReader(local=tmp_path), checkpoint_id=1)
+    assert all(torch.equal(into[n], sd[n]) for n in names)
 
 
 def test_drained_to_remote_and_loaded_from_there(tmp_path: Path) -> None:
