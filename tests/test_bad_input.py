@@ -273,6 +273,9 @@ def test_metadata_round_trips_nan_and_infinities(ckpt_dir: Path) -> None:
         ({"b": b"x"}, r"metadata\['b'\]: a bytes cannot be stored as metadata"),
         ({"xs": [(1, 2)]}, r"metadata\['xs'\]\[0\]: a tuple cannot be stored .*pass a list"),
         ({1: "a"}, r"metadata: key 1 is not a string"),
+        ({"$float": "nan"}, r"metadata: a dict whose only key is '\$float' is reserved"),
+        ({"log": "x" * (16 << 20)}, r"metadata is 16,777,227 bytes as JSON; keep it under 16,777,216"),
+        (json.loads('{"a":' * 70 + "1" + "}" * 70), r"metadata\['a'\].*: metadata nested deeper than 64 levels"),
     ],
 )
 def test_metadata_that_would_not_round_trip_is_refused_before_anything_is_written(

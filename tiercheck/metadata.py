@@ -26,17 +26,19 @@ _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def encode(value: Any) -> Any:
-    """``value`` as JSON-ready data, or ``TypeError``/``ValueError`` naming what cannot be stored."""
+    """``value`` as JSON-ready data, or ``UnsupportedValueError`` naming what cannot be stored."""
     out = _encode(value, "metadata", 0)
     size = len(json.dumps(out))
     if size > MAX_BYTES:
-        raise ValueError(f"metadata is {size} bytes as JSON; keep it under {MAX_BYTES} (store large values as state)")
+        raise UnsupportedValueError(
+            f"metadata is {size:,} bytes as JSON; keep it under {MAX_BYTES:,} (store large values as state)"
+        )
     return out
 
 
 def _encode(value: Any, where: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
-        raise ValueError(f"{where}: metadata nested deeper than {MAX_DEPTH} levels")
+        raise UnsupportedValueError(f"{where}: metadata nested deeper than {MAX_DEPTH} levels")
     if value is None or isinstance(value, bool | str) or type(value) is int:
         return value
     if type(value) is float:
@@ -50,7 +52,7 @@ def _encode(value: Any, where: str, depth: int) -> Any:
             if not isinstance(k, str):
                 raise UnsupportedValueError(f"{where}: key {k!r} is not a string; JSON would turn it into one")
         if list(value) == [_FLOAT_TAG]:
-            raise ValueError(f"{where}: a dict whose only key is {_FLOAT_TAG!r} is reserved")
+            raise UnsupportedValueError(f"{where}: a dict whose only key is {_FLOAT_TAG!r} is reserved")
         return {k: _encode(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
     hint = ""
     if isinstance(value, tuple):
