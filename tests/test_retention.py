@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import tiercheck
 from tiercheck import Checkpointer, RetentionOptions
-from tiercheck.retention import steps_to_delete
+from tiercheck.retention import LocalSteps, steps_to_delete
 from tiercheck.tiers.local import LocalTier, PackWriter
 
 
@@ -117,3 +118,39 @@ def test_full_real_tmpfs(tmp_path: Path) -> None:
         assert torch.equal(tiercheck.load(mnt, step=2)["w"], torch.ones(256 << 10))
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+class _HeldDeletes(LocalTier):
+    """A local tier whose step deletions wait until the test lets them go."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.deleting, self.release = threading.Event(), threading.Event()
+
+    def delete_tree(self, path: str) -> None:
+        self.deleting.set()
+        assert self.release.wait(60), "the test never released the deletion"
+        super().delete_tree(path)
+
+
+def test_asking_whether_a_step_exists_does_not_wait_for_retention_to_delete(ckpt_dir: Path) -> None:
+    """save() asks; retention deletes a step of many GiB in the background: the question must not
+    wait for the disk (it held the training thread 0.8 s for a 1 GiB step)."""
+    with Checkpointer({"w": torch.ones(4)}, local=ckpt_dir) as ck:
+        for s in (1, 2, 3):
+            ck.save(s).wait()
+    tier = _HeldDeletes(ckpt_dir)
+    steps = LocalSteps(tier, RetentionOptions(keep_last=1), leader=True)
+    deleting = threading.Thread(target=steps.retain)
+    deleting.start()
+    try:
+        assert tier.deleting.wait(60)
+        answers: list[bool] = []
+        asking = threading.Thread(target=lambda: answers.extend([3 in steps, 1 in steps]))
+        asking.start()
+        asking.join(30)
+        assert answers == [True, False], "the question waited for the deletion"
+    finally:
+        tier.release.set()
+        deleting.join()
+    assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-00000003"]

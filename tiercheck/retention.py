@@ -59,13 +59,14 @@ class LocalSteps:
             self._steps.update(steps)
 
     def retain(self) -> None:
-        """Apply the policy: delete (on the leader) and forget the steps it lets go."""
+        """Apply the policy: forget the steps it lets go, and delete them (on the leader). The
+        deletion runs outside the lock: ``save()`` asks this set whether a step exists, and
+        deleting a GiB-sized step took the training thread 0.8 s of waiting."""
         with self._lock:
             pinned = self.pinned()
-            for old in steps_to_delete(self._steps, self.policy):
-                if old in pinned:
-                    continue  # still to be drained; a later pass deletes it
-                if self.leader:
-                    withdraw_step(self.tier, old)
-                    log.info("retention: deleted step %d from %s", old, self.tier.url)
-                self._steps.discard(old)
+            gone = [old for old in steps_to_delete(self._steps, self.policy) if old not in pinned]
+            self._steps.difference_update(gone)  # pinned ones: still to be drained; a later pass deletes them
+        if self.leader:
+            for old in gone:
+                withdraw_step(self.tier, old)
+                log.info("retention: deleted step %d from %s", old, self.tier.url)
