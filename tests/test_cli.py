@@ -275,3 +275,24 @@ def test_verify_and_restore_follow_no_symlink_out_of_the_checkpoint(tmp_path: Pa
     proc = run("restore", str(saved), "--to", str(target), "--step", "20", check=False)
     assert proc.returncode != 0 and symlink in proc.stderr, proc.stderr
     assert not (target / step_dir(20) / "COMMIT").exists()
+
+
+@pytest.mark.parametrize("damage", ["missing pack", "flipped byte", "truncated pack"])
+def test_restore_to_commits_no_copy_with_a_missing_or_damaged_source_chunk(
+    tmp_path: Path, saved: Path, damage: str
+) -> None:
+    step = saved / step_dir(30)
+    pack = step / "packs" / "rank-000000.bin"
+    if damage == "missing pack":
+        pack.unlink()
+    elif damage == "flipped byte":
+        flip_chunk_byte(step, "model/layer3", "c.0.0", 17)
+    else:
+        pack.write_bytes(pack.read_bytes()[:-100])
+    target = tmp_path / "node"
+    proc = run("restore", str(saved), "--to", str(target), "--step", "30", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    said = {"missing pack": "step 30: the packs of saving ranks [0] are missing", "flipped byte": "checksum mismatch"}
+    assert "step-00000030/packs/rank-000000.bin" in proc.stderr or "step 30" in proc.stderr, proc.stderr
+    assert said.get(damage, "(truncated)") in proc.stderr, proc.stderr
+    assert list_steps(open_tier(str(target))).committed == []  # nothing incomplete is committed
