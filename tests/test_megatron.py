@@ -5,9 +5,13 @@ The model is a handful of global tensors fixed by a seed, cut the way Megatron c
 over TP, stacked layers (a prepended layer axis) with a SwiGLU-style ``fc1`` (two pieces per rank), a
 row-parallel bf16 ``fc2`` and a norm replicated over TP (``replica_id``), plus ShardedObjects.
 
-On a CPU build of torch, Megatron's save and async-save paths call ``torch.cuda.synchronize()`` and
-``torch.cuda.current_device()``, which raise there. Each rank process replaces exactly these two with
-no-ops (``_cpu_only``); nothing else of torch or Megatron is changed.
+The same tests run on both release lines: megatron-core 0.16 (Python 3.11, the main suite: a strategy
+registry) and 0.19 (Python 3.12, its own lane in scripts/test.sh: subclasses of the torch_dist strategies,
+the common state handed to the strategy). ``_save`` / ``_load`` pass the strategies as each line expects.
+
+On a CPU build of torch, Megatron's own torch_dist writer calls ``torch.cuda.synchronize()`` and
+``torch.cuda.current_device()``, which raise there. The ranks replace exactly these two with no-ops
+(``_cpu_only``) before saving in Megatron's own format, and only then: tiercheck's path needs neither.
 """
 
 from __future__ import annotations
@@ -56,10 +60,23 @@ def _launch(fn: Any, world: int, *args: Any) -> list[Any]:
 
 
 def _cpu_only() -> None:
-    """Stand-ins for the two CUDA calls Megatron makes on its save paths (see the module docstring)."""
+    """Stand-ins for the two CUDA calls Megatron's own writer makes (see the module docstring)."""
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # where Megatron puts its flags
+
+
+def _save(backend: tm.TiercheckBackend, sd: dict[str, Any], ck: str, **kwargs: Any) -> Any:
+    """``dist_checkpointing.save`` through tiercheck: by backend name on 0.16, by strategy object on 0.17+."""
+    strategy = ("tiercheck", 1) if tm.HAS_STRATEGY_REGISTRY else backend.save_strategy
+    return dc.save(sd, ck, sharded_strategy=strategy, **kwargs)
+
+
+def _load(backend: tm.TiercheckBackend, sd: dict[str, Any], ck: str) -> Any:
+    """On 0.16 ``metadata.json`` names tiercheck and Megatron picks the strategy; 0.17+ is given it."""
+    if tm.HAS_STRATEGY_REGISTRY:
+        return dc.load(sd, ck)
+    return dc.load(sd, ck, sharded_strategy=backend.load_strategy)
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -174,17 +191,23 @@ def _new_dir(path: Path) -> str:
 
 def _save_tp1(rank: int, world: int, root: str) -> None:
     """TP1 round trip with the data in the checkpoint directory; metadata.json; corrupt chunk; pickle opt-in."""
-    _cpu_only()
-    tm.install()
+    backend = tm.install()
     ck = _new_dir(Path(root) / "ckpt" / "iter_0000010")
-    dc.save({**sharded_state(1, 1, 0, seed=1), "iteration": 10}, ck, sharded_strategy=("tiercheck", 1))
+    _save(backend, {**sharded_state(1, 1, 0, seed=1), "iteration": 10, "args": {"lr": 0.5}}, ck)
     assert json.loads((Path(ck) / "metadata.json").read_text())["sharded_backend"] == "tiercheck"
     pointer = json.loads((Path(ck) / tm.POINTER_FILE).read_text())
     assert (pointer["step"], pointer["local"]) == (10, ".")
+    # The common (non-sharded) state is where Megatron's own reader finds it: up to 0.18 Megatron writes
+    # common.pt itself; from 0.19 the strategy is handed it and writes Megatron's current format, a one-entry
+    # DCP checkpoint (.metadata).
+    written = {p.name for p in Path(ck).iterdir()} & {"common.pt", ".metadata"}
+    release = tuple(int(x) for x in tm.MEGATRON_CORE_VERSION.split(".")[:2])
+    assert written == ({"common.pt"} if release < (0, 19) else {".metadata"}), written
+    assert dc.load_common_state_dict(ck) == {"iteration": 10, "args": {"lr": 0.5}}
 
     sd = sharded_state(1, 1, 0, seed=1, blank=True)
-    loaded = dc.load(sd, ck)  # no strategy given: metadata.json names tiercheck
-    assert loaded["iteration"] == 10
+    loaded = _load(backend, sd, ck)
+    assert loaded["iteration"] == 10 and loaded["args"] == {"lr": 0.5}
     assert check_loaded(sd, loaded, seed=1, rank=0) == N_TENSORS
     assert set(tiercheck.load(ck)) == {"tensors", "objects"}  # a plain tiercheck step, readable without Megatron
 
@@ -192,83 +215,87 @@ def _save_tp1(rank: int, world: int, root: str) -> None:
     shutil.copytree(ck, bad)
     flip_chunk_byte(bad / "step-00000010", "tensors/embed", chunks_of(bad / "step-00000010", "tensors/embed")[0], 0)
     with pytest.raises(tiercheck.CorruptCheckpointError, match=r"tensors/embed.*chunk"):
-        dc.load(sharded_state(1, 1, 0, seed=1, blank=True), str(bad))
+        _load(backend, sharded_state(1, 1, 0, seed=1, blank=True), str(bad))
 
     odd = {"config": ShardedObject("config", {"ratio": fractions.Fraction(1, 3)}, (1,), (0,))}
     with pytest.raises(tiercheck.UnsupportedValueError, match="allow_pickle"):
-        dc.save(odd, _new_dir(Path(root) / "ckpt" / "odd-a"), sharded_strategy=("tiercheck", 1))
-    tm.install(allow_pickle=True)
+        _save(backend, odd, _new_dir(Path(root) / "ckpt" / "odd-a"))
+    backend = tm.install(allow_pickle=True)
     pickled = _new_dir(Path(root) / "ckpt" / "odd-b")
-    dc.save(odd, pickled, sharded_strategy=("tiercheck", 1))
-    tm.install()
+    _save(backend, odd, pickled)
+    backend = tm.install()
     with pytest.raises(tiercheck.UnsafeCheckpointError):
-        dc.load({"config": ShardedObject("config", None, (1,), (0,))}, pickled)
-    tm.install(allow_pickle=True)
+        _load(backend, {"config": ShardedObject("config", None, (1,), (0,))}, pickled)
+    backend = tm.install(allow_pickle=True)
     assert (
-        dc.load({"config": ShardedObject("config", None, (1,), (0,))}, pickled)["config"]["ratio"]
+        _load(backend, {"config": ShardedObject("config", None, (1,), (0,))}, pickled)["config"]["ratio"]
         == odd["config"].data["ratio"]
     )
 
 
 def _load_tp2_and_pp2(rank: int, world: int, root: str) -> list[int]:
-    _cpu_only()
-    tm.install()
+    backend = tm.install()
     counts = []
     for tp, pp in ((2, 1), (1, 2)):
         sd = sharded_state(tp, pp, rank, seed=1, blank=True, per_rank=False)
-        counts.append(check_loaded(sd, dc.load(sd, str(Path(root) / "ckpt" / "iter_0000010")), seed=1, rank=rank))
+        loaded = _load(backend, sd, str(Path(root) / "ckpt" / "iter_0000010"))
+        counts.append(check_loaded(sd, loaded, seed=1, rank=rank))
     # Switching back: what was loaded through tiercheck, saved in Megatron's own torch_dist format,
     # loads without tiercheck's strategy (metadata.json names torch_dist).
     native = _new_dir(Path(root) / "ckpt" / "native")
     _may_have_children()
-    dc.save(sd, native, sharded_strategy=("torch_dist", 1))
+    _cpu_only()  # Megatron's own writer
+    dc.save({**sd, "iteration": 10}, native, sharded_strategy=("torch_dist", 1))
     assert json.loads((Path(native) / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     again = sharded_state(1, 2, rank, seed=1, blank=True, per_rank=False)
     # (Megatron's own loader returns some pieces as new tensors rather than filling them in place.)
     assert check_loaded(again, dc.load(again, native), seed=1, rank=rank, in_place=False) == counts[-1]
+    if not tm.HAS_STRATEGY_REGISTRY:  # 0.17+: tiercheck's load strategy stands in for torch_dist's
+        again = sharded_state(1, 2, rank, seed=1, blank=True, per_rank=False)
+        loaded = dc.load(again, native, sharded_strategy=backend.load_strategy)
+        assert check_loaded(again, loaded, seed=1, rank=rank, in_place=False) == counts[-1]
+        assert loaded["iteration"] == 10
     return counts
 
 
 def _save_tp2(rank: int, world: int, root: str) -> dict[str, Any]:
     """TP2, a node directory per rank, draining to a remote: a sync save, then an async one through
     Megatron's AsyncCallsQueue; a re-save after an unfinished one; loaded back at TP2 (and PP2)."""
-    _cpu_only()
     backend = tm.install(local=Path(root) / f"node{rank}", remote=(Path(root) / "remote").as_uri())
     ck1, ck2 = (_new_dir(Path(root) / "ckpt" / f"iter_000000{i}") for i in (1, 2))
-    dc.save(sharded_state(2, 1, rank, seed=1), ck1, sharded_strategy=("tiercheck", 1))
+    _save(backend, sharded_state(2, 1, rank, seed=1), ck1)
 
     _may_have_children()
+    _cpu_only()  # Megatron's AsyncCallsQueue synchronizes CUDA before it forks its caller (0.19)
     queue = AsyncCallsQueue(persistent=False)
-    request = dc.save(
-        sharded_state(2, 1, rank, seed=2), ck2, sharded_strategy=("tiercheck", 1), async_sharded_save=True
-    )
+    request = _save(backend, {**sharded_state(2, 1, rank, seed=2), "iteration": 2}, ck2, async_sharded_save=True)
     queue.schedule_async_request(request)
     assert not (Path(ck2) / "metadata.json").exists()  # written by a finalize function, on this thread
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert json.loads((Path(ck2) / "metadata.json").read_text())["sharded_backend"] == "tiercheck"
+    assert dc.load_common_state_dict(ck2) == {"iteration": 2}
 
     # A save that committed but was never finalized (the job died first), then the restarted job saves the
     # same iteration into the same directory: it gets the next free tiercheck step; tiercheck.json says which.
     ck3 = _new_dir(Path(root) / "ckpt" / "iter_0000003")
-    orphan = dc.save(sharded_state(2, 1, rank, seed=3), ck3, sharded_strategy=("tiercheck", 1), async_sharded_save=True)
+    orphan = _save(backend, sharded_state(2, 1, rank, seed=3), ck3, async_sharded_save=True)
     orphan.async_fn()  # waits for tiercheck's commit; the finalize functions never run
-    dc.save(sharded_state(2, 1, rank, seed=4), ck3, sharded_strategy=("tiercheck", 1))
+    _save(backend, sharded_state(2, 1, rank, seed=4), ck3)
     assert json.loads((Path(ck3) / tm.POINTER_FILE).read_text())["step"] == 4
 
     counts = []
     for ck, seed, (tp, pp) in ((ck1, 1, (2, 1)), (ck2, 2, (2, 1)), (ck3, 4, (2, 1)), (ck2, 2, (1, 2))):
         sd = sharded_state(tp, pp, rank, seed=seed, blank=True)
-        counts.append(check_loaded(sd, dc.load(sd, ck), seed=seed, rank=rank))
+        counts.append(check_loaded(sd, _load(backend, sd, ck), seed=seed, rank=rank))
     backend.close()  # waits for the drains to the remote
     return {"counts": counts, "step": json.loads((Path(ck2) / tm.POINTER_FILE).read_text())["step"]}
 
 
 def _load_tp1_from_remote(rank: int, world: int, root: str) -> int:
     """A new node (an empty directory) loads the TP2 checkpoint at TP1: every chunk from the remote."""
-    _cpu_only()
-    tm.install(local=Path(root) / "new-node", remote=(Path(root) / "remote").as_uri())
+    backend = tm.install(local=Path(root) / "new-node", remote=(Path(root) / "remote").as_uri())
     sd = sharded_state(1, 1, 0, seed=2, blank=True, per_rank=False)
-    return check_loaded(sd, dc.load(sd, str(Path(root) / "ckpt" / "iter_0000002")), seed=2, rank=0)
+    return check_loaded(sd, _load(backend, sd, str(Path(root) / "ckpt" / "iter_0000002")), seed=2, rank=0)
 
 
 # ------------------------------------------------------------------------------------ tests

@@ -22,9 +22,16 @@ The mapping (``layouts_of``, ``merge_layouts``, ``shard_pieces`` in ``megatron_l
 - A ShardedObject is stored once per ``unique_key`` (by its main replica) as tagged JSON, tensors and numpy
   arrays as arrays; values needing pickle only with ``allow_pickle=True``, for saving and for loading.
 
-Megatron-core 0.16 is supported. 0.17 removed the strategy registry and replaces save strategies that are
-not ``TorchDistSaveShardedStrategy``; it would take one more thin class (a ``TorchDistSaveShardedStrategy``
-subclass whose ``async_save`` calls :meth:`TiercheckBackend.async_save`), not a new mapping.
+Releases (picked by what the installed megatron-core has, not by its version string):
+
+- 0.16 (Python 3.10+): ``install()`` registers the strategies as backend ``("tiercheck", 1)``; save with
+  ``sharded_strategy=("tiercheck", 1)``, and ``dist_checkpointing.load`` picks tiercheck from ``metadata.json``.
+- 0.17 to 0.19 (0.19 needs Python 3.12+): there is no registry, and ``save`` replaces any strategy that is not
+  a ``TorchDistSaveShardedStrategy``; tiercheck's strategies subclass Megatron's ``TorchDist*`` ones. Pass
+  ``backend.save_strategy`` to ``save`` and ``backend.load_strategy`` to ``load`` (it loads ``torch_dist``
+  checkpoints too, as Megatron's own would, so it can stand in for ``TorchDistLoadShardedStrategy``). From
+  0.19 the common state reaches the strategy as ``ShardedObject("common_state")``; it is written as
+  Megatron's own writer writes it (see ``megatron_files``), where ``load_common_state_dict`` reads it.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +50,6 @@ import torch.distributed as dist
 from .. import __version__
 from ..checkpointer import Checkpointer
 from ..errors import (
-    CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
     IncompatibleStateError,
@@ -52,27 +57,59 @@ from ..errors import (
     UnsupportedValueError,
 )
 from ..flatten import flatten, torch_dtype
-from ..pipeline import SaveHandle
+from .megatron_files import (
+    BACKEND,
+    COMMON_STATE,
+    POINTER_FILE,
+    POINTER_FORMAT,
+    VERSION,
+    AwaitCommit,
+    encode_common_state,
+    read_pointer,
+    write_common_state,
+    write_pointer,
+)
 from .megatron_layout import KeyLayout, layouts_of, merge_layouts, shard_pieces, tensor_state
 
-try:
-    with warnings.catch_warnings():
-        # Noise of megatron-core's own import: deprecated torch.jit APIs, and no Transformer Engine / Apex.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+_SUPPORTED = "megatron-core 0.16 to 0.19"
+with warnings.catch_warnings():
+    # Noise of megatron-core's own import: deprecated torch.jit APIs, no Transformer Engine / Apex / absl.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="absl.logging is not installed")
+    try:
+        from megatron.core.package_info import __version__ as MEGATRON_CORE_VERSION
+    except ImportError as _e:  # psutil is a dependency megatron-core does not declare
+        raise ImportError(
+            f"tiercheck.integrations.megatron needs {_SUPPORTED} (pip install megatron-core psutil): {_e}"
+        ) from _e
+    try:
         from megatron.core.dist_checkpointing.core import CheckpointingException
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-        from megatron.core.dist_checkpointing.strategies import base as _strategies
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-        from megatron.core.package_info import __version__ as MEGATRON_CORE_VERSION
-except ImportError as _e:  # psutil is a dependency megatron-core does not declare
-    raise ImportError(
-        f"tiercheck.integrations.megatron needs megatron-core (pip install megatron-core psutil): {_e}"
-    ) from _e
+
+        try:  # 0.16: a strategy registry (strategies/base.py is gone from 0.19, its registry from 0.17)
+            from megatron.core.dist_checkpointing.strategies import base as _registry
+
+            HAS_STRATEGY_REGISTRY = hasattr(_registry, "register_default_strategy")
+        except ImportError:
+            HAS_STRATEGY_REGISTRY = False
+        if not HAS_STRATEGY_REGISTRY:  # 0.17+: subclasses of the torch_dist strategies are the seam
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                TorchDistLoadShardedStrategy,
+                TorchDistSaveShardedStrategy,
+            )
+    except ImportError as _e:
+        raise ImportError(
+            f"tiercheck.integrations.megatron supports {_SUPPORTED}; megatron-core {MEGATRON_CORE_VERSION} "
+            f"lacks what it needs: {_e}"
+        ) from _e
 
 __all__ = [
     "BACKEND",
+    "HAS_STRATEGY_REGISTRY",
+    "MEGATRON_CORE_VERSION",
     "POINTER_FILE",
     "VERSION",
     "KeyLayout",
@@ -86,72 +123,10 @@ __all__ = [
     "shard_pieces",
 ]
 
-BACKEND = "tiercheck"
-VERSION = 1
-POINTER_FILE = "tiercheck.json"
-_POINTER_FORMAT = "tiercheck-megatron"
 _CHECKPOINTER_OPTIONS = frozenset(
     {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "allow_pickle"}
 )
 _ITERATION = re.compile(r"(\d+)$")
-
-
-# ------------------------------------------------------------------------------- async commits
-
-
-class _AwaitCommit:
-    """The ``async_fn`` of an AsyncRequest: returns once tiercheck committed the step (or failed).
-
-    tiercheck's threads do the writing; this only waits. Megatron's ``AsyncCallsQueue`` runs it in a forked
-    process, whose liveness it polls: the child learns the outcome through a pipe. In the saving process
-    (``AsyncRequest.execute_sync``) it waits on the handle. Pickled into another process (the persistent
-    worker) it returns at once. Either way the finalize function waits too, and raises the save's error.
-    """
-
-    def __init__(self, handle: SaveHandle) -> None:
-        self._handle: SaveHandle | None = handle
-        self._pid = os.getpid()
-        self._read: int | None
-        self._read, self._write = os.pipe()
-        self._pipe = os.fstat(self._read).st_ino
-        self._lock = threading.Lock()
-        self._written = self._closing = False
-        handle.committed.add_done_callback(self._signal)
-
-    def _signal(self, fut: Any) -> None:
-        with self._lock:
-            os.write(self._write, b"\x01" if fut.exception() is None else b"\x00")  # a pipe: never blocks
-            os.close(self._write)
-            self._written = True
-            if self._closing:
-                self._close_read()
-
-    def __call__(self) -> None:
-        if os.getpid() == self._pid and self._handle is not None:
-            self._handle.committed.exception()  # waits; the finalize function raises
-        elif self._read is not None:  # a forked child
-            try:  # drop its copy of the write end (if still open) so that the parent's death ends the read
-                if os.fstat(self._write).st_ino == self._pipe:
-                    os.close(self._write)
-            except OSError:
-                pass
-            os.read(self._read, 1)
-
-    def close(self) -> None:
-        """Close the read end, once the outcome is written (a reader-less pipe would fail the write)."""
-        with self._lock:
-            if self._written:
-                self._close_read()
-            else:
-                self._closing = True
-
-    def _close_read(self) -> None:
-        if self._read is not None:
-            os.close(self._read)
-            self._read = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_handle": None, "_pid": -1, "_read": None}
 
 
 # ------------------------------------------------------------------------------- the backend
@@ -233,7 +208,7 @@ class TiercheckBackend:
         finally:
             root.state.clear()  # the host copy is taken: hold no references to the model's tensors
         pointer = {
-            "format": _POINTER_FORMAT,
+            "format": POINTER_FORMAT,
             "version": VERSION,
             "step": step,
             "local": "." if root.one_shot else str(self.local),
@@ -242,7 +217,7 @@ class TiercheckBackend:
             "megatron_core": MEGATRON_CORE_VERSION,
             **description,
         }
-        waiter = _AwaitCommit(handle)
+        waiter = AwaitCommit(handle)
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
 
         def finalize() -> None:
@@ -253,7 +228,7 @@ class TiercheckBackend:
                 if root.one_shot:
                     root.ckpt.close()
             if rank == 0:
-                _write_pointer(Path(checkpoint_dir), pointer)
+                write_pointer(Path(checkpoint_dir), pointer)
 
         return AsyncRequest(waiter, (), [finalize])
 
@@ -398,107 +373,132 @@ def _sharded_values(sharded_state_dict: dict[str, Any]) -> tuple[list[Any], list
     return tensors, objects
 
 
-# ------------------------------------------------------------------------------- tiercheck.json
-
-
-def _write_pointer(checkpoint_dir: Path, pointer: dict[str, Any]) -> None:
-    """Write ``tiercheck.json`` durably and atomically (before Megatron writes ``metadata.json``)."""
-    path = checkpoint_dir / POINTER_FILE
-    tmp = path.with_name(f".{POINTER_FILE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(pointer, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(checkpoint_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_pointer(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The contents of a checkpoint directory's ``tiercheck.json``, checked."""
-    path = Path(checkpoint_dir) / POINTER_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{checkpoint_dir}: no {POINTER_FILE}; this checkpoint was not saved through tiercheck, "
-            "or its save never finished (the finalize functions of its AsyncRequest did not run)"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path}: cannot read ({e})") from None
-    ok = (
-        isinstance(doc, dict)
-        and doc.get("format") == _POINTER_FORMAT
-        and isinstance(doc.get("step"), int)
-        and isinstance(doc.get("local"), str)
-        and isinstance(doc.get("tensors"), dict)
-        and isinstance(doc.get("objects"), list)
-    )
-    if not ok:
-        raise CorruptCheckpointError(f"{path}: not a tiercheck pointer file")
-    if doc.get("version") != VERSION:
-        raise CorruptCheckpointError(
-            f"{path}: pointer format version {doc.get('version')!r}; this tiercheck reads {VERSION}"
-        )
-    return doc  # type: ignore[no-any-return]
-
-
 # ------------------------------------------------------------------------------- strategies
 
 
-class TiercheckSaveStrategy(_strategies.AsyncSaveShardedStrategy):  # type: ignore[misc]
-    """Megatron's save strategy for the ``"tiercheck"`` backend (sync ``save`` and ``async_save``)."""
-
-    def __init__(self, backend: TiercheckBackend) -> None:
-        super().__init__(BACKEND, VERSION)  # Megatron's `backend` attribute: the name metadata.json records
-        self.tiercheck = backend
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> Any:
-        return self.tiercheck.async_save(sharded_state_dict, checkpoint_dir)
+def _tensors_metadata(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every saved tensor as a ShardedTensor without data or sharding (global shape and dtype)."""
+    out = {}
+    for key, doc in read_pointer(checkpoint_dir)["tensors"].items():
+        lay = KeyLayout.from_json(doc, where=str(checkpoint_dir))
+        meta = torch.empty(lay.shape, dtype=torch_dtype(lay.dtype), device="meta")
+        out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+    return out
 
 
-class TiercheckLoadStrategy(_strategies.LoadShardedStrategy):  # type: ignore[misc]
-    """Megatron's load strategy for checkpoints whose ``metadata.json`` names the ``"tiercheck"`` backend."""
+def _sharded_metadata(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    out = {k: ShardedObject.empty_from_unique_key(k) for k in read_pointer(checkpoint_dir)["objects"]}
+    out.update(_tensors_metadata(checkpoint_dir))
+    return out
 
-    def __init__(self, backend: TiercheckBackend) -> None:
-        self.tiercheck = backend
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
+def _saved_through_tiercheck(checkpoint_dir: str | os.PathLike[str]) -> bool:
+    return (Path(checkpoint_dir) / POINTER_FILE).exists()
 
-    def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-        return self.tiercheck.load(sharded_state_dict, checkpoint_dir)
 
-    def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-        """Every saved tensor as a ShardedTensor without data or sharding (global shape and dtype)."""
-        pointer = read_pointer(checkpoint_dir)
-        out = {}
-        for key, doc in pointer["tensors"].items():
-            lay = KeyLayout.from_json(doc, where=str(checkpoint_dir))
-            meta = torch.empty(lay.shape, dtype=torch_dtype(lay.dtype), device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
-        return out
+if HAS_STRATEGY_REGISTRY:  # megatron-core 0.16
 
-    def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-        out = {k: ShardedObject.empty_from_unique_key(k) for k in read_pointer(checkpoint_dir)["objects"]}
-        out.update(self.load_tensors_metadata(checkpoint_dir))
-        return out
+    class TiercheckSaveStrategy(_registry.AsyncSaveShardedStrategy):  # type: ignore[misc]
+        """Megatron's save strategy for the ``"tiercheck"`` backend (sync ``save`` and ``async_save``)."""
 
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != BACKEND:
-            raise CheckpointingException(f"the tiercheck load strategy cannot load a {loaded_backend!r} checkpoint")
+        def __init__(self, backend: TiercheckBackend) -> None:
+            super().__init__(BACKEND, VERSION)  # Megatron's `backend` attribute: the name metadata.json records
+            self.tiercheck = backend
 
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != VERSION:
-            raise CheckpointingException(f"tiercheck checkpoint format version {loaded_version}; this reads {VERSION}")
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+        def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> Any:
+            return self.tiercheck.async_save(sharded_state_dict, checkpoint_dir)
+
+    class TiercheckLoadStrategy(_registry.LoadShardedStrategy):  # type: ignore[misc]
+        """Megatron's load strategy for checkpoints whose ``metadata.json`` names the ``"tiercheck"`` backend."""
+
+        def __init__(self, backend: TiercheckBackend) -> None:
+            self.tiercheck = backend
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+        def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+            return self.tiercheck.load(sharded_state_dict, checkpoint_dir)
+
+        def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+            return _tensors_metadata(checkpoint_dir)
+
+        def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+            return _sharded_metadata(checkpoint_dir)
+
+        def check_backend_compatibility(self, loaded_backend: str) -> None:
+            if loaded_backend != BACKEND:
+                raise CheckpointingException(f"the tiercheck load strategy cannot load a {loaded_backend!r} checkpoint")
+
+        def check_version_compatibility(self, loaded_version: int) -> None:
+            if loaded_version != VERSION:
+                raise CheckpointingException(
+                    f"tiercheck checkpoint format version {loaded_version}; this reads {VERSION}"
+                )
+
+else:  # megatron-core 0.17+
+
+    class TiercheckSaveStrategy(TorchDistSaveShardedStrategy):  # type: ignore[no-redef,misc]
+        """A ``TorchDistSaveShardedStrategy`` (what ``dist_checkpointing.save`` keeps) saving through tiercheck.
+
+        Megatron's ``async_strategy`` ("nvrx" or "mcore") is not used: tiercheck writes in its own background
+        threads, and the returned request (megatron-core's ``AsyncRequest``) only waits for the commit."""
+
+        def __init__(self, backend: TiercheckBackend) -> None:
+            super().__init__(BACKEND, VERSION)  # `backend`: the name metadata.json records
+            self.tiercheck = backend
+
+        def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> None:
+            self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+
+        def async_save(
+            self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str], async_strategy: str = ""
+        ) -> Any:
+            common = sharded_state_dict.get(COMMON_STATE)
+            payload: tuple[str, bytes] | None = None
+            if isinstance(common, ShardedObject) and common.key == COMMON_STATE:  # 0.19+: Megatron's common state
+                sharded_state_dict = {k: v for k, v in sharded_state_dict.items() if k != COMMON_STATE}
+                if is_main_replica(common.replica_id):
+                    payload = (common.unique_key, encode_common_state(common.data))
+            request = self.tiercheck.async_save(sharded_state_dict, checkpoint_dir)
+            if payload is not None:  # after tiercheck.json, before Megatron's metadata.json
+                key, data = payload
+                request.finalize_fns.append(lambda: write_common_state(Path(checkpoint_dir), key, data))
+            return request
+
+    class TiercheckLoadStrategy(TorchDistLoadShardedStrategy):  # type: ignore[no-redef,misc]
+        """A ``TorchDistLoadShardedStrategy`` loading checkpoints saved through tiercheck (``tiercheck.json``
+        in the directory) from tiercheck's tiers, and any other through Megatron's own ``torch_dist`` code,
+        so that it can stand in wherever the training loop makes a ``TorchDistLoadShardedStrategy``."""
+
+        def __init__(self, backend: TiercheckBackend) -> None:
+            super().__init__()
+            self.tiercheck = backend
+
+        def load(
+            self,
+            sharded_state_dict: dict[str, Any],
+            checkpoint_dir: str | os.PathLike[str],
+            async_strategy: str = "mcore",
+        ) -> dict[str, Any]:
+            if not _saved_through_tiercheck(checkpoint_dir):
+                return super().load(sharded_state_dict, checkpoint_dir, async_strategy)  # type: ignore[no-any-return]
+            return self.tiercheck.load(sharded_state_dict, checkpoint_dir)
+
+        def load_tensors_metadata(self, checkpoint_dir: str | os.PathLike[str], metadata: Any = None) -> dict[str, Any]:
+            if not _saved_through_tiercheck(checkpoint_dir):
+                return super().load_tensors_metadata(checkpoint_dir, metadata)  # type: ignore[no-any-return]
+            return _tensors_metadata(checkpoint_dir)
+
+        def load_sharded_metadata(self, checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+            if not _saved_through_tiercheck(checkpoint_dir):
+                return super().load_sharded_metadata(checkpoint_dir)  # type: ignore[no-any-return]
+            return _sharded_metadata(checkpoint_dir)
 
 
 # ------------------------------------------------------------------------------- install
@@ -510,24 +510,22 @@ _installed: TiercheckBackend | None = None
 def install(
     local: str | os.PathLike[str] | None = None, remote: str | None = None, **checkpointer_options: Any
 ) -> TiercheckBackend:
-    """Register tiercheck's save and load strategies with Megatron-core as backend ``("tiercheck", 1)``.
+    """Make tiercheck's save and load strategies; call it on every rank, before the first save or load.
 
-    Call it on every rank, before the first save or load. Save with
-    ``dist_checkpointing.save(..., sharded_strategy=("tiercheck", 1))`` (or ``backend.save_strategy``);
-    ``dist_checkpointing.load`` then picks tiercheck from the checkpoint's ``metadata.json``. Calling it again
-    replaces the registration and closes the previous backend's Checkpointers. Close the returned backend at
+    megatron-core 0.16: also registers them as backend ``("tiercheck", 1)``; save with
+    ``dist_checkpointing.save(..., sharded_strategy=("tiercheck", 1))`` (or ``backend.save_strategy``), and
+    ``dist_checkpointing.load`` picks tiercheck from the checkpoint's ``metadata.json``. 0.17+ has no registry:
+    pass ``backend.save_strategy`` to ``save`` and ``backend.load_strategy`` to ``load``.
+
+    Calling it again replaces the previous backend and closes its Checkpointers. Close the returned backend at
     the end of training (it waits for in-flight saves and drains).
     """
     global _installed
-    if not hasattr(_strategies, "register_default_strategy"):
-        raise NotImplementedError(
-            f"megatron-core {MEGATRON_CORE_VERSION} has no strategy registry (removed in 0.17); "
-            "tiercheck's Megatron plugin supports megatron-core 0.16"
-        )
     backend = TiercheckBackend(local=local, remote=remote, **checkpointer_options)
-    action = _strategies.StrategyAction
-    _strategies.register_default_strategy(action.SAVE_SHARDED, BACKEND, VERSION, backend.save_strategy)
-    _strategies.register_default_strategy(action.LOAD_SHARDED, BACKEND, VERSION, backend.load_strategy)
+    if HAS_STRATEGY_REGISTRY:
+        action = _registry.StrategyAction
+        _registry.register_default_strategy(action.SAVE_SHARDED, BACKEND, VERSION, backend.save_strategy)
+        _registry.register_default_strategy(action.LOAD_SHARDED, BACKEND, VERSION, backend.load_strategy)
     previous, _installed = _installed, backend
     if previous is not None:
         previous.close()
