@@ -27,4 +27,36 @@ if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
 fi
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
+
+# The Megatron lane: megatron-core's current release (0.19, Python 3.12+) in a venv of its own, beside the
+# main suite's 0.16 on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a
+# few minutes the first time; `import torch` needs no GPU). The venv is kept and reused while this block's
+# pins are unchanged. TIERCHECK_MEGATRON_LANE=0 leaves the lane out (it says so: nothing is counted as run).
+megatron_pins="torch==2.13.0 megatron-core==0.19.2 psutil pytest pytest-timeout"
+if [ "${TIERCHECK_MEGATRON_LANE:-1}" = 0 ]; then
+    echo "scripts/test.sh: TIERCHECK_MEGATRON_LANE=0: the megatron-core 0.19 lane was NOT run" >&2
+else
+    py312=""  # a working one: pyenv's shim exists even where 3.12 is not selected
+    for candidate in "${TIERCHECK_PYTHON312:-python3.12}" "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            py312="$candidate"
+            break
+        fi
+    done
+    if [ -z "$py312" ]; then
+        echo "scripts/test.sh: python3.12 is needed for the megatron-core 0.19 lane (pyenv install 3.12, or set" \
+             "TIERCHECK_MEGATRON_LANE=0 to leave the lane out)" >&2
+        exit 1
+    fi
+    if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
+        rm -rf .venv-megatron
+        "$py312" -m venv .venv-megatron
+        .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
+        echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
+    fi
+    .venv-megatron/bin/python -m pip install -q --disable-pip-version-check -e .
+    echo "== megatron-core 0.19 lane (Python 3.12): tests/test_megatron.py"
+    .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
+    echo "== main suite"
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -192,6 +192,7 @@ def _new_dir(path: Path) -> str:
 def _save_tp1(rank: int, world: int, root: str) -> None:
     """TP1 round trip with the data in the checkpoint directory; metadata.json; corrupt chunk; pickle opt-in."""
     backend = tm.install()
+    assert tm.installed() is backend  # for code far from install(), e.g. Megatron-LM's loader
     ck = _new_dir(Path(root) / "ckpt" / "iter_0000010")
     _save(backend, {**sharded_state(1, 1, 0, seed=1), "iteration": 10, "args": {"lr": 0.5}}, ck)
     assert json.loads((Path(ck) / "metadata.json").read_text())["sharded_backend"] == "tiercheck"

@@ -1,14 +1,14 @@
 """Megatron-core ``dist_checkpointing`` through tiercheck's tiers.
 
-``install()`` registers a save and a load strategy for the backend ``"tiercheck"``:
+``install()`` makes a save and a load strategy (the same lines on every supported release):
 
     backend = tiercheck.integrations.megatron.install(local="/nvme/ckpt/run1", remote="s3://bucket/run1")
-    dist_checkpointing.save(sharded_state_dict, "ckpts/iter_0000100", sharded_strategy=("tiercheck", 1))
-    state = dist_checkpointing.load(sharded_state_dict, "ckpts/iter_0000100")  # metadata.json names tiercheck
+    dist_checkpointing.save(sharded_state_dict, "ckpts/iter_0000100", sharded_strategy=backend.save_strategy)
+    state = dist_checkpointing.load(sharded_state_dict, "ckpts/iter_0000100", sharded_strategy=backend.load_strategy)
 
 The ``ShardedTensor`` / ``ShardedObject`` part of the state becomes one tiercheck step, loadable into any
-TP / PP / DP layout. Megatron keeps its own files in the checkpoint directory (``common.pt``,
-``metadata.json``); ``tiercheck.json`` there names the tiercheck root and step holding the data.
+TP / PP / DP layout. Megatron keeps its own files in the checkpoint directory (``metadata.json``, the
+common state); ``tiercheck.json`` there names the tiercheck root and step holding the data.
 
 The mapping (``layouts_of``, ``merge_layouts``, ``shard_pieces`` in ``megatron_layout``: plain functions):
 
@@ -117,6 +117,7 @@ __all__ = [
     "TiercheckLoadStrategy",
     "TiercheckSaveStrategy",
     "install",
+    "installed",
     "layouts_of",
     "merge_layouts",
     "read_pointer",
@@ -530,3 +531,11 @@ def install(
     if previous is not None:
         previous.close()
     return backend
+
+
+def installed() -> TiercheckBackend:
+    """The backend the last ``install()`` of this process made (for code far from where it was installed,
+    such as Megatron-LM's loader)."""
+    if _installed is None:
+        raise TiercheckError("tiercheck's Megatron plugin is not installed: call install() on every rank first")
+    return _installed
