@@ -3,26 +3,31 @@
 Each test trains a small model, saves through tiercheck, keeps training (the uninterrupted run),
 then builds a fresh engine from a different initialisation, loads, trains the same steps and
 checks that parameters, optimizer state and DeepSpeed's counters equal the uninterrupted run's
-bit for bit. With two ranks each rank is a node with its own local directory.
+bit for bit. With two ranks each rank is a node with its own local directory, unless a test says
+they share one.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-
-pytestmark = pytest.mark.frameworks
+from tests.distributed import RankFailed, run_ranks
 
 _BUILD_LIMIT_S = 900
+_TEST_LIMIT_S = 300  # pytest-timeout's, per test call: above every launch's own timeout, which says more
+
+# func_only: the op's build (a module fixture, with its own limit) is not charged to the first test.
+pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(_TEST_LIMIT_S, func_only=True)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,6 +44,34 @@ def _shm_op_built() -> None:
     assert built.returncode == 0, (
         f"compiling DeepSpeed's shared-memory op failed (it needs g++):\n{built.stderr[-3000:]}"
     )
+
+
+def _launch(body: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """``run_ranks`` whose timeout says why: each rank prints its threads' stacks (to the test's
+    captured stderr) 10 s before the limit, and a compile lock left in TORCH_EXTENSIONS_DIR is named."""
+    try:
+        return run_ranks(_watched, world_size, body, timeout - 10, *args, timeout=timeout)
+    except RankFailed as e:
+        if "timed out after" not in str(e):
+            raise
+        ext = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+        locks = glob.glob(os.path.join(ext, "**", "lock"), recursive=True) if ext else []
+        why = (
+            f"DeepSpeed waits forever on {locks} left by a killed compile of its op: delete it"
+            if locks
+            else "each rank's stacks, printed 10 s before the limit, are in the captured stderr"
+        )
+        raise RankFailed(f"{e}\n{why}") from None
+
+
+def _watched(rank: int, world_size: int, body: Callable[..., Any], dump_after: float, *args: Any) -> Any:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(dump_after)
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 STEPS, SAVE_AT = 6, 3
@@ -120,10 +153,12 @@ def _assert_identical(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _save_train_restore(rank: int, world_size: int, stage: int, tmp: str, before_initialize: bool) -> list[str]:
+def _save_train_restore(
+    rank: int, world_size: int, stage: int, tmp: str, before_initialize: bool, one_node: bool = False
+) -> list[str]:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     save_dir = os.path.join(tmp, "checkpoints")
-    local = os.path.join(tmp, f"node{rank}")  # each rank its own node
+    local = os.path.join(tmp, "node" if one_node else f"node{rank}")  # by default each rank its own node
     engine = _engine(stage, world_size, seed=0, local=local, before_initialize=before_initialize)
     _train(engine, range(SAVE_AT), rank)
     engine.save_checkpoint(save_dir, client_state={"epoch": 7})
@@ -149,7 +184,7 @@ def _save_train_restore(rank: int, world_size: int, stage: int, tmp: str, before
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) -> None:
-    results = run_ranks(
+    results = _launch(
         _save_train_restore, world_size, stage, str(tmp_path), world_size == 2 and stage == 1, timeout=120
     )
     for steps in results:  # every node's local directory has the committed step
@@ -235,7 +270,7 @@ def _switch_formats(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
-    run_ranks(_switch_formats, 1, str(tmp_path), timeout=120)
+    _launch(_switch_formats, 1, str(tmp_path), timeout=120)
     # the same export from the command line gives the same files
     cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "node0"), str(tmp_path / "cli")]
     done = subprocess.run(cli, capture_output=True, text=True, check=False)
@@ -305,7 +340,7 @@ def _tags_latest_and_pickle(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_tags_latest_after_commit_and_no_unpickling(tmp_path: Path) -> None:
-    run_ranks(_tags_latest_and_pickle, 1, str(tmp_path), timeout=120)
+    _launch(_tags_latest_and_pickle, 1, str(tmp_path), timeout=120)
 
 
 def _replaced_node(rank: int, world_size: int, tmp: str, remote: str, options: dict[str, Any]) -> None:
@@ -330,7 +365,7 @@ def _replaced_node(rank: int, world_size: int, tmp: str, remote: str, options: d
 
 
 def test_replaced_node_restores_from_the_remote_tier(tmp_path: Path, s3_server: Any, s3_bucket: str) -> None:
-    run_ranks(_replaced_node, 2, str(tmp_path), f"s3://{s3_bucket}/ds", s3_server.storage_options(), timeout=180)
+    _launch(_replaced_node, 2, str(tmp_path), f"s3://{s3_bucket}/ds", s3_server.storage_options(), timeout=180)
 
 
 def _pipeline(rank: int, world_size: int, tmp: str) -> None:
@@ -380,7 +415,7 @@ def _pipeline(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_pipeline_engine_resumes_bit_identical(tmp_path: Path) -> None:
-    run_ranks(_pipeline, 2, str(tmp_path), timeout=120)
+    _launch(_pipeline, 2, str(tmp_path), timeout=120)
 
 
 def _full_disk(rank: int, world_size: int, tmp: str) -> None:
@@ -415,12 +450,13 @@ def _full_disk(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_a_failed_write_raises_and_the_previous_checkpoint_restores(tmp_path: Path) -> None:
-    run_ranks(_full_disk, 1, str(tmp_path), timeout=120)
+    _launch(_full_disk, 1, str(tmp_path), timeout=120)
 
 
 def _writer_settings(rank: int, world_size: int, tmp: str) -> list[str]:
     """A config with DeepSpeed's own writer settings: tiercheck builds no DeepSpeed writer (on CPU
-    its parallel-writer setup fails), warns once naming each setting it replaces, and resumes."""
+    FastPersist's parallel-writer setup fails, and DataStates is not installed), warns once naming
+    each setting it replaces, and resumes. install(engine) after initialize names them too."""
     import warnings
 
     import deepspeed
@@ -431,7 +467,11 @@ def _writer_settings(rank: int, world_size: int, tmp: str) -> list[str]:
     writer = {"type": "fast", "decoupled": True, "io_buffer_size": 1 << 20}
 
     def engine(seed: int) -> tuple[Any, list[str]]:
-        config = {**_config(2, 1), "checkpoint": {"writer": dict(writer)}}
+        config = {
+            **_config(2, 1),
+            "checkpoint": {"writer": dict(writer), "checkpoint_serialization": False},
+            "datastates_ckpt": {"host_cache_size": 1},
+        }
         tiercheck_ds.install(config, local=os.path.join(tmp, "node0"))
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -449,13 +489,89 @@ def _writer_settings(rank: int, world_size: int, tmp: str) -> list[str]:
     fresh.load_checkpoint(os.path.join(tmp, "ckpt"))
     _assert_identical(_snapshot(fresh), expected)
     fresh.destroy()
-    return messages
+
+    # install(engine) after DeepSpeed built its own (torch.save) engine from a setting tiercheck ignores
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = {**_config(2, 1), "checkpoint": {"checkpoint_serialization": False}}
+    late, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiercheck_ds.install(late, local=os.path.join(tmp, "node1"))
+    late.destroy()
+    return messages + [str(w.message) for w in caught if "have no effect" in str(w.message)]
 
 
 def test_deepspeed_writer_settings_are_named_as_ignored_and_do_not_break_the_engine(tmp_path: Path) -> None:
-    [messages] = run_ranks(_writer_settings, 1, str(tmp_path), timeout=120)
-    assert len(messages) == 1, messages
-    assert "checkpoint.writer.type, checkpoint.writer.decoupled, checkpoint.writer.io_buffer_size" in messages[0]
+    [messages] = _launch(_writer_settings, 1, str(tmp_path), timeout=120)
+    assert len(messages) == 2, messages
+    assert (
+        "settings have no effect: checkpoint.writer.type, checkpoint.writer.decoupled, "
+        "checkpoint.writer.io_buffer_size, checkpoint.checkpoint_serialization, datastates_ckpt (" in messages[0]
+    )
+    assert "settings have no effect: checkpoint.checkpoint_serialization (" in messages[1]
+
+
+def test_model_states_are_written_by_every_data_parallel_replica(tmp_path: Path) -> None:
+    """ZeRO-2 on two data-parallel ranks of one node: both hand DeepSpeed's model-state file to
+    tiercheck (DeepSpeed's own engine: rank 0 alone), both write some of it, and the run resumes."""
+    from tiercheck.commit import read_manifest
+    from tiercheck.tiers.local import LocalTier
+
+    _launch(_save_train_restore, 2, 2, str(tmp_path), False, True, timeout=120)
+    arrays = read_manifest(LocalTier(tmp_path / "node"), SAVE_AT).arrays
+    model = {p: rec for p, rec in arrays.items() if p.startswith("mp_rank_00_model_states.pt/module/")}
+    assert len(model) == 4, sorted(arrays)  # two weights, two biases: one array each, written once
+    writers = {path: set(rec.owners.values()) for path, rec in model.items()}
+    assert set().union(*writers.values()) == {0, 1}, writers  # the writing is spread over both replicas
+    folder = tmp_path / "checkpoints" / f"global_step{SAVE_AT}"  # both wrote the pointer file: one whole file
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert json.loads((folder / "mp_rank_00_model_states.pt").read_text())["step"] == SAVE_AT
+
+
+def _universal(rank: int, world_size: int, tmp: str) -> None:
+    """The route to a universal checkpoint: export, DeepSpeed's ds_to_universal, load_universal."""
+    import deepspeed
+
+    import tiercheck.integrations.deepspeed as tiercheck_ds
+    from tiercheck.errors import CheckpointNotFoundError
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    save_dir, local, exported = (os.path.join(tmp, d) for d in ("checkpoints", "node0", "exported"))
+    engine = _engine(1, 1, seed=0, local=local)
+    _train(engine, range(2), rank)
+    engine.save_checkpoint(save_dir)
+    expected = _snapshot(engine)
+    engine.destroy()
+    tag = tiercheck_ds.export(local, exported)
+    convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state"]
+    convert += ["--input_folder", os.path.join(exported, tag), "--output_folder", os.path.join(exported, "universal")]
+    convert += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(convert, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    Path(exported, "latest_universal").write_text("universal")
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = {**_config(1, 1), "checkpoint": {"load_universal": True}}
+    fresh, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tiercheck_ds.install(fresh, local=local)
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"not a universal checkpoint: .*-m deepspeed\.checkpoint\.ds_to_universal"
+    ):
+        fresh.load_checkpoint(save_dir, tag=tag)  # a tiercheck step, not converted
+    path, _ = fresh.load_checkpoint(exported)  # no tag: DeepSpeed's latest_universal, not tiercheck's newest step
+    assert path == os.path.join(exported, "universal", "mp_rank_00_model_states.pt"), path
+    _assert_identical(_snapshot(fresh), expected)
+    fresh.destroy()
+
+
+def test_universal_checkpoint_from_an_exported_step(tmp_path: Path) -> None:
+    _launch(_universal, 1, str(tmp_path), timeout=180)
 
 
 def _escaping_tag(rank: int, world_size: int, tmp: str) -> None:
@@ -481,7 +597,7 @@ def _escaping_tag(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_a_tag_that_leaves_the_directory_is_refused(tmp_path: Path) -> None:
-    run_ranks(_escaping_tag, 1, str(tmp_path / "run"), timeout=120)
+    _launch(_escaping_tag, 1, str(tmp_path / "run"), timeout=120)
     cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "run" / "node0"), str(tmp_path / "x")]
     done = subprocess.run(cli, capture_output=True, text=True, check=False)
     assert done.returncode != 0

@@ -20,7 +20,8 @@ numbered by ``engine.global_steps`` and committed only when every rank's part is
   leaves ``latest`` to it: ``latest`` and the small pointer files in ``<save_dir>/<tag>/`` are
   written once the step is committed, so ``latest`` never names a step that is not there.
   (DeepSpeed's own decoupled commit, at the next ``engine.step()``, is not where the copy is
-  made: the pipeline engine steps its optimizer without it.)
+  made: the pipeline engine steps its optimizer without it.) Every data-parallel replica hands
+  over the model-state files and each chunk is written once, the writing spread over the replicas.
 * ``load_checkpoint(dir)`` without a tag restores the newest step that every rank can get (from
   node-local directories, another rank's node, or the remote tier), not what ``latest`` says.
   Each rank reads only the files it will load (its own ZeRO partition, its model-parallel rank's
@@ -29,7 +30,8 @@ numbered by ``engine.global_steps`` and committed only when every rank's part is
   ``torch.save`` and read back with ``torch.load(weights_only=True)``, which only rebuilds an
   allow-list of types (DeepSpeed's loss scalers and ``safe_globals``); anything else needs
   ``allow_pickle=True``.
-* :func:`export` writes a step back as DeepSpeed's own files, to switch back at any time.
+* :func:`export` writes a step back as DeepSpeed's own files, to switch back at any time, or to
+  convert with DeepSpeed's ``ds_to_universal``: universal checkpoints are read by DeepSpeed itself.
 """
 
 from __future__ import annotations
@@ -44,22 +46,24 @@ import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer, load
-from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError, UnsafeCheckpointError
+from ..errors import CheckpointNotFoundError, StepExistsError, TiercheckError
 from ..tiers.base import Tier
 from .deepspeed_files import (
+    META,
     checked_tag,
+    export_files,
     find_tag,
     load_object,
     move,
     pack,
     read_pointer,
+    refuse_universal,
     unpack,
     write_atomically,
     write_pointers,
@@ -80,7 +84,6 @@ __all__ = ["TiercheckCheckpointEngine", "export", "install"]
 
 log = logging.getLogger("tiercheck.deepspeed")
 
-_META = "tiercheck.deepspeed"  # the entry of each rank's saved state naming the tag and this rank's files
 # Types DeepSpeed puts in its files, rebuilt by torch's weights-only unpickler (they run no code of the file's).
 _SAFE_GLOBALS: tuple[Any, ...] = (LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum)
 
@@ -196,7 +199,11 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         os.makedirs(path, exist_ok=exist_ok)
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
-        return bool(dp_rank == 0)  # as DeepSpeed: model states from data-parallel rank 0 only
+        """Every data-parallel rank hands DeepSpeed's model-state files to tiercheck (DeepSpeed's
+        own engine: DP rank 0 alone). The replicas' files have the same names and tensors, so
+        tiercheck writes each chunk once, spread over the replicas (as FastPersist spreads a
+        file's bytes over DP ranks); each rank stages only the chunks it writes."""
+        return True
 
     def is_decoupled(self) -> bool:
         return not self._legacy
@@ -261,7 +268,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         if got is None:
             self._state.clear()
             return None
-        meta = self._state.pop(_META, None)
+        meta = self._state.pop(META, None)
         if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
             raise CheckpointNotFoundError(f"step {got} in {ckpt.tier.url} was not saved by the DeepSpeed integration")
         tag = checked_tag(meta["tag"], where=f"{ckpt.tier.url}: step {got}")
@@ -298,7 +305,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         ckpt = self.checkpointer(p.save_dir)
         self._state.clear()
         self._state.update(p.files)
-        self._state[_META] = {"tag": p.tag, "files": sorted(p.files)}
+        self._state[META] = {"tag": p.tag, "files": sorted(p.files)}
         try:
             handle = ckpt.save(p.step, metadata={"deepspeed": {"tag": p.tag}})
         finally:
@@ -405,7 +412,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         """Every file of the pointer's step, read by this process alone (not collective)."""
         source = pointer.get("remote") if not os.path.isdir(pointer["root"]) and pointer.get("remote") else None
         step_state = load(source or pointer["root"], int(pointer["step"]), allow_pickle=False)
-        step_state.pop(_META, None)
+        step_state.pop(META, None)
         return {os.path.join(folder, name): value for name, value in step_state.items()}
 
     def unpack(self, value: Any, *, where: str) -> Any:
@@ -447,6 +454,8 @@ def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
         current.cleanup()
     ours = TiercheckCheckpointEngine(engine, **options)
     engine.checkpoint_engine = ours
+    # DeepSpeed asked the engine it built, at initialize, whether this rank writes model states.
+    engine.save_non_zero_checkpoint = True
     ignored = _writer_settings(getattr(engine, "_config", None))
     if ignored:
         warnings.warn(
@@ -469,6 +478,10 @@ def _attach(engine: Any, options: dict[str, Any]) -> TiercheckCheckpointEngine:
 
     @functools.wraps(original)
     def load_checkpoint(load_dir: str, tag: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if getattr(engine, "load_universal_checkpoint", bool)():  # DeepSpeed reads universal checkpoints itself
+            ours.flush()
+            refuse_universal(load_dir, tag)
+            return original(load_dir, tag, *args, **kwargs)
         tag = ours.prepare_load(load_dir, tag)
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             return None, None  # nothing to restore: a fresh start
@@ -502,19 +515,24 @@ def _patch_configure_checkpointing() -> None:
     DeepSpeedEngine._configure_checkpointing = configure
 
 
-_WRITER_KEYS = ("checkpoint", "writer")
 _DATASTATES_KEY = "datastates_ckpt"
 
 
 def _writer_settings(config: Any) -> list[str]:
-    """The DeepSpeed config settings of a checkpoint writer that tiercheck replaces, as dotted names."""
+    """The DeepSpeed config settings of a checkpoint writer that tiercheck replaces, as dotted
+    names: ``checkpoint.writer.*`` (FastPersist, decoupled), ``checkpoint.checkpoint_serialization``
+    (torch.save's zip format) and ``datastates_ckpt`` (enabled unless it is ``false``, as DeepSpeed reads it)."""
     raw = getattr(config, "_param_dict", None)
     if not isinstance(raw, Mapping):
         return []
     names: list[str] = []
-    writer = (raw.get("checkpoint") or {}).get("writer")
+    section = raw.get("checkpoint")
+    section = section if isinstance(section, Mapping) else {}
+    writer = section.get("writer")
     if isinstance(writer, Mapping):
-        names += [".".join((*_WRITER_KEYS, str(k))) for k in writer] or [".".join(_WRITER_KEYS)]
+        names += [f"checkpoint.writer.{k}" for k in writer] or ["checkpoint.writer"]
+    if "checkpoint_serialization" in section:
+        names.append("checkpoint.checkpoint_serialization")
     if raw.get(_DATASTATES_KEY, False) is not False:
         names.append(_DATASTATES_KEY)
     return names
@@ -550,25 +568,16 @@ def export(
     ``source`` is a local tiercheck directory holding every rank's chunks (one node, or a copy made
     with ``tiercheck restore``) or a remote URL. Writes ``<save_dir>/<tag>/*.pt`` with
     ``torch.save`` and ``<save_dir>/latest``; returns the tag. DeepSpeed (and its
-    ``zero_to_fp32.py``) then loads them without tiercheck.
+    ``zero_to_fp32.py`` and ``ds_to_universal``) then loads them without tiercheck.
     """
-    state = load(source, step, allow_pickle=False, storage_options=storage_options)
-    meta = state.pop(_META, None)
-    if not isinstance(meta, Mapping) or not isinstance(meta.get("tag"), str):
-        raise CheckpointNotFoundError(f"{os.fspath(source)}: the step was not saved by the DeepSpeed integration")
-    tag = checked_tag(meta["tag"], where=os.fspath(source))
-    folder = Path(save_dir) / tag
-    folder.mkdir(parents=True, exist_ok=True)
-    allowed = (*_SAFE_GLOBALS, *safe_globals)
-    for name, value in state.items():
-        target = folder / name
-        if not target.resolve().is_relative_to(folder.resolve()):
-            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        obj = unpack(value, allow_pickle=allow_pickle, safe_globals=allowed, where=str(target))
-        torch.save(obj, target)
-    write_atomically(os.path.join(save_dir, "latest"), tag.encode())
-    return str(tag)
+    return export_files(
+        source,
+        save_dir,
+        step=step,
+        allow_pickle=allow_pickle,
+        safe_globals=(*_SAFE_GLOBALS, *safe_globals),
+        storage_options=storage_options,
+    )
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -5,6 +5,7 @@ DeepSpeed's state dicts hold objects tiercheck cannot keep as JSON (its loss sca
 ``torch.load(weights_only=True)`` and an allow-list, or with pickle only if the caller allows it.
 Pointer files, named like DeepSpeed's own files in ``<save_dir>/<tag>/``, say which tiercheck step
 holds the data: DeepSpeed globs for its files and checks that they exist before it loads them.
+:func:`export_files` writes a step back as DeepSpeed's own ``torch.save`` files.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,14 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpointer import Checkpointer
+from ..checkpointer import Checkpointer, load
 from ..commit import list_steps, read_manifest
-from ..errors import TiercheckError, UnsafeCheckpointError
+from ..errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
 from ..tiers.base import Tier
 
 log = logging.getLogger("tiercheck.deepspeed")
 
 POINTER_FORMAT = "tiercheck-deepspeed-pointer"
+META = "tiercheck.deepspeed"  # the entry of each rank's saved state naming the tag and this rank's files
 OBJECT = "tiercheck.deepspeed.object"  # {OBJECT: torch.save bytes}: a value tiercheck cannot store as JSON
 
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -168,8 +171,56 @@ def read_pointer(path: str) -> dict[str, Any] | None:
     return None
 
 
+def export_files(
+    source: str | os.PathLike[str],
+    save_dir: str | os.PathLike[str],
+    *,
+    step: int | None,
+    allow_pickle: bool,
+    safe_globals: tuple[Any, ...],
+    storage_options: dict[str, Any] | None,
+) -> str:
+    """``tiercheck.integrations.deepspeed.export``: the step's files with ``torch.save``, then ``latest``."""
+    state = load(source, step, allow_pickle=False, storage_options=storage_options)
+    meta = state.pop(META, None)
+    if not isinstance(meta, dict) or not isinstance(meta.get("tag"), str):
+        raise CheckpointNotFoundError(f"{os.fspath(source)}: the step was not saved by the DeepSpeed integration")
+    tag = checked_tag(meta["tag"], where=os.fspath(source))
+    folder = Path(save_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, value in state.items():
+        target = folder / name
+        if not target.resolve().is_relative_to(folder.resolve()):
+            raise UnsafeCheckpointError(f"{name!r}: a file name that escapes {folder}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        obj = unpack(value, allow_pickle=allow_pickle, safe_globals=safe_globals, where=str(target))
+        torch.save(obj, target)
+    write_atomically(os.path.join(save_dir, "latest"), tag.encode())
+    return tag
+
+
+def refuse_universal(load_dir: str, tag: str | None) -> None:
+    """With ``checkpoint.load_universal``, DeepSpeed reads ``<load_dir>/<tag>/zero/`` itself (with
+    ``torch.load``, not through the checkpoint engine): a tiercheck step is not one. Refuse it with the
+    way to make one, rather than let DeepSpeed fail on a missing file."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest_universal")
+        if not os.path.isfile(latest):
+            return  # DeepSpeed raises its own error
+        tag = Path(latest).read_text().strip()
+    folder = Path(load_dir, tag)
+    ours = sorted(p.name for p in folder.glob("*.pt") if read_pointer(str(p)) is not None) if folder.is_dir() else []
+    if ours:
+        raise CheckpointNotFoundError(
+            f"{folder} is a tiercheck step (its {ours[0]} is a pointer), not a universal checkpoint: write it as "
+            "DeepSpeed's own files with tiercheck.integrations.deepspeed.export() or `tiercheck export-deepspeed`, "
+            "convert those with `python -m deepspeed.checkpoint.ds_to_universal`, and load the result"
+        )
+
+
 def write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+    # Data-parallel replicas write the same pointer file at once, maybe from hosts with equal pids.
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
