@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -611,3 +612,35 @@ def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> 
 def _written(node: Path, rank: int) -> dict[str, dict[str, int]]:
     raw = (node / "step-00000002" / part_file(rank)).read_bytes()
     return parse_rank_part(unseal(raw, where="test"), where="test").checksums
+
+
+def _commit_out_of_write_order(rank: int, world: int, root: str) -> list[int]:
+    """On rank 1, step 1's refs file is written only after step 2's chunk was: step 2's writes end first
+    there (its chunk holds no pool memory that step 2's staging would wait for)."""
+    from tiercheck.pipeline import Pipeline
+
+    if rank == 1:
+        real = Pipeline._write
+        later_written = threading.Event()
+
+        def write(self: Pipeline, job: Any, write: Any) -> None:
+            if job.step == 1 and write.staged is None:
+                assert later_written.wait(60), "step 2 was never written"
+            real(self, job, write)
+            if job.step == 2 and write.staged is not None:
+                later_written.set()
+
+        Pipeline._write = write  # type: ignore[method-assign]
+    state = {"w": Shard(torch.full((4,), float(rank)), global_shape=(8,), offsets=(4 * rank,))}
+    opts = tiercheck.DistributedOptions(timeout_s=30)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1), distributed=opts) as ck:
+        handles = [ck.save(1), ck.save(2)]
+        for h in handles:
+            h.wait()
+        return ck.steps()
+
+
+def test_saves_commit_in_save_order_whatever_order_their_writes_end(tmp_path: Path) -> None:
+    """Committing step 2 first on a rank whose writes of it ended first deadlocked the job: the other
+    ranks were waiting for that rank at step 1's commit."""
+    assert run_ranks(_commit_out_of_write_order, 2, str(tmp_path), start_method="forkserver") == [[1, 2], [1, 2]]

@@ -125,6 +125,7 @@ class SaveJob:
     t_stage0: float = 0.0
     t_write0: float = 0.0
     t_write1: float = 0.0
+    seq: int = -1  # this save's place among the pipeline's saves: commits follow it
 
     def manifest_parts(self) -> tuple[bytes, bytes | None, bytes | None]:
         """This rank's part of the step's manifest (its tree; each chunk's CRC32C and place in
@@ -167,6 +168,9 @@ class Pipeline:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiercheck-io", initializer=self._lower_priority)
         # Commits wait for the other ranks; they do it here, in order, not on an I/O thread.
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-commit")
+        self._submitted = 0  # saves submitted so far (each job's seq)
+        self._next_commit = 0  # the seq of the save to commit next
+        self._written: dict[int, SaveJob] = {}  # saves whose writes are done, waiting for earlier saves' commits
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._inflight: dict[int, SaveJob] = {}
         self._inflight_lock = threading.Lock()
@@ -180,6 +184,7 @@ class Pipeline:
     def submit(self, job: SaveJob) -> None:
         with self._inflight_lock:
             self._inflight[job.step] = job
+            job.seq, self._submitted = self._submitted, self._submitted + 1
         self._queue.put(job)
 
     def inflight_steps(self) -> set[int]:
@@ -331,7 +336,15 @@ class Pipeline:
             self._finish(job)
 
     def _finish(self, job: SaveJob) -> None:
-        self._committer.submit(self._commit, job)
+        """Hand a written save to the committer, in the order the saves were made: every rank meets
+        the others at each commit in turn. A later save whose writes end first (it had less to
+        write on this rank) waits here; committing it first deadlocked a job whose other ranks were
+        still waiting for the earlier commit."""
+        with self._inflight_lock:
+            self._written[job.seq] = job
+            while self._next_commit in self._written:
+                self._committer.submit(self._commit, self._written.pop(self._next_commit))
+                self._next_commit += 1
 
     def _remove_partial(self, job: SaveJob) -> None:
         """A failed save's files go at once (a full disk gets its space back), where this rank
