@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -14,11 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, flip_chunk_byte
 from tiercheck import Checkpointer, WriteOptions
+from tiercheck.cli import main
 from tiercheck.codec import checksum, seal, unseal
 from tiercheck.commit import read_manifest
 from tiercheck.errors import (
@@ -316,6 +319,8 @@ def test_hostile_shapes_are_refused_with_integer_math_before_any_buffer(
     with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match=message):
         ck.restore(step=3)
     assert not live["model"]["w"].any()
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])  # it said "intact" for [10**400]
+    assert result.exit_code == 1 and re.search(message, result.output), result.output
 
 
 @pytest.mark.parametrize("crc", [1e400, -1, 2**32, "7", 1.5])
@@ -337,6 +342,47 @@ def test_a_huge_sparse_manifest_file_is_refused_without_reading_it(ckpt_dir: Pat
         f.truncate(8 << 30)  # 8 GiB, sparse: no disk used, but a whole read would allocate it all
     with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match=f"{name} is larger than 256 MiB"):
         tiercheck.load(ckpt_dir, 3)
+
+
+@pytest.mark.parametrize(
+    "name", ["manifest.json", "COMMIT", "manifest/rank-000000.json", "manifest/arrays-000000.json"]
+)
+def test_json_nested_5000_deep_is_reported_not_a_recursion_error(ckpt_dir: Path, name: str) -> None:
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    doc = ("[" * 5000 + "]" * 5000).encode()  # json.loads raises RecursionError on it
+    if name == "manifest.json":  # re-signed, so that it is parsed
+        marker = json.loads((step / "COMMIT").read_bytes())
+        marker.update(manifest_crc32c=checksum(doc), manifest_size=len(doc))
+        (step / "COMMIT").write_text(json.dumps(marker))
+    (step / name).write_bytes(seal(doc) if name.startswith("manifest/") else doc)
+    with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match=r"step 3|step-00000003"):
+        tiercheck.load(ckpt_dir, 3)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises((CorruptCheckpointError, CheckpointNotFoundError)):
+        ck.restore(step=3)
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code == 1 and not isinstance(result.exception, RecursionError), result.output
+
+
+@pytest.mark.parametrize("field", ["offset", "nbytes"])
+def test_a_chunk_offset_or_size_beyond_any_file_is_refused(ckpt_dir: Path, field: str) -> None:
+    """2**70 reached os.lseek, which raised a raw ValueError ("cannot fit 'int' into an offset-sized integer")."""
+    saved(ckpt_dir)
+    part = ckpt_dir / "step-00000003" / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    if field == "offset":
+        doc["offset"]["model/b"]["c.0"] = 2**70
+    else:
+        doc["nbytes"]["model/b"] = 2**70
+    part.write_bytes(seal(json.dumps(doc).encode()))
+    message = r"rank-000000.json: malformed manifest part .*below 2\*\*62, got 1180591620717411303424"
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with Checkpointer(live, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match=message):
+        ck.restore(step=3)
+    assert not live["model"]["w"].any()
 
 
 def test_a_world_size_beyond_any_job_is_refused(ckpt_dir: Path) -> None:
@@ -461,6 +507,8 @@ def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ck
         CorruptCheckpointError, match=r"'model/b': chunk \[1\] cuts the array .* into 1,099,511,627,776"
     ):
         tiercheck.load(ckpt_dir, 3)
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code == 1 and "into 1,099,511,627,776" in result.output, result.output
 
 
 def test_a_sharding_that_cuts_an_array_too_finely_is_refused_on_save() -> None:
@@ -491,6 +539,10 @@ import sys, torch, tiercheck
 live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
 with tiercheck.Checkpointer(live, local=sys.argv[1]) as ck:
     step = ck.restore()
+try:
+    tiercheck.load(sys.argv[1], 3)  # the library's own error, not a raw PermissionError
+except tiercheck.TiercheckError:
+    pass
 torch.save({"step": step, **live["model"]}, sys.argv[2])
 """
 
@@ -510,8 +562,16 @@ def test_an_unreadable_step_does_not_block_restoring_an_older_one(ckpt_dir: Path
             [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)],
             preexec_fn=_meet_permission_bits, capture_output=True, text=True, check=False,
         )  # fmt: skip
+        copy = subprocess.run(
+            [sys.executable, "-m", "tiercheck", "restore", str(ckpt_dir), "--to", str(out.parent / "copy"), "--step", "3"],
+            preexec_fn=_meet_permission_bits, capture_output=True, text=True, check=False,
+        )  # fmt: skip
     finally:
         (ckpt_dir / target).chmod(0o755)
+    # restore --to an unreadable source: one line, and no copy committed
+    assert copy.returncode == 1 and "Traceback" not in copy.stderr, copy.stderr
+    assert copy.stderr.splitlines()[-1].startswith("tiercheck: error: "), copy.stderr
+    assert not (out.parent / "copy" / "step-00000003" / "COMMIT").exists()
     assert child.returncode == 0, child.stderr
     said = "ignoring step-00000003" if target == "step-00000003" else "cannot restore step 3"
     assert said in child.stderr and "Permission denied" in child.stderr, child.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import tiercheck
-from tests.ondisk import as_format3
+from tests.ondisk import as_format3, flip_chunk_byte
 from tests.test_bad_input import rewrite_manifest, saved
 from tiercheck import Checkpointer
 from tiercheck.codec import seal, unseal
@@ -176,6 +177,31 @@ def test_a_chunk_owner_outside_the_world_is_refused(ckpt_dir: Path, tmp_path: Pa
     with pytest.raises(tiercheck.CorruptCheckpointError, match="owner 5 is not a rank"):
         copy_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "target"), 3)
     assert not (tmp_path / "target" / "step-00000003" / "COMMIT").exists()
+    # restore waited on the store for a holder of rank 5's files: 300 s, then torch's DistStoreError
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(
+            tiercheck.CorruptCheckpointError, match=r"owners-000000.json: array 'model/w' chunk c.0.0: owner 5"
+        ),
+    ):
+        ck.restore(step=3)
+    assert not live["model"]["w"].any()
+
+
+@pytest.mark.parametrize("ref", [["model/w"], {"p": "model/w"}])
+def test_an_array_referred_to_by_other_than_a_path_is_refused(ckpt_dir: Path, ref: object) -> None:
+    saved(ckpt_dir)
+    rewrite_manifest(ckpt_dir, 3, lambda doc: doc["trees"][0]["model"].update(w={"$tensor": ref}))
+    with pytest.raises(tiercheck.CorruptCheckpointError, match="manifest lacks"):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(tiercheck.CorruptCheckpointError, match=r"model: an array is referred to by a (list|dict), not"),
+    ):
+        ck.restore(step=3)  # was a raw TypeError (unhashable type)
+    assert not live["model"]["w"].any()
 
 
 def test_a_format3_copy_commits_only_with_every_chunk_file(ckpt_dir: Path, tmp_path: Path) -> None:
@@ -218,3 +244,34 @@ def test_a_format3_drain_checks_each_chunk_as_read(ckpt_dir: Path, tmp_path: Pat
     ):
         upload_step(LocalTier(ckpt_dir), remote, 3, pool=pool)
     assert not (tmp_path / "remote" / "step-00000003" / "COMMIT").exists()
+
+
+@pytest.mark.parametrize("damage", ["chunk", "arrays shard", "owners file"])
+def test_a_rotted_local_step_fails_the_background_and_the_cli_drain_loudly(
+    ckpt_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """Nothing rotted on the local disk is committed on the remote: not a chunk, not a file of the
+    manifest (the drain copied those unchecked, and committed the step)."""
+    from click.testing import CliRunner
+
+    from tiercheck.cli import main
+    from tiercheck.commit import list_steps
+    from tiercheck.manifest import shard_file
+
+    saved(ckpt_dir)  # no remote yet: nothing drained
+    step = ckpt_dir / "step-00000003"
+    if damage == "chunk":
+        flip_chunk_byte(step, "model/w", "c.1.0", 7)
+    else:
+        damaged = step / (shard_file(0) if damage == "arrays shard" else owners_file(0))
+        data = bytearray(damaged.read_bytes())
+        data[20] ^= 0x01
+        damaged.write_bytes(bytes(data))
+    remote = (tmp_path / "remote").as_uri()
+    with Checkpointer({"model": {}}, local=ckpt_dir, remote=remote) as ck:  # resumes the drain of step 3
+        assert ck.close() == [3]
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("drain of step 3" in m and "checksum mismatch" in m for m in failed), failed
+    result = CliRunner().invoke(main, ["drain", str(ckpt_dir), "--to", remote])
+    assert result.exit_code == 1 and "checksum mismatch" in result.output, result.output
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == []

@@ -137,7 +137,7 @@ class ArrayRecord:
             dtype, kind = doc["dtype"], doc["kind"]
             checksums = {str(k): _crc(v) for k, v in doc["crc32c"].items()}
             owners = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()}
-            offsets = {str(k): _nonneg_int(v) for k, v in (doc.get("offset") or {}).items()}
+            offsets = {str(k): _file_offset(v) for k, v in (doc.get("offset") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{here}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
@@ -186,6 +186,17 @@ def _nonneg_int(v: object) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"expected a non-negative integer, got {v!r}")
     return v
+
+
+MAX_FILE_BYTES = 1 << 62  # beyond any file a filesystem or object store holds, within an off_t
+
+
+def _file_offset(v: object) -> int:
+    """A place or size in a pack: 2**70 would reach os.lseek, which raises a raw ValueError."""
+    n = _nonneg_int(v)
+    if n >= MAX_FILE_BYTES:
+        raise ValueError(f"expected a file offset or size below 2**62, got {n}")
+    return n
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -361,10 +372,10 @@ def parse_rank_part(doc: bytes, *, where: str) -> RankPart:
             for p, crcs in part["crc32c"].items()
         }
         offsets = {
-            check_array_path(p, where=where): {str(k): _nonneg_int(v) for k, v in by_key.items()}
+            check_array_path(p, where=where): {str(k): _file_offset(v) for k, v in by_key.items()}
             for p, by_key in (part.get("offset") or {}).items()
         }
-        chunk_bytes = {str(p): _nonneg_int(n) for p, n in (part.get("nbytes") or {}).items()}
+        chunk_bytes = {str(p): _file_offset(n) for p, n in (part.get("nbytes") or {}).items()}
         if offsets and (
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())

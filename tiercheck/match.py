@@ -161,7 +161,13 @@ def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> N
 def _check_no_missing_tensors(live: Any, saved: JSON, key: str, where: str) -> None:
     probe = _Encoder(allow_pickle=True)
     probe.encode(live, [key], lambda t: False)
-    saved_paths = set(tensor_paths(saved))
+    saved_paths = set()
+    for path in tensor_paths(saved):
+        if not isinstance(path, str):  # a hand-edited tree: a list or object where an array path belongs
+            raise CorruptCheckpointError(
+                f"{where}: {key}: an array is referred to by a {type(path).__name__}, not a path"
+            )
+        saved_paths.add(path)
     missing = [leaf.path for leaf in probe.leaves if leaf.path not in saved_paths]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

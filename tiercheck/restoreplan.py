@@ -296,10 +296,14 @@ def _coordinate_reads(
             raw = _read(source, d, ("arrays", s))
             where = f"{source.url}: {d}/{shard_file(s)}"
             if raw:
-                mine.update(parse_shard(unseal(raw, where=where), where=where))
+                records = parse_shard(unseal(raw, where=where), where=where)
+                for path, rec in records.items():
+                    _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
+                mine.update(records)
             raw = _read(source, d, ("owners", s))
             where = f"{source.url}: {d}/{owners_file(s)}"
             for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
+                _check_owners(path, writers, st.world_size, where=where)
                 if path in mine:
                     mine[path] = replace(mine[path], owners=writers)
         for ns in wanted.values():
@@ -337,6 +341,17 @@ def _coordinate_reads(
         coord.post(f"{name}/work/{r}", dumps(w))
     if failure is not None:
         coord.report(name, failure)
+
+
+def _check_owners(path: str, owners: Mapping[str, int], world: int, *, where: str) -> None:
+    """A chunk's writer must be a rank of the saving job: the reads wait on the store for a holder of
+    each writer's files, and none would ever come for a rank that never was (a hang, then the store's
+    own timeout error)."""
+    for key, owner in owners.items():
+        if owner >= world:
+            raise CorruptCheckpointError(
+                f"{where}: array {path!r} chunk {key}: owner {owner} is not a rank of the {world} that saved the step"
+            )
 
 
 def coordinator_of(shard: int, holders: list[int] | None, world: int) -> int:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
-from .commit import commit_step, rank_parts, read_index, read_manifest, read_marker, step_dir
+from .codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
+from .commit import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small, step_dir
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_file, pack_owner
+from .manifest import COMMIT_FILE, MANIFEST_FILE, PARTS_DIR, pack_file, pack_owner
 from .tiers.base import Tier
 from .tiers.local import BLOCK
 
@@ -177,9 +177,15 @@ def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | 
 
 def copy_chunk_file(src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None) -> int:
     """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
-    checked against its checksum as read (one the manifest does not name is refused). Returns
-    the bytes copied."""
+    checked against its checksum as read (one the manifest does not name is refused), and a file
+    of the manifest against its seal: a rotted part is never committed on ``dst``. Returns the
+    bytes copied."""
     d = step_dir(step)
+    if f.startswith(f"{PARTS_DIR}/"):
+        data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
+        unseal(data, where=f"{src.url}: {d}/{f}")
+        dst.write(f"{d}/{f}", [data])
+        return len(data)
     data = src.read_bytes(f"{d}/{f}")
     if crcs is not None and _CHUNK_FILE.search(f):
         where = f"{src.url}: {d}/{f}"
