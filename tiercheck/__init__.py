@@ -21,6 +21,7 @@ from .errors import (
 from .options import (
     DistributedOptions,
     DrainOptions,
+    ReplicationOptions,
     RetentionOptions,
     RetryOptions,
     StagingOptions,
@@ -61,6 +62,7 @@ __all__ = [
     "IncompatibleStateError",
     "RNGState",
     "RemoteStorageError",
+    "ReplicationOptions",
     "RetentionOptions",
     "RetryOptions",
     "SaveHandle",

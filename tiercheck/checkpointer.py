@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 import warnings
@@ -28,9 +29,17 @@ from .fmt import fmt_steps
 from .lock import DirectoryLock, lock_node
 from .manifest import JSON
 from .metadata import encode as encode_metadata
-from .options import DistributedOptions, DrainOptions, RetentionOptions, StagingOptions, WriteOptions
+from .options import (
+    DistributedOptions,
+    DrainOptions,
+    ReplicationOptions,
+    RetentionOptions,
+    StagingOptions,
+    WriteOptions,
+)
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
+from .replication import Replicator
 from .restore import load, restore_state
 from .retention import LocalSteps
 from .saveplan import plan_save
@@ -75,6 +84,7 @@ class Checkpointer:
         retention: RetentionOptions | None = None,
         distributed: DistributedOptions | None = None,
         drain: DrainOptions | None = None,
+        replication: ReplicationOptions | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if not isinstance(state, Mapping):
@@ -162,9 +172,15 @@ class Checkpointer:
                     uploads=self._leader,
                     on_settled=self._local.retain,
                 )
-                self._local.pinned = self._drainer.pinned
                 if self._leader:
                     self._drainer.resume(self._local.sorted())
+            self._replicator: Replicator | None = None
+            if replication is not None and self._nodes.count > 1:
+                where = f"{socket.gethostname()}:{self.tier.root}"  # named in the replicas it sends
+                self._replicator = Replicator(self.tier, replication, coord=self._coord, nodes=self._nodes, node=where)
+            elif replication is not None:
+                log.warning("replication is off: it needs two nodes or more, and this job has one")
+            self._local.pinned = self._pinned
         except BaseException:
             self._dir_lock.release()
             raise
@@ -325,8 +341,17 @@ class Checkpointer:
             ),
         )
 
+    def _pinned(self) -> set[int]:
+        """Steps local retention keeps for now: still to be drained or replicated."""
+        pinned = self._drainer.pinned() if self._drainer is not None else set()
+        return pinned | (self._replicator.pinned() if self._replicator is not None else set())
+
     def _after_commit(self, job: SaveJob) -> None:
         step = job.step
+        if self._replicator is not None:
+            self._replicator.submit(step, job.handle.replicated)
+        else:
+            job.handle.replicated.set_result(False)
         if self._drainer is not None:
             self._drainer.submit(step, job.handle.drained)
         else:
@@ -468,6 +493,7 @@ class Checkpointer:
                 "inflight": sorted(self._pipeline.inflight_steps()) if self._pipeline else [],
             },
             "remote": self._drainer.snapshot() if self._drainer is not None else None,
+            "replication": dict(self._replicator.status) if self._replicator is not None else None,
         }
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
@@ -485,6 +511,8 @@ class Checkpointer:
             self._pipeline.close()
         if self._populate is not None:
             self._populate.join(timeout)
+        if self._replicator is not None:
+            self._replicator.close(timeout)
         undrained = self._drainer.close(drain=drain, timeout=timeout) if self._drainer is not None else []
         self._dir_lock.release()
         if undrained and drain and self.remote is not None:

@@ -40,7 +40,7 @@ from .cli_common import (
     remote_options,
     step_value,
 )
-from .codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk
+from .codec import CHECKSUM_BYTES, checksum, chunk_nbytes, verify_chunk
 from .commit import list_steps, rank_parts, read_manifest, read_marker, step_dir, withdraw_step
 from .drain import upload_step
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
@@ -50,6 +50,7 @@ from .fmt import ranges as _ranges
 from .layout import grid_size
 from .manifest import Manifest, chunk_location
 from .options import RetentionOptions, RetryOptions
+from .replicas import read_replicas
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -142,11 +143,16 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
                     row["tiers"][name] = {"status": "damaged", "error": str(e)}
                     continue
                 whole = set(marker.ranks) == set(range(marker.world_size))
+                copies = sorted({r for c in read_replicas(tier, s) for r in c.ranks} - set(marker.ranks))
+                status = "committed" if whole else f"committed (ranks {_ranges(sorted(marker.ranks))})"
+                if copies:  # peers' files this node keeps a replica of
+                    status += f" + replicas of ranks {_ranges(copies)}"
                 row.setdefault("bytes", _step_bytes(manifest))
                 row.setdefault("created_unix", manifest.created_unix)
                 row["tiers"][name] = {
-                    "status": "committed" if whole else f"committed (ranks {_ranges(sorted(marker.ranks))})",
+                    "status": status,
                     "ranks": list(marker.ranks),
+                    "replica_ranks": copies,
                     "world_size": marker.world_size,
                 }
             for s in listing.partial:
@@ -252,8 +258,9 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
 def verify_command(ctx: Context, location: str, step: str, every: bool, threads: int) -> None:
     """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
 
-    Names every damaged array and chunk. A node's local directory holds only its ranks' chunks:
-    those are the ones checked there.
+    Names every damaged array and chunk. A node's local directory holds only its ranks' chunks,
+    and the peers' replicas it keeps: those are the ones checked there (replicas also against the
+    size and CRC32C of each of their files).
     """
     with errors_as_one_line():
         tier = ctx.tier(location)
@@ -276,15 +283,20 @@ def verify_command(ctx: Context, location: str, step: str, every: bool, threads:
 
 
 def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
+    bad: list[str] = []
     try:
         manifest = read_manifest(tier, n)
         marker = read_marker(tier, n)
+        replicas = read_replicas(tier, n)
+        held = sorted(set(marker.ranks) | {r for c in replicas for r in c.ranks})
+        for c in replicas:
+            bad.extend(_verify_replica_files(tier, n, c.files))
         # Every chunk this directory's saving ranks wrote: its checksum, its size where known (in
         # the writer's part, format 4, or where this directory holds the array's record), and
         # where it is (its own file, or an offset in its writer's pack).
         jobs: list[tuple[str, str, int, int | None, str, int | None]] = []
         if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
-            for rank, part in sorted(rank_parts(tier, n, sorted(marker.ranks)).items()):
+            for rank, part in sorted(rank_parts(tier, n, held).items()):
                 for path, crcs in sorted(part.checksums.items()):
                     rec = manifest.arrays.get(path)
                     size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
@@ -298,8 +310,7 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
                     if rec.owner(key) in ranks:
                         jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
     except TiercheckError as e:
-        return [f"step {n}: {e}"]
-    bad: list[str] = []
+        return [*bad, f"step {n}: {e}"]
     if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
         for rec in manifest.arrays.values():
             if len(rec.checksums) != grid_size(rec.shape, rec.chunks):
@@ -337,6 +348,25 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
             done += nbytes
             report(done, total)
     return sorted(bad)
+
+
+def _verify_replica_files(tier: Tier, n: int, files: dict[str, tuple[int, int]]) -> list[str]:
+    """A replica's files other than packs (whose chunks are checked one by one) against their marker."""
+    bad = []
+    for name, (size, crc) in sorted(files.items()):
+        if name.endswith(".bin"):
+            continue
+        try:
+            data = tier.read_range(f"{step_dir(n)}/{name}", 0, size + 1)
+        except FileNotFoundError:
+            bad.append(f"step {n}: replica file {name} is missing")
+            continue
+        except OSError as e:
+            bad.append(f"step {n}: replica file {name}: cannot read it: {e.strerror or e}")
+            continue
+        if len(data) != size or checksum(data) != crc:
+            bad.append(f"step {n}: replica file {name}: size or CRC32C differs from its replica marker")
+    return bad
 
 
 # ------------------------------------------------------------------------------------ restore

@@ -29,6 +29,7 @@ from .errors import CoordinationError
 from .fmt import fmt_steps
 from .manifest import COMMIT_FILE, MANIFEST_FILE, pack_owner
 from .options import DrainOptions
+from .replicas import file_rank, is_replica_marker
 from .retention import steps_to_delete
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -331,7 +332,15 @@ def upload_step(
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
     marker = read_marker(local, step)
     files = local.sizes(d)
-    files = {f: n for f, n in files.items() if f not in (COMMIT_FILE, MANIFEST_FILE) and not f.startswith(".")}
+    own = set(marker.ranks)
+    files = {
+        f: n
+        for f, n in files.items()
+        if f not in (COMMIT_FILE, MANIFEST_FILE)
+        and not f.rsplit("/", 1)[-1].startswith(".")  # temporaries (a replica being received, say)
+        and not is_replica_marker(f)
+        and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
+    }
     there = remote.sizes(d)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
     crcs = chunk_file_crcs(local, step, list(marker.ranks))

@@ -177,3 +177,37 @@ class DrainOptions:
             raise ValueError(f"DrainOptions.concurrency must be at least 1, not {self.concurrency}")
         if self.part_bytes < 5 * MiB:
             raise ValueError(f"DrainOptions.part_bytes must be at least 5 MiB (the S3 minimum), not {self.part_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicationOptions:
+    """Copies of each node's committed local steps on other nodes' local tiers (peer replication), so
+    that a lost node restores from its peers instead of the remote tier.
+
+    replicas: how many other nodes hold a copy of each node's files of a step.
+    jump: nodes between a node and the first holder of its copies, and between holders (NVIDIA
+        resiliency-ext's ``replication_jump``, counted in nodes numbered by their first rank). Set it to
+        the number of nodes in a failure domain (a rack, a power domain) so that the copies land in other
+        domains. ``None``: 1 (every node its own domain).
+    every: replicate only steps divisible by this.
+    piece_bytes: bytes read, sent and written at a time per peer (the memory replication holds).
+    timeout_s: how long a leader waits on a peer (to connect, for one piece) before it leaves that peer out.
+    """
+
+    replicas: int = 1
+    jump: int | None = None
+    every: int = 1
+    piece_bytes: int = 16 * MiB
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"ReplicationOptions.replicas must be a positive integer, not {self.replicas!r}")
+        if self.jump is not None and (not isinstance(self.jump, int) or self.jump < 1):
+            raise ValueError(f"ReplicationOptions.jump must be a positive integer or None, not {self.jump!r}")
+        if self.every < 1:
+            raise ValueError(f"ReplicationOptions.every must be at least 1, not {self.every}")
+        if self.piece_bytes < 1 << 16:
+            raise ValueError(f"ReplicationOptions.piece_bytes must be at least 64 KiB, not {self.piece_bytes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"ReplicationOptions.timeout_s must be positive, not {self.timeout_s}")

@@ -75,9 +75,11 @@ class SaveHandle:
     ``staged`` completes when the host copy is done (the state may change from then on);
     ``committed`` when the step is durable and visible on the local tier; ``drained`` with True
     once it is committed on the remote tier, False if it will not be (no remote tier, not a step
-    DrainOptions.every selects, or skipped for a newer one), or the drain's error. Futures carry
-    the original exception of a failed save. ``timings`` holds seconds: plan_s, blocked_s (how long save() blocked),
-    stage_s, persist_s, commit_s and durable_s (from the save() call to commit).
+    DrainOptions.every selects, or skipped for a newer one), or the drain's error; ``replicated``
+    with True once this node's files of the step are on its replica peers (ReplicationOptions),
+    else False. Futures carry the original exception of a failed save. ``timings`` holds seconds:
+    plan_s, blocked_s (how long save() blocked), stage_s, persist_s, commit_s and durable_s (from
+    the save() call to commit).
     """
 
     def __init__(self, step: int, *, skipped: bool = False, nbytes: int = 0) -> None:
@@ -87,11 +89,13 @@ class SaveHandle:
         self.staged: Future[None] = Future()
         self.committed: Future[None] = Future()
         self.drained: Future[bool] = Future()
+        self.replicated: Future[bool] = Future()
         self.timings: dict[str, float] = {}
         if skipped:
             self.staged.set_result(None)
             self.committed.set_result(None)
             self.drained.set_result(False)
+            self.replicated.set_result(False)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed; re-raise the failure of the save with its original type."""
@@ -395,8 +399,9 @@ class Pipeline:
             self._remove_partial(job)
             if not h.staged.done():
                 h.staged.set_exception(e)
-            if not h.committed.done():
-                h.committed.set_exception(e)
+            for fut in (h.committed, h.drained, h.replicated):  # a failed save is neither drained nor replicated
+                if not fut.done():
+                    fut.set_exception(e)
         finally:
             with self._idle:
                 self._inflight.pop(job.step, None)

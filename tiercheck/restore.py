@@ -41,6 +41,7 @@ from .fmt import fmt_steps, plural, ranges
 from .manifest import JSON, Manifest
 from .match import add_entries, apply, covers, prepare, tree_for
 from .planner import plan_reads as plan_reads_whole
+from .replicas import read_replicas
 from .restoreplan import Step, fetch, find_holders, index_of, plan_reads
 from .scatter import ReadItem, copy_in, move_chunks, staged
 from .tiers.base import Tier
@@ -54,7 +55,8 @@ log = logging.getLogger("tiercheck")
 
 
 def held_steps(tier: Tier) -> dict[str, JSON]:
-    """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size]}``."""
+    """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
+    of them this node wrote itself]}``; the others are peers' replicas (``replicas.read_replicas``)."""
     held: dict[str, JSON] = {}
     for s in list_steps(tier).committed:
         try:
@@ -62,7 +64,9 @@ def held_steps(tier: Tier) -> dict[str, JSON]:
         except TiercheckError as e:
             log.warning("ignoring step %d on %s: %s", s, tier.url, e)
             continue
-        held[str(s)] = [list(marker.ranks), marker.world_size]
+        own = list(marker.ranks)
+        copies = {r for c in read_replicas(tier, s) if c.world_size == marker.world_size for r in c.ranks}
+        held[str(s)] = [own + sorted(copies - set(own)), marker.world_size, own]
     return held
 
 
@@ -120,7 +124,7 @@ def choose_step(
     saved_world: dict[int, int] = {}
     holders: dict[int, set[int]] = defaultdict(set)  # step -> restoring ranks holding a copy
     for node in per_node:
-        for s, (saving, ws) in node["held"].items():
+        for s, (saving, ws, *_) in node["held"].items():
             have[int(s)].update(saving)
             saved_world[int(s)] = ws
             holders[int(s)].update(node["ranks"])
@@ -293,7 +297,7 @@ def _restore_step(
     if choice.step is None:
         return None
     step = choice.step
-    here = choice.held.get(str(step), [[], 0])[0]
+    here, _, own = choice.held.get(str(step), [[], 0, []])
     where = f"{tier.url}: step {step}"
     claimed: tuple[str, ...] = ()
     failure: TiercheckError | None = None
@@ -303,7 +307,7 @@ def _restore_step(
     try:  # a damaged index, manifest file or tree is the step's damage as much as a bad chunk
         st = drive(
             coord,
-            find_holders(coord, name, tier, nodes, step, here, remote=remote, from_remote=choice.from_remote),
+            find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
         )
         claimed = st.claimed
         manifest = drive(coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others)))

@@ -72,28 +72,39 @@ def find_holders(
     nodes: Nodes,
     step: int,
     here: Sequence[int],
+    written: Sequence[int] = (),
     *,
     remote: Tier | None,
     from_remote: bool,
 ) -> Protocol[Step]:
-    """Round 1: claim the saving ranks whose files this node holds; share the step's index."""
+    """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
+    claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
+    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files."""
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
     claimed: list[str] = []
+    members = dumps(list(nodes.ranks))
+    copies = sorted(set(here) - set(written))
+
+    def claim(ranks: Sequence[int]) -> None:
+        for w in ranks:
+            if coord.decide(coord.key(root, "holder", w), members) == members:
+                claimed.append(coord.key(root, "holder", w))
+
     if here and coord.rank == nodes.leader:
         try:
             _, _, index = read_index(tier, step)
             if coord.decide(index_key, index.decode()) == index.decode():
                 claimed.append(index_key)
-            members = dumps(list(nodes.ranks))
-            for w in here:
-                if coord.decide(coord.key(root, "holder", w), members) == members:
-                    claimed.append(coord.key(root, "holder", w))
+            claim(sorted(set(here) & set(written)))
         except TiercheckError as e:
             own = e
             coord.report(f"{root}/holders", e)
     yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
     coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
+    if copies and coord.rank == nodes.leader:
+        claim(copies)
+    yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
     if coord.has(index_key):
         index = coord.get(index_key)
     elif from_remote and remote is not None:  # no node holds any of it
