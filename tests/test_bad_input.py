@@ -35,6 +35,7 @@ from tiercheck.layout import chunk_at
 from tiercheck.manifest import part_file, shard_file
 from tiercheck.scatter import read_chunk
 from tiercheck.tiers.local import LocalTier
+from tiercheck.transfer import copy_step
 
 
 def saved(ckpt_dir: Path, step: int = 3) -> dict[str, torch.Tensor]:
@@ -342,6 +343,21 @@ def test_a_huge_sparse_manifest_file_is_refused_without_reading_it(ckpt_dir: Pat
         f.truncate(8 << 30)  # 8 GiB, sparse: no disk used, but a whole read would allocate it all
     with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match=f"{name} is larger than 256 MiB"):
         tiercheck.load(ckpt_dir, 3)
+
+
+def test_a_huge_sparse_refs_file_is_refused_by_a_copy_without_reading_it(ckpt_dir: Path, tmp_path: Path) -> None:
+    """refs/ files are plain JSON for outside zarr readers; a copy read them whole, whatever their size."""
+    saved(ckpt_dir)
+    with (ckpt_dir / "step-00000003" / "refs" / "rank-000000.json").open("r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, sparse
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"refs/rank-000000.json is larger than 256 MiB"):
+            copy_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "copy"), 3)
+        assert tracemalloc.get_traced_memory()[1] < 512 << 20
+    finally:
+        tracemalloc.stop()
+    assert not (tmp_path / "copy" / "step-00000003" / "COMMIT").exists()
 
 
 @pytest.mark.parametrize(
