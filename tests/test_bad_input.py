@@ -629,3 +629,24 @@ def test_an_unreadable_local_step_is_restored_from_the_remote_tier(tmp_path: Pat
     got = torch.load(out)
     assert got.pop("step") == 3
     assert_identical(got, state["model"])
+
+
+def test_verify_reports_what_load_refuses_a_marker_naming_no_rank_and_an_array_without_a_record(
+    ckpt_dir: Path,
+) -> None:
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    shard = step / shard_file(0)
+    doc = json.loads(unseal(shard.read_bytes(), where="test"))
+    del doc["arrays"]["model/b"]  # re-sealed: only the record is gone, the chunks are still named
+    shard.write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(CorruptCheckpointError, match="model/b"):
+        tiercheck.load(ckpt_dir, 3)
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code == 1, result.output  # it said "intact"
+    assert "array 'model/b': rank 0 wrote chunks of it, the manifest has no record" in result.output
+
+    marker = json.loads((step / "COMMIT").read_bytes())
+    (step / "COMMIT").write_text(json.dumps({**marker, "ranks": []}))
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code == 1 and "the commit marker names no saving rank" in result.output, result.output

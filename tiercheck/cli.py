@@ -295,10 +295,17 @@ def _verify_step(ctx: Context, tier: Tier, n: int, threads: int) -> list[str]:
         # the writer's part, format 4, or where this directory holds the array's record), and
         # where it is (its own file, or an offset in its writer's pack).
         jobs: list[tuple[str, str, int, int | None, str, int | None]] = []
+        whole = set(marker.ranks) == set(range(marker.world_size))
+        if not marker.ranks:  # load refuses it: nothing here is anyone's
+            bad.append(f"step {n}: the commit marker names no saving rank")
         if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
             for rank, part in sorted(rank_parts(tier, n, held).items()):
                 for path, crcs in sorted(part.checksums.items()):
                     rec = manifest.arrays.get(path)
+                    if rec is None and whole:  # every shard is here: some record of the array must be
+                        bad.append(
+                            f"step {n}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
+                        )
                     size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
                     for key, crc in sorted(crcs.items()):
                         file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
