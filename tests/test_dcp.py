@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -168,18 +169,93 @@ class _Config:
 
 
 def test_corrupt_chunk_fails_load(tmp_path: Path) -> None:
+    """A damaged chunk fails the load with every target tensor as it was: the good chunks, read first or
+    concurrently (several chunks of several tensors), reach none of them."""
     root = tmp_path / "ckpt"
-    with TiercheckWriter(local=root) as writer:
-        dcp.save({"w": torch.arange(64.0).reshape(8, 8)}, storage_writer=writer, checkpoint_id=3)
+    saved = {"a": torch.arange(4096.0).reshape(64, 64), "w": torch.arange(64.0).reshape(8, 8)}
+    with TiercheckWriter(local=root, write=tiercheck.WriteOptions(chunk_bytes=4096)) as writer:
+        dcp.save(saved, storage_writer=writer, checkpoint_id=3)
     step = root / step_dir(3)
-    flip_chunk_byte(step, "w", chunks_of(step, "w")[0], 5)
-    into = {"w": torch.zeros(8, 8)}
+    assert len(chunks_of(step, "a")) == 4
+    flip_chunk_byte(step, "a", chunks_of(step, "a")[-1], 5)
+    into = {"a": torch.full((64, 64), -1.0), "w": torch.full((8, 8), -1.0)}
     with pytest.raises(CheckpointException) as info:
         dcp.load(into, storage_reader=TiercheckReader(local=root))
     errors = [exc for exc, _ in info.value.failures.values()]
     assert any(isinstance(e, tiercheck.CorruptCheckpointError) for e in errors), errors
     assert "CorruptCheckpointError" in str(info.value)
-    assert torch.equal(into["w"], torch.zeros(8, 8))  # nothing reached the state
+    for name, t in into.items():  # nothing reached the state
+        assert torch.equal(t, torch.full_like(t, -1.0)), name
+
+
+class _Materialize(DefaultLoadPlanner):
+    """A planner that loads into tensors of its own and hands them to the state in ``commit_tensor``
+    (``LoadPlanner``'s documented alternative to aliasing the state dict)."""
+
+    def __init__(self, *, scratch: bool = False) -> None:
+        super().__init__()
+        self.scratch = torch.empty(8192) if scratch else None  # one buffer for every tensor, as FileSystemReader allows
+        self.made: dict[str, torch.Tensor] = {}
+        self.committed: dict[str, torch.Tensor] = {}
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        like = super().resolve_tensor(read_item)
+        made = torch.empty_like(like) if self.scratch is None else self.scratch[: like.numel()].view(like.shape)
+        self.made[read_item.dest_index.fqn] = made
+        return made
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        assert tensor is self.made[read_item.dest_index.fqn]
+        self.committed[read_item.dest_index.fqn] = tensor
+        self.state_dict[read_item.dest_index.fqn].copy_(tensor)
+
+
+def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader's buffers, and the tensors a planner makes for the load, are read into straight (restore
+    stages no copy of them); DCP's tensors that alias the state are copied into once every chunk is verified,
+    and a damaged chunk leaves a planner's made tensors uncommitted."""
+    import tiercheck.integrations.dcp as tc_dcp
+    import tiercheck.restore
+
+    copies: list[int] = []
+    own: list[bool] = []
+    staged, own_target = tiercheck.restore.staged, tc_dcp._own_target
+
+    def counting_staged(items: Any) -> Any:
+        reads, pairs = staged(items)
+        copies.append(len(pairs))
+        return reads, pairs
+
+    def recording_own_target(*args: Any) -> bool:
+        own.append(own_target(*args))
+        return own[-1]
+
+    monkeypatch.setattr(tiercheck.restore, "staged", counting_staged)
+    monkeypatch.setattr(tc_dcp, "_own_target", recording_own_target)
+    root = tmp_path / "ckpt"
+    saved = {"a": torch.arange(4096.0).reshape(64, 64), "b": torch.arange(7.0), "cfg": {"lr": 0.5}}
+    with TiercheckWriter(local=root, write=tiercheck.WriteOptions(chunk_bytes=4096)) as writer:
+        dcp.save(saved, storage_writer=writer, checkpoint_id=1)
+    into: dict[str, Any] = {"a": torch.zeros(64, 64), "b": torch.zeros(7), "cfg": {"lr": 0.0}}
+    dcp.load(into, storage_reader=TiercheckReader(local=root))
+    _equal(saved, into)
+    assert copies == [0] and own == [False, False]  # in place: DCP's tensors are the state's
+
+    for scratch, direct in ((False, [True, True]), (True, [True, False])):  # a shared scratch is read into once
+        copies.clear()
+        own.clear()
+        into = {"a": torch.zeros(64, 64), "b": torch.zeros(7), "cfg": {"lr": 0.0}}
+        planner = _Materialize(scratch=scratch)
+        dcp.load(into, storage_reader=TiercheckReader(local=root), planner=planner)
+        _equal(saved, into)
+        assert copies == [0] and own == direct and set(planner.committed) == {"a", "b"}
+
+    flip_chunk_byte(root / step_dir(1), "a", chunks_of(root / step_dir(1), "a")[-1], 5)
+    into = {"a": torch.zeros(64, 64), "b": torch.zeros(7), "cfg": {"lr": 0.0}}
+    planner = _Materialize()
+    with pytest.raises(CheckpointException, match="CorruptCheckpointError"):
+        dcp.load(into, storage_reader=TiercheckReader(local=root), planner=planner)
+    assert planner.committed == {} and not into["a"].any() and not into["b"].any()
 
 
 def test_async_save_thread(tmp_path: Path) -> None:

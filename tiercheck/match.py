@@ -14,7 +14,16 @@ from .errors import CorruptCheckpointError, IncompatibleStateError, StagingError
 from .flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
 from .manifest import JSON, ArrayRecord, Manifest
 from .scatter import ReadItem
-from .sharding import placement_of
+from .sharding import Shard, placement_of
+
+
+class FreshShard(Shard):
+    """A ``Shard`` of a tensor made for this restore, which no one uses before it succeeded (an
+    integration's read buffer). Restore reads and verifies chunks straight into it: the staging
+    buffer and copy that keep a failed restore from leaving a live tensor half-written would
+    protect nothing here."""
+
+    __slots__ = ()
 
 
 def tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str, Any], *, extra: bool) -> JSON:
@@ -118,7 +127,7 @@ def prepare(
                     f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
                     f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
                 )
-            items.append(ReadItem(rec, local, offsets))
+            items.append(ReadItem(rec, local, offsets, fresh=isinstance(live, FreshShard)))
             return live
         dest = _allocate(rec, where=here)
         items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))

@@ -35,7 +35,7 @@ import io
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +60,7 @@ from ..errors import (
     UnsupportedValueError,
 )
 from ..fmt import fmt_steps
+from ..match import FreshShard
 from ..sharding import Shard
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
@@ -394,6 +395,12 @@ class TiercheckReader(StorageReader):
         assert meta is not None, "set_up_storage_reader runs first"
         values: dict[str, Any] = {}
         boxes: dict[str, tuple[int, ...]] = {}
+        # DCP's tensor for each read item, resolved once. A tensor of the state it loads into stays untouched
+        # until every chunk is verified: restore reads into a new buffer, copied in afterwards. A tensor the
+        # planner made for the load (it aliases none of the state) is read into straight, with no copy.
+        targets: dict[str, list[torch.Tensor]] = {}
+        direct: set[str] = set()
+        state = _state_memory(getattr(planner, "state_dict", None))
         for fqn, items in by_fqn.items():
             if items[0].type == LoadItemType.BYTE_IO:
                 values[fqn] = None  # filled from the saving rank that wrote it
@@ -402,11 +409,16 @@ class TiercheckReader(StorageReader):
             assert isinstance(md, TensorStorageMetadata)
             lo, hi = _box(items)
             boxes[fqn] = lo
-            values[fqn] = Shard(
-                torch.empty([h - low for low, h in zip(lo, hi, strict=True)], dtype=md.properties.dtype),
-                offsets=lo,
-                global_shape=md.size,
-            )
+            targets[fqn] = [planner.resolve_tensor(item) for item in items]
+            shape = [h - low for low, h in zip(lo, hi, strict=True)]
+            if state is not None and _own_target(targets[fqn], shape, md.properties.dtype, state):
+                direct.add(fqn)
+                buf = targets[fqn][0]
+                state.append(_span(buf))  # a planner reusing one scratch tensor gets it read into once
+            else:
+                buf = torch.empty(shape, dtype=md.properties.dtype)
+            # Nothing sees either before the restore succeeded: it needs no staging copy of its own.
+            values[fqn] = FreshShard(buf, offsets=lo, global_shape=md.size)
         with self._checkpointer() as shared, shared.lock:
             shared.state.clear()
             shared.state.update(values)
@@ -416,17 +428,20 @@ class TiercheckReader(StorageReader):
             finally:
                 shared.state.clear()
         for fqn, items in by_fqn.items():
-            for item in items:
+            for i, item in enumerate(items):
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(self._safe_bytes(fqn, restored[fqn])))
                     continue
-                buf = restored[fqn].local
-                region = [s - b for s, b in zip(_start(item), boxes[fqn], strict=True)]
-                src = buf[tuple(slice(r, r + n) for r, n in zip(region, item.lengths, strict=True))]
-                target = planner.resolve_tensor(item).detach()
-                if target.shape != src.shape:
-                    raise CorruptCheckpointError(f"{fqn}: DCP asked for {list(target.shape)}, read {list(src.shape)}")
-                target.copy_(src)
+                target = targets[fqn][i]
+                if fqn not in direct:
+                    buf = restored[fqn].local
+                    region = [s - b for s, b in zip(_start(item), boxes[fqn], strict=True)]
+                    src = buf[tuple(slice(r, r + n) for r, n in zip(region, item.lengths, strict=True))]
+                    if target.shape != src.shape:
+                        raise CorruptCheckpointError(
+                            f"{fqn}: DCP asked for {list(target.shape)}, read {list(src.shape)}"
+                        )
+                    target.detach().copy_(src)
                 planner.commit_tensor(item, target)
         return _done(None)
 
@@ -473,6 +488,52 @@ def _start(item: ReadItem) -> list[int]:
     """Where an item's region starts in the global tensor."""
     chunk = item.storage_index.offset or torch.Size([0] * len(item.lengths))
     return [s + o for s, o in zip(chunk, item.storage_offsets, strict=True)]
+
+
+def _own_target(
+    targets: list[torch.Tensor], shape: list[int], dtype: torch.dtype, state: list[tuple[int, int]]
+) -> bool:
+    """Whether restore may read straight into DCP's tensor: the only one of its fqn, a CPU tensor of the stored
+    dtype and of the box's shape, sharing no memory with the planner's state dict. DCP's contract
+    (``LoadPlanner.resolve_tensor``) is that such a tensor reaches the state only through ``commit_tensor``,
+    which is called once the restore succeeded."""
+    if len(targets) != 1:
+        return False
+    t = targets[0]
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape:
+        return False
+    lo, hi = _span(t)
+    return hi > lo and not any(a < hi and lo < b for a, b in state)
+
+
+def _state_memory(value: Any) -> list[tuple[int, int]] | None:
+    """The memory every tensor of the planner's state dict lies in (DTensors' and ShardedTensors' local
+    tensors), or None where that cannot be told: then no target counts as made for the load."""
+    if not isinstance(value, Mapping):
+        return None
+    spans: list[tuple[int, int]] = []
+    todo: list[Any] = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, Mapping):
+            todo.extend(v.values())
+        elif isinstance(v, list | tuple):
+            todo.extend(v)
+        elif callable(getattr(v, "local_shards", None)):  # a ShardedTensor (a Tensor with no storage of its own)
+            todo.extend(s.tensor for s in v.local_shards())
+        elif hasattr(v, "__tensor_flatten__"):  # a wrapper subclass (DTensor, float8, ...): its inner tensors
+            todo.extend(getattr(v, name) for name in v.__tensor_flatten__()[0])
+        elif isinstance(v, torch.Tensor):
+            try:
+                spans.append(_span(v))
+            except (RuntimeError, NotImplementedError):  # some other subclass without a plain storage
+                return None
+    return spans
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _rank(group: Any) -> int:
