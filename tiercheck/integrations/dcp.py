@@ -73,7 +73,7 @@ __all__ = ["TiercheckReader", "TiercheckWriter"]
 log = logging.getLogger("tiercheck")
 
 _CHECKPOINTER_OPTIONS = frozenset(
-    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain"}
+    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "replication"}
 )
 _LAYOUT_KEY = "tiercheck_layout"  # in SavePlan.storage_data: the generation of the ranks' layout
 

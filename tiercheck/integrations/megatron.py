@@ -125,7 +125,17 @@ __all__ = [
 ]
 
 _CHECKPOINTER_OPTIONS = frozenset(
-    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "allow_pickle"}
+    {
+        "remote_options",
+        "process_group",
+        "staging",
+        "write",
+        "retention",
+        "distributed",
+        "drain",
+        "replication",
+        "allow_pickle",
+    }
 )
 _ITERATION = re.compile(r"(\d+)$")
 
