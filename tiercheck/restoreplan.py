@@ -153,10 +153,11 @@ def fetch(
     try:
         for f in sorted(wanted - set(away)):
             got[f] = _read(tier, d, f)
-        if st.from_remote and remote is not None:
-            for f in away:
+        if st.from_remote and remote is not None:  # from a node where one holds them (a peer's copy too)
+            held = holders_of(coord, root, {f[1] for f in away}, remote=True)
+            for f in [f for f in away if f[1] not in held]:
                 got[f] = _read(remote, d, f)
-            away = []
+            away = [f for f in away if f[1] in held]
     except TiercheckError as e:
         own, away = e, []
         coord.report(name, e)
