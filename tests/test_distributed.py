@@ -644,3 +644,31 @@ def test_saves_commit_in_save_order_whatever_order_their_writes_end(tmp_path: Pa
     """Committing step 2 first on a rank whose writes of it ended first deadlocked the job: the other
     ranks were waiting for that rank at step 1's commit."""
     assert run_ranks(_commit_out_of_write_order, 2, str(tmp_path), start_method="forkserver") == [[1, 2], [1, 2]]
+
+
+def _drain_fails_on_one_node(rank: int, world: int, root: str, remote: str) -> str:
+    if rank == 2:  # node 1's uploader: its upload fails for good (not a transient error)
+        from tiercheck import drain
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise PermissionError("access denied to the bucket")
+
+        drain.upload_step = broken  # type: ignore[assignment]
+    state = model_state(SMALL, rank, seed=5)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), remote=remote) as ck:
+        handle = ck.save(1)
+        handle.wait()
+        error = handle.drained.exception(timeout=60)  # the retry deadline is 900 s: nobody waits it out
+        ck.close(drain=False)
+        return f"{type(error).__name__}: {error}"
+
+
+def test_a_node_whose_drain_fails_tells_the_others_at_once(tmp_path: Path) -> None:
+    """The other nodes waited for the remote commit that node's files would complete until the retry
+    deadline (900 s by default); it now tells them it will not come."""
+    remote = (tmp_path / "remote").as_uri()
+    errors = run_ranks(_drain_fails_on_one_node, 4, str(tmp_path), remote, start_method="forkserver")
+    assert errors[2] == "PermissionError: access denied to the bucket"
+    for rank in (0, 1, 3):  # rank 0 waited for the commit; 1 and 3 follow their node's uploader
+        assert "access denied to the bucket" in errors[rank], (rank, errors[rank])
+    assert not (tmp_path / "remote" / "step-00000001" / "COMMIT").exists()

@@ -249,7 +249,17 @@ class Drainer:
         try:
             self._upload(step)
         except BaseException as e:
-            self._tell(outcome, f"error: {type(e).__name__}: {e}")
+            why = f"error: {type(e).__name__}: {e}"
+            self._tell(outcome, why)
+            # The other nodes wait for the remote commit this node's files would complete: tell them it
+            # will not come (unless it already did), or they wait out the retry deadline (900 s).
+            if self.coord.world_size > 1:
+                try:
+                    self.coord.decide(
+                        self.coord.key("drain", step, "remote-commit"), f"the node of rank {self.node_ranks[0]}: {why}"
+                    )
+                except (RuntimeError, CoordinationError):
+                    log.debug("could not post the drain failure to the store")
             raise
         self._tell(outcome, "ok")
 
@@ -290,7 +300,8 @@ class Drainer:
                 [committed], what=f"the remote commit of step {step}", timeout_s=self.options.retry.deadline_s
             )
             if not self.remote.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
-                raise CoordinationError(f"step {step} was not committed on {self.remote.url}")
+                verdict = self.coord.get(committed).decode()
+                raise CoordinationError(f"step {step} was not committed on {self.remote.url}: {verdict}")
 
     def _retain(self) -> None:
         committed = list_steps(self.remote).committed
