@@ -161,9 +161,11 @@ def zarr_documents(records: Iterable[ArrayRecord], *, root: bool = True) -> dict
     return docs
 
 
-def checksum(data: memoryview | bytes | bytearray) -> int:
+def checksum(data: memoryview | bytes | bytearray, start: int = 0) -> int:
+    """CRC32C of ``data``; with ``start``, the CRC of what came before followed by ``data`` (a stream's)."""
     # google_crc32c refuses memoryviews but takes numpy arrays: wrap without copying.
-    return int(google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
+    view = np.frombuffer(data, dtype=np.uint8)
+    return int(google_crc32c.extend(start, view) if start else google_crc32c.value(view))
 
 
 def checksum_trailer(crc: int) -> bytes:

@@ -33,11 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-import google_crc32c
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from .codec import checksum
 from .commit import read_marker, step_dir
 from .coordination import Coordinator, Nodes, Protocol, _own_client, drive
 from .errors import CorruptCheckpointError, TiercheckError
@@ -241,7 +240,7 @@ class Replicator:
                     continue
                 ok = False
                 pair.broken = f"{type(error).__name__}: {error}"
-                self.status["failed"] += 1
+                self._count("failed", 1)
                 self.status["last_error"] = f"step {step}: {kind} node {pair.peer}: {pair.broken}"
                 log.warning(
                     "replication: step %d: %s node %d failed, and that pair is left out from now on: %s",
@@ -269,9 +268,9 @@ class Replicator:
                 got, _ = self.tier.read_into(f"{d}/{name}", view[:n], offset=offset, length=n)
                 if got != n:
                     raise CorruptCheckpointError(f"{self.tier.url}: {d}/{name} shrank while it was replicated")
-                crc = int(google_crc32c.extend(crc, np.frombuffer(view[:n], dtype=np.uint8)))
+                crc = checksum(view[:n], crc)
                 pair.send(buf[:n])
-                self.status["bytes_sent"] += n
+                self._count("bytes_sent", n)
             crcs.append(crc)
         pair.send(torch.tensor(crcs or [0], dtype=torch.int64))
         ack = torch.zeros(1, dtype=torch.int64)
@@ -308,7 +307,7 @@ class Replicator:
 
                     def stream(name: str = name, pieces: Iterator[memoryview] = pieces) -> Iterator[memoryview]:
                         for piece in pieces:
-                            crcs[name] = int(google_crc32c.extend(crcs[name], np.frombuffer(piece, dtype=np.uint8)))
+                            crcs[name] = checksum(piece, crcs[name])
                             yield piece
 
                     self.tier.write_stream(f"{d}/{name}", stream)
@@ -326,7 +325,7 @@ class Replicator:
                 self.tier.sync_dirs(d)
                 replica = Replica(step, tuple(ranks), world, {n: (s, crcs[n]) for n, s in files}, str(header["node"]))
                 self.tier.publish(f"{d}/{replica_marker(ranks[0])}", replica.to_bytes())
-                self.status["received"] += 1
+                self._count("received", 1)
         except BaseException:
             self._discard(d, written)
             raise
@@ -340,8 +339,13 @@ class Replicator:
         for offset in range(0, size, len(view)):
             n = min(len(view), size - offset)
             pair.recv(buf[:n])
-            self.status["bytes_received"] += n
+            self._count("bytes_received", n)
             yield view[:n]
+
+    def _count(self, key: str, n: int) -> None:
+        """Add to a status counter: the sending and receiving threads of a step count at once."""
+        with self._cond:
+            self.status[key] += n
 
     def _discard(self, d: str, written: list[str]) -> None:
         for name in written:
