@@ -18,8 +18,7 @@ import struct
 import sys
 from collections.abc import Iterable
 
-import google_crc32c
-import numpy as np
+import crc32c
 
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .manifest import FORMAT_NAME, FORMAT_VERSION, ArrayRecord
@@ -163,9 +162,10 @@ def zarr_documents(records: Iterable[ArrayRecord], *, root: bool = True) -> dict
 
 def checksum(data: memoryview | bytes | bytearray, start: int = 0) -> int:
     """CRC32C of ``data``; with ``start``, the CRC of what came before followed by ``data`` (a stream's)."""
-    # google_crc32c refuses memoryviews but takes numpy arrays: wrap without copying.
-    view = np.frombuffer(data, dtype=np.uint8)
-    return int(google_crc32c.extend(start, view) if start else google_crc32c.value(view))
+    # ICRAR's crc32c, not google_crc32c: it releases the GIL while it runs (google_crc32c holds it
+    # through a 64 MiB chunk, which slowed the training thread's Python to a third while the
+    # background wrote a checkpoint) and is faster (15 vs 10 GiB/s here).
+    return int(crc32c.crc32c(data, start))
 
 
 def checksum_trailer(crc: int) -> bytes:
@@ -196,7 +196,7 @@ def verify_parts(
     tail = memoryview(rest)
     actual = checksum(data)
     if len(tail) > CHECKSUM_BYTES:
-        actual = int(google_crc32c.extend(actual, np.frombuffer(tail[:-CHECKSUM_BYTES], dtype=np.uint8)))
+        actual = checksum(tail[:-CHECKSUM_BYTES], actual)
     (stored,) = struct.unpack("<I", tail[-CHECKSUM_BYTES:])
     if actual != stored or (expected_crc is not None and actual != expected_crc):
         raise CorruptCheckpointError(
