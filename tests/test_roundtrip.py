@@ -273,3 +273,28 @@ def test_the_store_keeps_nothing_of_past_saves_and_restores(ckpt_dir: Path) -> N
             assert ck.restore() == step
             assert store.num_keys() == 0, sorted(store.list_keys())
         assert ck.stats()["store_ops"] > 0
+
+
+def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_of_buffers(ckpt_dir: Path) -> None:
+    """A restore reads into new memory and, once every chunk is verified, a parameter that is the
+    whole of its memory takes that memory over (no copy): a view the user holds and the optimizer's
+    reference see the restored values. Tensors that are parts of one flat buffer are copied into,
+    so the buffer stays one buffer."""
+    model = torch.nn.Linear(64, 64)
+    flat = torch.arange(100, dtype=torch.float32)
+    parts = {"a": flat[:50], "b": flat[50:]}
+    state = {"model": model, "parts": parts}
+    expected = {"w": model.weight.detach().clone(), "flat": flat.clone()}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        with torch.no_grad():
+            model.weight.zero_()
+            flat.zero_()
+        view = model.weight.view(-1)  # held by the caller across the restore
+        ptr, version = model.weight.data_ptr(), model.weight._version
+        assert ck.restore() == 1
+    assert torch.equal(model.weight, expected["w"]) and torch.equal(view, expected["w"].view(-1))
+    assert model.weight.data_ptr() != ptr  # the memory the restore read into, not a copy of it
+    assert model.weight._version > version  # autograd sees the change, as after a copy
+    assert torch.equal(flat, expected["flat"])
+    assert parts["a"].data_ptr() == flat.data_ptr() and parts["b"].data_ptr() == flat.data_ptr() + 50 * 4

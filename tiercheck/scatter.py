@@ -134,12 +134,40 @@ def staged(items: Sequence[ReadItem]) -> tuple[list[ReadItem], list[tuple[torch.
 
 
 def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy verified, staged data into the live tensors (see ``staged``)."""
+    """Hand verified, staged data to the live tensors (see ``staged``): a live CPU tensor that is
+    the whole of its memory takes the staged memory over (``_swappable``: every tensor that shares
+    that memory, a module's parameter behind a ``state_dict()`` alias, sees the restored values, and
+    nothing is copied); the others are copied into."""
     with torch.no_grad():
         for live, buf in pairs:
-            live.copy_(buf, non_blocking=live.is_cuda)
+            if _swappable(live, buf):
+                live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())
+                torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
+            else:
+                live.copy_(buf, non_blocking=live.is_cuda)
     if any(live.is_cuda for live, _ in pairs):
         torch.cuda.synchronize()
+
+
+def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``live``'s memory can take ``buf``'s over instead of a copy: on the CPU, ordinary
+    memory (not page-locked, not shared with other processes), and holding ``live`` alone, laid
+    out as ``buf`` is (contiguous from its start). A tensor that is part of a larger buffer (a
+    flat parameter, a view) is copied into. Skipped where torch lacks the swap."""
+    if live.device.type != "cpu" or type(live) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    storage = live.untyped_storage()
+    nbytes = live.numel() * live.element_size()
+    return (
+        nbytes > 0
+        and live.storage_offset() == 0
+        and live.is_contiguous()
+        and storage.nbytes() == nbytes == buf.untyped_storage().nbytes()
+        and not storage.is_shared()
+        and not storage.is_pinned()
+    )
 
 
 def _stops(item: ReadItem) -> tuple[int, ...]:
