@@ -29,7 +29,7 @@ from .flatten import Leaf
 from .layout import Chunk
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
-from .staging import HostPool, Region, align_up, copy_chunk
+from .staging import HostPool, Region, align_up, chunk_views, copy_pieces
 from .tiers.local import DIRECT_MIN_BYTES, LocalTier, PackWriter
 
 log = logging.getLogger("tiercheck")
@@ -59,14 +59,65 @@ class Plan:
     pool_bytes: int  # host memory this rank's whole snapshot needs
 
 
+RUN_BYTES = 4 << 20  # small chunks are staged and written together, up to this many bytes at once
+RUN_CHUNKS = 512  # and this many chunks (pwritev takes 1024 buffers: data and checksum each)
+RUN_ALIGN = 64  # where each chunk of a run starts in its region: any dtype's view
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Chunks staged in one region of the pool and written with one call: a big chunk alone, or
+    consecutive small ones, which lie back to back (data, checksum, data, ...) in the pack."""
+
+    tasks: list[ChunkTask]
+    starts: list[int]  # where each chunk's data begins in the region
+    nbytes: int  # the region's size
+
+    @staticmethod
+    def plan(tasks: list[ChunkTask], limit: int) -> list[Run]:
+        """``tasks`` (in pack order) cut into runs of at most ``limit`` bytes; a chunk of
+        DIRECT_MIN_BYTES or more (block-aligned in the pack, for direct I/O) is a run of its own."""
+        runs: list[Run] = []
+        cur: list[ChunkTask] = []
+        starts: list[int] = []
+        end = 0
+
+        def close() -> None:
+            nonlocal cur, starts, end
+            if cur:
+                runs.append(Run(cur, starts, end))
+            cur, starts, end = [], [], 0
+
+        for t in tasks:
+            small = t.nbytes < DIRECT_MIN_BYTES
+            start = align_up(end, RUN_ALIGN)
+            joins = (
+                small
+                and cur
+                and start + t.nbytes <= limit
+                and len(cur) < RUN_CHUNKS
+                and t.offset == cur[-1].offset + cur[-1].nbytes + CHECKSUM_BYTES
+            )
+            if not joins:
+                close()
+                start = 0
+            cur.append(t)
+            starts.append(start)
+            end = start + t.nbytes
+            if not small:
+                close()
+        close()
+        return runs
+
+
 @dataclass(frozen=True, slots=True)
 class WriteRequest:
-    """One write for the I/O threads: a small file, or a staged chunk (from the pool) into the pack."""
+    """One write for the I/O threads: a small file, or a staged run of chunks (from the pool) into the pack."""
 
     path: str
     parts: list[bytes] = field(default_factory=list)
-    staged: tuple[ChunkTask, Region] | None = None
-    event: torch.cuda.Event | None = None  # the chunk's device-to-host copy, on CUDA
+    staged: tuple[Run, Region] | None = None
+    event: torch.cuda.Event | None = None  # the run's device-to-host copies, on CUDA
 
 
 class SaveHandle:
@@ -250,24 +301,32 @@ class Pipeline:
         events: list[torch.cuda.Event] = []
         if plan.n_eager == 0:
             job.eager_staged.set()
-        for i, task in enumerate(plan.tasks):
-            if job.error is not None:
-                break
-            src = job.leaves[task.leaf].tensor
-            stream = self._stream_for(src, job)
-            region = self.pool.acquire(task.nbytes)
-            try:
-                copy_chunk(src, task.local, task.chunk_shape, self.pool.view(region, task.nbytes), stream)
-            except BaseException:
-                self.pool.release(region)
-                raise
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-                events.append(event)
-            self._submit_write(job, WriteRequest(task.path, staged=(task, region), event=event))
-            if i + 1 == plan.n_eager:
+        limit = min(RUN_BYTES, self.pool.capacity // 2)
+        eager, lazy = plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :]
+        for part in (eager, lazy):
+            for run in self._runs(job, part, limit):
+                if job.error is not None:
+                    break
+                stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
+                region = self.pool.acquire(run.nbytes)
+                try:
+                    pairs = [
+                        chunk_views(
+                            job.leaves[t.leaf].tensor, t.local, t.chunk_shape, self.pool.view(region, t.nbytes, start)
+                        )
+                        for t, start in zip(run.tasks, run.starts, strict=True)
+                    ]
+                    copy_pieces([o for o, _ in pairs], [p for _, p in pairs], stream)
+                except BaseException:
+                    self.pool.release(region)
+                    raise
+                event = None
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
+                self._submit_write(job, WriteRequest(run.tasks[0].path, staged=(run, region), event=event))
+            if part is eager and eager:
                 self._wait_events(events)
                 job.eager_staged.set()
         self._wait_events(events)
@@ -276,6 +335,18 @@ class Pipeline:
         if job.error is not None:
             raise job.error
         job.handle.staged.set_result(None)
+
+    @staticmethod
+    def _runs(job: SaveJob, tasks: list[ChunkTask], limit: int) -> list[Run]:
+        """``tasks`` in runs (``Run.plan``) whose chunks all come from one device: one stream copies a run."""
+        runs: list[Run] = []
+        start = 0
+        devices = [job.leaves[t.leaf].tensor.device for t in tasks]
+        for i in range(1, len(tasks) + 1):
+            if i == len(tasks) or devices[i] != devices[start]:
+                runs.extend(Run.plan(tasks[start:i], limit))
+                start = i
+        return runs
 
     def _stream_for(self, src: torch.Tensor, job: SaveJob) -> torch.cuda.Stream | None:
         if src.device.type != "cuda":
@@ -310,15 +381,21 @@ class Pipeline:
             if write.staged is None:
                 self.tier.write(write.path, write.parts)
             else:
-                task, region = write.staged
+                run, region = write.staged
                 if write.event is not None:
                     write.event.synchronize()
-                data = memoryview(self.pool.view(region, task.nbytes).numpy())  # type: ignore[arg-type]
-                crc = checksum(data)
+                staged = memoryview(self.pool.view(region, run.nbytes).numpy())  # type: ignore[arg-type]
+                parts: list[memoryview | bytes] = []
+                crcs = []
+                for task, start in zip(run.tasks, run.starts, strict=True):
+                    data = staged[start : start + task.nbytes]
+                    crcs.append(checksum(data))
+                    parts += [data, checksum_trailer(crcs[-1])]
                 assert job.pack is not None
-                job.pack.write_at(task.offset, [data, checksum_trailer(crc)])
+                job.pack.write_at(run.tasks[0].offset, parts)  # the run's chunks lie back to back there
                 with job._lock:
-                    job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
+                    for task, crc in zip(run.tasks, crcs, strict=True):
+                        job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
             job.t_write1 = time.perf_counter()
         except BaseException as e:
             self._fail(job, e)

@@ -141,7 +141,7 @@ def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for live, buf in pairs:
             if _swappable(live, buf):
-                live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())
+                live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
                 torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
             else:
                 live.copy_(buf, non_blocking=live.is_cuda)

@@ -23,8 +23,8 @@ log = logging.getLogger("tiercheck")
 ALIGN = 4096  # page-aligned regions: any dtype view, and writes that bypass the page cache (O_DIRECT)
 
 
-def align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def align_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
 
 
 @dataclass(eq=False, slots=True)
@@ -98,29 +98,34 @@ class HostPool:
                 self.in_use -= self._live.popleft().nbytes
             self._cond.notify_all()
 
-    def view(self, region: Region, nbytes: int) -> torch.Tensor:
+    def view(self, region: Region, nbytes: int, start: int = 0) -> torch.Tensor:
+        """``nbytes`` of ``region`` from ``start`` on, as uint8."""
         assert self._buf is not None
-        return self._buf[region.offset : region.offset + nbytes]
+        return self._buf[region.offset + start : region.offset + start + nbytes]
 
 
-def copy_chunk(
-    src: torch.Tensor,
-    chunk: Chunk,
-    chunk_shape: tuple[int, ...],
-    dst: torch.Tensor,
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Copy one chunk of ``src`` into the uint8 host view ``dst``, padded to the full chunk.
-
-    On CUDA the copy is queued on ``stream`` (non-blocking); the caller records an event after it.
-    """
+def chunk_views(
+    src: torch.Tensor, chunk: Chunk, chunk_shape: tuple[int, ...], dst: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (destination, source) pair that copies one chunk of ``src`` into the uint8 host view
+    ``dst``, padded to the full chunk: the padding of an edge chunk is zeroed here."""
     out = dst.view(src.dtype).view(chunk_shape)
     piece = src[chunk.slices()]
     if is_edge(chunk, chunk_shape):
         out.zero_()  # zarr stores edge chunks at full size; make the padding deterministic
         out = out[tuple(slice(0, v) for v in chunk.valid_shape)]
+    return out, piece
+
+
+def copy_pieces(outs: list[torch.Tensor], pieces: list[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
+    """Copy every ``pieces[i]`` into ``outs[i]`` in one call, which holds the GIL once for all of
+    them: one ``copy_`` per chunk gave up and took back the GIL per chunk, and a background thread
+    waits up to the interpreter's switch interval (5 ms) each time it takes it back from a busy
+    training thread. On CUDA each copy is queued on ``stream`` (non-blocking, so a ``copy_`` each
+    costs no wait); the caller records an event after them."""
     if stream is None:
-        out.copy_(piece)
-    else:
-        with torch.cuda.stream(stream):
+        torch._foreach_copy_(outs, pieces)
+        return
+    with torch.cuda.stream(stream):
+        for out, piece in zip(outs, pieces, strict=True):
             out.copy_(piece, non_blocking=True)
