@@ -39,7 +39,8 @@ def test_default_pool_is_one_snapshot_allocated_once(ckpt_dir: Path) -> None:
         ck.wait()
         stats = ck.stats()
     assert stats["pool_allocations"] == 1
-    assert stats["pool_capacity_bytes"] == align_up(4000) + align_up(800)  # one region per chunk
+    # Both chunks are staged together, as they lie in the pack (each followed by its checksum).
+    assert stats["pool_capacity_bytes"] == align_up(4000 + 4 + 800 + 4)
 
 
 def test_ring_pool_reuses_out_of_order_releases_and_blocks_when_full() -> None:
@@ -174,3 +175,39 @@ def test_background_threads_yield_the_cpu_to_training(ckpt_dir: Path) -> None:
         assert all(nice_of(t.native_id) == min(base + 7, 19) for t in io if t.native_id), io
         assert nice_of(stager[0].native_id) == base, "training waits for the copy: it keeps its priority"
     assert nice_of(threading.get_native_id()) == base, "the training thread keeps its priority"
+
+
+def test_runs_of_chunks_are_staged_exactly_as_they_lie_in_the_pack(ckpt_dir: Path) -> None:
+    """Chunks are staged in runs that mirror the pack: odd sizes that leave the next chunk at an
+    unaligned place, a transposed (non-contiguous) tensor, edge chunks with padding and a big
+    chunk after an alignment gap. Every chunk's bytes and checksum are where zarr looks, and the
+    gaps are zeros even though the pool held other bytes there before."""
+    g = torch.Generator().manual_seed(0)
+    real = {
+        "odd": torch.randn(1001, generator=g),  # 4004 bytes: what follows starts unaligned
+        "f64": torch.randn(7, 3, generator=g, dtype=torch.float64),
+        "t": torch.randn(5, 9, generator=g).T,  # not contiguous: copied through a view of its dtype
+        "bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "bool": torch.rand(77, generator=g) > 0.5,
+        "edges": torch.randn(1000, 700, generator=g),  # 2 MiB chunks of rows, the last one padded
+        "big": torch.randn(1 << 18, generator=g),  # 1 MiB: starts block-aligned after a gap
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+    }
+    state: dict[str, torch.Tensor] = {"fill": torch.full((2 << 20,), 7.0)}  # 8 MiB of nonzero bytes
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=2 << 20)) as ck:
+        ck.save(1).wait()
+        state.clear()
+        state.update(real)  # a new plan, staged in the same pool over step 1's bytes
+        ck.save(2).wait()
+        assert ck.stats()["pool_allocations"] == 1
+    assert_identical(state, tiercheck.load(ckpt_dir, step=2))
+    step = ckpt_dir / "step-00000002"
+    spans = sorted((off, length) for name in state for key in chunks_of(step, name)
+                   for _, off, length in [chunk_span(step, name, key)])  # fmt: skip
+    pack = next((step / "packs").iterdir()).read_bytes()
+    covered = bytearray(len(pack))
+    for off, length in spans:
+        covered[off : off + length] = b"\1" * length
+    gaps = [pack[i] for i in range(len(pack)) if not covered[i]]
+    assert gaps and not any(gaps), "alignment gaps are zeros"
+    assert spans[-1][0] + spans[-1][1] == len(pack)

@@ -26,7 +26,7 @@ from .codec import CHECKSUM_BYTES, checksum, checksum_trailer, chunk_nbytes, sea
 from .commit import step_dir
 from .errors import StepExistsError
 from .flatten import Leaf
-from .layout import Chunk
+from .layout import Chunk, is_edge
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
 from .staging import HostPool, Region, align_up, chunk_views, copy_pieces
@@ -46,6 +46,47 @@ class ChunkTask:
     offset: int  # where the chunk (data, then its CRC32C) starts in this rank's pack
 
 
+RUN_BYTES = 16 << 20  # chunks are staged and written together in runs of up to this many bytes
+RUN_CHUNKS = 512  # and this many chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive chunks staged in one region of the pool exactly as they lie in the pack (data,
+    checksum, data, ..., with the zeros of alignment gaps) and written with one call: one copy
+    call, one write, one pool region for many chunks. A chunk longer than a run is one alone."""
+
+    tasks: list[ChunkTask]
+
+    @property
+    def offset(self) -> int:
+        return self.tasks[0].offset  # in the pack; each chunk's place in the region is relative to it
+
+    @property
+    def nbytes(self) -> int:
+        last = self.tasks[-1]
+        return last.offset + last.nbytes + CHECKSUM_BYTES - self.offset
+
+    @staticmethod
+    def plan(tasks: list[ChunkTask], limit: int, placeable: Callable[[ChunkTask, int], bool]) -> list[Run]:
+        """``tasks`` (in pack order) cut into runs spanning at most ``limit`` bytes. A chunk joins
+        the run before it where ``placeable(task, place in the run)`` (its copy can land there)."""
+        runs: list[Run] = []
+        cur: list[ChunkTask] = []
+        for t in tasks:
+            if cur and (
+                len(cur) >= RUN_CHUNKS
+                or t.offset + t.nbytes + CHECKSUM_BYTES - cur[0].offset > limit
+                or not placeable(t, t.offset - cur[0].offset)
+            ):
+                runs.append(Run(cur))
+                cur = []
+            cur.append(t)
+        if cur:
+            runs.append(Run(cur))
+        return runs
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What this rank writes, computed once and reused while the layout of every rank is unchanged."""
@@ -54,60 +95,10 @@ class Plan:
     shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with their chunk owners
     tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
     n_eager: int
+    runs: tuple[list[Run], list[Run]]  # the eager tasks and the lazy ones in runs (``plan_runs``)
     rank: int
     refs: bytes  # this rank's zarr keys: its chunks in its pack, the zarr.json of the arrays it coordinates
     pool_bytes: int  # host memory this rank's whole snapshot needs
-
-
-RUN_BYTES = 4 << 20  # small chunks are staged and written together, up to this many bytes at once
-RUN_CHUNKS = 512  # and this many chunks (pwritev takes 1024 buffers: data and checksum each)
-RUN_ALIGN = 64  # where each chunk of a run starts in its region: any dtype's view
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """Chunks staged in one region of the pool and written with one call: a big chunk alone, or
-    consecutive small ones, which lie back to back (data, checksum, data, ...) in the pack."""
-
-    tasks: list[ChunkTask]
-    starts: list[int]  # where each chunk's data begins in the region
-    nbytes: int  # the region's size
-
-    @staticmethod
-    def plan(tasks: list[ChunkTask], limit: int) -> list[Run]:
-        """``tasks`` (in pack order) cut into runs of at most ``limit`` bytes; a chunk of
-        DIRECT_MIN_BYTES or more (block-aligned in the pack, for direct I/O) is a run of its own."""
-        runs: list[Run] = []
-        cur: list[ChunkTask] = []
-        starts: list[int] = []
-        end = 0
-
-        def close() -> None:
-            nonlocal cur, starts, end
-            if cur:
-                runs.append(Run(cur, starts, end))
-            cur, starts, end = [], [], 0
-
-        for t in tasks:
-            small = t.nbytes < DIRECT_MIN_BYTES
-            start = align_up(end, RUN_ALIGN)
-            joins = (
-                small
-                and cur
-                and start + t.nbytes <= limit
-                and len(cur) < RUN_CHUNKS
-                and t.offset == cur[-1].offset + cur[-1].nbytes + CHECKSUM_BYTES
-            )
-            if not joins:
-                close()
-                start = 0
-            cur.append(t)
-            starts.append(start)
-            end = start + t.nbytes
-            if not small:
-                close()
-        close()
-        return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,22 +292,19 @@ class Pipeline:
         events: list[torch.cuda.Event] = []
         if plan.n_eager == 0:
             job.eager_staged.set()
-        limit = min(RUN_BYTES, self.pool.capacity // 2)
-        eager, lazy = plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :]
-        for part in (eager, lazy):
-            for run in self._runs(job, part, limit):
+        runs = plan.runs
+        if self.pool.capacity < plan.pool_bytes:  # bounded below one snapshot: runs of half the pool at most
+            limit = self.pool.capacity // 2
+            runs = plan_runs(job.leaves, plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :], limit)
+        for part, part_runs in zip(("eager", "lazy"), runs, strict=True):
+            for run in part_runs:
                 if job.error is not None:
                     break
                 stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
                 region = self.pool.acquire(run.nbytes)
                 try:
-                    pairs = [
-                        chunk_views(
-                            job.leaves[t.leaf].tensor, t.local, t.chunk_shape, self.pool.view(region, t.nbytes, start)
-                        )
-                        for t, start in zip(run.tasks, run.starts, strict=True)
-                    ]
-                    copy_pieces([o for o, _ in pairs], [p for _, p in pairs], stream)
+                    outs, pieces = self._stage_run(job, run, region)
+                    copy_pieces(outs, pieces, stream)
                 except BaseException:
                     self.pool.release(region)
                     raise
@@ -326,7 +314,7 @@ class Pipeline:
                     event.record(stream)
                     events.append(event)
                 self._submit_write(job, WriteRequest(run.tasks[0].path, staged=(run, region), event=event))
-            if part is eager and eager:
+            if part == "eager" and plan.n_eager:
                 self._wait_events(events)
                 job.eager_staged.set()
         self._wait_events(events)
@@ -336,17 +324,27 @@ class Pipeline:
             raise job.error
         job.handle.staged.set_result(None)
 
-    @staticmethod
-    def _runs(job: SaveJob, tasks: list[ChunkTask], limit: int) -> list[Run]:
-        """``tasks`` in runs (``Run.plan``) whose chunks all come from one device: one stream copies a run."""
-        runs: list[Run] = []
-        start = 0
-        devices = [job.leaves[t.leaf].tensor.device for t in tasks]
-        for i in range(1, len(tasks) + 1):
-            if i == len(tasks) or devices[i] != devices[start]:
-                runs.extend(Run.plan(tasks[start:i], limit))
-                start = i
-        return runs
+    def _stage_run(self, job: SaveJob, run: Run, region: Region) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (destination, source) pairs that copy ``run``'s chunks to their places in
+        ``region``; alignment gaps between chunks are zeroed (the pool's memory is reused)."""
+        outs, pieces = [], []
+        end = 0
+        for t in run.tasks:
+            at = t.offset - run.offset
+            if at > end:
+                self.pool.view(region, at - end, end).zero_()
+            src = job.leaves[t.leaf].tensor
+            dst = self.pool.view(region, t.nbytes, at)
+            piece = _as_bytes(src, t)
+            if piece is not None:
+                outs.append(dst)
+                pieces.append(piece)
+            else:
+                out, piece = chunk_views(src, t.local, t.chunk_shape, dst)
+                outs.append(out)
+                pieces.append(piece)
+            end = at + t.nbytes + CHECKSUM_BYTES
+        return outs, pieces
 
     def _stream_for(self, src: torch.Tensor, job: SaveJob) -> torch.cuda.Stream | None:
         if src.device.type != "cuda":
@@ -385,14 +383,13 @@ class Pipeline:
                 if write.event is not None:
                     write.event.synchronize()
                 staged = memoryview(self.pool.view(region, run.nbytes).numpy())  # type: ignore[arg-type]
-                parts: list[memoryview | bytes] = []
                 crcs = []
-                for task, start in zip(run.tasks, run.starts, strict=True):
-                    data = staged[start : start + task.nbytes]
-                    crcs.append(checksum(data))
-                    parts += [data, checksum_trailer(crcs[-1])]
+                for task in run.tasks:
+                    at = task.offset - run.offset
+                    crcs.append(checksum(staged[at : at + task.nbytes]))
+                    staged[at + task.nbytes : at + task.nbytes + CHECKSUM_BYTES] = checksum_trailer(crcs[-1])
                 assert job.pack is not None
-                job.pack.write_at(run.tasks[0].offset, parts)  # the run's chunks lie back to back there
+                job.pack.write_at(run.offset, [staged])  # the pack's bytes from the run's first chunk on
                 with job._lock:
                     for task, crc in zip(run.tasks, crcs, strict=True):
                         job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
@@ -510,15 +507,40 @@ def rank_plan(
             end = align_up(end)
         tasks.append(replace(task, offset=end))
         end += task.nbytes + CHECKSUM_BYTES
+    runs = plan_runs(leaves, tasks[: len(eager)], tasks[len(eager) :], RUN_BYTES)
     return Plan(
         signature=signature,
         shard=save_plan.shard,
         tasks=tasks,
         n_eager=len(eager),
         rank=rank,
+        runs=runs,
         refs=reference_map(rank, tasks, zarr_documents(list(save_plan.shard.values()), root=root_doc)),
-        pool_bytes=sum(align_up(t.nbytes) for t in tasks),
+        pool_bytes=sum(align_up(r.nbytes) for part in runs for r in part),  # one region a run
     )
+
+
+def plan_runs(
+    leaves: list[Leaf], eager: list[ChunkTask], lazy: list[ChunkTask], limit: int
+) -> tuple[list[Run], list[Run]]:
+    """The eager and the lazy tasks in runs (``Run.plan``) whose chunks all come from one device
+    (one stream copies a run), each chunk where its view can be taken: at a place aligned for its
+    dtype, or anywhere when it is copied as bytes (a contiguous piece, no edge padding)."""
+
+    def placeable(t: ChunkTask, at: int) -> bool:
+        return at % RUN_ALIGN == 0 or _as_bytes(leaves[t.leaf].tensor, t) is not None
+
+    def cut(tasks: list[ChunkTask]) -> list[Run]:
+        runs: list[Run] = []
+        start = 0
+        devices = [leaves[t.leaf].tensor.device for t in tasks]
+        for i in range(1, len(tasks) + 1):
+            if i == len(tasks) or devices[i] != devices[start]:
+                runs.extend(Run.plan(tasks[start:i], limit, placeable))
+                start = i
+        return runs
+
+    return cut(eager), cut(lazy)
 
 
 def reference_map(rank: int, tasks: list[ChunkTask], docs: dict[str, bytes]) -> bytes:
@@ -532,3 +554,17 @@ def reference_map(rank: int, tasks: list[ChunkTask], docs: dict[str, bytes]) -> 
     for t in tasks:
         refs[f"{t.path}/{t.chunk.key}"] = [pack, t.offset, t.nbytes + CHECKSUM_BYTES]
     return json.dumps({"version": 1, "templates": {"u": "."}, "refs": refs}, separators=(",", ":")).encode()
+
+
+RUN_ALIGN = 64  # a chunk copied through a view of its dtype starts at a multiple of this in its run
+
+
+def _as_bytes(src: torch.Tensor, t: ChunkTask) -> torch.Tensor | None:
+    """Chunk ``t`` of ``src`` as bytes, where it can be copied as such: a contiguous piece (a whole
+    small tensor, rows of a big one) filling its chunk (no edge padding). None otherwise."""
+    if src.device.type != "cpu" or is_edge(t.local, t.chunk_shape):
+        return None
+    piece = src[t.local.slices()]
+    if not piece.is_contiguous():
+        return None
+    return piece.reshape(-1).view(torch.uint8)
