@@ -28,6 +28,7 @@ from .layout import Chunk, overlap
 from .manifest import ArrayRecord
 from .planner import Need, Read, Transfer
 from .tiers.base import Tier
+from .tiers.local import BLOCK, LocalTier
 
 log = logging.getLogger("tiercheck")
 
@@ -245,14 +246,70 @@ def move_chunks(
         fill(rec, c, data, by_path.get(path, ()))
         return path, c, data
 
+    def read_run(run: list[Read]) -> list[tuple[str, Chunk, torch.Tensor]]:
+        """Chunks that lie together in one pack, read with one vectored read straight into their
+        destinations (a scratch buffer for a chunk that is copied or sent), then each verified.
+        A chunk that fails, or a run the file cuts short, is read again on its own: that path
+        falls back to the remote tier or reports the chunk."""
+        if len(run) == 1:
+            return [read_and_fill(run[0])]
+        assert isinstance(tier, LocalTier)
+        slots = []
+        views: list[memoryview] = []
+        file, start = records[run[0].path].location(run[0].chunk.key)
+        assert start is not None
+        pos = start
+        for job in run:
+            rec, c = records[job.path], job.chunk
+            _, offset = rec.location(c.key)
+            assert offset is not None
+            if offset > pos:
+                views.append(memoryview(bytearray(offset - pos)))  # an alignment gap
+            nbytes = chunk_nbytes(rec)
+            target = direct_target(rec, c, by_path.get(job.path, ()), whole=(job.path, c.coords) in sends)
+            raw: bytearray | None = None
+            if target is None:  # copied into place afterwards, or sent: read whole into scratch
+                raw = bytearray(nbytes + CHECKSUM_BYTES)
+                data, rest = memoryview(raw)[:nbytes], memoryview(raw)[nbytes:]
+            else:  # straight into the destination; an edge chunk's padding and the checksum apart
+                data = target.numpy().data
+                rest = memoryview(bytearray(nbytes + CHECKSUM_BYTES - len(data)))
+            views += [data, rest]
+            slots.append((job, rec, target, raw, data, rest))
+            pos = offset + nbytes + CHECKSUM_BYTES
+        try:
+            whole = tier.read_vectored(f"{step_dir(step)}/{file}", start, views) == pos - start
+        except OSError:
+            whole = False
+        if not whole:
+            return [read_and_fill(job) for job in run]
+        out = []
+        for job, rec, target, raw, data, rest in slots:
+            c = job.chunk
+            try:
+                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=chunk_nbytes(rec),
+                             where=f"{tier.url}: step {step}: array {rec.path!r} chunk {c.key}")  # fmt: skip
+            except CorruptCheckpointError:
+                out.append(read_and_fill(job))
+                continue
+            if target is not None:
+                out.append((job.path, c, target))
+                continue
+            chunk = torch.frombuffer(raw, dtype=torch.uint8)[: chunk_nbytes(rec)]
+            fill(rec, c, chunk, by_path.get(job.path, ()))
+            out.append((job.path, c, chunk))
+        return out
+
     total = 0
-    with ThreadPoolExecutor(max(1, min(io_threads, len(reads))), thread_name_prefix="tiercheck-read") as pool:
-        for path, c, data in pool.map(read_and_fill, reads):
-            total += data.numel()
-            for dst, tag in sends.get((path, c.coords), ()):
-                out = data if device.type == "cpu" else data.to(device)
-                keep.append(out)
-                ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
+    runs = read_runs(tier, records, reads)
+    with ThreadPoolExecutor(max(1, min(io_threads, len(runs))), thread_name_prefix="tiercheck-read") as pool:
+        for done in pool.map(read_run, runs):
+            for path, c, data in done:
+                total += data.numel()
+                for dst, tag in sends.get((path, c.coords), ()):
+                    out = data if device.type == "cpu" else data.to(device)
+                    keep.append(out)
+                    ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
     for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
         op.wait()
         if not errors:
@@ -262,6 +319,50 @@ def move_chunks(
     if errors:
         raise errors[0]
     return total
+
+
+READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes
+READ_RUN_CHUNKS = 256  # and this many chunks (each its data and checksum buffers, and a gap: < 1024)
+
+
+def read_runs(tier: Tier, records: dict[str, ArrayRecord], reads: Sequence[Read]) -> list[list[Read]]:
+    """``reads`` in runs to read at once: chunks of one pack on the local tier, in file order, each
+    starting where the one before ends (or after its alignment gap). Everything else (remote
+    reads, a chunk's own file, overlapping offsets a damaged manifest names) is read alone."""
+    if not isinstance(tier, LocalTier):
+        return [[r] for r in reads]
+    alone: list[list[Read]] = []
+    placed: list[tuple[str, int, int, Read]] = []
+    for r in reads:
+        rec = records[r.path]
+        try:
+            file, offset = rec.location(r.chunk.key)
+        except TiercheckError:  # read alone, which reports it with the chunk's name
+            offset = None
+        if r.remote or r.chunk.key not in rec.checksums or offset is None:
+            alone.append([r])
+            continue
+        placed.append((file, offset, chunk_nbytes(rec) + CHECKSUM_BYTES, r))
+    placed.sort(key=lambda p: (p[0], p[1]))
+    runs: list[list[Read]] = []
+    cur: list[Read] = []
+    file0, start, end = "", 0, 0
+    for file, offset, n, r in placed:
+        if cur and (
+            file != file0
+            or not end <= offset < end + BLOCK
+            or offset + n - start > READ_RUN_BYTES
+            or len(cur) >= READ_RUN_CHUNKS
+        ):
+            runs.append(cur)
+            cur = []
+        if not cur:
+            file0, start = file, offset
+        cur.append(r)
+        end = offset + n
+    if cur:
+        runs.append(cur)
+    return runs + alone
 
 
 def _comm_device(group: Any) -> torch.device:
