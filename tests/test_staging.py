@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +212,52 @@ def test_runs_of_chunks_are_staged_exactly_as_they_lie_in_the_pack(ckpt_dir: Pat
     gaps = [pack[i] for i in range(len(pack)) if not covered[i]]
     assert gaps and not any(gaps), "alignment gaps are zeros"
     assert spans[-1][0] + spans[-1][1] == len(pack)
+
+
+def test_the_pool_is_faulted_in_when_a_single_process_checkpointer_is_built(ckpt_dir: Path) -> None:
+    """The first save of a single process finds its pool allocated and its pages touched (on a
+    background thread from construction on), and uses it as it is; prefault=False leaves the
+    pool to the first save."""
+    state = {"w": torch.randn(1 << 20)}
+    with Checkpointer(state, local=ckpt_dir / "on") as ck:
+        assert ck._prefaulting is not None
+        ck._prefaulting.join(60)
+        built = ck.stats()
+        assert built["pool_allocations"] == 1 and built["pool_capacity_bytes"] == align_up((4 << 20) + 4)
+        ck.save(1).wait()
+        assert ck.stats()["pool_allocations"] == 1, "the first save staged into the pre-faulted pool"
+    with Checkpointer(state, local=ckpt_dir / "off", staging=StagingOptions(prefault=False)) as ck:
+        assert ck._prefaulting is None and ck.stats()["pool_allocations"] == 0
+        ck.save(1).wait()
+        assert ck.stats()["pool_allocations"] == 1
+
+
+def test_a_restore_before_the_first_save_stops_prefaulting_and_gives_the_pool_back(ckpt_dir: Path) -> None:
+    """A job that restores at its start reads into as much new memory as the pool holds: the pool
+    is given back for the restore and faulted in again afterwards, for the state as restored (its
+    optimizer's state included)."""
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    with Checkpointer({"model": model, "optim": opt}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        saved = ck.stats()["pool_capacity_bytes"]
+    fresh = torch.nn.Linear(256, 256)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())  # no state until its first step
+    seen: list[int] = []
+    with Checkpointer({"model": fresh, "optim": fresh_opt}, local=ckpt_dir) as ck:
+        assert ck._pool is not None
+        real = ck._pool.reserve
+
+        def reserve(capacity: int, **kw: Any) -> None:
+            seen.append(capacity)
+            real(capacity, **kw)
+
+        ck._pool.reserve = reserve  # type: ignore[method-assign]
+        assert ck.restore() == 1
+        assert ck._prefaulting is not None
+        ck._prefaulting.join(60)
+        assert seen == [saved] and ck.stats()["pool_capacity_bytes"] == saved
+        assert ck.stats()["pool_allocations"] == 2  # the model alone, then model and Adam state
+    assert_identical(model.state_dict(), fresh.state_dict())

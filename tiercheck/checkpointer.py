@@ -40,7 +40,7 @@ from .options import (
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
 from .replication import Replicator
-from .restore import load, restore_state
+from .restore import Restored, load, restore_state
 from .retention import LocalSteps
 from .saveplan import plan_save
 from .staging import HostPool
@@ -185,6 +185,48 @@ class Checkpointer:
             self._dir_lock.release()
             raise
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
+        self._prefaulting: threading.Thread | None = None
+        self._stop_prefaulting = threading.Event()
+        self._prefault()
+
+    def _prefault(self) -> None:
+        """Plan the state as it is now and fault in a pool for it on a background thread (see
+        StagingOptions.prefault), in a single process before its first save. Whatever fails here
+        is left for the first save to report."""
+        if not self.staging.prefault or self.world_size != 1 or self._pipeline is not None:
+            return
+        try:
+            _, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
+            if not leaves:
+                return
+            pool = self._ensure_pool(leaves)
+            plan = self._plan_for(leaves)
+        except Exception as e:
+            log.debug("not pre-faulting the staging pool: %r", e)
+            return
+        bound = self.staging.max_host_bytes
+        nbytes = plan.pool_bytes if bound is None else min(plan.pool_bytes, bound)
+        self._stop_prefaulting = threading.Event()
+        self._prefaulting = threading.Thread(
+            target=pool.reserve,
+            args=(nbytes,),
+            kwargs={"touch": self._stop_prefaulting},
+            name="tiercheck-prefault",
+            daemon=True,
+        )
+        self._prefaulting.start()
+
+    def _drop_prefault(self) -> None:
+        """Before a restore: stop pre-faulting and give the pool back until a save needs it. A
+        restore at the start of a job reads into as much new memory; both at once cost it time
+        and raised its peak by one snapshot."""
+        if self._prefaulting is None or self._pipeline is not None:
+            return
+        self._stop_prefaulting.set()
+        self._prefaulting.join()
+        self._prefaulting = None
+        assert self._pool is not None
+        self._pool.drop()
 
     # ------------------------------------------------------------------------------- saving
 
@@ -293,16 +335,21 @@ class Checkpointer:
             )
         return self._plan
 
-    def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:
-        if self._pipeline is None:
+    def _ensure_pool(self, leaves: list[Leaf]) -> HostPool:
+        if self._pool is None:
             pin = self.staging.pin_memory
             if pin is None:
                 pin = any(leaf.tensor.is_cuda for leaf in leaves)
             self._pool = HostPool(pin_memory=bool(pin))
+        return self._pool
+
+    def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:
+        if self._pipeline is None:
+            pool = self._ensure_pool(leaves)
             self._bg_coord = self._coord.connect_again()
             self._pipeline = Pipeline(
                 self.tier,
-                self._pool,
+                pool,
                 io_threads=self.write.io_threads,
                 max_host_bytes=self.staging.max_host_bytes,
                 nice=self.write.nice,
@@ -403,22 +450,11 @@ class Checkpointer:
                 self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             n = self._restores
             self._restores += 1
-            done = restore_state(
-                self.state,
-                coord=self._coord,
-                name=f"restore{n}",
-                tier=self.tier,
-                nodes=self._nodes,
-                remote=self.remote,
-                group=self.group,
-                requested=step,
-                strict=strict,
-                allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
-                others=others,
-                extra=extra,
-                read_once=self.distributed.read_once,
-                io_threads=self.write.io_threads,
-            )
+            self._drop_prefault()
+            try:
+                done = self._restore_state(step, strict, allow_pickle, others, extra, n)
+            finally:
+                self._prefault()  # for the state as restored (a fresh optimizer's state included)
             if done is None:
                 return None
             self._counters["restore_bytes_read"] = done.bytes_read
@@ -432,6 +468,32 @@ class Checkpointer:
                 )
                 self._populate.start()
             return done.step
+
+    def _restore_state(
+        self,
+        step: int | None,
+        strict: bool,
+        allow_pickle: bool | None,
+        others: bool | Callable[[list[str]], Iterable[str]],
+        extra: bool,
+        n: int,
+    ) -> Restored | None:
+        return restore_state(
+            self.state,
+            coord=self._coord,
+            name=f"restore{n}",
+            tier=self.tier,
+            nodes=self._nodes,
+            remote=self.remote,
+            group=self.group,
+            requested=step,
+            strict=strict,
+            allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
+            others=others,
+            extra=extra,
+            read_once=self.distributed.read_once,
+            io_threads=self.write.io_threads,
+        )
 
     def _populate_local(self, step: int) -> None:
         assert self.remote is not None

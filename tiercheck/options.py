@@ -31,12 +31,18 @@ class StagingOptions:
         returns a handle whose ``skipped`` is True.
     pin_memory:
         Page-lock the pool. ``None``: when the state holds CUDA tensors.
+    prefault:
+        In a single process, allocate the pool and touch every page of it when the Checkpointer
+        is built (on a background thread), so the first save does not pay for the page faults
+        (about 0.5 s per GiB on a VM). Sized to the state as it is then: an optimizer whose
+        state appears at its first step grows the pool at the first save.
     """
 
     mode: Literal["auto", "lazy", "eager"] = "auto"
     max_host_bytes: int | None = None
     if_busy: Literal["wait", "skip"] = "wait"
     pin_memory: bool | None = None
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "lazy", "eager"):

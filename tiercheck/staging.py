@@ -20,6 +20,7 @@ from .layout import Chunk, is_edge
 
 log = logging.getLogger("tiercheck")
 
+TOUCH_BYTES = 64 << 20  # pre-faulting goes this far between checks whether to stop
 ALIGN = 4096  # page-aligned regions: any dtype view, and writes that bypass the page cache (O_DIRECT)
 
 
@@ -48,8 +49,10 @@ class HostPool:
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.numel()
 
-    def reserve(self, capacity: int) -> None:
-        """Make the pool at least ``capacity`` bytes, waiting until it is idle to grow it."""
+    def reserve(self, capacity: int, *, touch: threading.Event | None = None) -> None:
+        """Make the pool at least ``capacity`` bytes, waiting until it is idle to grow it; with
+        ``touch``, fault in the pages of new memory now rather than during the first copies, a
+        piece at a time until the event is set."""
         capacity = align_up(capacity)
         with self._cond:
             if capacity <= self.capacity:
@@ -60,11 +63,22 @@ class HostPool:
             shift = -raw.data_ptr() % ALIGN  # the allocator aligns to 64 bytes; O_DIRECT wants pages
             self._buf = raw[shift : shift + capacity]
             self.allocations += 1
+            if touch is not None and not self.pin_memory:  # page-locked memory is resident already
+                for start in range(0, capacity, TOUCH_BYTES):
+                    if touch.is_set():
+                        break
+                    self._buf[start : start + TOUCH_BYTES].zero_()
             log.info(
                 "staging pool: %.1f MiB of %s host memory",
                 capacity / 2**20,
                 "pinned" if self.pin_memory else "pageable",
             )
+
+    def drop(self) -> None:
+        """Give the memory back while nothing is staged (a restore is about to need as much)."""
+        with self._cond:
+            if not self._live:
+                self._buf = None
 
     def acquire(self, nbytes: int) -> Region:
         n = align_up(max(nbytes, 1))
