@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import logging
@@ -190,43 +191,45 @@ class Checkpointer:
         self._prefault()
 
     def _prefault(self) -> None:
-        """Plan the state as it is now and fault in a pool for it on a background thread (see
-        StagingOptions.prefault), in a single process before its first save. Whatever fails here
-        is left for the first save to report."""
+        """Plan the state as it is now and fault in a pool for it, on a background thread (see
+        StagingOptions.prefault), in a single process before its first save. Whatever fails there
+        (the state changing under it included) is left for the first save to meet."""
         if not self.staging.prefault or self.world_size != 1 or self._pipeline is not None:
             return
+        stop = self._stop_prefaulting = threading.Event()
+        self._prefaulting = threading.Thread(target=self._prefault_run, args=(stop,), name="tiercheck-prefault")
+        self._prefaulting.daemon = True
+        _PREFAULTING[self._prefaulting] = stop
+        self._prefaulting.start()
+
+    def _prefault_run(self, stop: threading.Event) -> None:
         try:
-            _, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
-            if not leaves:
-                return
-            pool = self._ensure_pool(leaves)
-            plan = self._plan_for(leaves)
+            with self._lock:
+                if stop.is_set() or self._pipeline is not None:
+                    return
+                _, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
+                if not leaves:
+                    return
+                pool = self._ensure_pool(leaves)
+                plan = self._plan_for(leaves)
+            bound = self.staging.max_host_bytes
+            pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound), touch=stop)
         except Exception as e:
             log.debug("not pre-faulting the staging pool: %r", e)
-            return
-        bound = self.staging.max_host_bytes
-        nbytes = plan.pool_bytes if bound is None else min(plan.pool_bytes, bound)
-        self._stop_prefaulting = threading.Event()
-        self._prefaulting = threading.Thread(
-            target=pool.reserve,
-            args=(nbytes,),
-            kwargs={"touch": self._stop_prefaulting},
-            name="tiercheck-prefault",
-            daemon=True,
-        )
-        self._prefaulting.start()
+        finally:
+            _PREFAULTING.pop(threading.current_thread(), None)
 
     def _drop_prefault(self) -> None:
         """Before a restore: stop pre-faulting and give the pool back until a save needs it. A
         restore at the start of a job reads into as much new memory; both at once cost it time
         and raised its peak by one snapshot."""
-        if self._prefaulting is None or self._pipeline is not None:
+        if self._prefaulting is None:
             return
         self._stop_prefaulting.set()
         self._prefaulting.join()
         self._prefaulting = None
-        assert self._pool is not None
-        self._pool.drop()
+        if self._pool is not None and self._pipeline is None:
+            self._pool.drop()
 
     # ------------------------------------------------------------------------------- saving
 
@@ -445,12 +448,12 @@ class Checkpointer:
         whose layout may change at the same world size).
         """
         self._check_open()
+        self._drop_prefault()  # before the lock: pre-faulting plans under it
         with self._lock:
             if self._pipeline is not None:
                 self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             n = self._restores
             self._restores += 1
-            self._drop_prefault()
             try:
                 done = self._restore_state(step, strict, allow_pickle, others, extra, n)
             finally:
@@ -569,6 +572,7 @@ class Checkpointer:
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
+        self._drop_prefault()
         if self._pipeline is not None:
             self._pipeline.close()
         if self._populate is not None:
@@ -603,6 +607,18 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+_PREFAULTING: dict[threading.Thread, threading.Event] = {}  # pre-faulting threads, and how to stop each
+
+
+@atexit.register
+def _stop_prefaulting_at_exit() -> None:
+    """A daemon thread still in torch's zero_() when the interpreter finalizes aborts the process
+    (it cannot take the GIL back): stop pre-faulting (within one piece) before that."""
+    for thread, stop in list(_PREFAULTING.items()):
+        stop.set()
+        thread.join()
 
 
 def _namespace(group: Any) -> str:
