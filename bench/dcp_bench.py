@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import inspect
 import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,61 +34,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import harness as h
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
 
-GiB, MiB = 1 << 30, 1 << 20
+GiB, MiB = h.GiB, h.MiB
 D, BATCH, SEED, STEP0 = 1024, 16, 1234, 1000
 METHODS = {  # name: (writer, executor, label)
     "fs-thread": ("fs", AsyncCheckpointerType.THREAD, "FileSystemWriter, THREAD"),
     "tiercheck-thread": ("tiercheck", AsyncCheckpointerType.THREAD, "TiercheckWriter, THREAD"),
     "fs-process": ("fs", AsyncCheckpointerType.PROCESS, "FileSystemWriter, PROCESS"),
 }
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def init_one_rank() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def drop_caches(enabled: bool) -> bool:
-    os.sync()
-    if enabled and os.geteuid() == 0:
-        with contextlib.suppress(OSError):
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return True
-    return False
-
-
-def busy_s() -> float:
-    """CPU seconds the whole machine was busy (not idle, iowait or steal), from /proc/stat."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(f) - f[3] - f[4] - f[7]) / os.sysconf("SC_CLK_TCK")
 
 
 def our_cpu_s() -> float:
@@ -105,29 +63,9 @@ def our_cpu_s() -> float:
 
 
 def measure_limits(root: Path, nbytes: int, repeats: int) -> dict[str, Any]:
-    src = torch.empty(nbytes // 4).fill_(1.5)
-    dst = torch.empty_like(src)
-    copy = functools.partial(dst.copy_, src)
-    copy()  # fault the destination in: a reused buffer, as a staging pool is
-    memcpy: dict[int, float] = {}
-    default = torch.get_num_threads()
-    for threads in sorted({1, default}):
-        torch.set_num_threads(threads)
-        memcpy[threads] = statistics.median(_timed(copy) for _ in range(max(3, repeats)))
-    torch.set_num_threads(default)
-    del src, dst, copy
-    block, disk = bytearray(os.urandom(64 * MiB)), []
-    for _ in range(repeats):
-        os.sync()
-        path, t0 = root / "raw-write.bin", time.perf_counter()
-        with open(path, "wb", buffering=0) as f:
-            for off in range(0, nbytes, len(block)):
-                block[:8] = off.to_bytes(8, "little")  # no two blocks alike
-                f.write(memoryview(block)[: min(len(block), nbytes - off)])
-            os.fsync(f.fileno())
-        fsync_dir(root)
-        disk.append(time.perf_counter() - t0)
-        path.unlink()
+    gib_s = h.measure_memcpy(nbytes, max(3, repeats))
+    memcpy = {int(k[7:-7]): nbytes / GiB / v for k, v in gib_s.items() if k.startswith("reused_")}
+    disk = [h.measure_disk_write(root, nbytes)["durable_s"] for _ in range(repeats)]
     return {"bytes": nbytes, "memcpy_s": memcpy, "disk_s": statistics.median(disk)}
 
 
@@ -208,8 +146,8 @@ def save_round(m: dict[str, Any], r: int, model: nn.Module, opt: torch.optim.Opt
         try:
             fut.result()
             if kind == "fs":  # FileSystemWriter fsyncs files, not directories
-                fsync_dir(path)
-                fsync_dir(m["dir"])
+                h.fsync_dir(path)
+                h.fsync_dir(m["dir"])
         except BaseException as e:
             done["error"] = e
         done["t"] = time.perf_counter()
@@ -236,7 +174,7 @@ def save_round(m: dict[str, Any], r: int, model: nn.Module, opt: torch.optim.Opt
     rnd["steps+"] = sum(inflight) - len(inflight) * (before + after) / 2
     rnd["stall"] = blocks + rnd["steps+"]
     m["rounds"].append(rnd)
-    _log(
+    h.log(
         f"  {m['name']} round {r}{' (warm-up)' if r == 0 else ''}: blocks {blocks:.2f}s, {len(inflight)} steps in "
         f"flight {sum(inflight):.2f}s (before {before:.2f}s, after {after:.2f}s), durable {rnd['durable']:.2f}s"
     )
@@ -246,13 +184,13 @@ def save_round(m: dict[str, Any], r: int, model: nn.Module, opt: torch.optim.Opt
 def restore(m: dict[str, Any], last_id: int, target: Any, args: argparse.Namespace) -> None:
     """One ``dcp.load`` of the method's last checkpoint into zeroed tensors, page cache dropped first."""
     tree_map(lambda t: t.zero_(), target)
-    m["dropped"].append(drop_caches(not args.no_drop_caches))
+    m["dropped"].append(bool(h.drop_caches(not args.no_drop_caches)))
     fs = METHODS[m["name"]][0] == "fs"
     reader = dcp.FileSystemReader(m["dir"] / f"step-{last_id}") if fs else TiercheckReader(local=m["dir"])
-    t = _timed(lambda: dcp.load(target, storage_reader=reader, checkpoint_id=None if fs else str(last_id)))
+    t = h.timed(lambda: dcp.load(target, storage_reader=reader, checkpoint_id=None if fs else str(last_id)))[0]
     assert_identical(target, m["saved"], f"{m['name']} state")
     m["restore"].append(t)
-    _log(f"  {m['name']} restore: {t:.2f}s, bit-identical")
+    h.log(f"  {m['name']} restore: {t:.2f}s, bit-identical")
 
 
 def render(rep: dict[str, Any]) -> str:
@@ -316,16 +254,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    t_start, cpu0, busy0 = time.perf_counter(), our_cpu_s(), busy_s()
+    t_start, cpu0, busy0 = time.perf_counter(), our_cpu_s(), h.busy_s(h.cpu_times())
     load0 = Path("/proc/loadavg").read_text().split()[0]
-    init_one_rank()
+    h.init_one_rank()
     root = Path(tempfile.mkdtemp(prefix="dcp-bench-", dir=args.dir))
     try:
         model, opt = build(args.gib)
         warm = [train_step(model, opt, s) for s in range(2)]  # AdamW's moments exist from here on
         state = leaves([model.state_dict(), opt.state_dict()])
         state_bytes = sum(t.numel() * t.element_size() for t in state)
-        _log(f"{root}: {state_bytes / GiB:.2f} GiB of state, step {warm[-1]:.2f}s; limits")
+        h.log(f"{root}: {state_bytes / GiB:.2f} GiB of state, step {warm[-1]:.2f}s; limits")
         steps: list[float] = []
         rep: dict[str, Any] = {"state_bytes": state_bytes, "repeats": args.repeats, "methods": {}}
         rep["limits"] = measure_limits(root, state_bytes, args.repeats)
@@ -351,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     wall, ncpu = time.perf_counter() - t_start, os.cpu_count() or 1
-    rep["foreign_cpu"] = max(0.0, (busy_s() - busy0 - (our_cpu_s() - cpu0)) / (wall * ncpu))
+    rep["foreign_cpu"] = max(0.0, (h.busy_s(h.cpu_times()) - busy0 - (our_cpu_s() - cpu0)) / (wall * ncpu))
     rep["loadavg"] = (load0, Path("/proc/loadavg").read_text().split()[0])
     rep["sync_files"] = inspect.signature(dcp.FileSystemWriter.__init__).parameters["sync_files"].default
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
@@ -362,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in rep["methods"].values():
             m.update(dir=str(m["dir"]), writer=None, saved=None, buffers=None)
         Path(args.json).write_text(json.dumps(rep, indent=1, default=str))
-    _log(f"done in {wall:.0f}s")
+    h.log(f"done in {wall:.0f}s")
     return 0
 
 

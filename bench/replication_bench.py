@@ -26,20 +26,19 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness as h
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tiercheck
 from tests.distributed import run_ranks
 from tests.servers import SeaweedS3, open_s3fs
 
-GiB, MiB = 1 << 30, 1 << 20
+GiB, MiB = h.GiB, h.MiB
 NODES, PER_NODE, WIPED = 4, 2, 1
 RF1 = tiercheck.ReplicationOptions(replicas=1)
 TENSORS, COLS, D, BATCH = 8, 1024, 512, 32
@@ -57,27 +56,8 @@ LIMITS = {
 }
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def drop_caches(enabled: bool) -> bool:
-    os.sync()
-    if enabled and os.geteuid() == 0:
-        with contextlib.suppress(OSError):
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return True
-    return False
 
 
 def cpu_s() -> tuple[float, float]:
@@ -147,7 +127,7 @@ def part_restore(args: argparse.Namespace, scratch: Path, server: SeaweedS3, rep
     world = NODES * PER_NODE
     per_rank = int(args.gib * GiB) // world
     root, stash, url, opts = scratch / "job", scratch / "stash", "s3://bench/run", server.storage_options()
-    _log(f"part 1: {world} ranks save {per_rank * world / GiB:.2f} GiB, replicas=1, drained to {url}")
+    h.log(f"part 1: {world} ranks save {per_rank * world / GiB:.2f} GiB, replicas=1, drained to {url}")
     saved = run_ranks(_save_ranks, world, str(root), per_rank, url, opts, start_method="forkserver", timeout=900)
     if not all(r["replicated"] and r["drained"] for r in saved[::PER_NODE]):
         raise RuntimeError(f"a node did not replicate or drain: {saved}")
@@ -157,9 +137,9 @@ def part_restore(args: argparse.Namespace, scratch: Path, server: SeaweedS3, rep
     for _ in range(args.repeats):
         for v in variants:
             if v == "s3":
-                _log(f"  moved {move_replicas(root, stash, back=False)} replica files aside")
+                h.log(f"  moved {move_replicas(root, stash, back=False)} replica files aside")
             shutil.rmtree(root / f"node{WIPED}", ignore_errors=True)  # what a restore left there: nothing to count
-            dropped = drop_caches(not args.no_drop_caches)
+            dropped = bool(h.drop_caches(not args.no_drop_caches))
             where = (url, opts) if v != "peer-alone" else (None, None)
             res = run_ranks(_restore_ranks, world, str(root), per_rank, *where, start_method="forkserver", timeout=900)
             if v == "s3":
@@ -171,7 +151,7 @@ def part_restore(args: argparse.Namespace, scratch: Path, server: SeaweedS3, rep
             if v != "s3" and any(x["restore_bytes_read"] or not x["restore_chunks_received"] for x in wiped):
                 raise AssertionError(f"the wiped node's ranks did not get every chunk from a peer: {wiped}")
             rep["restores"][v].append({"ranks": res, "dropped": dropped})
-            _log(f"  restore, {v}: {max(x['s'] for x in res):.2f}s (max over ranks), bit-identical")
+            h.log(f"  restore, {v}: {max(x['s'] for x in res):.2f}s (max over ranks), bit-identical")
         variants.reverse()  # alternate the order: drift hits the variants alike
 
 
@@ -242,7 +222,7 @@ def part_train(args: argparse.Namespace, scratch: Path, rep: dict[str, Any]) -> 
     # steps, as the first launch's ranks time them, for every launch.
     every: float | int = args.every or max(2.0, 4 * 2 * per_rank * NODES / rep["limits"]["disk"])
     what = f"{every} steps" if args.every else f"~{every:.1f} s"
-    _log(f"part 2: {NODES} ranks train, {per_rank * NODES / GiB:.2f} GiB of state, a save every {what}")
+    h.log(f"part 2: {NODES} ranks train, {per_rank * NODES / GiB:.2f} GiB of state, a save every {what}")
     for r in range(args.repeats):
         for name in ("none", "replicas=1") if r % 2 == 0 else ("replicas=1", "none"):
             root = scratch / f"train-{r}-{name}"
@@ -254,7 +234,7 @@ def part_train(args: argparse.Namespace, scratch: Path, rep: dict[str, Any]) -> 
             every = res[0]["every"]
             rep["train"][name].append(res)
             flight = _med([s for x in res for s, f in x["steps"] if f])
-            _log(f"  {name}: step with saves in flight {flight:.3f}s, loop {max(x['loop_s'] for x in res):.1f}s")
+            h.log(f"  {name}: step with saves in flight {flight:.3f}s, loop {max(x['loop_s'] for x in res):.1f}s")
 
 
 def _gloo_pair(rank: int, world: int, nbytes: int, repeats: int) -> list[float]:
@@ -270,30 +250,17 @@ def _gloo_pair(rank: int, world: int, nbytes: int, repeats: int) -> list[float]:
 
 def part_limits(args: argparse.Namespace, scratch: Path, server: SeaweedS3, rep: dict[str, Any]) -> None:
     n = min(int(args.gib * GiB), 256 * MiB)
-    _log(f"part 3: references on {n / MiB:.0f} MiB")
-    src = torch.empty(n // 4).fill_(1.5)
-    dst = torch.empty_like(src)
-    memcpy = [_timed(lambda: dst.copy_(src)) for _ in range(max(3, args.repeats) + 1)][1:]  # the first faults in
-    block, disk = bytearray(os.urandom(64 * MiB)), []
-
-    def write() -> None:
-        with open(scratch / "raw.bin", "wb", buffering=0) as f:
-            for off in range(0, n, len(block)):
-                block[:8] = off.to_bytes(8, "little")  # no two blocks alike
-                f.write(memoryview(block)[: min(len(block), n - off)])
-            os.fsync(f.fileno())
-
-    for _ in range(args.repeats):
-        os.sync()
-        disk.append(_timed(write))
+    h.log(f"part 3: references on {n / MiB:.0f} MiB")
+    memcpy = [n / GiB / h.measure_memcpy(n, max(3, args.repeats))["reused_1t_gib_s"]]
+    disk = [h.measure_disk_write(scratch, n, keep=True)["durable_s"] for _ in range(args.repeats)]
     gloo = run_ranks(_gloo_pair, 2, n // 4, max(3, args.repeats), start_method="forkserver")[1]
-    put, get, data = [], [], (scratch / "raw.bin").read_bytes()
+    put, get, data = [], [], (scratch / "raw-write.bin").read_bytes()
     with open_s3fs(**server.storage_options()) as fs:
         for i in range(args.repeats):
-            put.append(_timed(lambda: fs.pipe(f"bench/ref/blob{i}", data)))  # noqa: B023 (called at once)
-            drop_caches(not args.no_drop_caches)
+            put.append(h.timed(lambda: fs.pipe(f"bench/ref/blob{i}", data))[0])  # noqa: B023 (called at once)
+            h.drop_caches(not args.no_drop_caches)
             got: list[bytes] = []
-            get.append(_timed(lambda: got.append(fs.cat_file(f"bench/ref/blob{i}"))))  # noqa: B023
+            get.append(h.timed(lambda: got.append(fs.cat_file(f"bench/ref/blob{i}")))[0])  # noqa: B023
             if got[0] != data:
                 raise AssertionError("SeaweedFS returned other bytes")
     rep["limits"] = {
@@ -402,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start(timeout=120)
         server.make_bucket("bench")
-        _log(f"{scratch}: SeaweedFS up in {server.start_seconds:.1f}s at {server.endpoint_url}")
+        h.log(f"{scratch}: SeaweedFS up in {server.start_seconds:.1f}s at {server.endpoint_url}")
         part_limits(args, scratch, server, rep)
         part_restore(args, scratch, server, rep)
         part_train(args, scratch, rep)
@@ -416,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1, default=str))
     print(render(rep), flush=True)
-    _log(f"done in {wall:.0f}s")
+    h.log(f"done in {wall:.0f}s")
     return 0
 
 

@@ -6,43 +6,9 @@ Usage::
     .venv/bin/python bench/scale_sim.py --before --layout gpt3 --ranks 1024
     .venv/bin/python bench/scale_sim.py --before --layout all --json
 
-Method. A layout generator gives, for every rank of a simulated job, the list of
-``tiercheck.planner.LeafDesc`` that rank would describe for a save: GPT-3 175B under Megatron
-(TP x PP x DP, distributed optimizer as flat fp32 buffers split over DP) and a Llama-70B-like
-model under FSDP2 (every parameter and Adam moment cut on dim 0 over all ranks, torch.chunk
-style). No tensor, process or store exists; what runs is the code each rank would run.
-
-``--before`` measures today's path ("before") in one process:
-
-- the save plan's all-gather through the TCPStore (``Coordinator.exchange``): every rank sets the
-  JSON of its descriptions and gets all N values, so the store moves ``N * sum + sum`` bytes and a
-  rank ``sum + own``; decoding the N values (``json.loads`` + ``LeafDesc.from_json``) and one
-  call of ``plan_writes`` on them are timed for real (every rank runs both, so that is the time
-  per rank);
-- the commit: every rank posts a part (its crc map ``{path: {chunk key: crc}}`` from its plan
-  tasks, plus a tree approximated as nested dicts of ``{"$tensor": path}``) and each node's
-  leader (8 ranks per node) reads all N parts; key names and counters are not counted;
-- the restore: every rank reads the whole manifest (built with the real ``Manifest`` from the
-  plan's records, owners, random crcs and the parts' trees) and runs ``plan_reads`` once for the
-  same layout (each rank needs what it holds, reads the files of its node, ``read_once=False``);
-- objects per step: one file per chunk, plus on every node the ``zarr.json`` documents
-  (``zarr_documents``: one per array and per group) and the manifest and the commit marker.
-
-The new path ("after", always run) is tiercheck's own protocols, driven for every simulated rank
-in lockstep over one in-memory store (``coordination.lockstep``; a real rank drives the same
-generators against the TCPStore): node membership, the save plan (``saveplan.plan_save``), one
-commit (``commit.commit_save``, writing every rank's part of the manifest and each node's index
-and marker into a directory per simulated node of 8 ranks, without fsync or chunk data), and the
-restore's planning for the same layout (``restore.agree_on_step``, ``restoreplan.find_holders``,
-``restore.manifest_for``, ``restoreplan.plan_reads``: everything before bytes move). Store bytes
-and operations are counted per rank by each rank's ``Coordinator``; seconds are each rank's own
-steps (``_run``), with Python's garbage collector off (one process holds every rank's objects);
-manifest bytes read are what a rank read from its node's directory plus what it got from the
-store during the restore; objects are a pack file per rank with chunks to write, a reference map
-(``refs/rank-N.json``) per rank with chunks or arrays, plus every file the commit wrote (format 4;
-the chunk data itself is not written).
-
-Peak RSS (``ru_maxrss``) covers the whole process, torch included.
+Every simulated rank of a Megatron GPT-3 175B or FSDP2 Llama-70B layout runs tiercheck's own
+protocol generators ("after", always) or the previous design's planning ("--before"), in one
+process, without tensors or chunk data. Method and columns: bench/README.md ("Scale simulation").
 """
 
 from __future__ import annotations
@@ -52,7 +18,6 @@ import gc
 import json
 import math
 import random
-import resource
 import sys
 import tempfile
 import time
@@ -62,23 +27,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import harness as h  # puts the repository first on sys.path
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-from tiercheck import __version__  # noqa: E402  (the repository first on sys.path)
-from tiercheck.codec import chunk_nbytes, seal, zarr_documents  # noqa: E402
-from tiercheck.commit import commit_save  # noqa: E402
-from tiercheck.coordination import Coordinator, Nodes, join_nodes, lockstep  # noqa: E402
-from tiercheck.manifest import Manifest, RankPart, owners_bytes, shard_bytes  # noqa: E402
-from tiercheck.planner import LeafDesc, Need, WritePlan, plan_reads, plan_writes  # noqa: E402
-from tiercheck.restore import agree_on_step, manifest_for, settle  # noqa: E402
-from tiercheck.restoreplan import find_holders  # noqa: E402
-from tiercheck.restoreplan import plan_reads as plan_restore_reads  # noqa: E402
-from tiercheck.saveplan import plan_save  # noqa: E402
-from tiercheck.tiers.local import LocalTier  # noqa: E402
+from tiercheck import __version__
+from tiercheck.codec import chunk_nbytes, seal, zarr_documents
+from tiercheck.commit import commit_save
+from tiercheck.coordination import Coordinator, Nodes, join_nodes, lockstep
+from tiercheck.manifest import Manifest, RankPart, owners_bytes, shard_bytes
+from tiercheck.planner import LeafDesc, Need, WritePlan, plan_reads, plan_writes
+from tiercheck.restore import agree_on_step, manifest_for, settle
+from tiercheck.restoreplan import find_holders
+from tiercheck.restoreplan import plan_reads as plan_restore_reads
+from tiercheck.saveplan import plan_save
+from tiercheck.tiers.local import LocalTier
 
 TARGET_CHUNK_BYTES = 64 << 20
 RANKS_PER_NODE = 8
@@ -275,7 +237,7 @@ def _manifest(plan: WritePlan, parts: list[dict[str, Any]], n: int) -> Manifest:
 
 
 def simulate_before(name: str, descs_per_rank: Layout, args: argparse.Namespace) -> dict[str, Any]:
-    """Today's path, measured with tiercheck's own code (see the module docstring)."""
+    """Today's path, measured with tiercheck's own code (see bench/README.md)."""
     n = len(descs_per_rank)
     values = [_json([d.to_json() for d in descs]) for descs in descs_per_rank]  # what each rank sets
     sizes = [len(v.encode()) for v in values]
@@ -480,37 +442,21 @@ def _fmt(key: str, v: Any) -> str:
     if key.endswith("_s") or "_s_" in key:
         return f"{v:.3f}" if v < 100 else f"{v:.0f}"
     if "bytes" in key:
-        for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-            if v >= scale:
-                return f"{v / scale:.1f} {unit}"
-        return f"{v} B"
+        return h.fmt_bytes(v)
     return f"{v:,}"
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ("mode", *COLUMNS)
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "|".join("---" for _ in cols) + "|")
-    for row in rows:
-        print("| " + " | ".join(_fmt(c, row.get(c)) for c in cols) + " |")
+    print(h.table(cols, [[_fmt(c, row.get(c)) for c in cols] for row in rows], right=False))
     print(
-        "\nbefore: the save plan's all-gather (N*sum+sum bytes in the store) and one plan_writes, as every rank "
-        "runs it (decode: json.loads + LeafDesc.from_json of all N values); commit: every rank's part set once and "
-        f"read by each node's leader ({RANKS_PER_NODE} ranks per node); manifest: read whole by every rank; "
-        "restore: one plan_reads for the same layout.\nafter: tiercheck's protocols run for every simulated rank "
-        "in lockstep over one store (see the module docstring); store bytes are the save plan's, per rank and in "
-        "all; commit bytes are one save's, in all; manifest bytes and restore seconds are the most any rank "
-        "read or spent planning the restore.\nobjects: before, chunk files + zarr.json documents + manifest + "
-        "COMMIT per node; after, a pack and a reference map per rank + manifest parts + index and COMMIT per node. "
-        "'-': not measured."
+        f"\nbefore: the previous design's all-gather, commit ({RANKS_PER_NODE} ranks per node) and restore planning; "
+        "after: tiercheck's protocols for every simulated rank in lockstep over one store. Per-rank columns are the "
+        "most any rank paid; what each counts: bench/README.md (Scale simulation). '-': not measured."
     )
     for row in rows:
         if row.get("note"):
             print(f"{row['layout']} world {row['world_size']} {row['mode']}: {row['note']}")
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -555,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     except NotImplementedError as e:
                         after_missing = str(e)
                         continue
-                row["peak_rss_mib"] = peak_rss_mib()
+                row["peak_rss_mib"] = h.hwm_bytes() / h.MiB
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row), flush=True)
@@ -567,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print_table(rows)
     if after_missing:
         print(f"\n{after_missing}", file=sys.stderr if args.json else sys.stdout)
-    print(f"peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr if args.json else sys.stdout)
+    print(f"peak RSS {h.hwm_bytes() / h.MiB:.0f} MiB", file=sys.stderr if args.json else sys.stdout)
 
 
 if __name__ == "__main__":
