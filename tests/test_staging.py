@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -233,34 +232,33 @@ def test_the_pool_is_faulted_in_when_a_single_process_checkpointer_is_built(ckpt
         assert ck.stats()["pool_allocations"] == 1
 
 
-def test_a_restore_before_the_first_save_stops_prefaulting_and_gives_the_pool_back(ckpt_dir: Path) -> None:
-    """A job that restores at its start reads into as much new memory as the pool holds: the pool
-    is given back for the restore and faulted in again afterwards, for the state as restored (its
-    optimizer's state included)."""
+def test_where_steps_are_committed_the_pool_is_faulted_in_after_the_restore(ckpt_dir: Path) -> None:
+    """A job whose directory holds committed steps restores first, into as much new memory as the
+    pool holds: the pool is faulted in once the restore is done, for the state as restored (its
+    optimizer's state included). A restore that finds nothing stops the pre-faulting begun when
+    the Checkpointer was built, gives that pool back, and starts again."""
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
-    with Checkpointer({"model": model, "optim": opt}, local=ckpt_dir) as ck:
+    with Checkpointer({"model": model, "optim": opt}, local=ckpt_dir / "job") as ck:
         ck.save(1).wait()
         saved = ck.stats()["pool_capacity_bytes"]
     fresh = torch.nn.Linear(256, 256)
     fresh_opt = torch.optim.AdamW(fresh.parameters())  # no state until its first step
-    seen: list[int] = []
-    with Checkpointer({"model": fresh, "optim": fresh_opt}, local=ckpt_dir) as ck:
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)  # the pool for the model alone (the optimizer has no state yet)
-        assert ck._pool is not None and 0 < ck.stats()["pool_capacity_bytes"] < saved
-        real = ck._pool.reserve
-
-        def reserve(capacity: int, **kw: Any) -> None:
-            seen.append(capacity)
-            real(capacity, **kw)
-
-        ck._pool.reserve = reserve  # type: ignore[method-assign]
+    with Checkpointer({"model": fresh, "optim": fresh_opt}, local=ckpt_dir / "job") as ck:
+        assert ck._prefaulting is None and ck.stats()["pool_allocations"] == 0
         assert ck.restore() == 1
         assert ck._prefaulting is not None
         ck._prefaulting.join(60)
-        assert seen == [saved] and ck.stats()["pool_capacity_bytes"] == saved
-        assert ck.stats()["pool_allocations"] == 2  # the model alone, then model and Adam state
+        assert ck.stats()["pool_allocations"] == 1 and ck.stats()["pool_capacity_bytes"] == saved
     assert_identical(model.state_dict(), fresh.state_dict())
+
+    with Checkpointer({"model": torch.nn.Linear(256, 256)}, local=ckpt_dir / "new") as ck:
+        assert ck._prefaulting is not None
+        ck._prefaulting.join(60)
+        assert ck.stats()["pool_allocations"] == 1
+        assert ck.restore() is None  # nothing to restore: the pool was given back, then faulted in again
+        assert ck._prefaulting is not None
+        ck._prefaulting.join(60)
+        assert ck.stats()["pool_allocations"] == 2

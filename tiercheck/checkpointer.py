@@ -188,7 +188,8 @@ class Checkpointer:
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
         self._prefaulting: threading.Thread | None = None
         self._stop_prefaulting = threading.Event()
-        self._prefault()
+        if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
+            self._prefault()
 
     def _prefault(self) -> None:
         """Plan the state as it is now and fault in a pool for it, on a background thread (see

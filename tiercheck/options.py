@@ -32,10 +32,12 @@ class StagingOptions:
     pin_memory:
         Page-lock the pool. ``None``: when the state holds CUDA tensors.
     prefault:
-        In a single process, allocate the pool and touch every page of it when the Checkpointer
-        is built (on a background thread), so the first save does not pay for the page faults
-        (about 0.5 s per GiB on a VM). Sized to the state as it is then: an optimizer whose
-        state appears at its first step grows the pool at the first save.
+        In a single process, allocate the pool and touch every page of it on a background thread,
+        so the first save does not pay for the page faults (about 0.5 s per GiB on a VM): when the
+        Checkpointer is built, or where its local directory holds committed steps, once
+        ``restore()`` is done (a restore reads into as much new memory; both at once slowed it).
+        Sized to the state as it is then: an optimizer whose state appears at its first step grows
+        the pool at the first save.
     """
 
     mode: Literal["auto", "lazy", "eager"] = "auto"
