@@ -262,3 +262,17 @@ def test_where_steps_are_committed_the_pool_is_faulted_in_after_the_restore(ckpt
         assert ck._prefaulting is not None
         ck._prefaulting.join(60)
         assert ck.stats()["pool_allocations"] == 2
+
+
+def test_a_tensor_re_strided_since_the_plan_is_staged_where_it_can_be(ckpt_dir: Path) -> None:
+    """Runs place a contiguous chunk anywhere in the pack (copied as bytes) and others only where
+    their dtype can be viewed. A tensor replaced by one of the same shape but other strides keeps
+    the plan (shapes and dtypes are the same) but not that placement: its float64 chunk after a
+    3-byte one would be viewed at an odd address."""
+    state = {"b": torch.tensor([True, False, True]), "w": torch.randn(5, 9, dtype=torch.float64)}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        state["w"] = torch.randn(9, 5, dtype=torch.float64).T  # same shape, not contiguous
+        ck.save(2).wait()
+        assert ck.stats()["saves"] == 2
+    assert_identical(state, tiercheck.load(ckpt_dir, step=2))

@@ -96,6 +96,7 @@ class Plan:
     tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
     n_eager: int
     runs: tuple[list[Run], list[Run]]  # the eager tasks and the lazy ones in runs (``plan_runs``)
+    placement: tuple[tuple[torch.device, tuple[int, ...]], ...]  # what the runs assumed (``leaf_placement``)
     rank: int
     refs: bytes  # this rank's zarr keys: its chunks in its pack, the zarr.json of the arrays it coordinates
     pool_bytes: int  # host memory this rank's whole snapshot needs
@@ -283,8 +284,15 @@ class Pipeline:
             log.warning("removing partial step %d from %s (left by a failed save) before saving it again", job.step,
                         self.tier.url)  # fmt: skip
             self.tier.delete_tree(d)
+        runs, need = plan.runs, plan.pool_bytes
+        eager, lazy = plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :]
+        if leaf_placement(job.leaves) != plan.placement:  # same shapes, moved or re-strided since the plan
+            runs = plan_runs(job.leaves, eager, lazy, RUN_BYTES)
+            need = runs_bytes(runs)
         bound = self.max_host_bytes
-        self.pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound))
+        self.pool.reserve(need if bound is None else min(need, bound))
+        if self.pool.capacity < need:  # bounded below one snapshot: runs of half the pool at most
+            runs = plan_runs(job.leaves, eager, lazy, self.pool.capacity // 2)
         if plan.refs:
             self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[plan.refs]))
         if plan.tasks:
@@ -292,10 +300,6 @@ class Pipeline:
         events: list[torch.cuda.Event] = []
         if plan.n_eager == 0:
             job.eager_staged.set()
-        runs = plan.runs
-        if self.pool.capacity < plan.pool_bytes:  # bounded below one snapshot: runs of half the pool at most
-            limit = self.pool.capacity // 2
-            runs = plan_runs(job.leaves, plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :], limit)
         for part, part_runs in zip(("eager", "lazy"), runs, strict=True):
             for run in part_runs:
                 if job.error is not None:
@@ -515,9 +519,22 @@ def rank_plan(
         n_eager=len(eager),
         rank=rank,
         runs=runs,
+        placement=leaf_placement(leaves),
         refs=reference_map(rank, tasks, zarr_documents(list(save_plan.shard.values()), root=root_doc)),
-        pool_bytes=sum(align_up(r.nbytes) for part in runs for r in part),  # one region a run
+        pool_bytes=runs_bytes(runs),
     )
+
+
+def leaf_placement(leaves: list[Leaf]) -> tuple[tuple[torch.device, tuple[int, ...]], ...]:
+    """Each leaf's device and strides, which decide where ``plan_runs`` may place its chunks (which
+    pieces are contiguous, which stream copies them). The plan's signature (shapes and dtypes, on
+    which every rank re-plans together) leaves them out."""
+    return tuple((leaf.tensor.device, leaf.tensor.stride()) for leaf in leaves)
+
+
+def runs_bytes(runs: tuple[list[Run], list[Run]]) -> int:
+    """The pool memory ``runs`` take at once: one region of whole pages a run."""
+    return sum(align_up(r.nbytes) for part in runs for r in part)
 
 
 def plan_runs(
