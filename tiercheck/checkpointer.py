@@ -187,7 +187,6 @@ class Checkpointer:
             raise
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
         self._prefaulting: threading.Thread | None = None
-        self._stop_prefaulting = threading.Event()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
             self._prefault()
 
@@ -197,7 +196,7 @@ class Checkpointer:
         (the state changing under it included) is left for the first save to meet."""
         if not self.staging.prefault or self.world_size != 1 or self._pipeline is not None:
             return
-        stop = self._stop_prefaulting = threading.Event()
+        stop = threading.Event()
         self._prefaulting = threading.Thread(target=self._prefault_run, args=(stop,), name="tiercheck-prefault")
         self._prefaulting.daemon = True
         _PREFAULTING[self._prefaulting] = stop
@@ -226,7 +225,9 @@ class Checkpointer:
         and raised its peak by one snapshot."""
         if self._prefaulting is None:
             return
-        self._stop_prefaulting.set()
+        stop = _PREFAULTING.get(self._prefaulting)  # gone once the thread is done
+        if stop is not None:
+            stop.set()
         self._prefaulting.join()
         self._prefaulting = None
         if self._pool is not None and self._pipeline is None:

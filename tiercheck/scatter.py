@@ -275,7 +275,7 @@ def move_chunks(
                 data = target.numpy().data
                 rest = memoryview(bytearray(nbytes + CHECKSUM_BYTES - len(data)))
             views += [data, rest]
-            slots.append((job, rec, target, raw, data, rest))
+            slots.append((job, rec, nbytes, target, raw, data, rest))
             pos = offset + nbytes + CHECKSUM_BYTES
         try:
             whole = tier.read_vectored(f"{step_dir(step)}/{file}", start, views) == pos - start
@@ -284,10 +284,10 @@ def move_chunks(
         if not whole:
             return [read_and_fill(job) for job in run]
         out = []
-        for job, rec, target, raw, data, rest in slots:
+        for job, rec, nbytes, target, raw, data, rest in slots:
             c = job.chunk
             try:
-                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=chunk_nbytes(rec),
+                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=nbytes,
                              where=f"{tier.url}: step {step}: array {rec.path!r} chunk {c.key}")  # fmt: skip
             except CorruptCheckpointError:
                 out.append(read_and_fill(job))
@@ -295,7 +295,7 @@ def move_chunks(
             if target is not None:
                 out.append((job.path, c, target))
                 continue
-            chunk = torch.frombuffer(raw, dtype=torch.uint8)[: chunk_nbytes(rec)]
+            chunk = torch.frombuffer(raw, dtype=torch.uint8)[:nbytes]
             fill(rec, c, chunk, by_path.get(job.path, ()))
             out.append((job.path, c, chunk))
         return out

@@ -24,8 +24,8 @@ TOUCH_BYTES = 64 << 20  # pre-faulting goes this far between checks whether to s
 ALIGN = 4096  # page-aligned regions: any dtype view, and writes that bypass the page cache (O_DIRECT)
 
 
-def align_up(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(eq=False, slots=True)

@@ -136,11 +136,7 @@ class LocalTier(Tier):
                 if n == 0:
                     break
                 total += n
-                while n and pending:  # drop what was filled; a short read resumes mid-buffer
-                    if n >= len(pending[0]):
-                        n -= len(pending.pop(0))
-                    else:
-                        pending[0], n = pending[0][n:], 0
+                _advance(pending, n)  # a short read resumes mid-buffer
             return total
         finally:
             os.close(fd)
@@ -313,10 +309,13 @@ def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
     while views:
         written = os.pwritev(fd, views[:1024], offset)
         offset += written
-        while written and views:  # drop what was written; a short write resumes mid-buffer
-            if written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
+        _advance(views, written)  # a short write resumes mid-buffer
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (buffers done by a vectored read or write), in place."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0], n = views[0][n:], 0
