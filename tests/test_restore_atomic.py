@@ -4,6 +4,7 @@ a requested step the newest older whole step is restored instead, with a warning
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,37 @@ def test_a_failed_restore_of_a_requested_step_leaves_the_state_untouched(ckpt_di
     with Checkpointer(live, local=ckpt_dir) as ckpt, pytest.raises(CorruptCheckpointError, match="step 2"):
         ckpt.restore(step=2)
     assert_identical(_snapshot(live), before)
+    assert gc.isenabled(), "the failed restore turned the garbage collector back on"
+
+
+class _GcProbe:
+    """A stateful entry that notes whether the cyclic garbage collector ran during its restore."""
+
+    def __init__(self) -> None:
+        self.during: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": torch.arange(3.0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.during.append(gc.isenabled())
+
+
+def test_the_garbage_collector_is_paused_during_a_restore_and_left_as_it_was(ckpt_dir: Path) -> None:
+    """Planning a restore of many arrays allocates enough objects to set off full collections
+    over the whole training heap: the collector is off from the restore's start to its end, then
+    as it was before (also when it was off already)."""
+    probe = _GcProbe()
+    with Checkpointer({"p": probe, "w": torch.ones(5)}, local=ckpt_dir) as ckpt:
+        ckpt.save(1).wait()
+        assert ckpt.restore() == 1
+        assert probe.during == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            assert ckpt.restore() == 1
+            assert probe.during == [False, False] and not gc.isenabled()
+        finally:
+            gc.enable()
 
 
 def test_without_a_requested_step_a_damaged_newest_step_falls_back_with_a_warning(

@@ -19,12 +19,14 @@ ranks meet in the store, never in the training's collectives:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,23 @@ log = logging.getLogger("tiercheck")
 
 
 # ----------------------------------------------------------------------------- the protocol
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a restore builds and drops its plan: parsing the
+    manifest and planning the reads of 1,836 arrays allocates ~10^6 objects, which set off full
+    collections over the training process's whole heap (0.13 s of a 1.4 s restore of 1.5 GiB
+    here; planning took 0.22 s instead of 0.08). Reference counting still frees everything the
+    restore drops; cycles wait for the next collection after it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def held_steps(tier: Tier) -> dict[str, JSON]:
@@ -185,6 +204,7 @@ class Restored:
     held_here: list[int]  # saving ranks whose files this node holds
 
 
+@gc_paused()
 def restore_state(
     state: Mapping[str, Any],
     *,
@@ -459,6 +479,7 @@ def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: in
 # --------------------------------------------------------------------------- load()
 
 
+@gc_paused()
 def load(
     path: str | os.PathLike[str],
     step: int | None = None,
