@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -211,6 +214,43 @@ def test_runs_of_chunks_are_staged_exactly_as_they_lie_in_the_pack(ckpt_dir: Pat
     gaps = [pack[i] for i in range(len(pack)) if not covered[i]]
     assert gaps and not any(gaps), "alignment gaps are zeros"
     assert spans[-1][0] + spans[-1][1] == len(pack)
+
+
+def test_a_run_that_starts_unaligned_in_the_pack_writes_its_big_chunk_with_direct_io(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs begin wherever the chunk before them ended: the 513th small chunk starts a run at an
+    odd place in the pack, and a 4 MiB chunk follows it in the same run. The run's whole blocks
+    still go to disk with O_DIRECT (the run lies in the pool as in the pack, modulo a page), so a
+    big chunk never passes through the page cache whatever run it falls in; only the bytes
+    before the first block boundary and after the last one do."""
+    state = {f"s{i:03d}": torch.full((1000,), float(i)) for i in range(600)}  # 4004 bytes with their CRCs
+    state["zbig"] = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    calls: list[tuple[bool, int, int]] = []  # (direct, offset, bytes) of every pwritev into a pack
+    pwritev = os.pwritev
+
+    def spy(fd: int, views: Sequence[memoryview], offset: int) -> int:
+        n = pwritev(fd, views, offset)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".bin"):
+            calls.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, n))
+        return n
+
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if LocalTier(ckpt_dir, direct_io=True)._open_direct(ckpt_dir / "probe", os.O_CREAT) is None:
+        pytest.skip(f"the filesystem of {ckpt_dir} refuses O_DIRECT")
+    (ckpt_dir / "probe").unlink()
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=8 << 20)) as ck:
+        monkeypatch.setattr(os, "pwritev", spy)
+        ck.save(1).wait()
+        monkeypatch.undo()
+    _, big_at, big_len = chunk_span(ckpt_dir / "step-00000001", "zbig", chunks_of(ckpt_dir / "step-00000001", "zbig")[0])
+    runs = sorted({off for _, off, _ in calls})
+    assert any(off % 4096 for off in runs), "a run starts at an unaligned place in the pack"
+    direct = [(off, off + n) for d, off, n in calls if d]
+    whole = (big_at + big_len) // 4096 * 4096
+    assert any(a <= big_at and whole <= b for a, b in direct), (big_at, big_len, calls)
+    assert sum(n for d, _, n in calls if not d) < 1 << 20, "what is left to the page cache is the small chunks"
+    assert_identical(state, tiercheck.load(ckpt_dir))
 
 
 def test_the_pool_is_faulted_in_when_a_single_process_checkpointer_is_built(ckpt_dir: Path) -> None:

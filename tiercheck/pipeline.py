@@ -29,7 +29,7 @@ from .flatten import Leaf
 from .layout import Chunk, is_edge
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
-from .staging import HostPool, Region, align_up, chunk_views, copy_pieces
+from .staging import ALIGN, HostPool, Region, align_up, chunk_views, copy_pieces
 from .tiers.local import DIRECT_MIN_BYTES, LocalTier, PackWriter
 
 log = logging.getLogger("tiercheck")
@@ -54,9 +54,14 @@ RUN_CHUNKS = 512  # and this many chunks
 class Run:
     """Consecutive chunks staged in one region of the pool exactly as they lie in the pack (data,
     checksum, data, ..., with the zeros of alignment gaps) and written with one call: one copy
-    call, one write, one pool region for many chunks. A chunk longer than a run is one alone."""
+    call, one write, one pool region for many chunks. A chunk longer than a run is one alone.
+
+    The run starts ``lead`` bytes into its region: its offset in the pack modulo a page, so that
+    the pack's block-aligned middle of the run is page-aligned in memory too, and is written with
+    direct I/O wherever the run starts (0 where its first chunk cannot be placed there)."""
 
     tasks: list[ChunkTask]
+    lead: int = 0
 
     @property
     def offset(self) -> int:
@@ -67,23 +72,30 @@ class Run:
         last = self.tasks[-1]
         return last.offset + last.nbytes + CHECKSUM_BYTES - self.offset
 
+    def at(self, t: ChunkTask) -> int:
+        """Where chunk ``t`` starts in the run's region."""
+        return self.lead + t.offset - self.offset
+
     @staticmethod
     def plan(tasks: list[ChunkTask], limit: int, placeable: Callable[[ChunkTask, int], bool]) -> list[Run]:
         """``tasks`` (in pack order) cut into runs spanning at most ``limit`` bytes. A chunk joins
-        the run before it where ``placeable(task, place in the run)`` (its copy can land there)."""
+        the run before it where ``placeable(task, place in the region)`` (its copy can land there)."""
         runs: list[Run] = []
         cur: list[ChunkTask] = []
+        lead = 0
         for t in tasks:
             if cur and (
                 len(cur) >= RUN_CHUNKS
                 or t.offset + t.nbytes + CHECKSUM_BYTES - cur[0].offset > limit
-                or not placeable(t, t.offset - cur[0].offset)
+                or not placeable(t, lead + t.offset - cur[0].offset)
             ):
-                runs.append(Run(cur))
+                runs.append(Run(cur, lead))
                 cur = []
+            if not cur:
+                lead = t.offset % ALIGN if placeable(t, t.offset % ALIGN) else 0
             cur.append(t)
         if cur:
-            runs.append(Run(cur))
+            runs.append(Run(cur, lead))
         return runs
 
 
@@ -305,7 +317,7 @@ class Pipeline:
                 if job.error is not None:
                     break
                 stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
-                region = self.pool.acquire(run.nbytes)
+                region = self.pool.acquire(run.lead + run.nbytes)
                 try:
                     outs, pieces = self._stage_run(job, run, region)
                     copy_pieces(outs, pieces, stream)
@@ -332,9 +344,9 @@ class Pipeline:
         """The (destination, source) pairs that copy ``run``'s chunks to their places in
         ``region``; alignment gaps between chunks are zeroed (the pool's memory is reused)."""
         outs, pieces = [], []
-        end = 0
+        end = run.lead
         for t in run.tasks:
-            at = t.offset - run.offset
+            at = run.at(t)
             if at > end:
                 self.pool.view(region, at - end, end).zero_()
             src = job.leaves[t.leaf].tensor
@@ -386,7 +398,7 @@ class Pipeline:
                 run, region = write.staged
                 if write.event is not None:
                     write.event.synchronize()
-                staged = memoryview(self.pool.view(region, run.nbytes).numpy())  # type: ignore[arg-type]
+                staged = memoryview(self.pool.view(region, run.nbytes, run.lead).numpy())  # type: ignore[arg-type]
                 crcs = []
                 for task in run.tasks:
                     at = task.offset - run.offset
@@ -534,7 +546,7 @@ def leaf_placement(leaves: list[Leaf]) -> tuple[tuple[torch.device, tuple[int, .
 
 def runs_bytes(runs: tuple[list[Run], list[Run]]) -> int:
     """The pool memory ``runs`` take at once: one region of whole pages a run."""
-    return sum(align_up(r.nbytes) for part in runs for r in part)
+    return sum(align_up(r.lead + r.nbytes) for part in runs for r in part)
 
 
 def plan_runs(

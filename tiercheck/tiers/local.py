@@ -73,7 +73,7 @@ class LocalTier(Tier):
     def _write_direct(self, target: Path, views: list[memoryview]) -> int:
         """Write the block-aligned head of the first buffer with O_DIRECT; return how many bytes
         that covered (0 when it does not apply), and leave the rest of ``views`` to write."""
-        n = _direct_head(views)
+        n = _direct_span(views[0], 0)
         fd = self._open_direct(target, os.O_CREAT | os.O_TRUNC) if n else None
         if fd is None:
             return 0
@@ -248,9 +248,10 @@ class LocalTier(Tier):
 class PackWriter:
     """One file written at known offsets by several threads, fsync'd once at the end.
 
-    A write whose offset, length and buffer are block-aligned goes through a second descriptor
-    opened with O_DIRECT (when the tier asks for direct I/O): big chunks bypass the page cache,
-    as they do when each chunk is its own file.
+    The whole blocks of a write (from the file's first block boundary in it, where the buffer is
+    block-aligned too) go through a second descriptor opened with O_DIRECT (when the tier asks for
+    direct I/O), the bytes before and after through the page cache: big chunks bypass the page
+    cache, as they do when each chunk is its own file.
     """
 
     def __init__(self, tier: LocalTier, target: Path) -> None:
@@ -266,13 +267,15 @@ class PackWriter:
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         if self._fd is None:
             raise ValueError(f"{self.target} is closed")
-        if self.tier._direct and views and offset % BLOCK == 0:
-            n = _direct_head(views)
+        if self.tier._direct and views:
+            skip = -offset % BLOCK  # up to the file's next block boundary: through the page cache
+            n = _direct_span(views[0], skip)
             fd = self._direct() if n else None
             if fd is not None:
-                _write_all(fd, [views[0][:n]], offset)
-                views[0] = views[0][n:]
-                offset += n
+                _write_all(self._fd, [views[0][:skip]], offset)
+                _write_all(fd, [views[0][skip : skip + n]], offset + skip)
+                views[0] = views[0][skip + n :]
+                offset += skip + n
         _write_all(self._fd, views, offset)
 
     def _direct(self) -> int | None:
@@ -294,11 +297,11 @@ class PackWriter:
                     os.close(fd)
 
 
-def _direct_head(views: list[memoryview]) -> int:
-    """How many leading bytes of the first buffer O_DIRECT can write (block-aligned address and
-    length, and enough of them to be worth it), or 0."""
-    n = len(views[0]) // BLOCK * BLOCK
-    if n < DIRECT_MIN_BYTES or np.frombuffer(views[0], dtype=np.uint8).ctypes.data % BLOCK:
+def _direct_span(view: memoryview, skip: int) -> int:
+    """How many bytes of ``view`` from ``skip`` on O_DIRECT can write (whole blocks from a
+    block-aligned address, and enough of them to be worth it), or 0."""
+    n = max(len(view) - skip, 0) // BLOCK * BLOCK
+    if n < DIRECT_MIN_BYTES or (np.frombuffer(view, dtype=np.uint8).ctypes.data + skip) % BLOCK:
         return 0
     return n
 
