@@ -14,7 +14,7 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, chunks_of
-from tiercheck import Checkpointer, StagingOptions, WriteOptions
+from tiercheck import Checkpointer, StagingOptions, WriteOptions, staging
 from tiercheck.staging import HostPool, align_up
 from tiercheck.tiers.local import LocalTier, PackWriter
 
@@ -251,6 +251,30 @@ def test_a_run_that_starts_unaligned_in_the_pack_writes_its_big_chunk_with_direc
     assert any(a <= big_at and whole <= b for a, b in direct), (big_at, big_len, calls)
     assert sum(n for d, _, n in calls if not d) < 1 << 20, "what is left to the page cache is the small chunks"
     assert_identical(state, tiercheck.load(ckpt_dir))
+
+
+def test_copy_threads_are_set_for_the_calling_thread_alone() -> None:
+    """The stager copies lazily staged chunks with one thread while training runs beside it;
+    that count is the stager's own: the training thread's, and that of a thread started later
+    (torch's global default), stay as they were."""
+    if staging._set_omp_threads is None:
+        pytest.skip("torch's OpenMP runtime is not reachable here; copies keep torch's thread count")
+    default = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def stager() -> None:
+        staging.set_copy_threads(1)
+        seen["stager"] = torch.get_num_threads()
+
+    def later() -> None:
+        seen["later"] = torch.get_num_threads()
+
+    for target in (stager, later):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert seen == {"stager": 1, "later": default}
+    assert torch.get_num_threads() == default
 
 
 def test_the_pool_is_faulted_in_when_a_single_process_checkpointer_is_built(ckpt_dir: Path) -> None:

@@ -29,7 +29,7 @@ from .flatten import Leaf
 from .layout import Chunk, is_edge
 from .manifest import COMMIT_FILE, JSON, ArrayRecord, RankPart, owners_bytes, pack_file, refs_file, shard_bytes
 from .saveplan import SavePlan
-from .staging import ALIGN, HostPool, Region, align_up, chunk_views, copy_pieces
+from .staging import ALIGN, HostPool, Region, align_up, chunk_views, copy_pieces, set_copy_threads
 from .tiers.local import DIRECT_MIN_BYTES, LocalTier, PackWriter
 
 log = logging.getLogger("tiercheck")
@@ -274,6 +274,7 @@ class Pipeline:
     def _stage_loop(self) -> None:
         # Not niced: the copy is on the training's critical path (save() or the next
         # optimizer.step() waits for it); only the I/O threads' work has slack.
+        self._cpu_threads = torch.get_num_threads()
         while (job := self._queue.get()) is not None:
             try:
                 self._stage(job)
@@ -313,6 +314,9 @@ class Pipeline:
         if plan.n_eager == 0:
             job.eager_staged.set()
         for part, part_runs in zip(("eager", "lazy"), runs, strict=True):
+            # save() waits for the eager copies: all of torch's threads. Training goes on beside
+            # the lazy ones: one thread, which copies as fast per CPU-second spent (see set_copy_threads).
+            set_copy_threads(self._cpu_threads if part == "eager" else 1)
             for run in part_runs:
                 if job.error is not None:
                     break

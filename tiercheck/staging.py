@@ -8,9 +8,11 @@ blocks while the pool is full, which is how a bound smaller than a snapshot stay
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +131,26 @@ def chunk_views(
         out.zero_()  # zarr stores edge chunks at full size; make the padding deterministic
         out = out[tuple(slice(0, v) for v in chunk.valid_shape)]
     return out, piece
+
+
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads  # type: ignore[no-any-return]
+    except (AttributeError, OSError):  # torch built without OpenMP, or its runtime not global
+        return None
+
+
+_set_omp_threads = _omp_set_num_threads()
+
+
+def set_copy_threads(n: int) -> None:
+    """Copies on the CPU from this thread use ``n`` threads from now on (OpenMP's thread count
+    is each thread's own, so training's is untouched). A copy is bound by memory bandwidth: two
+    threads staged 1.5 GiB in 0.125 s and 0.25 CPU-s here, one in 0.16 s and 0.16 CPU-s. Where
+    the OpenMP runtime cannot be reached, copies keep torch's count."""
+    torch.get_num_threads()  # torch sets a thread's OpenMP count when the thread first asks: before us
+    if _set_omp_threads is not None:
+        _set_omp_threads(max(n, 1))
 
 
 def copy_pieces(outs: list[torch.Tensor], pieces: list[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
