@@ -34,6 +34,18 @@ def test_pool_stays_within_its_bound_over_many_saves(ckpt_dir: Path) -> None:
     assert torch.equal(tiercheck.load(ckpt_dir)["w"], torch.full((256, 1024), 19.0))
 
 
+def test_close_gives_the_pool_back(ckpt_dir: Path) -> None:
+    """A closed Checkpointer holds no host memory for staging: a job that closes one and builds
+    another (a restore with a fresh one, a plugin re-created) holds one pool, not two."""
+    state = {"w": torch.randn(1 << 20)}
+    ck = Checkpointer(state, local=ckpt_dir, staging=StagingOptions(prefault=False))
+    ck.save(1).wait()
+    pool = ck._pool
+    assert pool is not None and pool.capacity >= 4 << 20
+    ck.close()
+    assert pool.capacity == 0 and ck.stats()["pool_capacity_bytes"] == 0
+
+
 def test_default_pool_is_one_snapshot_allocated_once(ckpt_dir: Path) -> None:
     state = {"a": torch.zeros(1000), "b": torch.zeros(10, 10, dtype=torch.float64)}
     with Checkpointer(state, local=ckpt_dir) as ck:

@@ -577,6 +577,8 @@ class Checkpointer:
         self._drop_prefault()
         if self._pipeline is not None:
             self._pipeline.close()
+        if self._pool is not None:
+            self._pool.drop()  # a closed Checkpointer holds no snapshot's worth of host memory
         if self._populate is not None:
             self._populate.join(timeout)
         if self._replicator is not None:
