@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -404,17 +405,27 @@ def measure_disk_write(directory: Path | str, nbytes: int, block: int = 64 * MiB
     return {"bytes": nbytes, "write_s": t_write, "durable_s": total, "gib_s": nbytes / GiB / total, "path": str(path)}
 
 
-def measure_cold_read(files: Sequence[Path | str], drop: bool = True, block: int = 64 * MiB) -> dict[str, Any]:
-    """Sequential read of ``files`` into one reused buffer after dropping their pages (see
-    ``drop_caches``; "cache" says how, "" meaning the read may be warm)."""
+def measure_cold_read(
+    files: Sequence[Path | str], drop: bool = True, block: int = 64 * MiB, *, new_memory: bool = False
+) -> dict[str, Any]:
+    """Sequential read of ``files`` after dropping their pages (see ``drop_caches``; "cache" says
+    how, "" meaning the read may be warm): into one reused buffer, or with ``new_memory`` into one
+    new anonymous mapping as large as the files, whose every page faults on first touch as it does
+    for any restore that lands a state in memory the process did not hold (a restore that keeps
+    the live state until every byte is verified must)."""
     how = drop_caches(drop, files)
-    buf = bytearray(block)
+    size = sum(os.path.getsize(f) for f in files)
+    dest = mmap.mmap(-1, max(size, 1)) if new_memory else None
+    buf = memoryview(dest) if dest is not None else memoryview(bytearray(block))
     total, t0 = 0, time.perf_counter()
     for name in files:
         with open(name, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
+            while n := f.readinto(buf[total : total + block] if dest is not None else buf):
                 total += n
     s = time.perf_counter() - t0
+    buf.release()
+    if dest is not None:
+        dest.close()
     return {"bytes": total, "s": s, "gib_s": total / GiB / s if s > 0 else math.inf, "cache": how}
 
 
