@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -72,15 +73,21 @@ class Leaf:
     offsets: tuple[int, ...]  # where the tensor sits in the whole array
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9._-]+")  # the characters _escape keeps as they are
+
+
 def _escape(component: str) -> str:
     """One path component, safe for every filesystem and object store, and readable."""
-    out = []
-    for ch in component:
-        if ch.isascii() and (ch.isalnum() or ch in "._-"):
-            out.append(ch)
-        else:
-            out.extend(f"%{b:02X}" for b in ch.encode())
-    text = "".join(out)
+    if _PLAIN.fullmatch(component):
+        text = component  # the usual case, without a loop over its characters (save() escapes every path)
+    else:
+        out = []
+        for ch in component:
+            if ch.isascii() and (ch.isalnum() or ch in "._-"):
+                out.append(ch)
+            else:
+                out.extend(f"%{b:02X}" for b in ch.encode())
+        text = "".join(out)
     # Names that would collide with zarr's layout or the step's own files, or leave the directory.
     if not text or text in (".", "..", "c", "zarr.json", "manifest.json", "COMMIT") or text.startswith("__"):
         text = "%" + f"{ord(text[0]):02X}" + text[1:] if text else "%00"
