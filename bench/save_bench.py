@@ -337,8 +337,39 @@ def run_loop(step: Callable[..., None], n_steps: int, k: int, m: Method | None, 
     }
 
 
+def run_pairs(step: Callable[..., None], pairs: int, k: int, m: Method, label: int) -> list[float]:
+    """Stall per checkpoint from alternating intervals: a save, then training steps until both k
+    steps are done and the save is durable; then k steps without one. Each pair gives the with-save
+    interval minus as many steps at the pace of the interval after it, so drift between them
+    cancels pair by pair (the A-B-A loops compare loops run a minute apart)."""
+    out: list[float] = []
+    for p in range(pairs):
+        t0 = time.perf_counter()
+        fut, _ = m.save(label + p)
+        steps = 0
+        while steps < k or not fut.done():
+            step(m.guard)
+            steps += 1
+        with_s = time.perf_counter() - t0
+        m.wait_all()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            step(m.guard)
+        out.append(with_s - steps * (time.perf_counter() - t0) / k)
+    return out
+
+
 def run_method(
-    method: str, shape: str, layers: int, k: int, n: int, root: str, warmup: int, drop: bool, settle_max_s: float
+    method: str,
+    shape: str,
+    layers: int,
+    k: int,
+    n: int,
+    root: str,
+    warmup: int,
+    drop: bool,
+    settle_max_s: float,
+    pairs: int = 0,
 ) -> dict[str, Any]:
     """One method, one shape: the A-B-A loops, the isolated save against the paired raw write,
     the restore against the paired raw cold read, and peak RSS."""
@@ -379,6 +410,9 @@ def run_method(
         "step_s": base_a["step_s"] + base_b["step_s"],
         "cpu": {key: base_a["cpu"][key] + base_b["cpu"][key] for key in base_a["cpu"]},
     }
+
+    prepare()
+    out["paired"] = run_pairs(step, pairs, k, m, 2000)
 
     # The paired raw write and cold read of the same bytes, under the conditions of the save.
     gc.collect()
@@ -431,6 +465,7 @@ def summarize(res: dict[str, Any], n: int) -> dict[str, Any]:
     peak = max(res["hwm_ckpt_loop"], res["hwm_isolated"]) - res["hwm_no_ckpt"] if res["hwm_reset_ok"] else None
     return {
         "stall_s": (wc["loop_s"] - base["loop_s"]) / n,
+        "paired_stall_s": statistics.median(res["paired"]) if res.get("paired") else None,
         "noise_s": math.sqrt(2 * len(steps)) * sd / n,  # sd of a difference of two N-step loops, per ckpt
         "call_s": statistics.mean(calls),
         "first_call_s": res["first_save"]["call_s"],
@@ -457,8 +492,9 @@ def add_ratios(summary: dict[str, dict[str, Any]]) -> None:
         if not s:
             continue
         for tag, ref in REFS.items():
-            ref_stall = (summary.get(ref) or {}).get("stall_s")  # <= 0: within the noise, no ratio
-            s[f"stall_x_{tag}"] = h.ratio(s["stall_s"], ref_stall) if ref_stall and ref_stall > 0 else None
+            for key, out in (("stall_s", f"stall_x_{tag}"), ("paired_stall_s", f"paired_x_{tag}")):
+                ref_stall = (summary.get(ref) or {}).get(key)  # <= 0: within the noise, no ratio
+                s[out] = h.ratio(s[key], ref_stall) if ref_stall and ref_stall > 0 else None
         s["durable_x_raw"] = h.ratio(s["durable_s"], s["raw_write_s"])
         s["restore_x_raw"] = h.ratio(s["restore_s"], s["raw_read_s"])
         s["restore_x_new"] = h.ratio(s["restore_s"], s["raw_read_new_s"])
@@ -469,6 +505,8 @@ def add_ratios(summary: dict[str, dict[str, Any]]) -> None:
 TARGETS = (
     ("stall_x_tckpt", "stall x torch_checkpointing", 1.0),
     ("stall_x_dcpA", "stall x dcp.async_save", 0.1),
+    ("paired_x_tckpt", "paired-interval stall x torch_checkpointing", 1.0),
+    ("paired_x_dcpA", "paired-interval stall x dcp.async_save", 0.1),
     ("durable_x_raw", "durable x raw fsync'd write", 1.0),
     ("restore_x_raw", "restore x raw cold read", 1.25),  # >= 0.8x the raw read's bandwidth
     ("restore_x_tckpt", "restore x torch_checkpointing's", 1.0),
@@ -527,6 +565,23 @@ def render_shape(
         + [f"{h.fmt(raw_r)} / {h.fmt(raw_new)}", "1.00", "1.00", "", "", "", ""]
     )
     lines.append(h.table(headers, rows))
+    paired = []
+    for method in cfg["methods"]:
+        ok = [s for s in (r.get(shape, {}).get(method) or {} for r in reps) if s.get("paired_stall_s") is not None]
+        if ok:
+            paired.append([
+                method, h.fmt(h.median([s["paired_stall_s"] for s in ok])),
+                *(h.fmt_spread(h.spread([s.get(f"paired_x_{tag}") for s in ok])) for tag in REFS),
+            ])  # fmt: skip
+    if paired:
+        lines += [
+            "",
+            f"Paired intervals ({cfg.get('pairs')} per method and repeat: a save and the steps until it is durable, "
+            "then as many steps without one; median over the pairs):",
+            "",
+            h.table(["method", "stall/ckpt s", "x dcpA", "x tckpt"], paired),
+            "",
+        ]
     for tag in ("tiercheck.eager", "tiercheck.lazy"):
         got = [r.get(shape, {}).get(tag) or {} for r in reps]
         checks = []
@@ -592,6 +647,7 @@ def parent_main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     size = args.size_gib or (0.2 if args.quick else 0.5)
     n = args.n or (2 if args.quick else 3)
+    pairs = args.pairs if args.pairs is not None else (2 if args.quick else 4)
     methods = list(args.methods or METHODS)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     drop = not args.no_drop_caches
@@ -600,6 +656,7 @@ def parent_main(args: argparse.Namespace) -> int:
         cfg: dict[str, Any] = {
             "size_gib": size,
             "n": n,
+            "pairs": pairs,
             "methods": methods,
             "shape_list": shapes,
             "shapes": {},
@@ -644,7 +701,7 @@ def parent_main(args: argparse.Namespace) -> int:
                     wdir = root / f"{shape}-{method}"
                     h.drop_caches(drop)
                     kw = {"method": method, "shape": shape, "layers": cfg["shapes"][shape]["layers"], "k": cfg["shapes"][shape]["k"], "n": n,
-                          "root": str(wdir), "warmup": args.warmup, "drop": drop, "settle_max_s": args.settle_max_s}  # fmt: skip
+                          "root": str(wdir), "warmup": args.warmup, "drop": drop, "settle_max_s": args.settle_max_s, "pairs": pairs}  # fmt: skip
                     r = res[shape][method] = h.run_worker(__file__, "run_method", kw, args.worker_timeout)
                     if "error" in r:
                         h.log(f"{method} FAILED: {r['error']}\n{r.get('traceback', '')}")
@@ -679,6 +736,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="run the whole comparison N times; ratios as min/median/max")
     p.add_argument("--k", type=int, default=0, help="steps between checkpoints (default: calibrated; quick 3)")
     p.add_argument("--n", type=int, default=0, help="checkpoints per loop (default 3; quick 2)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="paired intervals with and without a save per method (default 4; quick 2)",
+    )
     p.add_argument("--headroom", type=float, default=1.5, help="calibrated k: k x step >= headroom x raw write")
     p.add_argument("--max-k", type=int, default=5, help="upper bound of the calibrated k")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after building")

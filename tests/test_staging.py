@@ -255,7 +255,9 @@ def test_a_run_that_starts_unaligned_in_the_pack_writes_its_big_chunk_with_direc
         monkeypatch.setattr(os, "pwritev", spy)
         ck.save(1).wait()
         monkeypatch.undo()
-    _, big_at, big_len = chunk_span(ckpt_dir / "step-00000001", "zbig", chunks_of(ckpt_dir / "step-00000001", "zbig")[0])
+    _, big_at, big_len = chunk_span(
+        ckpt_dir / "step-00000001", "zbig", chunks_of(ckpt_dir / "step-00000001", "zbig")[0]
+    )
     runs = sorted({off for _, off, _ in calls})
     assert any(off % 4096 for off in runs), "a run starts at an unaligned place in the pack"
     direct = [(off, off + n) for d, off, n in calls if d]
