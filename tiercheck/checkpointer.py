@@ -565,7 +565,8 @@ class Checkpointer:
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
         """Wait for in-flight saves and (with ``drain``) for drains to the remote tier, then stop
-        the background threads; ``timeout`` bounds the wait for drains. Returns the committed steps
+        the background threads and give the staging pool's host memory back; ``timeout`` bounds
+        the wait for drains. Returns the committed steps
         not drained to the remote tier (empty without one), with a WARNING when ``drain`` asked
         for them: they stay in the local directory, and the next run with this remote tier (or
         ``tiercheck drain``) finishes them. Idempotent."""
