@@ -46,7 +46,7 @@ class ChunkTask:
     offset: int  # where the chunk (data, then its CRC32C) starts in this rank's pack
 
 
-RUN_BYTES = 16 << 20  # chunks are staged and written together in runs of up to this many bytes
+RUN_BYTES = 64 << 20  # chunks are staged and written together in runs of up to this many bytes
 RUN_CHUNKS = 512  # and this many chunks
 
 
