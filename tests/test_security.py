@@ -82,6 +82,26 @@ def test_manifest_paths_cannot_escape_the_step(ckpt_dir: Path, bad: str) -> None
         ck.restore()
 
 
+def test_only_paths_that_passed_the_check_are_remembered_as_safe() -> None:
+    from tiercheck.manifest import _SAFE_PATHS, check_array_path
+
+    class Sneaky(str):  # claims to equal every string, a remembered one too: checked all the same
+        def __hash__(self) -> int:
+            return hash("model/w")
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+    assert check_array_path("model/w", where="test") == "model/w"
+    assert "model/w" in _SAFE_PATHS
+    for _ in range(2):
+        with pytest.raises(UnsafeCheckpointError, match="not a plain relative path"):
+            check_array_path("model/../w", where="test")
+    assert "model/../w" not in _SAFE_PATHS
+    with pytest.raises(UnsafeCheckpointError, match="not a plain relative path"):
+        check_array_path(Sneaky("model/../w"), where="test")
+
+
 def test_a_tree_referring_to_an_unlisted_array_is_refused(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     rewrite_manifest(ckpt_dir, 3, lambda doc: doc["trees"][0]["model"].update(x={"$tensor": "../secret"}))

@@ -79,8 +79,18 @@ JSON = Any  # a value json.loads can return
 _COMPONENT = re.compile(r"^[A-Za-z0-9._%~-]+$")
 
 
+_SAFE_PATHS: set[str] = set()  # paths that passed check_array_path, which depends on the string alone
+_SAFE_PATHS_MAX = 1 << 17  # bounded: past this many, paths are checked afresh each time
+
+
 def check_array_path(path: object, *, where: str) -> str:
-    """Return ``path`` if it is a safe relative array path inside a step; raise otherwise."""
+    """Return ``path`` if it is a safe relative array path inside a step; raise otherwise.
+
+    A restore meets each path a dozen times (the parts, the shards, the owners files, the reads)
+    and every save flattens the same paths again: a path that passed once is not checked again
+    (22k checks took 0.04-0.07 s of a 1,836-array restore)."""
+    if type(path) is str and path in _SAFE_PATHS:
+        return path
     if not isinstance(path, str) or not path:
         raise CorruptCheckpointError(f"{where}: array path must be a non-empty string, got {path!r}")
     parts = path.split("/")
@@ -92,6 +102,8 @@ def check_array_path(path: object, *, where: str) -> str:
             )
     if parts[0] in (MANIFEST_FILE, COMMIT_FILE, PARTS_DIR, "zarr.json") or "zarr.json" in parts or "c" in parts:
         raise UnsafeCheckpointError(f"{where}: array path {path!r} collides with a reserved name")
+    if type(path) is str and len(_SAFE_PATHS) < _SAFE_PATHS_MAX:
+        _SAFE_PATHS.add(path)
     return path
 
 
