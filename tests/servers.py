@@ -364,6 +364,23 @@ def _sweep_stale_weed_files() -> None:
                     shutil.rmtree(d, ignore_errors=True)
 
 
+VOLUME_MB = 1024  # SeaweedFS's volume size here (-master.volumeSizeLimitMB)
+
+
+def _check_weed_disk(where: Path) -> None:
+    """Refuse to start SeaweedFS where it would answer every write with InternalError: its master
+    grows volumes 7 at a time (master.toml's copy_1) and its volume server keeps 1% of the disk free.
+    With 7 GB free every S3 write failed (18 tests, each with the same InternalError)."""
+    usage = shutil.disk_usage(where)
+    need = 7 * VOLUME_MB * 2**20 + usage.total // 100 + 2**30
+    if usage.free < need:
+        raise ServerError(
+            f"seaweedfs: {usage.free / 2**30:.1f} GiB free under {where}, it needs about {need / 2**30:.1f}"
+            f" (7 volumes of {VOLUME_MB / 1024:g} GiB, 1% of the disk, 1 GiB spare); below that every write fails with"
+            " InternalError. Free some disk space."
+        )
+
+
 class SeaweedS3(_Server):
     """SeaweedFS in one process (``weed mini``) with its S3 gateway on a free loopback port.
 
@@ -397,6 +414,7 @@ class SeaweedS3(_Server):
 
     def _command(self) -> list[str]:
         weed = weed_binary()
+        _check_weed_disk(self.dir)
         (self.dir / "data").mkdir(exist_ok=True)
         (self.dir / "logs").mkdir(exist_ok=True)
         config = self.dir / "s3.json"
@@ -438,7 +456,7 @@ class SeaweedS3(_Server):
             # Volume slots are counted from free disk over the volume size (30 GB by default): with 15 GB
             # free every write failed with InternalError, with 17 GB free the S3 tier-contract tests took
             # 33 s (8 s with this). Test data is small.
-            "-master.volumeSizeLimitMB=1024",
+            f"-master.volumeSizeLimitMB={VOLUME_MB}",
             f"-filer.port={p['filer']}",
             f"-filer.port.grpc={p['filer'] + g}",
             f"-admin.port={p['admin']}",
