@@ -18,7 +18,7 @@ import struct
 import sys
 from collections.abc import Iterable
 
-import crc32c
+from awscrt import checksums as _crc
 
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .manifest import FORMAT_NAME, FORMAT_VERSION, ArrayRecord
@@ -162,10 +162,11 @@ def zarr_documents(records: Iterable[ArrayRecord], *, root: bool = True) -> dict
 
 def checksum(data: memoryview | bytes | bytearray, start: int = 0) -> int:
     """CRC32C of ``data``; with ``start``, the CRC of what came before followed by ``data`` (a stream's)."""
-    # ICRAR's crc32c, not google_crc32c: it releases the GIL while it runs (google_crc32c holds it
-    # through a 64 MiB chunk, which slowed the training thread's Python to a third while the
-    # background wrote a checkpoint) and is faster (15 vs 10 GiB/s here).
-    return int(crc32c.crc32c(data, start))
+    # AWS CRT's, the one botocore uses for S3's CRC32C: it releases the GIL for more than 5 KiB (so
+    # the training thread's Python runs on while the background checksums a checkpoint; google_crc32c
+    # holds it through a 64 MiB chunk) and folds with vector carry-less multiplies where the CPU has
+    # them: 32 GiB/s here, against 15 for ICRAR's crc32c and 10 for google_crc32c.
+    return int(_crc.crc32c(data, start))
 
 
 def checksum_trailer(crc: int) -> bytes:
