@@ -221,8 +221,8 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
     own: list[bool] = []
     staged, own_target = tiercheck.restore.staged, tc_dcp._own_target
 
-    def counting_staged(items: Any) -> Any:
-        reads, pairs = staged(items)
+    def counting_staged(items: Any, arena: Any = None) -> Any:
+        reads, pairs = staged(items, arena)
         copies.append(len(pairs))
         return reads, pairs
 

@@ -79,6 +79,29 @@ def test_a_failed_restore_of_a_requested_step_leaves_the_state_untouched(ckpt_di
     assert gc.isenabled(), "the failed restore turned the garbage collector back on"
 
 
+def test_a_failed_restore_staged_in_the_save_pool_leaves_the_state_and_the_pool_whole(ckpt_dir: Path) -> None:
+    """The same in a process that has saved, where the restore stages in the idle save pool: the
+    live state is untouched, and the pool is given back (the next restore stages there, the next
+    save goes through)."""
+    state = _trained(1)
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        ckpt.save(1).wait()
+        one = _snapshot(state)
+        state["model"](torch.randn(4, 64)).sum().backward()
+        state["optimizer"].step()
+        ckpt.save(2).wait()
+        _damage_last_chunk(ckpt_dir / "step-00000002")
+        before = _snapshot(state)
+        with pytest.raises(CorruptCheckpointError, match="step 2"):
+            ckpt.restore(step=2)
+        assert_identical(_snapshot(state), before)
+        assert ckpt.restore(step=1) == 1
+        assert ckpt.stats()["restore_staged_in_pool"] > 0
+        assert_identical(_snapshot(state), one)
+        ckpt.save(3).wait()
+        assert ckpt.steps() == [1, 2, 3]
+
+
 class _GcProbe:
     """A stateful entry that notes whether the cyclic garbage collector ran during its restore."""
 

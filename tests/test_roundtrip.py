@@ -278,10 +278,10 @@ def test_the_store_keeps_nothing_of_past_saves_and_restores(ckpt_dir: Path) -> N
 
 
 def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_of_buffers(ckpt_dir: Path) -> None:
-    """A restore reads into new memory and, once every chunk is verified, a parameter that is the
-    whole of its memory takes that memory over (no copy): a view the user holds and the optimizer's
-    reference see the restored values. Tensors that are parts of one flat buffer are copied into,
-    so the buffer stays one buffer."""
+    """A restore at the start of a job (no save pool to stage in) reads into new memory and, once
+    every chunk is verified, a parameter that is the whole of its memory takes that memory over (no
+    copy): a view the user holds and the optimizer's reference see the restored values. Tensors
+    that are parts of one flat buffer are copied into, so the buffer stays one buffer."""
     model = torch.nn.Linear(64, 64)
     flat = torch.arange(100, dtype=torch.float32)
     parts = {"a": flat[:50], "b": flat[50:]}
@@ -289,12 +289,14 @@ def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_o
     expected = {"w": model.weight.detach().clone(), "flat": flat.clone()}
     with Checkpointer(state, local=ckpt_dir) as ck:
         ck.save(1).wait()
-        with torch.no_grad():
-            model.weight.zero_()
-            flat.zero_()
-        view = model.weight.view(-1)  # held by the caller across the restore
-        ptr, version = model.weight.data_ptr(), model.weight._version
+    with torch.no_grad():
+        model.weight.zero_()
+        flat.zero_()
+    view = model.weight.view(-1)  # held by the caller across the restore
+    ptr, version = model.weight.data_ptr(), model.weight._version
+    with Checkpointer(state, local=ckpt_dir) as ck:
         assert ck.restore() == 1
+        assert ck.stats()["restore_staged_in_pool"] == 0
     assert torch.equal(model.weight, expected["w"]) and torch.equal(view, expected["w"].view(-1))
     assert model.weight.data_ptr() != ptr  # the memory the restore read into, not a copy of it
     assert model.weight._version > version  # autograd sees the change, as after a copy

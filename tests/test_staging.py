@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import os
 import threading
@@ -15,7 +16,7 @@ import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, chunks_of
 from tiercheck import Checkpointer, StagingOptions, WriteOptions, staging
-from tiercheck.staging import HostPool, align_up
+from tiercheck.staging import ALIGN, HostPool, align_up
 from tiercheck.tiers.local import LocalTier, PackWriter
 
 
@@ -77,6 +78,26 @@ def test_ring_pool_reuses_out_of_order_releases_and_blocks_when_full() -> None:
     assert got == [0] and pool.peak_in_use == 4 * page
     with pytest.raises(tiercheck.StagingError, match="does not fit"):
         pool.acquire(8 * page)
+
+
+def test_the_pool_lends_only_memory_it_has_touched_and_only_while_idle() -> None:
+    pool = HostPool(pin_memory=False)
+    pool.reserve(4 * ALIGN)  # allocated, never written: a restore would fault it in as new memory
+    with pool.lend(ALIGN) as arena:
+        assert arena is None
+    pool.release(pool.acquire(2 * ALIGN))  # a save staged here
+    with pool.lend(2 * ALIGN - 1) as arena:
+        assert arena is not None and arena.numel() == 2 * ALIGN - 1 and arena.dtype == torch.uint8
+        with pool.lend(1) as busy:
+            assert busy is None
+        assert pool.in_use == 2 * ALIGN
+    assert pool.in_use == 0
+    with pool.lend(2 * ALIGN + 1) as arena:
+        assert arena is None  # beyond what was written
+    ahead = HostPool(pin_memory=False)
+    ahead.reserve(4 * ALIGN, touch=threading.Event())  # faulted in when allocated: all of it
+    with ahead.lend(4 * ALIGN) as arena:
+        assert arena is not None
 
 
 def test_lazy_save_captures_the_state_of_the_save_call(ckpt_dir: Path) -> None:
@@ -354,3 +375,43 @@ def test_a_tensor_re_strided_since_the_plan_is_staged_where_it_can_be(ckpt_dir: 
         ck.save(2).wait()
         assert ck.stats()["saves"] == 2
     assert_identical(state, tiercheck.load(ckpt_dir, step=2))
+
+
+def test_a_restore_in_the_saving_process_stages_in_the_idle_pool(ckpt_dir: Path) -> None:
+    """A Checkpointer that has saved (a job rolling back in process) stages its restore in its
+    idle save pool, resident already, instead of a snapshot's worth of new memory: the state comes
+    back bit for bit, copied into the live tensors' own memory (none of it left pointing into the
+    pool), and the pool serves the next save as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def train() -> None:
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()
+
+    train()
+    live = [model.weight, model.bias, *(t for s in opt.state.values() for t in s.values() if t.dim())]
+    ptrs = [t.data_ptr() for t in live]
+    nbytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    nbytes += sum(p.numel() * p.element_size() for p in model.parameters())
+    with Checkpointer({"model": model, "optim": opt}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        one = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(opt.state_dict())}
+        train()
+        ck.save(2).wait()
+        assert ck.restore(step=1) == 1
+        stats = ck.stats()
+        assert stats["restore_staged_in_pool"] == nbytes
+        assert stats["pool_allocations"] == 1
+        assert_identical({"model": model.state_dict(), "optim": opt.state_dict()}, one)
+        assert [t.data_ptr() for t in live] == ptrs, "a live tensor was handed pool memory"
+        train()
+        ck.save(3).wait()  # the pool was given back whole: the next save stages as before
+        three = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(opt.state_dict())}
+    fresh = torch.nn.Linear(256, 256)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with Checkpointer({"model": fresh, "optim": fresh_opt}, local=ckpt_dir) as ck:
+        assert ck.restore() == 3
+        assert ck.stats()["restore_staged_in_pool"] == 0  # no pool yet: new memory, taken over
+    assert_identical({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, three)

@@ -466,6 +466,7 @@ class Checkpointer:
             self._counters["restore_chunks_received"] = done.chunks_received
             self._counters["restore_remote_reads"] = done.remote_reads
             self._counters["restore_fallbacks"] = done.fallbacks
+            self._counters["restore_staged_in_pool"] = done.staged_in_pool
             self._local.add(*self.steps())
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._populate = threading.Thread(
@@ -498,6 +499,7 @@ class Checkpointer:
             extra=extra,
             read_once=self.distributed.read_once,
             io_threads=self.write.io_threads,
+            pool=self._pool,
         )
 
     def _populate_local(self, step: int) -> None:

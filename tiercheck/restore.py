@@ -45,7 +45,8 @@ from .match import add_entries, apply, covers, prepare, tree_for
 from .planner import plan_reads as plan_reads_whole
 from .replicas import read_replicas
 from .restoreplan import Step, fetch, find_holders, index_of, plan_reads
-from .scatter import ReadItem, copy_in, move_chunks, staged
+from .scatter import ReadItem, copy_in, move_chunks, staged, staging_bytes
+from .staging import HostPool
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import open_tier
@@ -200,6 +201,7 @@ class Restored:
     chunks_received: int
     remote_reads: int
     fallbacks: int
+    staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
 
@@ -221,6 +223,7 @@ def restore_state(
     extra: bool,
     read_once: bool,
     io_threads: int,
+    pool: HostPool | None = None,
 ) -> Restored | None:
     """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
     same ``name``. Returns None when no tier holds a committed step (and none was requested).
@@ -250,6 +253,7 @@ def restore_state(
                 extra=extra,
                 read_once=read_once,
                 io_threads=io_threads,
+                pool=pool,
             )
         except _Damaged as d:
             if requested is not None:
@@ -301,6 +305,7 @@ def _restore_step(
     extra: bool,
     read_once: bool,
     io_threads: int,
+    pool: HostPool | None,
 ) -> Restored | None:
     choice = drive(
         coord,
@@ -362,33 +367,36 @@ def _restore_step(
     )
     moved: dict[str, int] = {}
     nbytes = 0
-    reads, live = staged(items)
-    try:
-        nbytes = move_chunks(
-            tier,
-            step,
-            plan.records,
-            reads,
-            plan.reads,
-            plan.transfers,
-            rank=coord.rank,
-            group=group,
-            io_threads=io_threads,
-            remote=remote if choice.from_remote else None,
-            counters=moved,
-        )
-    except TiercheckError as e:
-        failure = e
-    try:
-        if coord.world_size > 1:
-            drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
-        elif failure is not None:
-            raise failure
-    except CorruptCheckpointError as e:
-        raise _Damaged(step, e) from None
-    finally:
-        _leave(coord, name, claimed)
-    copy_in(live)
+    with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
+        arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
+        reads, live = staged(items, arena)
+        in_pool = 0 if arena is None else sum(b.numel() * b.element_size() for _, b in live if b.device.type == "cpu")
+        try:
+            nbytes = move_chunks(
+                tier,
+                step,
+                plan.records,
+                reads,
+                plan.reads,
+                plan.transfers,
+                rank=coord.rank,
+                group=group,
+                io_threads=io_threads,
+                remote=remote if choice.from_remote else None,
+                counters=moved,
+            )
+        except TiercheckError as e:
+            failure = e
+        try:
+            if coord.world_size > 1:
+                drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+            elif failure is not None:
+                raise failure
+        except CorruptCheckpointError as e:
+            raise _Damaged(step, e) from None
+        finally:
+            _leave(coord, name, claimed)
+        copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
     apply(state, decoded, where=where)
     log.info(
         "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
@@ -405,6 +413,7 @@ def _restore_step(
         chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
         remote_reads=moved.get("remote_reads", 0),
         fallbacks=moved.get("fallbacks", 0),
+        staged_in_pool=in_pool,
         from_remote=choice.from_remote,
         held_here=list(here),
     )

@@ -117,31 +117,51 @@ def direct_target(rec: ArrayRecord, c: Chunk, items: Iterable[ReadItem], *, whol
     return region.reshape(-1).view(torch.uint8)
 
 
-def staged(items: Sequence[ReadItem]) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The same reads with every live destination swapped for a new host tensor, and the (live,
+def staged(
+    items: Sequence[ReadItem], arena: torch.Tensor | None = None
+) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The same reads with every live destination swapped for a host tensor, and the (live,
     staged) pairs to ``copy_in`` once every chunk is verified: a restore that fails part-way
-    leaves the live state as it was. CUDA destinations stage in page-locked memory."""
+    leaves the live state as it was. The host tensors are carved out of ``arena`` (uint8 memory
+    the process holds resident, at least ``staging_bytes(items)``) where given, else new; new ones
+    for CUDA destinations are page-locked."""
     out: list[ReadItem] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pos = 0
     for item in items:
         if item.fresh:
             out.append(item)
             continue
         live = item.dest
-        buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=live.is_cuda)
+        if arena is not None and (not live.is_cuda or arena.is_pinned()):
+            n = live.numel() * live.element_size()
+            buf = arena[pos : pos + n].view(live.dtype).view(tuple(live.shape))
+            pos += _arena_align(n)
+        else:
+            buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=live.is_cuda)
         out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
         pairs.append((live, buf))
     return out, pairs
 
 
-def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Hand verified, staged data to the live tensors (see ``staged``): a live CPU tensor that is
-    the whole of its memory takes the staged memory over (``_swappable``: every tensor that shares
-    that memory, a module's parameter behind a ``state_dict()`` alias, sees the restored values, and
-    nothing is copied); the others are copied into."""
+def staging_bytes(items: Sequence[ReadItem]) -> int:
+    """The arena ``staged`` needs for ``items``."""
+    return sum(_arena_align(i.dest.numel() * i.dest.element_size()) for i in items if not i.fresh)
+
+
+def _arena_align(n: int) -> int:
+    return (n + 63) // 64 * 64  # any dtype's alignment, and whole cache lines
+
+
+def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, swap: bool = True) -> None:
+    """Hand verified, staged data to the live tensors (see ``staged``): with ``swap`` (staged in
+    new memory, not an arena), a live CPU tensor that is the whole of its memory takes the staged
+    memory over (``_swappable``: every tensor that shares that memory, a module's parameter behind a
+    ``state_dict()`` alias, sees the restored values, and nothing is copied); the others are copied
+    into."""
     with torch.no_grad():
         for live, buf in pairs:
-            if _swappable(live, buf):
+            if swap and _swappable(live, buf):
                 live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
                 torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
             else:

@@ -8,11 +8,12 @@ blocks while the pool is full, which is how a bound smaller than a snapshot stay
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ class HostPool:
         self.in_use = 0
         self.peak_in_use = 0
         self.allocations = 0  # how often host memory was (re)allocated: 1 in steady state
+        self.touched = 0  # bytes from the start that were written: resident, faulting no more
 
     @property
     def capacity(self) -> int:
@@ -65,11 +67,13 @@ class HostPool:
             shift = -raw.data_ptr() % ALIGN  # the allocator aligns to 64 bytes; O_DIRECT wants pages
             self._buf = raw[shift : shift + capacity]
             self.allocations += 1
-            if touch is not None and not self.pin_memory:  # page-locked memory is resident already
-                for start in range(0, capacity, TOUCH_BYTES):
+            self.touched = capacity if self.pin_memory else 0  # page-locked memory is resident already
+            if touch is not None:
+                for start in range(self.touched, capacity, TOUCH_BYTES):
                     if touch.is_set():
                         break
                     self._buf[start : start + TOUCH_BYTES].zero_()
+                    self.touched = min(start + TOUCH_BYTES, capacity)
             log.info(
                 "staging pool: %.1f MiB of %s host memory",
                 capacity / 2**20,
@@ -81,6 +85,7 @@ class HostPool:
         with self._cond:
             if not self._live:
                 self._buf = None
+                self.touched = 0
 
     def acquire(self, nbytes: int) -> Region:
         n = align_up(max(nbytes, 1))
@@ -91,6 +96,7 @@ class HostPool:
                 self._cond.wait()
             region = Region(offset, n)
             self._live.append(region)
+            self.touched = max(self.touched, offset + n)  # the stager writes all of it
             self.in_use += n
             self.peak_in_use = max(self.peak_in_use, self.in_use)
             return region
@@ -113,6 +119,26 @@ class HostPool:
             while self._live and self._live[0].freed:
                 self.in_use -= self._live.popleft().nbytes
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def lend(self, nbytes: int) -> Iterator[torch.Tensor | None]:
+        """``nbytes`` of resident memory while nothing is staged (a restore's staging), as uint8;
+        None when the pool is busy or has not yet touched that much (new memory would fault in
+        just the same, and cost a copy on top)."""
+        n = align_up(max(nbytes, 1))
+        with self._cond:
+            ok = not self._live and n <= self.touched
+            region = Region(0, n) if ok else None
+            if region is not None:
+                self._live.append(region)
+                self.in_use += n
+        if region is None:
+            yield None
+            return
+        try:
+            yield self.view(region, nbytes)
+        finally:
+            self.release(region)
 
     def view(self, region: Region, nbytes: int, start: int = 0) -> torch.Tensor:
         """``nbytes`` of ``region`` from ``start`` on, as uint8."""
