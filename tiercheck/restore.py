@@ -370,7 +370,8 @@ def _restore_step(
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         reads, live = staged(items, arena)
-        in_pool = 0 if arena is None else sum(b.numel() * b.element_size() for _, b in live if b.device.type == "cpu")
+        pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
+        in_pool = sum(b.numel() * b.element_size() for _, b in live if b.untyped_storage().data_ptr() == pool_memory)
         try:
             nbytes = move_chunks(
                 tier,
