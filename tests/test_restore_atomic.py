@@ -185,6 +185,32 @@ def _restore_on_two_nodes(rank: int, world_size: int, roots: list[str], step: in
         return got, w.clone(), half.clone()
 
 
+def _roll_back_in_process(rank: int, world_size: int, roots: list[str]) -> Any:
+    half = torch.zeros(128, 64)
+    state = {"rows": Shard(half, global_shape=(256, 64), offsets=(128 * rank, 0))}
+    with Checkpointer(state, local=roots[rank], write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        for step in (1, 2):
+            half.fill_(10 * step + rank)
+            ckpt.save(step).wait()
+        ptr = half.data_ptr()
+        assert ckpt.restore(step=1) == 1
+        restored = half.clone()
+        staged_in_pool = ckpt.stats()["restore_staged_in_pool"]
+        half.fill_(30 + rank)
+        ckpt.save(3).wait()
+        return restored, staged_in_pool, half.data_ptr() == ptr, ckpt.steps()
+
+
+def test_ranks_rolling_back_in_process_each_stage_in_their_own_save_pool(tmp_path: Path) -> None:
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for rank, (restored, staged_in_pool, kept_memory, steps) in enumerate(
+        run_ranks(_roll_back_in_process, 2, roots, start_method="forkserver")
+    ):
+        assert torch.equal(restored, torch.full((128, 64), 10.0 + rank))
+        assert staged_in_pool == 128 * 64 * 4 and kept_memory
+        assert steps == [1, 2, 3]
+
+
 def _refused_as_asked_then_fell_back_together(roots: list[str]) -> None:
     """Step 2 asked for: both ranks refuse, their state untouched; none asked for: both restore step 1."""
     refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
