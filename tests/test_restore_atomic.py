@@ -40,18 +40,22 @@ def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _save_two_steps(ckpt: Checkpointer, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps 1 and 2 of a run, a training step apart, and what each holds."""
+    ckpt.save(1).wait()
+    one = _snapshot(state)
+    state["model"](torch.randn(4, 64)).sum().backward()
+    state["optimizer"].step()
+    state["progress"]["epoch"] = 2
+    ckpt.save(2).wait()
+    return one, _snapshot(state)
+
+
 def _saved_steps(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Steps 1 and 2 of a run, and what each holds."""
     state = _trained(1)
     with Checkpointer(state, local=root, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
-        ckpt.save(1).wait()
-        one = _snapshot(state)
-        state["model"](torch.randn(4, 64)).sum().backward()
-        state["optimizer"].step()
-        state["progress"]["epoch"] = 2
-        ckpt.save(2).wait()
-        two = _snapshot(state)
-    return one, two
+        return _save_two_steps(ckpt, state)
 
 
 def _damage_last_chunk(step: Path) -> None:
@@ -85,11 +89,7 @@ def test_a_failed_restore_staged_in_the_save_pool_leaves_the_state_and_the_pool_
     save goes through)."""
     state = _trained(1)
     with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
-        ckpt.save(1).wait()
-        one = _snapshot(state)
-        state["model"](torch.randn(4, 64)).sum().backward()
-        state["optimizer"].step()
-        ckpt.save(2).wait()
+        one, _ = _save_two_steps(ckpt, state)
         _damage_last_chunk(ckpt_dir / "step-00000002")
         before = _snapshot(state)
         with pytest.raises(CorruptCheckpointError, match="step 2"):
