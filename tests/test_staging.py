@@ -14,7 +14,7 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
-from tests.ondisk import chunk_span, chunks_of
+from tests.ondisk import chunk_span, chunks_of, flip_chunk_byte
 from tiercheck import Checkpointer, StagingOptions, WriteOptions, staging
 from tiercheck.staging import ALIGN, HostPool, align_up
 from tiercheck.tiers.local import LocalTier, PackWriter
@@ -415,3 +415,99 @@ def test_a_restore_in_the_saving_process_stages_in_the_idle_pool(ckpt_dir: Path)
         assert ck.restore() == 3
         assert ck.stats()["restore_staged_in_pool"] == 0  # no pool yet: new memory, taken over
     assert_identical({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, three)
+
+
+def _evict_packs(step: Path) -> None:
+    """Drop the packs of ``step`` from the page cache (written back first), as after a reboot or
+    under memory pressure; skip where the cache keeps them (tmpfs) or O_DIRECT is refused."""
+    if LocalTier(step, direct_io=True)._open_direct(step / "probe", os.O_CREAT) is None:
+        pytest.skip(f"the filesystem of {step} refuses O_DIRECT")
+    (step / "probe").unlink()
+    for pack in (step / "packs").iterdir():
+        fd = os.open(pack, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            try:
+                os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            except BlockingIOError:
+                continue
+            pytest.skip(f"the page cache keeps {pack} (tmpfs?)")
+        finally:
+            os.close(fd)
+
+
+def _mixed_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "aligned": torch.randn(4, 1 << 18, generator=g),  # four 1 MiB chunks, each on a page in memory
+        "odd": torch.randn(3, (1 << 18) + 25, generator=g),  # 1 MiB + 100 byte chunks: tails, off-page starts
+        "small": torch.randn(100, generator=g),
+        "rows": torch.randn(1000, 700, generator=g),  # chunks of 374 rows, the last one short
+        "bf16": torch.randn(1 << 20, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_restore_reads_big_chunks_around_the_page_cache_unless_it_holds_them(ckpt_dir: Path, cached: bool) -> None:
+    """A cold restore reads the block-aligned bodies of big chunks with O_DIRECT, straight into
+    staging memory on a page (handed over to the live tensors), and the rest of each run (small
+    chunks, checksums, the tails and off-page chunks, which are copied into place) into one
+    scratch buffer; a chunk's bytes come back the same either way. Where the page cache holds
+    the pack (a restore right after another, or after pre-staging), it is read from there."""
+    state = _mixed_state()
+    opts = WriteOptions(chunk_bytes=(1 << 20) + 100)
+    with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
+        ck.save(1).wait()
+    step = ckpt_dir / "step-00000001"
+    _evict_packs(step)
+    if cached:
+        for pack in (step / "packs").iterdir():
+            pack.read_bytes()
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
+        assert ck.restore() == 1
+        direct = ck.stats()["restore_read_direct_bytes"]
+    assert_identical(live, state)
+    if cached:
+        assert direct == 0
+    else:
+        aligned = state["aligned"].numel() * 4
+        assert aligned <= direct < sum(t.numel() * t.element_size() for t in state.values()) + (1 << 20)
+        assert live["aligned"].data_ptr() % 4096 == 0, "staged on a page, and that memory handed over"
+
+
+def test_a_damaged_big_chunk_read_around_the_page_cache_is_named_and_the_state_kept(ckpt_dir: Path) -> None:
+    state = _mixed_state()
+    opts = WriteOptions(chunk_bytes=(1 << 20) + 100)
+    with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
+        ck.save(1).wait()
+    step = ckpt_dir / "step-00000001"
+    flip_chunk_byte(step, "aligned", "c.2.0", 5000)  # inside the block-aligned body read with O_DIRECT
+    _evict_packs(step)
+    live = {k: torch.full_like(v, 7) for k, v in state.items()}
+    with (
+        Checkpointer(live, local=ckpt_dir, write=opts) as ck,
+        pytest.raises(tiercheck.CorruptCheckpointError, match=r"array 'aligned' chunk c\.2\.0: checksum mismatch"),
+    ):
+        ck.restore()
+    assert all(bool((t == 7).all()) for t in live.values()), "a failed restore leaves the live state untouched"
+
+
+def test_a_restore_in_the_saving_process_reads_around_the_page_cache_into_the_pool(ckpt_dir: Path) -> None:
+    """Staged in the idle save pool, big arrays start on a block, so their chunks are read with
+    O_DIRECT there too, then copied into the live tensors."""
+    state = _mixed_state()
+    one = copy.deepcopy(state)
+    opts = WriteOptions(chunk_bytes=(1 << 20) + 100)
+    with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
+        ck.save(1).wait()
+        for t in state.values():
+            t.add_(1)
+        ck.save(2).wait()
+        _evict_packs(ckpt_dir / "step-00000001")
+        assert ck.restore(step=1) == 1
+        stats = ck.stats()
+    assert_identical(state, one)
+    assert stats["restore_staged_in_pool"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert stats["restore_read_direct_bytes"] >= state["aligned"].numel() * 4

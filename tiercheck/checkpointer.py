@@ -467,6 +467,7 @@ class Checkpointer:
             self._counters["restore_remote_reads"] = done.remote_reads
             self._counters["restore_fallbacks"] = done.fallbacks
             self._counters["restore_staged_in_pool"] = done.staged_in_pool
+            self._counters["restore_read_direct_bytes"] = done.read_direct
             self._local.add(*self.steps())
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._populate = threading.Thread(

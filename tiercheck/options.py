@@ -66,7 +66,8 @@ class WriteOptions:
     direct_io: write large chunks to the local tier with O_DIRECT, straight from the staging
         pool to the device. This skips the kernel's copy into the page cache (CPU time the
         training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
-        Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered writes.
+        A restore reads big chunks back with O_DIRECT too, where the page cache does not hold
+        them. Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered I/O.
     nice: niceness added to tiercheck's I/O threads (Linux), which checksum and write chunks and
         have until the next save to do it: when CPU is short the training loop's threads win.
         0 (the default) runs them at the training's priority: on the 2-core benchmark machine,

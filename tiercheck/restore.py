@@ -202,6 +202,7 @@ class Restored:
     remote_reads: int
     fallbacks: int
     staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
+    read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
 
@@ -415,6 +416,7 @@ def _restore_step(
         remote_reads=moved.get("remote_reads", 0),
         fallbacks=moved.get("fallbacks", 0),
         staged_in_pool=in_pool,
+        read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
         held_here=list(here),
     )

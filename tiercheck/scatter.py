@@ -10,11 +10,12 @@ read (its file is on another node) arrives point-to-point over the process group
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ from .flatten import torch_dtype
 from .layout import Chunk, overlap
 from .manifest import ArrayRecord
 from .planner import Need, Read, Transfer
+from .staging import aligned_empty, page_aligned_empty
 from .tiers.base import Tier
-from .tiers.local import BLOCK, LocalTier
+from .tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier
 
 log = logging.getLogger("tiercheck")
 
@@ -133,11 +135,14 @@ def staged(
             out.append(item)
             continue
         live = item.dest
+        n = live.numel() * live.element_size()
         if arena is not None and (not live.is_cuda or arena.is_pinned()):
-            n = live.numel() * live.element_size()
+            pos = _arena_align(pos, n)
             buf = arena[pos : pos + n].view(live.dtype).view(tuple(live.shape))
-            pos += _arena_align(n)
-        else:
+            pos += n
+        elif n >= DIRECT_MIN_BYTES and not live.is_cuda:  # on a page, so its chunks can skip the page cache
+            buf = page_aligned_empty(tuple(live.shape), live.dtype)
+        else:  # page-locked memory for a CUDA destination starts on a page as it is
             buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=live.is_cuda)
         out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
         pairs.append((live, buf))
@@ -146,11 +151,19 @@ def staged(
 
 def staging_bytes(items: Sequence[ReadItem]) -> int:
     """The arena ``staged`` needs for ``items``."""
-    return sum(_arena_align(i.dest.numel() * i.dest.element_size()) for i in items if not i.fresh)
+    pos = 0
+    for i in items:
+        if not i.fresh:
+            n = i.dest.numel() * i.dest.element_size()
+            pos = _arena_align(pos, n) + n
+    return pos
 
 
-def _arena_align(n: int) -> int:
-    return (n + 63) // 64 * 64  # any dtype's alignment, and whole cache lines
+def _arena_align(pos: int, n: int) -> int:
+    """Where ``n`` bytes go in an arena from ``pos`` on: a big array on a block (its chunks can
+    skip the page cache), the others on 64 bytes (any dtype's alignment, whole cache lines)."""
+    align = BLOCK if n >= DIRECT_MIN_BYTES else 64
+    return -(-pos // align) * align
 
 
 def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, swap: bool = True) -> None:
@@ -215,7 +228,7 @@ def move_chunks(
     A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
     """
     counts = counters if counters is not None else {}
-    for k in ("remote_reads", "fallbacks"):
+    for k in ("remote_reads", "fallbacks", "direct_bytes"):
         counts.setdefault(k, 0)
     by_path: dict[str, list[ReadItem]] = defaultdict(list)
     for item in items:
@@ -266,64 +279,57 @@ def move_chunks(
         fill(rec, c, data, by_path.get(path, ()))
         return path, c, data
 
-    def read_run(run: list[Read]) -> list[tuple[str, Chunk, torch.Tensor]]:
+    def read_run(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
         """Chunks that lie together in one pack, read with one vectored read straight into their
-        destinations (a scratch buffer for a chunk that is copied or sent), then each verified.
-        A chunk that fails, or a run the file cuts short, is read again on its own: that path
-        falls back to the remote tier or reports the chunk."""
+        destinations (``_RunLayout``), then each verified; and the bytes read around the page
+        cache. A chunk that fails, or a run the file cuts short, is read again on its own: that
+        path falls back to the remote tier or reports the chunk."""
         if len(run) == 1:
-            return [read_and_fill(run[0])]
+            return [read_and_fill(run[0])], 0
         assert isinstance(tier, LocalTier)
         slots = []
-        views: list[memoryview] = []
-        file, start = records[run[0].path].location(run[0].chunk.key)
-        assert start is not None
-        pos = start
         for job in run:
-            rec, c = records[job.path], job.chunk
-            _, offset = rec.location(c.key)
+            rec = records[job.path]
+            _, offset = rec.location(job.chunk.key)
             assert offset is not None
-            if offset > pos:
-                views.append(memoryview(bytearray(offset - pos)))  # an alignment gap
-            nbytes = chunk_nbytes(rec)
-            target = direct_target(rec, c, by_path.get(job.path, ()), whole=(job.path, c.coords) in sends)
-            raw: bytearray | None = None
-            if target is None:  # copied into place afterwards, or sent: read whole into scratch
-                raw = bytearray(nbytes + CHECKSUM_BYTES)
-                data, rest = memoryview(raw)[:nbytes], memoryview(raw)[nbytes:]
-            else:  # straight into the destination; an edge chunk's padding and the checksum apart
-                data = target.numpy().data
-                rest = memoryview(bytearray(nbytes + CHECKSUM_BYTES - len(data)))
-            views += [data, rest]
-            slots.append((job, rec, nbytes, target, raw, data, rest))
-            pos = offset + nbytes + CHECKSUM_BYTES
+            target = direct_target(
+                rec, job.chunk, by_path.get(job.path, ()), whole=(job.path, job.chunk.coords) in sends
+            )
+            slots.append(_Slot(job, offset, chunk_nbytes(rec), target))
+        file, _ = records[run[0].path].location(run[0].chunk.key)
+        layout = (_RunLayout.unbuffered(slots) if tier.direct_io else None) or _RunLayout.buffered(slots)
         try:
-            whole = tier.read_vectored(f"{step_dir(step)}/{file}", start, views) == pos - start
+            n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", layout.start, layout.views, direct=layout.direct)
+            whole = n >= layout.end - layout.start
         except OSError:
             whole = False
         if not whole:
-            return [read_and_fill(job) for job in run]
+            return [read_and_fill(job) for job in run], 0
+        for into, src in layout.copies:
+            into[:] = src
         out = []
-        for job, rec, nbytes, target, raw, data, rest in slots:
-            c = job.chunk
+        for slot, (data, rest, chunk) in zip(slots, layout.parts, strict=True):
+            job, c = slot.job, slot.job.chunk
+            rec = records[job.path]
             try:
-                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=nbytes,
+                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes,
                              where=f"{tier.url}: step {step}: array {rec.path!r} chunk {c.key}")  # fmt: skip
             except CorruptCheckpointError:
                 out.append(read_and_fill(job))
                 continue
-            if target is not None:
-                out.append((job.path, c, target))
+            if slot.target is not None:
+                out.append((job.path, c, slot.target))
                 continue
-            chunk = torch.frombuffer(raw, dtype=torch.uint8)[:nbytes]
+            assert chunk is not None
             fill(rec, c, chunk, by_path.get(job.path, ()))
             out.append((job.path, c, chunk))
-        return out
+        return out, n if direct else 0
 
     total = 0
     runs = read_runs(tier, records, reads)
     with ThreadPoolExecutor(max(1, min(io_threads, len(runs))), thread_name_prefix="tiercheck-read") as pool:
-        for done in pool.map(read_run, runs):
+        for done, direct_bytes in pool.map(read_run, runs):
+            counts["direct_bytes"] += direct_bytes
             for path, c, data in done:
                 total += data.numel()
                 for dst, tag in sends.get((path, c.coords), ()):
@@ -339,6 +345,108 @@ def move_chunks(
     if errors:
         raise errors[0]
     return total
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One chunk of a run: where it lies in the pack, and the memory its data is read straight
+    into (``direct_target``), or None (read into scratch, then copied or sent)."""
+
+    job: Read
+    offset: int
+    nbytes: int  # the full chunk's data, padding included, without its checksum
+    target: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _RunLayout:
+    """How one vectored read of a run lands: the file from ``start`` on into ``views`` in order;
+    then ``copies`` (into, from) move bytes that landed in scratch to where they belong, and each
+    chunk's ``parts`` (its data, the rest of it with the checksum, and its bytes as a tensor where
+    it has no target) are verified."""
+
+    start: int
+    end: int  # the bytes up to here must be read
+    views: list[memoryview] = field(default_factory=list)
+    parts: list[tuple[memoryview, memoryview, torch.Tensor | None]] = field(default_factory=list)
+    copies: list[tuple[memoryview, memoryview]] = field(default_factory=list)
+    direct: bool = False
+
+    @classmethod
+    def buffered(cls, slots: Sequence[_Slot]) -> _RunLayout:
+        """Each target as its own buffer; a chunk without one, alignment gaps and checksums in
+        buffers of their own."""
+        last = slots[-1]
+        layout = cls(slots[0].offset, last.offset + last.nbytes + CHECKSUM_BYTES)
+        pos = layout.start
+        for s in slots:
+            if s.offset > pos:
+                layout.views.append(memoryview(bytearray(s.offset - pos)))  # an alignment gap
+            whole = s.nbytes + CHECKSUM_BYTES
+            if s.target is None:  # copied into place afterwards, or sent: read whole into scratch
+                raw = bytearray(whole)
+                data, rest = memoryview(raw)[: s.nbytes], memoryview(raw)[s.nbytes :]
+                layout.parts.append((data, rest, torch.frombuffer(raw, dtype=torch.uint8)[: s.nbytes]))
+            else:  # straight into the destination; an edge chunk's padding and the checksum apart
+                data = s.target.numpy().data
+                rest = memoryview(bytearray(whole - len(data)))
+                layout.parts.append((data, rest, None))
+            layout.views += [data, rest]
+            pos = s.offset + whole
+        return layout
+
+    @classmethod
+    def unbuffered(cls, slots: Sequence[_Slot]) -> _RunLayout | None:
+        """Whole blocks, for a read that bypasses the page cache: the block-aligned body of each
+        target that starts on a block in memory and in the pack (big chunks do in the pack;
+        ``staged`` places big arrays on pages), everything between in one page-aligned scratch
+        buffer. None when targets would take less than half of the blocks read."""
+        last = slots[-1]
+        end = last.offset + last.nbytes + CHECKSUM_BYTES
+        layout = cls(slots[0].offset // BLOCK * BLOCK, end, direct=True)
+        hi = -(-end // BLOCK) * BLOCK
+        bodies = [
+            0
+            if s.target is None or s.offset % BLOCK or s.target.data_ptr() % BLOCK
+            else s.target.numel() // BLOCK * BLOCK
+            for s in slots
+        ]
+        if 2 * sum(bodies) < hi - layout.start:
+            return None
+        scratch = aligned_empty(hi - layout.start - sum(bodies))
+        raw = scratch.numpy().data
+        gaps: list[tuple[int, int]] = []  # (file offset, scratch offset) where each scratch span starts
+        pos, used = layout.start, 0
+        for s, body in zip(slots, bodies, strict=True):
+            if not body:
+                continue
+            if s.offset > pos:
+                gaps.append((pos, used))
+                layout.views.append(raw[used : used + s.offset - pos])
+                used += s.offset - pos
+            assert s.target is not None
+            layout.views.append(s.target.numpy().data[:body])
+            pos = s.offset + body
+        if hi > pos:
+            gaps.append((pos, used))
+            layout.views.append(raw[used : used + hi - pos])
+
+        def at(offset: int, n: int) -> torch.Tensor:  # the file's bytes [offset, offset + n) in scratch
+            i = bisect.bisect_right(gaps, (offset, len(raw))) - 1
+            start = gaps[i][1] + offset - gaps[i][0]
+            return scratch[start : start + n]
+
+        for s, body in zip(slots, bodies, strict=True):
+            whole = s.nbytes + CHECKSUM_BYTES
+            if s.target is None:
+                chunk = at(s.offset, whole)
+                layout.parts.append((chunk[: s.nbytes].numpy().data, chunk[s.nbytes :].numpy().data, chunk[: s.nbytes]))
+                continue
+            data = s.target.numpy().data
+            if len(data) > body:  # the part of the target short of a block, read into scratch
+                layout.copies.append((data[body:], at(s.offset + body, len(data) - body).numpy().data))
+            layout.parts.append((data, at(s.offset + len(data), whole - len(data)).numpy().data, None))
+        return layout
 
 
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes

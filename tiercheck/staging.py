@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +31,46 @@ ALIGN = 4096  # page-aligned regions: any dtype view, and writes that bypass the
 
 def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """``nbytes`` of new uint8 memory starting on a page (torch's allocator aligns to 64 bytes;
+    O_DIRECT wants whole blocks), a view into an allocation a page longer."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift : shift + nbytes]
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor that is the whole of its memory, and that memory starts on a page. A
+    restore stages big arrays here so their chunks can be read with O_DIRECT, and hands the memory
+    over to the live tensor (``scatter.copy_in``), which needs a storage of exactly the tensor's
+    size. The memory comes from the C library's ``posix_memalign`` (memory the process freed is
+    reused, resident, as torch's allocator would) and goes back with the last reference to it;
+    torch does not resize such a storage in place (``resizable()`` is False). Where the C library
+    has no ``posix_memalign``, torch's own memory (64-byte aligned: read through the page cache)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    address = ctypes.c_void_p()
+    if _libc is None or nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if _libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
+        raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
+    memory = (ctypes.c_char * nbytes).from_address(address.value)
+    weakref.finalize(memory, _libc.free, address.value).atexit = False  # tensors may outlive it at exit
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # holds ``memory``
+
+
+def _c_library() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError, TypeError):  # no C library by that name (Windows), or no posix_memalign
+        return None
+    return libc
+
+
+_libc = _c_library()
 
 
 @dataclass(eq=False, slots=True)
@@ -63,9 +105,7 @@ class HostPool:
                 return
             self._cond.wait_for(lambda: not self._live)
             self._buf = None  # free the old buffer before allocating the new one
-            raw = torch.empty(capacity + ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
-            shift = -raw.data_ptr() % ALIGN  # the allocator aligns to 64 bytes; O_DIRECT wants pages
-            self._buf = raw[shift : shift + capacity]
+            self._buf = aligned_empty(capacity, pin_memory=self.pin_memory)
             self.allocations += 1
             self.touched = capacity if self.pin_memory else 0  # page-locked memory is resident already
             if touch is not None:

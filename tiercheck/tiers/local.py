@@ -29,6 +29,11 @@ class LocalTier(Tier):
         self._fsync = fsync
         self._direct = direct_io and hasattr(os, "O_DIRECT")
 
+    @property
+    def direct_io(self) -> bool:
+        """Whether big chunks go around the page cache (asked for, and not refused so far)."""
+        return self._direct
+
     def create(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
@@ -124,22 +129,47 @@ class LocalTier(Tier):
             n = f.readinto(out)  # buffered: loops until ``out`` is full or the file ends
             return n, f.read(-1 if length is None else max(length - n, 0))
 
-    def read_vectored(self, path: str, offset: int, views: Sequence[memoryview]) -> int:
+    def read_vectored(
+        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+    ) -> tuple[int, bool]:
         """Fill ``views`` (writable) from ``path`` at ``offset`` on, in order, with as few reads as
         it takes (one ``preadv`` of up to 1024 buffers each); returns the bytes read, fewer where
-        the file ends first. Restore reads runs of chunks that lie together in a pack this way."""
-        fd = os.open(self._abs(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        the file ends first, and whether they bypassed the page cache. Restore reads runs of
+        chunks that lie together in a pack this way.
+
+        With ``direct``, and where the tier does direct I/O, ``offset`` and every view's address
+        and length are whole blocks, and the file's bytes are not in the page cache already (the
+        largest view's first block is probed), the reads bypass the page cache: no copy out of
+        it, and no cache memory to fill and reclaim."""
+        target = self._abs(path)
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
+            direct = direct and self._direct and _blocks(offset, views) and not _cached(fd, offset, views)
+            if direct:
+                fd, direct = self._reopen_direct(target, fd)
             total, pending = 0, [v for v in views if len(v)]
             while pending:
                 n = os.preadv(fd, pending[:1024], offset + total)
-                if n == 0:
-                    break
                 total += n
+                if n == 0 or (direct and n % BLOCK):
+                    break  # the end of the file (a direct read cannot go on from within a block)
                 _advance(pending, n)  # a short read resumes mid-buffer
-            return total
+            return total, direct
         finally:
             os.close(fd)
+
+    def _reopen_direct(self, target: Path, fd: int) -> tuple[int, bool]:
+        """``target`` opened again for reading with O_DIRECT (``fd`` closed), and True; ``fd``
+        and False where the filesystem refuses direct I/O (which is then off for this tier)."""
+        try:
+            direct = os.open(target, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            return fd, False
+        os.close(fd)
+        return direct, True
 
     def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
         """Written under a temporary name and renamed when whole, as an object store completes
@@ -301,9 +331,32 @@ def _direct_span(view: memoryview, skip: int) -> int:
     """How many bytes of ``view`` from ``skip`` on O_DIRECT can write (whole blocks from a
     block-aligned address, and enough of them to be worth it), or 0."""
     n = max(len(view) - skip, 0) // BLOCK * BLOCK
-    if n < DIRECT_MIN_BYTES or (np.frombuffer(view, dtype=np.uint8).ctypes.data + skip) % BLOCK:
+    if n < DIRECT_MIN_BYTES or (_address(view) + skip) % BLOCK:
         return 0
     return n
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _blocks(offset: int, views: Sequence[memoryview]) -> bool:
+    """Whether a read at ``offset`` into ``views`` can bypass the page cache: whole blocks."""
+    return offset % BLOCK == 0 and all(len(v) % BLOCK == 0 and _address(v) % BLOCK == 0 for v in views if len(v))
+
+
+def _cached(fd: int, offset: int, views: Sequence[memoryview]) -> bool:
+    """Whether the page cache holds the first block of the largest of ``views`` (read at
+    ``offset``): a read that does not wait for the disk (``RWF_NOWAIT``) says. Copying out of the
+    cache beats reading the disk again; the probe stands for the run around it."""
+    at, largest = offset, (0, offset)
+    for v in views:
+        largest = max(largest, (len(v), at))
+        at += len(v)
+    try:
+        return os.preadv(fd, [bytearray(BLOCK)], largest[1], os.RWF_NOWAIT) > 0
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: no way to tell
+        return False
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
