@@ -511,3 +511,28 @@ def test_a_restore_in_the_saving_process_reads_around_the_page_cache_into_the_po
     assert_identical(state, one)
     assert stats["restore_staged_in_pool"] == sum(t.numel() * t.element_size() for t in state.values())
     assert stats["restore_read_direct_bytes"] >= state["aligned"].numel() * 4
+
+
+def test_a_pack_cut_short_inside_a_big_chunk_read_around_the_page_cache_is_reported(ckpt_dir: Path) -> None:
+    """A pack that ends inside a big chunk (a disk that filled, a copy cut short) ends the direct
+    read within a block: the run is read again chunk by chunk, and the chunk that is cut short is
+    named; the live state is untouched."""
+    state = _mixed_state()
+    state["aligned"] = state.pop("aligned")  # last in the pack: the only array cut short
+    with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=(1 << 20) + 100)) as ck:
+        ck.save(1).wait()
+    step = ckpt_dir / "step-00000001"
+    last = max(chunks_of(step, "aligned"), key=lambda k: chunk_span(step, "aligned", k)[1])
+    pack, offset, length = chunk_span(step, "aligned", last)
+    assert pack.stat().st_size == offset + length
+    os.truncate(pack, offset + length // 2 + 123)  # mid-chunk, not on a block
+    _evict_packs(step)
+    live = {k: torch.full_like(v, 7) for k, v in state.items()}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(
+            tiercheck.CorruptCheckpointError, match=rf"array 'aligned' chunk {last}: chunk has \d+ bytes.*truncated"
+        ),
+    ):
+        ck.restore()
+    assert all(bool((t == 7).all()) for t in live.values()), "a failed restore leaves the live state untouched"
