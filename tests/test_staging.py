@@ -269,9 +269,7 @@ def test_a_run_that_starts_unaligned_in_the_pack_writes_its_big_chunk_with_direc
         return n
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if LocalTier(ckpt_dir, direct_io=True)._open_direct(ckpt_dir / "probe", os.O_CREAT) is None:
-        pytest.skip(f"the filesystem of {ckpt_dir} refuses O_DIRECT")
-    (ckpt_dir / "probe").unlink()
+    _skip_without_direct_io(ckpt_dir)
     with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=8 << 20)) as ck:
         monkeypatch.setattr(os, "pwritev", spy)
         ck.save(1).wait()
@@ -417,12 +415,19 @@ def test_a_restore_in_the_saving_process_stages_in_the_idle_pool(ckpt_dir: Path)
     assert_identical({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, three)
 
 
+def _skip_without_direct_io(directory: Path) -> None:
+    """Skip the test where the filesystem of ``directory`` refuses O_DIRECT."""
+    fd = LocalTier(directory, direct_io=True)._open_direct(directory / "probe", os.O_CREAT)
+    if fd is None:
+        pytest.skip(f"the filesystem of {directory} refuses O_DIRECT")
+    os.close(fd)
+    (directory / "probe").unlink()
+
+
 def _evict_packs(step: Path) -> None:
     """Drop the packs of ``step`` from the page cache (written back first), as after a reboot or
     under memory pressure; skip where the cache keeps them (tmpfs) or O_DIRECT is refused."""
-    if LocalTier(step, direct_io=True)._open_direct(step / "probe", os.O_CREAT) is None:
-        pytest.skip(f"the filesystem of {step} refuses O_DIRECT")
-    (step / "probe").unlink()
+    _skip_without_direct_io(step)
     for pack in (step / "packs").iterdir():
         fd = os.open(pack, os.O_RDONLY)
         try:
