@@ -3,10 +3,17 @@ damage one on purpose."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from tiercheck.codec import CHECKSUM_BYTES, unseal
 from tiercheck.manifest import RankPart, pack_file, parse_rank_part
+from tiercheck.tiers.local import LocalTier
 
 
 def chunk_span(step: Path, array: str, key: str) -> tuple[Path, int, int]:
@@ -76,3 +83,42 @@ def as_format3(step: Path) -> None:
     marker = json.loads((step / "COMMIT").read_bytes())
     marker.update(manifest_crc32c=checksum(data), manifest_size=len(data))
     (step / "COMMIT").write_text(json.dumps(marker))
+
+
+def skip_without_direct_io(directory: Path) -> None:
+    """Skip the test where the filesystem of ``directory`` refuses O_DIRECT."""
+    fd = LocalTier(directory, direct_io=True)._open_direct(directory / "probe", os.O_CREAT)
+    if fd is None:
+        pytest.skip(f"the filesystem of {directory} refuses O_DIRECT")
+    os.close(fd)
+    (directory / "probe").unlink()
+
+
+def evict_packs(step: Path) -> None:
+    """Drop the packs of ``step`` from the page cache (written back first), as after a reboot or
+    under memory pressure; skip where the cache keeps them (tmpfs) or O_DIRECT is refused. The
+    check asks ``mincore`` of a mapping of each pack: a read, even one that must not wait
+    (``RWF_NOWAIT``), starts readahead that brings the pages it missed back."""
+    skip_without_direct_io(step)
+    for pack in (step / "packs").iterdir():
+        with open(pack, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            if _resident_pages(f.fileno(), os.fstat(f.fileno()).st_size):
+                pytest.skip(f"the page cache keeps {pack} (tmpfs?)")
+
+
+def _resident_pages(fd: int, size: int) -> int:
+    """How many pages of the file ``fd`` (``size`` bytes) the page cache holds, by ``mincore``."""
+    if size == 0:
+        return 0
+    pages = -(-size // mmap.PAGESIZE)
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+        address = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(v & 1 for v in vec)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)

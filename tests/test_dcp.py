@@ -28,7 +28,7 @@ from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
-from .ondisk import chunks_of, flip_chunk_byte
+from .ondisk import chunks_of, evict_packs, flip_chunk_byte
 
 pytestmark = [
     # DCP's own notices: no process group in one process, its deprecated synchronize_staging in async_save
@@ -256,6 +256,31 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(CheckpointException, match="CorruptCheckpointError"):
         dcp.load(into, storage_reader=TiercheckReader(local=root), planner=planner)
     assert planner.committed == {} and not into["a"].any() and not into["b"].any()
+
+
+def test_a_cold_load_reads_big_tensors_around_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dcp.load`` into the state's own tensors reads into new buffers, copied in once every chunk is
+    verified; a big buffer starts on a page, so a cold load reads its chunks with O_DIRECT (no copy out of
+    the page cache), as ``Checkpointer.restore`` does."""
+    direct_bytes: list[int] = []
+    read_vectored = LocalTier.read_vectored
+
+    def recording(self: LocalTier, path: str, offset: int, views: Any, *, direct: bool = False) -> tuple[int, bool]:
+        n, went_direct = read_vectored(self, path, offset, views, direct=direct)
+        direct_bytes.append(n if went_direct else 0)
+        return n, went_direct
+
+    monkeypatch.setattr(LocalTier, "read_vectored", recording)
+    root = tmp_path / "ckpt"
+    g = torch.Generator().manual_seed(0)
+    saved = {"big": torch.randn(1024, 1024, generator=g), "small": torch.randn(10, generator=g)}
+    with TiercheckWriter(local=root) as writer:
+        dcp.save(saved, storage_writer=writer, checkpoint_id=1)
+    evict_packs(root / step_dir(1))
+    into = {"big": torch.zeros(1024, 1024), "small": torch.zeros(10)}
+    dcp.load(into, storage_reader=TiercheckReader(local=root))
+    _equal(saved, into)
+    assert sum(direct_bytes) >= saved["big"].numel() * 4
 
 
 def test_async_save_thread(tmp_path: Path) -> None:

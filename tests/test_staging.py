@@ -14,7 +14,7 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
-from tests.ondisk import chunk_span, chunks_of, flip_chunk_byte
+from tests.ondisk import chunk_span, chunks_of, evict_packs, flip_chunk_byte, skip_without_direct_io
 from tiercheck import Checkpointer, StagingOptions, WriteOptions, staging
 from tiercheck.staging import ALIGN, HostPool, align_up
 from tiercheck.tiers.local import LocalTier, PackWriter
@@ -269,7 +269,7 @@ def test_a_run_that_starts_unaligned_in_the_pack_writes_its_big_chunk_with_direc
         return n
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _skip_without_direct_io(ckpt_dir)
+    skip_without_direct_io(ckpt_dir)
     with Checkpointer(state, local=ckpt_dir, write=WriteOptions(chunk_bytes=8 << 20)) as ck:
         monkeypatch.setattr(os, "pwritev", spy)
         ck.save(1).wait()
@@ -415,33 +415,6 @@ def test_a_restore_in_the_saving_process_stages_in_the_idle_pool(ckpt_dir: Path)
     assert_identical({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, three)
 
 
-def _skip_without_direct_io(directory: Path) -> None:
-    """Skip the test where the filesystem of ``directory`` refuses O_DIRECT."""
-    fd = LocalTier(directory, direct_io=True)._open_direct(directory / "probe", os.O_CREAT)
-    if fd is None:
-        pytest.skip(f"the filesystem of {directory} refuses O_DIRECT")
-    os.close(fd)
-    (directory / "probe").unlink()
-
-
-def _evict_packs(step: Path) -> None:
-    """Drop the packs of ``step`` from the page cache (written back first), as after a reboot or
-    under memory pressure; skip where the cache keeps them (tmpfs) or O_DIRECT is refused."""
-    _skip_without_direct_io(step)
-    for pack in (step / "packs").iterdir():
-        fd = os.open(pack, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            try:
-                os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
-            except BlockingIOError:
-                continue
-            pytest.skip(f"the page cache keeps {pack} (tmpfs?)")
-        finally:
-            os.close(fd)
-
-
 def _mixed_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
@@ -465,7 +438,7 @@ def test_a_restore_reads_big_chunks_around_the_page_cache_unless_it_holds_them(c
     with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
         ck.save(1).wait()
     step = ckpt_dir / "step-00000001"
-    _evict_packs(step)
+    evict_packs(step)
     if cached:
         for pack in (step / "packs").iterdir():
             pack.read_bytes()
@@ -489,7 +462,7 @@ def test_a_damaged_big_chunk_read_around_the_page_cache_is_named_and_the_state_k
         ck.save(1).wait()
     step = ckpt_dir / "step-00000001"
     flip_chunk_byte(step, "aligned", "c.2.0", 5000)  # inside the block-aligned body read with O_DIRECT
-    _evict_packs(step)
+    evict_packs(step)
     live = {k: torch.full_like(v, 7) for k, v in state.items()}
     with (
         Checkpointer(live, local=ckpt_dir, write=opts) as ck,
@@ -510,7 +483,7 @@ def test_a_restore_in_the_saving_process_reads_around_the_page_cache_into_the_po
         for t in state.values():
             t.add_(1)
         ck.save(2).wait()
-        _evict_packs(ckpt_dir / "step-00000001")
+        evict_packs(ckpt_dir / "step-00000001")
         assert ck.restore(step=1) == 1
         stats = ck.stats()
     assert_identical(state, one)
@@ -531,7 +504,7 @@ def test_a_pack_cut_short_inside_a_big_chunk_read_around_the_page_cache_is_repor
     pack, offset, length = chunk_span(step, "aligned", last)
     assert pack.stat().st_size == offset + length
     os.truncate(pack, offset + length // 2 + 123)  # mid-chunk, not on a block
-    _evict_packs(step)
+    evict_packs(step)
     live = {k: torch.full_like(v, 7) for k, v in state.items()}
     with (
         Checkpointer(live, local=ckpt_dir) as ck,

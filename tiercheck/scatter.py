@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -140,13 +141,21 @@ def staged(
             pos = _arena_align(pos, n)
             buf = arena[pos : pos + n].view(live.dtype).view(tuple(live.shape))
             pos += n
-        elif n >= DIRECT_MIN_BYTES and not live.is_cuda:  # on a page, so its chunks can skip the page cache
-            buf = page_aligned_empty(tuple(live.shape), live.dtype)
-        else:  # page-locked memory for a CUDA destination starts on a page as it is
-            buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=live.is_cuda)
+        elif not live.is_cuda:
+            buf = host_read_buffer(tuple(live.shape), live.dtype)
+        else:  # page-locked memory starts on a page as it is
+            buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=True)
         out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
         pairs.append((live, buf))
     return out, pairs
+
+
+def host_read_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """New host memory for a restore to read an array into: a big one on a page, so that its
+    chunks can skip the page cache (see ``LocalTier.read_vectored``)."""
+    if math.prod(shape) * dtype.itemsize >= DIRECT_MIN_BYTES:
+        return page_aligned_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
 
 
 def staging_bytes(items: Sequence[ReadItem]) -> int:

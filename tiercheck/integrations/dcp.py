@@ -61,6 +61,7 @@ from ..errors import (
 )
 from ..fmt import fmt_steps
 from ..match import FreshShard
+from ..scatter import host_read_buffer
 from ..sharding import Shard
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
@@ -415,8 +416,8 @@ class TiercheckReader(StorageReader):
                 direct.add(fqn)
                 buf = targets[fqn][0]
                 state.append(_span(buf))  # a planner reusing one scratch tensor gets it read into once
-            else:
-                buf = torch.empty(shape, dtype=md.properties.dtype)
+            else:  # on a page when big: its chunks can skip the page cache
+                buf = host_read_buffer(tuple(shape), md.properties.dtype)
             # Nothing sees either before the restore succeeded: it needs no staging copy of its own.
             values[fqn] = FreshShard(buf, offsets=lo, global_shape=md.size)
         with self._checkpointer() as shared, shared.lock:
