@@ -118,12 +118,19 @@ def _save(rank: int, world: int, layout: Layout, root: str, per_node: int, steps
 
 
 def _restore(
-    rank: int, world: int, layout: Layout, root: str, per_node: int, seed: int, read_once: bool = False
+    rank: int,
+    world: int,
+    layout: Layout,
+    root: str,
+    per_node: int,
+    seed: int,
+    read_once: bool = False,
+    in_place: bool = False,
 ) -> tuple[int | None, int, dict[str, Any], int, int]:
     state = model_state(layout, rank, seed=seed, fill=-1.0)
     opts = tiercheck.DistributedOptions(read_once=read_once)
     with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node), distributed=opts) as ck:
-        step = ck.restore()
+        step = ck.restore(in_place=in_place)
         n = check_model(state, seed) if step is not None else 0
         stats = ck.stats()
         return step, n, state["rank_info"], stats["restore_bytes_read"], stats["restore_chunks_received"]
@@ -141,18 +148,19 @@ def saved_8(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize(
-    ("layout", "per_node", "read_once"),
+    ("layout", "per_node", "read_once", "in_place"),
     [
-        (Layout(tp=4, pp=1, dp=1), 2, False),
-        (Layout(tp=4, pp=1, dp=1), 2, True),
-        (Layout(tp=3, pp=1, dp=1), 1, False),  # uneven splits, 3 nodes
-        (Layout(tp=1, pp=1, dp=1), 1, False),
-        (Layout(tp=2, pp=2, dp=2), 2, False),  # the same layout
+        (Layout(tp=4, pp=1, dp=1), 2, False, False),
+        (Layout(tp=4, pp=1, dp=1), 2, True, False),
+        (Layout(tp=4, pp=1, dp=1), 2, True, True),  # chunks read and received into the live shards
+        (Layout(tp=3, pp=1, dp=1), 1, False, False),  # uneven splits, 3 nodes
+        (Layout(tp=1, pp=1, dp=1), 1, False, False),
+        (Layout(tp=2, pp=2, dp=2), 2, False, False),  # the same layout
     ],
-    ids=["tp4", "tp4-read-once", "tp3-uneven", "single", "same"],
+    ids=["tp4", "tp4-read-once", "tp4-read-once-in-place", "tp3-uneven", "single", "same"],
 )
 def test_restore_onto_another_layout_is_bit_identical(
-    saved_8: str, tmp_path: Path, layout: Layout, per_node: int, read_once: bool
+    saved_8: str, tmp_path: Path, layout: Layout, per_node: int, read_once: bool, in_place: bool
 ) -> None:
     # The new job has fewer nodes; each was given the files of some of the old nodes (as a pre-staging
     # copy would), so that together they hold every chunk, but no node holds all of them.
@@ -160,7 +168,9 @@ def test_restore_onto_another_layout_is_bit_identical(
     n_nodes = math.ceil(layout.world / per_node)
     for j in range(4):
         _merge_into(Path(saved_8) / f"node{j}", tmp_path / f"node{j % n_nodes}")
-    results = run_ranks(_restore, layout.world, layout, root, per_node, 2, read_once, start_method="forkserver")
+    results = run_ranks(
+        _restore, layout.world, layout, root, per_node, 2, read_once, in_place, start_method="forkserver"
+    )
     for rank, (step, n, info, _, _) in enumerate(results):
         assert step == 2
         assert n > 0

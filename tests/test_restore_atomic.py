@@ -201,6 +201,58 @@ def _roll_back_in_process(rank: int, world_size: int, roots: list[str]) -> Any:
         return restored, staged_in_pool, half.data_ptr() == ptr, ckpt.steps()
 
 
+def _memory(state: dict[str, Any]) -> list[int]:
+    """Where each tensor of the model and the optimizer state lies in memory."""
+    tensors = list(state["model"].parameters()) + [
+        t for by_param in state["optimizer"].state.values() for t in by_param.values() if t.dim()
+    ]
+    return [t.data_ptr() for t in tensors]
+
+
+def test_an_in_place_restore_reads_into_the_state_s_own_memory(ckpt_dir: Path) -> None:
+    """``in_place=True``: the tensors keep their memory and get the step's bytes (the default
+    restore hands them the memory it read into, so each moves)."""
+    _, two = _saved_steps(ckpt_dir)
+    live, other = _trained(7), _trained(8)
+    where, elsewhere = _memory(live), _memory(other)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore(in_place=True) == 2
+    with Checkpointer(other, local=ckpt_dir) as ckpt:
+        assert ckpt.restore() == 2
+    assert_identical(_snapshot(live), two)
+    assert_identical(_snapshot(other), two)
+    assert _memory(live) == where
+    assert not set(_memory(other)) & set(elsewhere)
+
+
+def test_a_failed_in_place_restore_says_the_state_may_hold_parts_of_the_step(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _saved_steps(ckpt_dir)
+    _damage_last_chunk(ckpt_dir / "step-00000002")
+    live = _trained(7)
+    with Checkpointer(live, local=ckpt_dir) as ckpt, pytest.raises(CorruptCheckpointError, match="step 2") as e:
+        ckpt.restore(step=2, in_place=True)
+    said = (
+        "restore(in_place=True) failed after it began to read into the state: its tensors may hold parts of step(s) 2"
+    )
+    assert [r.levelno for r in caplog.records if said in r.message] == [logging.ERROR]
+    assert said in "".join(getattr(e.value, "__notes__", [said]))  # notes: Python 3.11 and later
+
+
+def test_an_in_place_restore_of_a_damaged_newest_step_falls_back_to_the_older_one_whole(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one, _ = _saved_steps(ckpt_dir)
+    _damage_last_chunk(ckpt_dir / "step-00000002")
+    live = _trained(7)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore(in_place=True) == 1
+    assert_identical(_snapshot(live), one)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("cannot restore step 2" in r.message for r in caplog.records)
+
+
 def test_ranks_rolling_back_in_process_each_stage_in_their_own_save_pool(tmp_path: Path) -> None:
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     for rank, (restored, staged_in_pool, kept_memory, steps) in enumerate(

@@ -430,6 +430,7 @@ class Checkpointer:
         populate_local: bool = False,
         others: bool | Callable[[list[str]], Iterable[str]] = False,
         extra: bool = True,
+        in_place: bool = False,
     ) -> int | None:
         """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
 
@@ -448,6 +449,17 @@ class Checkpointer:
         lacks are added (a fresh optimizer gets its saved state); ``extra=False`` restores only
         what the state holds, for frameworks that describe exactly what each rank needs (Megatron,
         whose layout may change at the same world size).
+
+        All or nothing by default: every chunk is read into new memory (or the idle save pool) and
+        verified before the state changes, so a failed restore leaves it as it was; that takes a
+        second copy of the state's host memory while it runs. ``in_place=True`` reads the state's
+        CPU tensors straight into their own memory instead: no second copy, and no new memory to
+        fault in. The state is then only as good as the restore: when one fails after it began to
+        read, an ERROR is logged (and noted on the error, Python 3.11 and later) saying that the
+        tensors may hold parts of the step: restore again before using them. A damaged newest
+        step still falls back to the newest older whole step, which overwrites every tensor it
+        holds (with ``strict``, all of them). GPU tensors are staged in
+        host memory either way.
         """
         self._check_open()
         self._drop_prefault()  # before the lock: pre-faulting plans under it
@@ -457,7 +469,7 @@ class Checkpointer:
             n = self._restores
             self._restores += 1
             try:
-                done = self._restore_state(step, strict, allow_pickle, others, extra, n)
+                done = self._restore_state(step, strict, allow_pickle, others, extra, n, in_place)
             finally:
                 self._prefault()  # for the state as restored (a fresh optimizer's state included)
             if done is None:
@@ -484,6 +496,7 @@ class Checkpointer:
         others: bool | Callable[[list[str]], Iterable[str]],
         extra: bool,
         n: int,
+        in_place: bool = False,
     ) -> Restored | None:
         return restore_state(
             self.state,
@@ -501,6 +514,7 @@ class Checkpointer:
             read_once=self.distributed.read_once,
             io_threads=self.write.io_threads,
             pool=self._pool,
+            in_place=in_place,
         )
 
     def _populate_local(self, step: int) -> None:

@@ -225,50 +225,78 @@ def restore_state(
     read_once: bool,
     io_threads: int,
     pool: HostPool | None = None,
+    in_place: bool = False,
 ) -> Restored | None:
     """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
     same ``name``. Returns None when no tier holds a committed step (and none was requested).
 
     All or nothing: every chunk is read into staging memory and verified, on every rank, before
-    the first byte reaches the state. When the chosen step turns out damaged (a bad checksum, a
+    the first byte reaches the state; with ``in_place``, CPU tensors are read into as they are
+    (see ``Checkpointer.restore``). When the chosen step turns out damaged (a bad checksum, a
     missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
     step instead, with a warning; a ``requested`` step is never swapped for another."""
-    below: int | None = None
-    attempt = name
-    damaged: list[_Damaged] = []
-    for n in itertools.count(1):
-        try:
-            done = _restore_step(
-                state,
-                coord=coord,
-                name=attempt,
-                tier=tier,
-                nodes=nodes,
-                remote=remote,
-                group=group,
-                requested=requested,
-                below=below,
-                strict=strict,
-                allow_pickle=allow_pickle,
-                others=others,
-                extra=extra,
-                read_once=read_once,
-                io_threads=io_threads,
-                pool=pool,
-            )
-        except _Damaged as d:
-            if requested is not None:
-                raise d.error from None
-            if coord.rank == 0:
-                log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
-            damaged.append(d)
-            below, attempt = d.step, f"{name}.{n}"
-            continue
-        if done is None and damaged:
-            also = f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
-            raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
-        return done
+    touched: list[int] = []  # steps read into the state's own memory (in place) so far
+    try:
+        below: int | None = None
+        attempt = name
+        damaged: list[_Damaged] = []
+        for n in itertools.count(1):
+            try:
+                done = _restore_step(
+                    state,
+                    coord=coord,
+                    name=attempt,
+                    tier=tier,
+                    nodes=nodes,
+                    remote=remote,
+                    group=group,
+                    requested=requested,
+                    below=below,
+                    strict=strict,
+                    allow_pickle=allow_pickle,
+                    others=others,
+                    extra=extra,
+                    read_once=read_once,
+                    io_threads=io_threads,
+                    pool=pool,
+                    touched=touched if in_place else None,
+                )
+            except _Damaged as d:
+                if requested is not None:
+                    raise d.error from None
+                if coord.rank == 0:
+                    log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
+                damaged.append(d)
+                below, attempt = d.step, f"{name}.{n}"
+                continue
+            if done is None and damaged:
+                also = (
+                    f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
+                )
+                raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
+            return done
+    except BaseException as e:
+        if touched:
+            _say_partly_restored(e, touched)
+        raise
     raise AssertionError("unreachable")
+
+
+def _in_place(item: ReadItem) -> bool:
+    """Whether an in-place restore reads ``item`` into the state's own memory: a tensor of the
+    state on the CPU (a GPU one is staged in host memory either way)."""
+    return not item.fresh and item.dest.device.type == "cpu"
+
+
+def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
+    """Tell the caller of a failed in-place restore that the state's tensors were read into."""
+    what = (
+        f"restore(in_place=True) failed after it began to read into the state: its tensors may hold "
+        f"parts of step(s) {fmt_steps(steps)}; restore again before using them"
+    )
+    log.error("%s (%s)", what, e)
+    if hasattr(e, "add_note"):  # Python 3.11 and later: shown under the traceback
+        e.add_note(what)
 
 
 DAMAGE = (CorruptCheckpointError,)
@@ -307,7 +335,10 @@ def _restore_step(
     read_once: bool,
     io_threads: int,
     pool: HostPool | None,
+    touched: list[int] | None,
 ) -> Restored | None:
+    """One attempt at one step. With ``touched`` (a list), CPU tensors of the state are read into
+    in place, and ``step`` is added to it before the first byte is."""
     choice = drive(
         coord,
         agree_on_step(
@@ -368,6 +399,9 @@ def _restore_step(
     )
     moved: dict[str, int] = {}
     nbytes = 0
+    if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
+        items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
+        touched.append(step)
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         reads, live = staged(items, arena)
