@@ -274,9 +274,10 @@ class Method:
         if self.name == "torch_checkpointing":
             self.mgr.close()
 
-    def restore(self, step: int) -> None:
+    def restore(self, step: int, *, in_place: bool = False) -> None:
         """Load checkpoint ``step`` back into the live model and optimizer, as a restarted job
-        does: each library's own entry point, with a fresh object where it has one."""
+        does: each library's own entry point, with a fresh object where it has one (tiercheck:
+        all or nothing, or ``in_place``)."""
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -298,7 +299,7 @@ class Method:
             mgr.close()
         else:
             tc = self._tiercheck()
-            got = tc.restore()
+            got = tc.restore(in_place=in_place)
             tc.close()
             assert got == step, f"restore() returned step {got}, expected {step}"
 
@@ -434,23 +435,25 @@ def run_method(
     if m.tc is not None:
         out["tiercheck_stats"] = {a: b for a, b in dict(m.tc.stats()).items() if isinstance(b, (int, float, str))}
 
-    # Restore: the live state moves on one step, then the isolated checkpoint must bring it back.
+    # Restore: the live state moves on one step, then the isolated checkpoint must bring it back;
+    # tiercheck's both ways (all or nothing, the default, and in place).
     want = fingerprint(model, opt)
-    times, extra_rss = [], []
-    for _ in range(READS):
-        step()
-        gc.collect()
-        out["restore_cache"] = h.prepare(drop, settle_max_s, [wdir])
-        rss0 = h.rss_bytes()
-        h.reset_hwm()
-        times.append(h.timed(lambda: m.restore(ISOLATED))[0])
-        extra_rss.append(h.hwm_bytes() - rss0)
-        got = fingerprint(model, opt)
-        out["restore_ok"] = got == want
-        if got != want:
-            raise AssertionError(f"{method}: restored state differs (fingerprint {got!r}, saved {want!r})")
-    out["restore_s"], out["restore_all_s"] = statistics.median(times), times
-    out["restore_extra_rss"] = max(extra_rss)
+    for key, in_place in (("restore", False), ("restore_inplace", True))[: 2 if m.tc is not None else 1]:
+        times, extra_rss = [], []
+        for _ in range(READS):
+            step()
+            gc.collect()
+            out["restore_cache"] = h.prepare(drop, settle_max_s, [wdir])
+            rss0 = h.rss_bytes()
+            h.reset_hwm()
+            times.append(h.timed(lambda in_place=in_place: m.restore(ISOLATED, in_place=in_place))[0])
+            extra_rss.append(h.hwm_bytes() - rss0)
+            got = fingerprint(model, opt)
+            out["restore_ok"] = got == want
+            if got != want:
+                raise AssertionError(f"{method}: restored state differs (fingerprint {got!r}, saved {want!r})")
+        out[f"{key}_s"], out[f"{key}_all_s"] = statistics.median(times), times
+        out[f"{key}_extra_rss"] = max(extra_rss)
     h.log(f"{method} {shape}: durable {out['isolated']['durable_s']:.2f}s, restore {out['restore_s']:.2f}s")
     return out
 
@@ -487,6 +490,8 @@ def summarize(res: dict[str, Any], n: int) -> dict[str, Any]:
         "raw_read_new_s": res.get("raw_read_new", {}).get("s"),  # absent from runs before it was measured
         "peak_save_bytes": None if peak is None else max(0, peak),
         "peak_restore_bytes": max(0, res["restore_extra_rss"]),
+        "restore_inplace_s": res.get("restore_inplace_s"),  # tiercheck's restore(in_place=True)
+        "peak_restore_inplace_bytes": max(0, res.get("restore_inplace_extra_rss", 0)),
         "steal": h.steal_share(wc["cpu"]),
         "other": res["foreign_load"]["foreign_cpu_share"],
         "step_s": statistics.median(steps),
@@ -505,6 +510,8 @@ def add_ratios(summary: dict[str, dict[str, Any]]) -> None:
         s["durable_x_raw"] = h.ratio(s["durable_s"], s["raw_write_s"])
         s["restore_x_raw"] = h.ratio(s["restore_s"], s["raw_read_s"])
         s["restore_x_new"] = h.ratio(s["restore_s"], s["raw_read_new_s"])
+        s["inplace_x_raw"] = h.ratio(s.get("restore_inplace_s"), s["raw_read_s"])
+        s["inplace_x_new"] = h.ratio(s.get("restore_inplace_s"), s["raw_read_new_s"])
         s["restore_x_tckpt"] = h.ratio(s["restore_s"], (summary.get(REFS["tckpt"]) or {}).get("restore_s"))
 
 
@@ -587,6 +594,22 @@ def render_shape(
             "then as many steps without one; median over the pairs):",
             "",
             h.table(["method", "stall/ckpt s", "x dcpA", "x tckpt"], paired),
+            "",
+        ]
+    in_place = []
+    for method in cfg["methods"]:
+        ok = [s for s in (r.get(shape, {}).get(method) or {} for r in reps) if s.get("restore_inplace_s") is not None]
+        if ok:
+            in_place.append([
+                method, h.fmt(h.median([s["restore_inplace_s"] for s in ok])),
+                *(h.fmt_spread(h.spread([s.get(key) for s in ok])) for key in ("inplace_x_raw", "inplace_x_new")),
+                h.fmt((h.median([s["peak_restore_inplace_bytes"] for s in ok]) or 0) / GiB),
+            ])  # fmt: skip
+    if in_place:
+        lines += [
+            "`restore(in_place=True)` (the state's CPU tensors read into as they are: not all or nothing):",
+            "",
+            h.table(["method", "restore s", "x raw read", "x new-mem read", "peak extra RSS GiB"], in_place),
             "",
         ]
     for tag in ("tiercheck.eager", "tiercheck.lazy"):
