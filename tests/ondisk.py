@@ -3,17 +3,14 @@ damage one on purpose."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tiercheck.codec import CHECKSUM_BYTES, unseal
 from tiercheck.manifest import RankPart, pack_file, parse_rank_part
-from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.local import LocalTier, resident_pages
 
 
 def chunk_span(step: Path, array: str, key: str) -> tuple[Path, int, int]:
@@ -104,21 +101,5 @@ def evict_packs(step: Path) -> None:
         with open(pack, "rb") as f:
             os.fsync(f.fileno())
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            if _resident_pages(f.fileno(), os.fstat(f.fileno()).st_size):
+            if resident_pages(f.fileno(), 0, os.fstat(f.fileno()).st_size):
                 pytest.skip(f"the page cache keeps {pack} (tmpfs?)")
-
-
-def _resident_pages(fd: int, size: int) -> int:
-    """How many pages of the file ``fd`` (``size`` bytes) the page cache holds, by ``mincore``."""
-    if size == 0:
-        return 0
-    pages = -(-size // mmap.PAGESIZE)
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-        address = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        return sum(v & 1 for v in vec)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)

@@ -455,6 +455,23 @@ def test_a_restore_reads_big_chunks_around_the_page_cache_unless_it_holds_them(c
         assert live["aligned"].data_ptr() % 4096 == 0, "staged on a page, and that memory handed over"
 
 
+def test_a_second_restore_of_a_cold_pack_reads_around_the_page_cache_again(ckpt_dir: Path) -> None:
+    """Reads that bypass the page cache leave nothing in it, and asking the cache what it holds
+    reads nothing in: a job that restores twice from a cold pack (a restart right after a restart)
+    reads it directly both times."""
+    state = _mixed_state()
+    opts = WriteOptions(chunk_bytes=(1 << 20) + 100)
+    with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
+        ck.save(1).wait()
+    evict_packs(ckpt_dir / "step-00000001")
+    for _ in range(2):
+        live = {k: torch.zeros_like(v) for k, v in state.items()}
+        with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
+            assert ck.restore() == 1
+            assert ck.stats()["restore_read_direct_bytes"] >= state["aligned"].numel() * 4
+        assert_identical(live, state)
+
+
 def test_a_damaged_big_chunk_read_around_the_page_cache_is_named_and_the_state_kept(ckpt_dir: Path) -> None:
     state = _mixed_state()
     opts = WriteOptions(chunk_bytes=(1 << 20) + 100)

@@ -22,6 +22,7 @@ import torch
 
 from .errors import StagingError
 from .layout import Chunk, is_edge
+from .libc import libc
 
 log = logging.getLogger("tiercheck")
 
@@ -51,26 +52,13 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     has no ``posix_memalign``, torch's own memory (64-byte aligned: read through the page cache)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     address = ctypes.c_void_p()
-    if _libc is None or nbytes == 0:
+    if libc is None or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if _libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
+    if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
         raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
     memory = (ctypes.c_char * nbytes).from_address(address.value)
-    weakref.finalize(memory, _libc.free, address.value).atexit = False  # tensors may outlive it at exit
+    weakref.finalize(memory, libc.free, address.value).atexit = False  # tensors may outlive it at exit
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # holds ``memory``
-
-
-def _c_library() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-    except (OSError, AttributeError, TypeError):  # no C library by that name (Windows), or no posix_memalign
-        return None
-    return libc
-
-
-_libc = _c_library()
 
 
 @dataclass(eq=False, slots=True)

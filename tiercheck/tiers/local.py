@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UnsafeCheckpointError
+from ..libc import MAP_FAILED, libc
 from .base import Buffer, Tier
 
 BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
@@ -138,8 +141,8 @@ class LocalTier(Tier):
         chunks that lie together in a pack this way.
 
         With ``direct``, and where the tier does direct I/O, ``offset`` and every view's address
-        and length are whole blocks, and the file's bytes are not in the page cache already (the
-        largest view's first block is probed), the reads bypass the page cache: no copy out of
+        and length are whole blocks, and the page cache does not hold most of the largest view's
+        bytes already (``mincore`` says), the reads bypass the page cache: no copy out of
         it, and no cache memory to fill and reclaim."""
         target = self._abs(path)
         fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -346,17 +349,38 @@ def _blocks(offset: int, views: Sequence[memoryview]) -> bool:
 
 
 def _cached(fd: int, offset: int, views: Sequence[memoryview]) -> bool:
-    """Whether the page cache holds the first block of the largest of ``views`` (read at
-    ``offset``): a read that does not wait for the disk (``RWF_NOWAIT``) says. Copying out of the
-    cache beats reading the disk again; the probe stands for the run around it."""
+    """Whether the page cache holds most of the largest of ``views`` (read at ``offset``), which
+    stands for the run around it: copying out of the cache beats reading the disk again."""
     at, largest = offset, (0, offset)
     for v in views:
         largest = max(largest, (len(v), at))
         at += len(v)
+    length, start = largest
+    resident = resident_pages(fd, start, length)
+    return resident is not None and 2 * resident * mmap.PAGESIZE > length
+
+
+def resident_pages(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of ``length`` bytes of the file ``fd`` from ``offset`` on the page cache
+    holds: ``mincore`` of a mapping of them that is never touched, so nothing is read in (a read
+    that must not wait, ``RWF_NOWAIT``, says as much, but reads in the page it misses: the next
+    restore of the same cold pack would take it for cached). None where that cannot be told."""
+    if libc is None:
+        return None
+    start = offset - offset % mmap.PAGESIZE
+    length += offset - start
+    if length <= 0:
+        return 0
+    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if address is None or address == MAP_FAILED:
+        return None
     try:
-        return os.preadv(fd, [bytearray(BLOCK)], largest[1], os.RWF_NOWAIT) > 0
-    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: no way to tell
-        return False
+        pages = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
+        if libc.mincore(address, length, pages.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))) != 0:
+            return None
+        return int(np.count_nonzero(pages & 1))
+    finally:
+        libc.munmap(address, length)
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
