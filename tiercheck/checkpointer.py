@@ -458,8 +458,7 @@ class Checkpointer:
         read, an ERROR is logged (and noted on the error, Python 3.11 and later) saying that the
         tensors may hold parts of the step: restore again before using them. A damaged newest
         step still falls back to the newest older whole step, which overwrites every tensor it
-        holds (with ``strict``, all of them). GPU tensors are staged in
-        host memory either way.
+        holds (with ``strict``, all of them). GPU tensors are staged in host memory either way.
         """
         self._check_open()
         self._drop_prefault()  # before the lock: pre-faulting plans under it
