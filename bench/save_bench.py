@@ -527,6 +527,11 @@ TARGETS = (
 )
 
 
+def _having(reps: list[dict[str, dict[str, Any]]], shape: str, method: str, key: str) -> list[dict[str, Any]]:
+    """``method``'s summaries of ``shape`` over the repeats, those that have ``key``."""
+    return [s for s in (r.get(shape, {}).get(method) or {} for r in reps) if s.get(key) is not None]
+
+
 def render_shape(
     shape: str, cfg: dict[str, Any], reps: list[dict[str, dict[str, Any]]], results: list[dict[str, Any]]
 ) -> str:
@@ -581,8 +586,7 @@ def render_shape(
     lines.append(h.table(headers, rows))
     paired = []
     for method in cfg["methods"]:
-        ok = [s for s in (r.get(shape, {}).get(method) or {} for r in reps) if s.get("paired_stall_s") is not None]
-        if ok:
+        if ok := _having(reps, shape, method, "paired_stall_s"):
             paired.append([
                 method, h.fmt(h.median([s["paired_stall_s"] for s in ok])),
                 *(h.fmt_spread(h.spread([s.get(f"paired_x_{tag}") for s in ok])) for tag in REFS),
@@ -598,8 +602,7 @@ def render_shape(
         ]
     in_place = []
     for method in cfg["methods"]:
-        ok = [s for s in (r.get(shape, {}).get(method) or {} for r in reps) if s.get("restore_inplace_s") is not None]
-        if ok:
+        if ok := _having(reps, shape, method, "restore_inplace_s"):
             in_place.append([
                 method, h.fmt(h.median([s["restore_inplace_s"] for s in ok])),
                 *(h.fmt_spread(h.spread([s.get(key) for s in ok])) for key in ("inplace_x_raw", "inplace_x_new")),
