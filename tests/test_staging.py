@@ -415,6 +415,11 @@ def test_a_restore_in_the_saving_process_stages_in_the_idle_pool(ckpt_dir: Path)
     assert_identical({"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}, three)
 
 
+def test_page_aligned_memory_this_machine_cannot_give_is_a_staging_error() -> None:
+    with pytest.raises(tiercheck.StagingError, match=r"cannot allocate 1,125,899,906,842,624 bytes"):
+        staging.page_aligned_empty((1 << 48,), torch.float32)  # 1 PiB: beyond any address space here
+
+
 def _mixed_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {

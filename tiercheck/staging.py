@@ -49,13 +49,14 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     size. The memory comes from the C library's ``posix_memalign`` (memory the process freed is
     reused, resident, as torch's allocator would) and goes back with the last reference to it;
     torch does not resize such a storage in place (``resizable()`` is False). Where the C library
-    has no ``posix_memalign``, torch's own memory (64-byte aligned: read through the page cache)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    has no ``posix_memalign``, torch's own memory (64-byte aligned: read through the page cache).
+    Memory this machine cannot give is ``StagingError``."""
+    nbytes = math.prod(shape) * dtype.itemsize
     address = ctypes.c_void_p()
     if libc is None or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
-        raise MemoryError(f"cannot allocate {nbytes} bytes of host memory")
+        raise StagingError(f"cannot allocate {nbytes:,} bytes of page-aligned host memory for a {dtype}{list(shape)}")
     memory = (ctypes.c_char * nbytes).from_address(address.value)
     weakref.finalize(memory, libc.free, address.value).atexit = False  # tensors may outlive it at exit
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # holds ``memory``
