@@ -215,20 +215,22 @@ def assemble(
     where: str,
     only: set[str] | None = None,
     owners: bool = True,
+    parts: dict[int, RankPart] | None = None,
 ) -> Manifest:
     """A format-3 manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
     to the file's bytes as stored); with ``only``, the records of those arrays alone, and without
-    their chunks' owners unless ``owners`` (see ``parse_shard``)."""
+    their chunks' owners unless ``owners`` (see ``parse_shard``). ``parts`` holds the rank parts
+    parsed so far (by saving rank): they are taken from there, and those parsed here are added
+    (a restore assembles the same parts several times, and each is a state's worth of JSON)."""
     arrays: dict[str, ArrayRecord] = {}
     checksums: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
     writers: dict[str, dict[str, int]] = {}
-    trees: list[JSON] = []
-    tree_of_rank = [-1] * index.world_size
-    seen: dict[str, int] = {}
+    got: dict[int, RankPart] = {}
     for (kind, rank), raw in sorted(files.items()):
         here = f"{where}: {manifest_file(kind, rank)}"
-        doc = unseal(raw, where=here)
+        part = parts.get(rank) if parts is not None and kind == "rank" else None
+        doc = unseal(raw, where=here) if part is None else b""
         if kind == "arrays":
             arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
             continue
@@ -236,16 +238,27 @@ def assemble(
             if owners:
                 writers.update(parse_owners(doc, where=here, only=only))
             continue
-        part = parse_rank_part(doc, where=here)
-        for path, by_key in part.checksums.items():
-            checksums[path].update(by_key)
-        for path, by_key in part.offsets.items():
-            offsets[path].update(by_key)
-        text = json.dumps(part.tree, sort_keys=True)
+        if part is None:
+            part = parse_rank_part(doc, where=here)
+            if parts is not None:
+                parts[rank] = part
+        got[rank] = part
+        if arrays and owners:  # arrays files come first (sorted); records without owners keep no checksums
+            for path, by_key in part.checksums.items():
+                checksums[path].update(by_key)
+            for path, by_key in part.offsets.items():
+                offsets[path].update(by_key)
+    trees: list[JSON] = []
+    tree_of_rank = [-1] * index.world_size
+    seen: dict[str, int] = {}
+    for rank, part in got.items():  # ranks that saved the same tree share it
+        text = json.dumps(part.tree, sort_keys=True) if len(got) > 1 else ""
         if text not in seen:
             seen[text] = len(trees)
             trees.append(part.tree)
         tree_of_rank[rank] = seen[text]
+    if not owners:  # as parsed: a chunk's checksum and offset are kept only with its owner
+        return _manifest(index, trees, tree_of_rank, arrays)
     records = {}
     for path, rec in arrays.items():
         if path in writers:
@@ -259,13 +272,19 @@ def assemble(
         kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
         at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
         records[path] = replace(rec, checksums=dict(sorted(kept.items())), offsets=at)
+    return _manifest(index, trees, tree_of_rank, records)
+
+
+def _manifest(
+    index: ManifestIndex, trees: list[JSON], tree_of_rank: list[int], arrays: dict[str, ArrayRecord]
+) -> Manifest:
     return Manifest(
         step=index.step,
         library_version=index.library_version,
         created_unix=index.created_unix,
         trees=trees,
         tree_of_rank=tree_of_rank,
-        arrays=records,
+        arrays=arrays,
         metadata=index.metadata,
         topology={"world_size": index.world_size, "nodes": index.nodes},
         format_version=index.format_version,

@@ -9,6 +9,7 @@ chunk, and cut only as deep into the dimensions as the target size requires.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -81,7 +82,14 @@ class Chunk:
     def key(self) -> str:
         """The chunk's key under the array: zarr v3's default encoding with "." as separator, so a
         chunk is a file right in its array's directory (no directory per grid row to create and fsync)."""
-        return ".".join(["c", *map(str, self.coords)])
+        return chunk_key(self.coords)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def chunk_key(coords: tuple[int, ...]) -> str:
+    """A chunk's key from its grid coordinates (see ``Chunk.key``). Most arrays have a chunk or a
+    few, at the same coordinates, and a restore asks for each key several times: they are kept."""
+    return ".".join(["c", *map(str, coords)])
 
 
 def chunk_at(shape: Sequence[int], chunk: Sequence[int], coords: tuple[int, ...]) -> Chunk:

@@ -6,6 +6,7 @@ validates types and refuses any array path that could leave the step's directory
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from .layout import MAX_CHUNKS, grid_size
+from .layout import MAX_CHUNKS
 from .metadata import decode as decode_metadata
 
 FORMAT_NAME = "tiercheck"
@@ -36,6 +37,7 @@ def shard_file(rank: int) -> str:
     return f"{PARTS_DIR}/arrays-{rank:06d}.json"
 
 
+@functools.lru_cache(maxsize=4096)  # asked for once per chunk a restore reads
 def pack_file(rank: int) -> str:
     """A saving rank's chunks, one after another (each as zarr stores it: data, then its CRC32C)."""
     return f"{PACKS_DIR}/rank-{rank:06d}.bin"
@@ -140,39 +142,27 @@ class ArrayRecord:
         return chunk_location(self.path, key, self.owner(key), self.offsets.get(key))
 
     @classmethod
-    def from_json(cls, path: str, doc: JSON, *, where: str) -> ArrayRecord:
-        here = f"{where}: array {path!r}"
+    def from_json(cls, path: str, doc: JSON, *, where: str, checksums: bool = True, owners: bool = True) -> ArrayRecord:
+        """A record from its JSON, every field checked; without the chunks' checksums (or owners)
+        where ``checksums`` (``owners``) is false. A restore parses one per array of the state
+        (tens of thousands for some), so the checks are plain loops and messages are made only
+        for a record that fails them."""
         check_array_path(path, where=where)
         try:
-            shape = tuple(_nonneg_int(v) for v in doc["shape"])
-            chunk = tuple(_nonneg_int(v) for v in doc["chunks"])
+            shape = tuple([_nonneg_int(v) for v in doc["shape"]])
+            chunk = tuple([_nonneg_int(v) for v in doc["chunks"]])
             dtype, kind = doc["dtype"], doc["kind"]
-            checksums = {str(k): _crc(v) for k, v in doc["crc32c"].items()}
-            owners = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()}
-            offsets = {str(k): _file_offset(v) for k, v in (doc.get("offset") or {}).items()}
+            crcs = {str(k): _crc(v) for k, v in doc["crc32c"].items()} if checksums else {}
+            writers = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()} if owners else {}
+            offsets = {str(k): _file_offset(v) for k, v in (doc.get("offset") or {}).items()} if checksums else {}
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise CorruptCheckpointError(f"{here}: malformed record ({e!r})") from None
+            raise CorruptCheckpointError(f"{where}: array {path!r}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
-            raise CorruptCheckpointError(f"{here}: malformed record")
-        if len(shape) > MAX_NDIM or math.prod(shape) > MAX_ELEMENTS:
-            # bounded before any buffer or chunk grid is sized from it
-            raise CorruptCheckpointError(
-                f"{here}: shape {str(list(shape))[:200]} is beyond any tensor tiercheck saves "
-                f"(at most {MAX_NDIM} dimensions and 2**48 elements)"
-            )
-        if any(c == 0 for c in chunk):
-            raise CorruptCheckpointError(f"{here}: chunk extents must be positive")
-        if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
-            # tiercheck never writes one; readers size a chunk's buffer from it before reading
-            raise CorruptCheckpointError(f"{here}: chunk {list(chunk)} is larger than the array {list(shape)}")
-        if grid_size(shape, chunk) > MAX_CHUNKS:
-            raise CorruptCheckpointError(
-                f"{here}: chunk {list(chunk)} cuts the array {list(shape)[:8]} into "
-                f"{grid_size(shape, chunk):,} chunks, more than tiercheck ever writes ({MAX_CHUNKS:,})"
-            )
+            raise CorruptCheckpointError(f"{where}: array {path!r}: malformed record")
+        _check_grid(shape, chunk, where=f"{where}: array {path!r}")
         return cls(
             path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk,
-            checksums=checksums, owners=owners, offsets=offsets,
+            checksums=crcs, owners=writers, offsets=offsets,
         )  # fmt: skip
 
     @property
@@ -182,6 +172,29 @@ class ArrayRecord:
 
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 48
+
+
+def _check_grid(shape: tuple[int, ...], chunk: tuple[int, ...], *, where: str) -> None:
+    """A shape and chunk shape tiercheck could have written: bounded before any buffer or chunk
+    grid is sized from them."""
+    if len(shape) > MAX_NDIM or math.prod(shape) > MAX_ELEMENTS:
+        raise CorruptCheckpointError(
+            f"{where}: shape {str(list(shape))[:200]} is beyond any tensor tiercheck saves "
+            f"(at most {MAX_NDIM} dimensions and 2**48 elements)"
+        )
+    if 0 in chunk:
+        raise CorruptCheckpointError(f"{where}: chunk extents must be positive")
+    grid = 1
+    for d, c in zip(shape, chunk, strict=True):
+        if c > d and c > 1:
+            # tiercheck never writes one; readers size a chunk's buffer from it before reading
+            raise CorruptCheckpointError(f"{where}: chunk {list(chunk)} is larger than the array {list(shape)}")
+        grid = grid * (-(-d // c)) if d else 0
+    if grid > MAX_CHUNKS:
+        raise CorruptCheckpointError(
+            f"{where}: chunk {list(chunk)} cuts the array {list(shape)[:8]} into "
+            f"{grid:,} chunks, more than tiercheck ever writes ({MAX_CHUNKS:,})"
+        )
 
 
 MAX_WORLD_SIZE = 1 << 20  # saving ranks; sets and lists of ranks are sized from it
@@ -434,7 +447,7 @@ def parse_shard(doc: bytes, *, where: str, only: set[str] | None = None, owners:
         if not isinstance(arrays, dict):
             raise TypeError("arrays must be an object")
         return {
-            path: ArrayRecord.from_json(path, {**rec, "crc32c": {}, **({} if owners else {"owner": {}})}, where=where)
+            path: ArrayRecord.from_json(path, rec, where=where, checksums=False, owners=owners)
             for path, rec in arrays.items()
             if only is None or path in only
         }

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .flatten import tensor_paths
 from .fmt import fmt_steps, plural, ranges
-from .manifest import JSON, Manifest
+from .manifest import JSON, Manifest, RankPart
 from .match import add_entries, apply, covers, prepare, tree_for
 from .planner import plan_reads as plan_reads_whole
 from .replicas import read_replicas
@@ -361,13 +361,16 @@ def _restore_step(
     items: list[ReadItem] = []
     decoded: dict[str, Any] = {}
     view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
+    parts: dict[int, RankPart] = {}  # saving ranks' manifest parts, parsed once
     try:  # a damaged index, manifest file or tree is the step's damage as much as a bad chunk
         st = drive(
             coord,
             find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
         )
         claimed = st.claimed
-        manifest = drive(coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others)))
+        manifest = drive(
+            coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others), parts=parts)
+        )
         try:
             if others:
                 add_entries(view, manifest, others, where=where)
@@ -395,6 +398,7 @@ def _restore_step(
             [i.need for i in items],
             manifest.arrays,
             read_once=read_once,
+            parts=parts,
         ),
     )
     moved: dict[str, int] = {}
@@ -466,10 +470,12 @@ def manifest_for(
     state: Mapping[str, Any],
     *,
     others: bool,
+    parts: dict[int, RankPart],
 ) -> Protocol[Manifest]:
     """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
     the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
-    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already."""
+    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
+    The saving ranks' parts it parses are left in ``parts`` (``plan_reads`` takes checksums there)."""
     where = f"{tier.url}: step {st.step}"
     if st.format_version < 3:
         return Manifest.from_bytes(st.index, where=where)
@@ -479,7 +485,7 @@ def manifest_for(
     failure: TiercheckError | None = None
     more: set[tuple[str, int]] = set()
     try:
-        if others or not covers(assemble(ix, got, where=where).tree(own), state):
+        if others or not covers(assemble(ix, got, where=where, parts=parts).tree(own), state):
             more = {("rank", w) for w in range(ix.world_size)} - set(got)
     except TiercheckError as e:
         failure = e
@@ -487,7 +493,8 @@ def manifest_for(
     got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
     paths: set[str] = set()
     try:
-        paths = {p for t in assemble(ix, got, where=where).trees for p in tensor_paths(t) if isinstance(p, str)}
+        trees = assemble(ix, got, where=where, parts=parts).trees
+        paths = {p for t in trees for p in tensor_paths(t) if isinstance(p, str)}
     except TiercheckError as e:
         failure = e
     yield from settle(coord, f"{root}/paths", failure, shared=DAMAGE)
@@ -495,7 +502,7 @@ def manifest_for(
     got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
     manifest: Manifest | None = None
     try:
-        manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False)
+        manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False, parts=parts)
     except TiercheckError as e:
         failure = e
     del got

@@ -36,6 +36,7 @@ from .manifest import (
     ArrayRecord,
     Manifest,
     ManifestIndex,
+    RankPart,
     owners_file,
     parse_manifest_doc,
     parse_owners,
@@ -220,8 +221,10 @@ def plan_reads(
     records: Mapping[str, ArrayRecord],
     *,
     read_once: bool,
+    parts: Mapping[int, RankPart] | None = None,
 ) -> Protocol[RankReads]:
-    """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work."""
+    """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work.
+    ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there)."""
     rank, world = coord.rank, coord.world_size
     shards = sorted({shard_of(n.path, st.world_size) for n in needs})
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
@@ -259,7 +262,7 @@ def plan_reads(
             out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
-    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of).items():
+    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts or {}).items():
         by_path[path][key] = crc
         if offset is not None:
             offsets[path][key] = offset
@@ -376,11 +379,15 @@ def coordinator_of(shard: int, holders: list[int] | None, world: int) -> int:
 
 
 def _checksums(
-    tier: Tier, remote: Tier | None, st: Step, owners_of: Mapping[tuple[str, str], int]
+    tier: Tier,
+    remote: Tier | None,
+    st: Step,
+    owners_of: Mapping[tuple[str, str], int],
+    parts: Mapping[int, RankPart],
 ) -> dict[tuple[str, str], tuple[int, int | None]]:
     """The checksum of each chunk this rank reads, and its offset in its writer's pack (format 4),
-    from the writer's part of the manifest: on this node (the reader is on the writer's node) or
-    on the remote tier."""
+    from the writer's part of the manifest: in ``parts`` when parsed already, else on this node
+    (the reader is on the writer's node) or on the remote tier."""
     out: dict[tuple[str, str], tuple[int, int | None]] = {}
     d = step_dir(st.step)
     by_owner: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -388,10 +395,12 @@ def _checksums(
         by_owner[owner].append(chunk)
     for owner, chunks in sorted(by_owner.items()):
         source = tier if owner in st.here else remote
-        if source is None:
-            raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
-        where = f"{source.url}: {d}/{part_file(owner)}"
-        part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
+        where = f"{(source or tier).url}: {d}/{part_file(owner)}"
+        part = parts.get(owner)
+        if part is None:
+            if source is None:
+                raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
+            part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
         for path, key in chunks:
             if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")
