@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,37 @@ def test_the_garbage_collector_is_paused_during_a_restore_and_left_as_it_was(ckp
         gc.disable()
         try:
             assert ckpt.restore() == 1
+            assert probe.during == [False, False] and not gc.isenabled()
+        finally:
+            gc.enable()
+
+
+class _SaveGcProbe:
+    """A stateful entry that notes whether the collector ran while the main thread asked for its state."""
+
+    def __init__(self) -> None:
+        self.during: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        if threading.current_thread() is threading.main_thread():  # not the pool's pre-faulting
+            self.during.append(gc.isenabled())
+        return {"t": torch.arange(3.0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_the_garbage_collector_is_paused_while_save_flattens_the_state(ckpt_dir: Path) -> None:
+    """Flattening a state allocates objects per tensor, which set off full collections over the
+    whole training heap on the training thread: the collector is off while ``save()`` runs, then
+    as it was before (also when it was off already)."""
+    probe = _SaveGcProbe()
+    with Checkpointer({"p": probe, "w": torch.ones(5)}, local=ckpt_dir) as ckpt:
+        ckpt.save(1).wait()
+        assert probe.during == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            ckpt.save(2).wait()
             assert probe.during == [False, False] and not gc.isenabled()
         finally:
             gc.enable()

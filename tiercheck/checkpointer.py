@@ -41,7 +41,7 @@ from .options import (
 from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
 from .planner import LeafDesc
 from .replication import Replicator
-from .restore import Restored, load, restore_state
+from .restore import Restored, gc_paused, load, restore_state
 from .retention import LocalSteps
 from .saveplan import plan_save
 from .staging import HostPool
@@ -235,6 +235,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------- saving
 
+    @gc_paused()  # flattening allocates per tensor: collections over the whole heap took half of save()
     def save(self, step: int, *, metadata: JSON = None) -> SaveHandle:
         """Checkpoint the state as ``step``; returns once the state may change (see StagingOptions)."""
         t_call = time.perf_counter()

@@ -19,6 +19,7 @@ as JSON with explicit tags, so restoring a checkpoint never runs code from it:
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import pickle
 import re
@@ -76,8 +77,10 @@ class Leaf:
 _PLAIN = re.compile(r"[A-Za-z0-9._-]+")  # the characters _escape keeps as they are
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _escape(component: str) -> str:
-    """One path component, safe for every filesystem and object store, and readable."""
+    """One path component, safe for every filesystem and object store, and readable. Kept: every
+    save escapes the path of every tensor again, and their components repeat ("0", "weight")."""
     if _PLAIN.fullmatch(component):
         text = component  # the usual case, without a loop over its characters (save() escapes every path)
     else:
@@ -106,7 +109,7 @@ class _Encoder:
         self._paths: set[str] = set()
 
     def _path(self, parts: list[str]) -> str:
-        base = "/".join(_escape(p) for p in parts) or "%00"
+        base = "/".join(map(_escape, parts)) or "%00"
         path, n = base, 1
         while path in self._paths:  # e.g. keys 0 and "0" in one dict
             path, n = f"{base}~{n}", n + 1
