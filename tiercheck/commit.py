@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .codec import checksum, unseal
 from .coordination import Barrier, Coordinator, Nodes, Protocol
@@ -262,7 +262,7 @@ def assemble(
     records = {}
     for path, rec in arrays.items():
         if path in writers:
-            rec = replace(rec, owners=writers[path])
+            rec = rec.with_chunks(owners=writers[path])
         for key, owner in rec.owners.items():
             if owner >= index.world_size:
                 raise CorruptCheckpointError(
@@ -271,7 +271,7 @@ def assemble(
                 )
         kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
         at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
-        records[path] = replace(rec, checksums=dict(sorted(kept.items())), offsets=at)
+        records[path] = rec.with_chunks(checksums=dict(sorted(kept.items())), offsets=at)
     return _manifest(index, trees, tree_of_rank, records)
 
 

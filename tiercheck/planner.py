@@ -22,7 +22,7 @@ import math
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .codec import chunk_nbytes, itemsize
 from .errors import IncompatibleStateError, UnsupportedValueError
@@ -112,7 +112,7 @@ def plan_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int)
         tasks[rank].append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[rank][i])))
     for rank_tasks in tasks:
         rank_tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
-    records = {path: replace(r, owners=dict(sorted(by_path[path].items()))) for path, r in records.items()}
+    records = {path: r.with_chunks(owners=dict(sorted(by_path[path].items()))) for path, r in records.items()}
     return WritePlan(records=records, tasks=tasks, nbytes=load)
 
 

@@ -24,7 +24,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .codec import chunk_nbytes, unseal
 from .commit import manifest_file, read_index, read_small, step_dir
@@ -268,8 +268,7 @@ def plan_reads(
             offsets[path][key] = offset
     for path, rec in list(recs.items()):
         mine_crcs = by_path.get(path, {})
-        recs[path] = replace(
-            rec,
+        recs[path] = rec.with_chunks(
             checksums=mine_crcs,
             owners={key: owners_of[path, key] for key in mine_crcs},
             offsets=offsets.get(path, {}),
@@ -320,7 +319,7 @@ def _coordinate_reads(
             for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
                 _check_owners(path, writers, st.world_size, where=where)
                 if path in mine:
-                    mine[path] = replace(mine[path], owners=writers)
+                    mine[path] = mine[path].with_chunks(owners=writers)
         for ns in wanted.values():
             for n in ns:
                 if n.path not in mine:

@@ -31,7 +31,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .codec import chunk_nbytes
 from .coordination import Coordinator, Protocol, dumps, shard_of
@@ -170,7 +170,7 @@ def plan_save(
             coord.report(
                 name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
             )
-        shard[path] = replace(rec, owners=dict(sorted(owned.items())))
+        shard[path] = rec.with_chunks(owners=dict(sorted(owned.items())))
     coord.delete(*offered)  # read by now: every holder passed 'chosen'
     yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
