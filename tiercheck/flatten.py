@@ -38,7 +38,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .manifest import JSON, check_array_path
-from .sharding import local_tensor, placement_of
+from .sharding import Shard, local_tensor, placement_of
 
 
 @runtime_checkable
@@ -53,6 +53,14 @@ def is_stateful(obj: object) -> TypeGuard[Stateful]:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {
+    dt: dtype_name(dt)
+    for dt in vars(torch).values()
+    if isinstance(dt, torch.dtype) and dtype_name(dt) in STORAGE_DTYPES
+}
+"""The storable dtypes' names (``dtype_name``), looked up once per tensor a save flattens."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -119,14 +127,25 @@ class _Encoder:
     def encode(self, obj: Any, parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
         if len(parts) > MAX_DEPTH:
             raise UnsupportedValueError(f"{'/'.join(parts[:8])}/...: nested deeper than {MAX_DEPTH} levels")
-        placed = placement_of(obj, where="/".join(parts))
+        kind = type(obj)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:  # the usual leaf: placement_of's answer, sooner
+            tensor = obj.detach()
+            placed: tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None = (
+                tensor, tuple(tensor.shape), (0,) * tensor.dim()
+            )  # fmt: skip
+        elif isinstance(obj, torch.Tensor | Shard):
+            placed = placement_of(obj, where="/".join(parts))
+        else:
+            placed = None
         if placed is not None:
             tensor, global_shape, offsets = placed
-            if dtype_name(tensor.dtype) not in STORAGE_DTYPES:
+            if _DTYPE_NAMES.get(tensor.dtype) is None:
                 raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {tensor.dtype} cannot be stored")
             path = self._path(parts)
             self.leaves.append(Leaf(path, tensor, "tensor", lazy(tensor), global_shape, offsets))
             return {"$tensor": path}
+        if kind is dict:
+            return self._mapping(obj, parts, lazy)
         if obj is None or isinstance(obj, bool | str):
             return obj
         if isinstance(obj, int):
@@ -134,10 +153,7 @@ class _Encoder:
         if isinstance(obj, float):
             return float(obj) if math.isfinite(obj) else {"$float": repr(float(obj))}
         if isinstance(obj, Mapping):
-            items = list(obj.items())
-            if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
-                return {k: self.encode(v, [*parts, k], lazy) for k, v in items}
-            return {"$dict": [[self.encode_key(k, parts), self.encode(v, [*parts, str(k)], lazy)] for k, v in items]}
+            return self._mapping(obj, parts, lazy)
         if isinstance(obj, list):
             return [self.encode(v, [*parts, str(i)], lazy) for i, v in enumerate(obj)]
         if type(obj) is tuple or isinstance(obj, torch.Size):
@@ -162,6 +178,12 @@ class _Encoder:
             f"{'/'.join(parts) or '<state>'}: a value of type {type(obj).__qualname__} cannot be stored "
             "without pickle; convert it to plain values, or pass allow_pickle=True to store it pickled"
         )
+
+    def _mapping(self, obj: Mapping[Any, Any], parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
+        items = list(obj.items())
+        if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
+            return {k: self.encode(v, [*parts, k], lazy) for k, v in items}
+        return {"$dict": [[self.encode_key(k, parts), self.encode(v, [*parts, str(k)], lazy)] for k, v in items]}
 
     def encode_key(self, key: Any, parts: list[str]) -> JSON:
         if isinstance(key, torch.Tensor | np.ndarray):
