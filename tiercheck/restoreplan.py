@@ -239,7 +239,7 @@ def plan_reads(
     # As a coordinator: plan the reads of my arrays, post each rank its work.
     posted = [json.loads(v) for v in coord.collect(f"{name}/needs/{rank}")]
     if posted:
-        _coordinate_reads(coord, root, name, tier, st, remote, posted, read_once=read_once)
+        _coordinate_reads(coord, root, name, tier, st, remote, posted, records, read_once=read_once)
     del posted, by_coord
     yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
     coord.check(name, shared=(IncompatibleStateError, CorruptCheckpointError))
@@ -251,9 +251,9 @@ def plan_reads(
     owners_of: dict[tuple[str, str], int] = {}
     for value in coord.collect(f"{name}/work/{rank}"):
         w = json.loads(value)
-        for short in w["records"]:
-            rec = _from_short(short)
-            recs.setdefault(rec.path, rec)
+        for short in w["records"]:  # shape and chunks: as this rank parsed them where it did
+            if short[0] not in recs:
+                recs[short[0]] = records.get(short[0]) or _from_short(short)
         for path, cc, from_remote, owner in w["reads"]:
             chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
             out_reads.append(Read(path, chunk, bool(from_remote)))
@@ -290,11 +290,14 @@ def _coordinate_reads(
     st: Step,
     remote: Tier | None,
     posted: list[JSON],
+    known: Mapping[str, ArrayRecord],
     *,
     read_once: bool,
 ) -> None:
     """Plan the reads of the arrays whose needs were posted to this rank; post every rank its work
-    (or report why the plan cannot be made)."""
+    (or report why the plan cannot be made). ``known``: records this rank parsed already from the
+    same shards (its own manifest's, without owners): where they cover a shard's needed arrays,
+    the shard is not parsed again (format 4 keeps the owners apart)."""
     rank, world = coord.rank, coord.world_size
     failure: TiercheckError | None = None
     d = step_dir(st.step)
@@ -303,17 +306,24 @@ def _coordinate_reads(
         wanted[int(doc["rank"])].extend(Need(p, tuple(o), tuple(s)) for p, o, s in doc["needs"])
     try:
         mine: dict[str, ArrayRecord] = {}
-        for s in sorted({shard_of(n.path, st.world_size) for ns in wanted.values() for n in ns}):
+        by_shard: dict[int, set[str]] = defaultdict(set)
+        for ns in wanted.values():
+            for n in ns:
+                by_shard[shard_of(n.path, st.world_size)].add(n.path)
+        for s, paths in sorted(by_shard.items()):
             source = tier if s in st.here else remote
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
-            raw = _read(source, d, ("arrays", s))
-            where = f"{source.url}: {d}/{shard_file(s)}"
-            if raw:
-                records = parse_shard(unseal(raw, where=where), where=where)
-                for path, rec in records.items():
-                    _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
-                mine.update(records)
+            if st.format_version >= 4 and paths <= known.keys():
+                mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
+            else:
+                raw = _read(source, d, ("arrays", s))
+                where = f"{source.url}: {d}/{shard_file(s)}"
+                if raw:
+                    records = parse_shard(unseal(raw, where=where), where=where)
+                    for path, rec in records.items():
+                        _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
+                    mine.update(records)
             raw = _read(source, d, ("owners", s))
             where = f"{source.url}: {d}/{owners_file(s)}"
             for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
