@@ -471,12 +471,13 @@ def manifest_for(
     state: Mapping[str, Any],
     *,
     others: bool,
-    parts: dict[int, RankPart],
+    parts: dict[int, RankPart] | None = None,
 ) -> Protocol[Manifest]:
     """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
     the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
     records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
     The saving ranks' parts it parses are left in ``parts`` (``plan_reads`` takes checksums there)."""
+    parts = {} if parts is None else parts
     where = f"{tier.url}: step {st.step}"
     if st.format_version < 3:
         return Manifest.from_bytes(st.index, where=where)
