@@ -55,12 +55,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_DTYPE_NAMES = {
-    dt: dtype_name(dt)
-    for dt in vars(torch).values()
-    if isinstance(dt, torch.dtype) and dtype_name(dt) in STORAGE_DTYPES
-}
-"""The storable dtypes' names (``dtype_name``), looked up once per tensor a save flattens."""
+_STORABLE = frozenset(
+    dt for dt in vars(torch).values() if isinstance(dt, torch.dtype) and dtype_name(dt) in STORAGE_DTYPES
+)
+"""The dtypes whose names (``dtype_name``) are in STORAGE_DTYPES: one set lookup per tensor a save flattens."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -127,24 +125,16 @@ class _Encoder:
     def encode(self, obj: Any, parts: list[str], lazy: Callable[[torch.Tensor], bool]) -> JSON:
         if len(parts) > MAX_DEPTH:
             raise UnsupportedValueError(f"{'/'.join(parts[:8])}/...: nested deeper than {MAX_DEPTH} levels")
-        kind = type(obj)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:  # the usual leaf: placement_of's answer, sooner
-            tensor = obj.detach()
-            placed: tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None = (
-                tensor, tuple(tensor.shape), (0,) * tensor.dim()
-            )  # fmt: skip
-        elif isinstance(obj, torch.Tensor | Shard):
-            placed = placement_of(obj, where="/".join(parts))
-        else:
-            placed = None
+        # Only tensors and Shards are placed: no path string for the other nodes' error messages.
+        placed = placement_of(obj, where="/".join(parts)) if isinstance(obj, torch.Tensor | Shard) else None
         if placed is not None:
             tensor, global_shape, offsets = placed
-            if _DTYPE_NAMES.get(tensor.dtype) is None:
+            if tensor.dtype not in _STORABLE:
                 raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {tensor.dtype} cannot be stored")
             path = self._path(parts)
             self.leaves.append(Leaf(path, tensor, "tensor", lazy(tensor), global_shape, offsets))
             return {"$tensor": path}
-        if kind is dict:
+        if type(obj) is dict:  # before the scalar checks: most nodes that are not tensors are dicts
             return self._mapping(obj, parts, lazy)
         if obj is None or isinstance(obj, bool | str):
             return obj

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from .layout import MAX_CHUNKS
+from .layout import MAX_CHUNKS, grid_size
 from .metadata import decode as decode_metadata
 
 FORMAT_NAME = "tiercheck"
@@ -200,12 +200,10 @@ def _check_grid(shape: tuple[int, ...], chunk: tuple[int, ...], *, where: str) -
         )
     if 0 in chunk:
         raise CorruptCheckpointError(f"{where}: chunk extents must be positive")
-    grid = 1
-    for d, c in zip(shape, chunk, strict=True):
-        if c > d and c > 1:
-            # tiercheck never writes one; readers size a chunk's buffer from it before reading
-            raise CorruptCheckpointError(f"{where}: chunk {list(chunk)} is larger than the array {list(shape)}")
-        grid = grid * (-(-d // c)) if d else 0
+    if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
+        # tiercheck never writes one; readers size a chunk's buffer from it before reading
+        raise CorruptCheckpointError(f"{where}: chunk {list(chunk)} is larger than the array {list(shape)}")
+    grid = grid_size(shape, chunk)
     if grid > MAX_CHUNKS:
         raise CorruptCheckpointError(
             f"{where}: chunk {list(chunk)} cuts the array {list(shape)[:8]} into "

@@ -67,7 +67,7 @@ def placement_of(obj: Any, *, where: str) -> tuple[torch.Tensor, tuple[int, ...]
     """``(local tensor, global shape, offsets)`` for a Shard, DTensor or plain tensor; else None."""
     if isinstance(obj, Shard):
         return obj.local.detach(), obj.global_shape, obj.offsets
-    if is_dtensor(obj):
+    if type(obj) not in (torch.Tensor, torch.nn.Parameter) and is_dtensor(obj):  # plain ones, most, skip the check
         if any(p.is_partial() for p in obj.placements):
             raise UnsupportedValueError(
                 f"{where}: a DTensor with a Partial placement holds unreduced values; "
