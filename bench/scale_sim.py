@@ -31,15 +31,16 @@ import harness as h  # puts the repository first on sys.path
 import torch.distributed as dist
 
 from tiercheck import __version__
-from tiercheck.codec import chunk_nbytes, seal, zarr_documents
-from tiercheck.commit import commit_save
-from tiercheck.coordination import Coordinator, Nodes, join_nodes, lockstep
-from tiercheck.manifest import Manifest, RankPart, owners_bytes, shard_bytes
-from tiercheck.planner import LeafDesc, Need, WritePlan, plan_reads, plan_writes
-from tiercheck.restore import agree_on_step, manifest_for, settle
-from tiercheck.restoreplan import find_holders
-from tiercheck.restoreplan import plan_reads as plan_restore_reads
-from tiercheck.saveplan import plan_save
+from tiercheck.dist.assign import LeafDesc, Need, WritePlan, plan_reads, plan_writes
+from tiercheck.dist.coordination import Coordinator, Nodes, join_nodes, lockstep
+from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
+from tiercheck.format.manifest import Manifest, RankPart, owners_bytes, shard_bytes
+from tiercheck.restore.agree import agree_on_step, settle
+from tiercheck.restore.plan import find_holders
+from tiercheck.restore.plan import plan_reads as plan_restore_reads
+from tiercheck.restore.protocol import manifest_for
+from tiercheck.save.commit import commit_save
+from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
 
 TARGET_CHUNK_BYTES = 64 << 20

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tiercheck.codec import CHECKSUM_BYTES, unseal
-from tiercheck.manifest import RankPart, pack_file, parse_rank_part
+from tiercheck.format.codec import CHECKSUM_BYTES, unseal
+from tiercheck.format.manifest import RankPart, parse_rank_part
+from tiercheck.format.paths import pack_file
 from tiercheck.tiers.local import LocalTier, resident_pages
 
 
@@ -54,7 +55,7 @@ def as_format3(step: Path) -> None:
     file ``<array>/<key>`` (data and trailer), no packs, the parts without offsets; re-signed."""
     import json
 
-    from tiercheck.codec import checksum, seal
+    from tiercheck.format.codec import checksum, seal
 
     for part_path in sorted((step / "manifest").glob("rank-*.json")):
         rank = int(part_path.stem.split("-")[1])

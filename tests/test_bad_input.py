@@ -22,8 +22,6 @@ from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, flip_chunk_byte
 from tiercheck import Checkpointer, WriteOptions
 from tiercheck.cli import main
-from tiercheck.codec import checksum, seal, unseal
-from tiercheck.commit import read_manifest
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -31,11 +29,13 @@ from tiercheck.errors import (
     TiercheckError,
     UnsupportedValueError,
 )
-from tiercheck.layout import chunk_at
-from tiercheck.manifest import part_file, shard_file
-from tiercheck.scatter import read_chunk
+from tiercheck.format.codec import checksum, seal, unseal
+from tiercheck.format.layout import chunk_at
+from tiercheck.format.paths import part_file, shard_file
+from tiercheck.format.steps import read_manifest
+from tiercheck.restore.read import read_chunk
+from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.local import LocalTier
-from tiercheck.transfer import copy_step
 
 
 def saved(ckpt_dir: Path, step: int = 3) -> dict[str, torch.Tensor]:
@@ -256,7 +256,7 @@ def test_a_stray_file_named_like_a_step_does_not_stop_a_checkpointer(ckpt_dir: P
 def test_metadata_round_trips_nan_and_infinities(ckpt_dir: Path) -> None:
     import math
 
-    from tiercheck.commit import read_manifest
+    from tiercheck.format.steps import read_manifest
     from tiercheck.tiers.local import LocalTier
 
     meta = {"loss": math.nan, "grad_norm": math.inf, "lows": [-math.inf, 1.5], "epoch": 3, "note": None}
@@ -531,7 +531,7 @@ def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ck
 
 
 def test_a_sharding_that_cuts_an_array_too_finely_is_refused_on_save() -> None:
-    from tiercheck.planner import LeafDesc, chunk_array
+    from tiercheck.dist.assign import LeafDesc, chunk_array
 
     n = 8_388_617  # a prime: two shards split there leave a common grid of one element a chunk
     pieces = [

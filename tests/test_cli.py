@@ -18,7 +18,8 @@ import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import flip_chunk_byte
 from tests.servers import SeaweedS3
-from tiercheck.commit import list_steps, step_dir
+from tiercheck.format.paths import step_dir
+from tiercheck.format.steps import list_steps
 from tiercheck.tiers.remote import open_tier
 
 

@@ -14,16 +14,19 @@ import pytest
 import torch.distributed as dist
 
 from tests.test_planner import megatron_like
-from tiercheck.codec import seal
-from tiercheck.commit import commit_save, read_manifest
-from tiercheck.coordination import Coordinator, join_nodes, lockstep
+from tiercheck.dist.assign import LeafDesc, Need
+from tiercheck.dist.coordination import Coordinator, join_nodes, lockstep
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.layout import chunks_in_box
-from tiercheck.manifest import RankPart, owners_bytes, part_file, shard_bytes
-from tiercheck.planner import LeafDesc, Need
-from tiercheck.restore import agree_on_step, manifest_for
-from tiercheck.restoreplan import find_holders, plan_reads
-from tiercheck.saveplan import plan_save
+from tiercheck.format.codec import seal
+from tiercheck.format.layout import chunks_in_box
+from tiercheck.format.manifest import RankPart, owners_bytes, shard_bytes
+from tiercheck.format.paths import part_file
+from tiercheck.format.steps import read_manifest
+from tiercheck.restore.agree import agree_on_step
+from tiercheck.restore.plan import find_holders, plan_reads
+from tiercheck.restore.protocol import manifest_for
+from tiercheck.save.commit import commit_save
+from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
 
 PER_NODE = 4

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tiercheck
-from tiercheck.commit import read_index, step_dir
+from tiercheck.format.paths import step_dir
+from tiercheck.format.steps import read_index
 from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
 from tiercheck.tiers.local import LocalTier
 
@@ -215,11 +216,11 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
     stages no copy of them); DCP's tensors that alias the state are copied into once every chunk is verified,
     and a damaged chunk leaves a planner's made tensors uncommitted."""
     import tiercheck.integrations.dcp as tc_dcp
-    import tiercheck.restore
+    import tiercheck.restore.protocol
 
     copies: list[int] = []
     own: list[bool] = []
-    staged, own_target = tiercheck.restore.staged, tc_dcp._own_target
+    staged, own_target = tiercheck.restore.protocol.staged, tc_dcp._own_target
 
     def counting_staged(items: Any, arena: Any = None) -> Any:
         reads, pairs = staged(items, arena)

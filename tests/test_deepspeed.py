@@ -515,7 +515,7 @@ def test_deepspeed_writer_settings_are_named_as_ignored_and_do_not_break_the_eng
 def test_model_states_are_written_by_every_data_parallel_replica(tmp_path: Path) -> None:
     """ZeRO-2 on two data-parallel ranks of one node: both hand DeepSpeed's model-state file to
     tiercheck (DeepSpeed's own engine: rank 0 alone), both write some of it, and the run resumes."""
-    from tiercheck.commit import read_manifest
+    from tiercheck.format.steps import read_manifest
     from tiercheck.tiers.local import LocalTier
 
     _launch(_save_train_restore, 2, 2, str(tmp_path), False, True, timeout=120)

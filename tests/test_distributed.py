@@ -22,9 +22,10 @@ import torch
 
 import tiercheck
 from tiercheck import Shard
-from tiercheck.codec import unseal
-from tiercheck.commit import read_manifest
-from tiercheck.manifest import parse_rank_part, part_file
+from tiercheck.format.codec import unseal
+from tiercheck.format.manifest import parse_rank_part
+from tiercheck.format.paths import part_file
+from tiercheck.format.steps import read_manifest
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
@@ -597,7 +598,7 @@ def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> 
     checks every chunk they wrote (also of arrays another node coordinated), and `load` says the
     rest is elsewhere."""
     from tests.test_cli import run
-    from tiercheck.coordination import shard_of
+    from tiercheck.dist.coordination import shard_of
 
     # A chunk a rank of node k wrote, of an array a rank of another node coordinated.
     k, path, key = next(
@@ -627,7 +628,7 @@ def _written(node: Path, rank: int) -> dict[str, dict[str, int]]:
 def _commit_out_of_write_order(rank: int, world: int, root: str) -> list[int]:
     """On rank 1, step 1's refs file is written only after step 2's chunk was: step 2's writes end first
     there (its chunk holds no pool memory that step 2's staging would wait for)."""
-    from tiercheck.pipeline import Pipeline
+    from tiercheck.save.pipeline import Pipeline
 
     if rank == 1:
         real = Pipeline._write
@@ -658,7 +659,7 @@ def test_saves_commit_in_save_order_whatever_order_their_writes_end(tmp_path: Pa
 
 def _drain_fails_on_one_node(rank: int, world: int, root: str, remote: str) -> str:
     if rank == 2:  # node 1's uploader: its upload fails for good (not a transient error)
-        from tiercheck import drain
+        from tiercheck.tiering import drain
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise PermissionError("access denied to the bucket")

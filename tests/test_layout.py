@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tiercheck.layout import chunk_shape, chunks
+from tiercheck.format.layout import chunk_shape, chunks
 
 
 @pytest.mark.parametrize(

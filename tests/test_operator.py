@@ -22,8 +22,8 @@ import torch
 
 import tiercheck
 from tests.servers import SeaweedS3
-from tiercheck.commit import step_dir
 from tiercheck.errors import RemoteStorageError
+from tiercheck.format.paths import step_dir
 from tiercheck.tiers.remote import RemoteTier
 
 

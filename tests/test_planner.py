@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from tiercheck.coordination import Coordinator, lockstep
+from tiercheck.dist.assign import LeafDesc, Need, plan_reads, plan_writes
+from tiercheck.dist.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
-from tiercheck.layout import chunks, chunks_in_box, grid_for_boxes
-from tiercheck.planner import LeafDesc, Need, plan_reads, plan_writes
-from tiercheck.saveplan import plan_save
+from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
+from tiercheck.save.plan import plan_save
 
 
 def split(extent: int, parts: int) -> list[tuple[int, int]]:

@@ -24,10 +24,11 @@ from tests.conftest import assert_identical
 from tests.ondisk import flip_chunk_byte
 from tests.plainzarr import open_step
 from tiercheck import Checkpointer
-from tiercheck.commit import list_steps, step_dir
-from tiercheck.drain import upload_step
 from tiercheck.errors import CorruptCheckpointError
+from tiercheck.format.paths import step_dir
+from tiercheck.format.steps import list_steps
 from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions, WriteOptions
+from tiercheck.tiering.drain import upload_step
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier

@@ -20,7 +20,7 @@ from tests.conftest import assert_identical
 from tests.faultproxy import FaultProxy
 from tests.servers import SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, RetryOptions
-from tiercheck.commit import list_steps
+from tiercheck.format.steps import list_steps
 from tiercheck.tiers.base import Buffer
 from tiercheck.tiers.remote import RemoteTier
 

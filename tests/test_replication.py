@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 import tiercheck
 from tiercheck.cli import main
-from tiercheck.commit import step_dir
-from tiercheck.replicas import placement, rank_files
-from tiercheck.restore import held_steps
+from tiercheck.format.paths import step_dir
+from tiercheck.format.replicas import placement, rank_files
+from tiercheck.restore.agree import held_steps
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks

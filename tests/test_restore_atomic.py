@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiercheck import Checkpointer, CorruptCheckpointError, Shard, WriteOptions
-from tiercheck.manifest import part_file
+from tiercheck.format.paths import part_file
 
 from .conftest import assert_identical
 from .distributed import run_ranks

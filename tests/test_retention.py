@@ -12,7 +12,7 @@ import torch
 
 import tiercheck
 from tiercheck import Checkpointer, RetentionOptions
-from tiercheck.retention import LocalSteps, steps_to_delete
+from tiercheck.tiering.retention import LocalSteps, steps_to_delete
 from tiercheck.tiers.local import LocalTier, PackWriter
 
 

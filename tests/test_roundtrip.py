@@ -221,8 +221,8 @@ def test_handle_reports_timings_and_metadata_is_stored(ckpt_dir: Path) -> None:
 def test_array_metadata_is_exactly_what_zarr_writes(
     dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...]
 ) -> None:
-    from tiercheck.codec import _zarr_array_document, zarr_documents
-    from tiercheck.manifest import ArrayRecord
+    from tiercheck.format.codec import _zarr_array_document, zarr_documents
+    from tiercheck.format.manifest import ArrayRecord
 
     rec = ArrayRecord(path="model/x", dtype=dtype, kind="tensor", shape=shape, chunks=chunks)
     assert zarr_documents([rec])["model/x/zarr.json"] == _zarr_array_document(rec)

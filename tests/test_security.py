@@ -17,12 +17,12 @@ import tiercheck
 from tests.ondisk import as_format3, flip_chunk_byte
 from tests.test_bad_input import rewrite_manifest, saved
 from tiercheck import Checkpointer
-from tiercheck.codec import seal, unseal
-from tiercheck.drain import upload_step
 from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
-from tiercheck.manifest import owners_file
+from tiercheck.format.codec import seal, unseal
+from tiercheck.format.paths import owners_file
+from tiercheck.tiering.drain import upload_step
+from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.local import LocalTier
-from tiercheck.transfer import copy_step
 
 
 class Opaque:
@@ -83,7 +83,7 @@ def test_manifest_paths_cannot_escape_the_step(ckpt_dir: Path, bad: str) -> None
 
 
 def test_only_paths_that_passed_the_check_are_remembered_as_safe() -> None:
-    from tiercheck.manifest import _SAFE_PATHS, check_array_path
+    from tiercheck.format.manifest import _SAFE_PATHS, check_array_path
 
     class Sneaky(str):  # claims to equal every string, a remembered one too: checked all the same
         def __hash__(self) -> int:
@@ -170,8 +170,8 @@ def test_a_symlinked_step_directory_is_ignored_with_a_warning(
 
 
 def test_restore_to_never_writes_through_a_symlinked_target_step(ckpt_dir: Path, tmp_path: Path) -> None:
+    from tiercheck.tiering.transfer import copy_step
     from tiercheck.tiers.local import LocalTier
-    from tiercheck.transfer import copy_step
 
     saved(ckpt_dir)
     target, elsewhere = tmp_path / "target", tmp_path / "elsewhere"
@@ -275,8 +275,8 @@ def test_a_rotted_local_step_fails_the_background_and_the_cli_drain_loudly(
     from click.testing import CliRunner
 
     from tiercheck.cli import main
-    from tiercheck.commit import list_steps
-    from tiercheck.manifest import shard_file
+    from tiercheck.format.paths import shard_file
+    from tiercheck.format.steps import list_steps
 
     saved(ckpt_dir)  # no remote yet: nothing drained
     step = ckpt_dir / "step-00000003"

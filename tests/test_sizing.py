@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import SeaweedS3, open_s3fs
-from tiercheck.sizing import (
+from tiercheck.cli.sizing import (
     DEFAULT_TIERS,
     HOST_MEMORY_TIER,
     ModelSpec,

@@ -15,8 +15,9 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, chunks_of, evict_packs, flip_chunk_byte, skip_without_direct_io
-from tiercheck import Checkpointer, StagingOptions, WriteOptions, staging
-from tiercheck.staging import ALIGN, HostPool, align_up
+from tiercheck import Checkpointer, StagingOptions, WriteOptions
+from tiercheck.state import staging
+from tiercheck.state.staging import ALIGN, HostPool, align_up
 from tiercheck.tiers.local import LocalTier, PackWriter
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tiercheck.commit import commit_step, list_steps, read_manifest, withdraw_step
 from tiercheck.errors import UnsafeCheckpointError
-from tiercheck.manifest import Manifest
+from tiercheck.format.manifest import Manifest
+from tiercheck.format.steps import commit_step, list_steps, read_manifest, withdraw_step
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier

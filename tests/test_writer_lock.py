@@ -17,8 +17,8 @@ import torch
 
 import tiercheck
 from tiercheck import Checkpointer, DirectoryInUseError, StepExistsError
+from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.local import LocalTier
-from tiercheck.transfer import copy_step
 
 from .distributed import run_ranks
 

@@ -1,11 +1,9 @@
 """tiercheck: hierarchical, asynchronous checkpointing for large-model training with PyTorch."""
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
 
-from . import errors
-from .errors import (
+from tiercheck import errors
+from tiercheck.errors import (
     CheckpointNotFoundError,
     CoordinationError,
     CorruptCheckpointError,
@@ -18,7 +16,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .options import (
+from tiercheck.options import (
     DistributedOptions,
     DrainOptions,
     ReplicationOptions,
@@ -27,18 +25,25 @@ from .options import (
     StagingOptions,
     WriteOptions,
 )
+from tiercheck.version import __version__
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer, load
-    from .pipeline import SaveHandle
-    from .rng import RNGState
-    from .sharding import Shard, per_rank
+    from tiercheck.checkpointer import Checkpointer
+    from tiercheck.restore.load import load
+    from tiercheck.rng import RNGState
+    from tiercheck.save.handle import SaveHandle
+    from tiercheck.state.sharding import Shard, per_rank
 
 # What needs torch is imported on first use, so that `tiercheck --help`, `ls` and `inspect` start
 # in a fraction of a second instead of the seconds `import torch` takes.
-_LAZY = {"Checkpointer": "checkpointer", "load": "checkpointer", "SaveHandle": "pipeline", "Shard": "sharding"}
-_LAZY["per_rank"] = "sharding"
-_LAZY["RNGState"] = "rng"
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "load": "restore.load",
+    "SaveHandle": "save.handle",
+    "Shard": "state.sharding",
+    "per_rank": "state.sharding",
+    "RNGState": "rng",
+}
 
 
 def __getattr__(name: str) -> Any:

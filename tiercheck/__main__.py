@@ -1,5 +1,5 @@
 """``python -m tiercheck``: the same as the ``tiercheck`` command."""
 
-from .cli import main
+from tiercheck.cli import main
 
 main()

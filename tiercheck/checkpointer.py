@@ -20,17 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import __version__
-from .commit import commit_save, list_steps
-from .coordination import Coordinator, Nodes, default_store, drive, join_nodes, node_id
-from .drain import Drainer
-from .errors import RemoteStorageError, StepExistsError
-from .flatten import Leaf, dtype_name, flatten
-from .fmt import fmt_steps
-from .lock import DirectoryLock, lock_node
-from .manifest import JSON
-from .metadata import encode as encode_metadata
-from .options import (
+from tiercheck.dist.assign import LeafDesc
+from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, node_id
+from tiercheck.dist.lock import DirectoryLock, lock_node
+from tiercheck.errors import RemoteStorageError, StepExistsError
+from tiercheck.fmt import fmt_steps
+from tiercheck.format.manifest import JSON
+from tiercheck.format.metadata import encode as encode_metadata
+from tiercheck.format.steps import list_steps
+from tiercheck.options import (
     DistributedOptions,
     DrainOptions,
     ReplicationOptions,
@@ -38,17 +36,22 @@ from .options import (
     StagingOptions,
     WriteOptions,
 )
-from .pipeline import Pipeline, Plan, SaveHandle, SaveJob, rank_plan
-from .planner import LeafDesc
-from .replication import Replicator
-from .restore import Restored, gc_paused, load, restore_state
-from .retention import LocalSteps
-from .saveplan import plan_save
-from .staging import HostPool
-from .tiers.base import Tier
-from .tiers.local import LocalTier
-from .tiers.remote import open_tier
-from .transfer import copy_step
+from tiercheck.restore.load import load
+from tiercheck.restore.protocol import Restored, restore_state
+from tiercheck.save.commit import commit_save
+from tiercheck.save.handle import SaveHandle, SaveJob
+from tiercheck.save.pipeline import Pipeline
+from tiercheck.save.plan import Plan, plan_save, rank_plan
+from tiercheck.state.flatten import Leaf, dtype_name, flatten, gc_paused
+from tiercheck.state.staging import HostPool
+from tiercheck.tiering.drain import Drainer
+from tiercheck.tiering.replication import Replicator
+from tiercheck.tiering.retention import LocalSteps
+from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import open_tier
+from tiercheck.version import __version__
 
 __all__ = ["Checkpointer", "load"]
 

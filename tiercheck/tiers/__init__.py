@@ -1,6 +1,6 @@
 """Storage tiers: where checkpoint bytes live."""
 
-from .base import Tier
-from .local import LocalTier
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
 
 __all__ = ["LocalTier", "Tier"]

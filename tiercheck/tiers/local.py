@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UnsafeCheckpointError
-from ..libc import MAP_FAILED, libc
-from .base import Buffer, Tier
+from tiercheck.errors import UnsafeCheckpointError
+from tiercheck.libc import MAP_FAILED, libc
+from tiercheck.tiers.base import Buffer, Tier
 
 BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
 DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct write

@@ -32,10 +32,10 @@ from tenacity import (
 )
 from tenacity.wait import wait_random_exponential
 
-from ..errors import RemoteStorageError, UnsafeCheckpointError
-from ..options import RetryOptions
-from .base import Buffer, Tier
-from .local import LocalTier
+from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
+from tiercheck.options import RetryOptions
+from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
 

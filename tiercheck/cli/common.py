@@ -1,0 +1,236 @@
+"""What every ``tiercheck`` subcommand shares: the consoles, the context holding fsspec options and
+retry limits, one-line errors, option validation, progress bars and human-readable numbers.
+
+No torch and no zarr here: ``tiercheck --help``, ``ls``, ``inspect`` and ``plan`` answer without them.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.options import RetryOptions
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import open_tier
+
+# Piped output (scripts, logs, tests) gets wide lines rather than tables wrapped at 80 columns.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
+
+_STEP_DIR = re.compile(r"^step-\d{8,}$")
+
+
+class Context:
+    def __init__(self, options: dict[str, str], retry: RetryOptions, quiet: bool) -> None:
+        self.options = options
+        self.retry = retry
+        self.quiet = quiet
+
+    def tier(self, url: str, *, must_exist: bool = True) -> Tier:
+        tier = open_tier(url, storage_options=_typed(self.options) or None, retry=self.retry)
+        if isinstance(tier, LocalTier):
+            root = tier.root
+            if root.exists() and not root.is_dir():
+                raise NotADirectoryError(f"not a directory: {root} is a file; give a checkpoint directory")
+            if must_exist and not root.is_dir():
+                raise CheckpointNotFoundError(f"no such directory: {root}")
+            if _STEP_DIR.match(root.name) and root.is_dir():
+                raise CheckpointNotFoundError(
+                    f"{root} is the directory of one step; give the checkpoint directory that holds it: {root.parent}"
+                )
+        return tier
+
+
+def _typed(options: dict[str, str]) -> dict[str, Any]:
+    """``-o key=value`` strings as JSON where they parse (numbers, booleans), else strings."""
+    typed: dict[str, Any] = {}
+    for k, v in options.items():
+        try:
+            typed[k] = json.loads(v)
+        except ValueError:
+            typed[k] = v
+    return typed
+
+
+def fail(message: str) -> NoReturn:
+    err.print(f"tiercheck: error: {message}", markup=False)
+    sys.exit(1)
+
+
+@contextmanager
+def errors_as_one_line() -> Iterator[None]:
+    try:
+        yield
+    except (TiercheckError, OSError, ValueError, OverflowError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        fail("interrupted; run the same command again to resume")
+
+
+class _OneLineUsageError(click.UsageError):
+    """A bad option or argument as one line on stderr (exit status 2), like every other error."""
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        hint = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        err.print(f"tiercheck: error: {self.format_message()}{hint}", markup=False)
+
+
+def _one_line(e: click.UsageError) -> _OneLineUsageError:
+    return _OneLineUsageError(e.format_message(), e.ctx)
+
+
+class OneLineGroup(click.Group):
+    """Click's usage errors (a usage block, a blank line, then the error) as one line."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _OneLineUsageError:
+            raise
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _OneLineUsageError:
+            raise
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def parse_options(values: tuple[str, ...]) -> dict[str, str]:
+    options = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected key=value, got {item!r}", param_hint="-o/--option")
+        options[key] = value
+    return options
+
+
+_OPTION_HELP = "fsspec option for remote URLs (e.g. -o endpoint_url=http://... -o key=...); repeatable."
+
+
+def _add_options(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> None:
+    obj = ctx.find_object(Context)
+    if values and obj is not None:
+        obj.options.update(parse_options(values))
+
+
+def remote_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``-o key=value`` on a subcommand too (``tiercheck ls s3://... -o endpoint_url=...``): merged
+    over the ones given before the subcommand."""
+    return click.option(
+        "-o",
+        "--option",
+        "options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        expose_value=False,
+        callback=_add_options,
+        help=_OPTION_HELP,
+    )(f)
+
+
+def positive_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A finite number above zero (``-1``, ``nan``, ``inf`` and ``1e400`` are refused by name)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"expected a finite number above 0, got {value}", ctx, param)
+    return value
+
+
+def parameter_count(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """``plan --params``: a finite count from 1 to 1e16 (ten thousand times today's largest models)."""
+    positive_number(ctx, param, value)
+    if value is not None and not 1 <= value <= 1e16:
+        raise click.BadParameter(f"expected a parameter count from 1 to 1e16, got {value:g}", ctx, param)
+    return value
+
+
+def step_value(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``latest`` or a non-negative step number."""
+    if value is None or value == "latest":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a step number or 'latest', got {value!r}", ctx, param) from None
+    if n < 0:
+        raise click.BadParameter(f"a step is a non-negative number, got {n}", ctx, param)
+    return str(n)
+
+
+class _ConsoleHandler(logging.Handler):
+    """Log records as plain lines on the stderr console: above a live progress bar, not through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            err.print(f"{record.levelname}: {self.format(record)}", markup=False, highlight=False)
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(verbose: bool) -> Callable[[], None]:
+    """The ``tiercheck`` logger's WARNINGs (retries, skipped steps) show by default, INFO with ``-v``.
+    Returns the undo, for when the command ends: a process that runs ``main`` in itself (tests,
+    ``CliRunner``) gets its logger back as it was."""
+    logger = logging.getLogger("tiercheck")
+    handler, level = _ConsoleHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    return undo
+
+
+def human(n: float, *, binary: bool = True) -> str:
+    """Bytes with a unit: KiB, MiB... (``binary``) or kB, MB... (decimal, as bandwidths are quoted)."""
+    base, units = (
+        (1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB", "PB"))
+    )
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= base
+    raise AssertionError
+
+
+def age(created: float) -> str:
+    s = max(0.0, time.time() - created)
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= n:
+            return f"{s / n:.1f} {unit}"
+    return f"{s:.0f} s"
+
+
+@contextmanager
+def progress(ctx: Context, what: str, total: int) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (none with ``-q``, when stderr is not a terminal, or for 0 bytes)."""
+    if ctx.quiet or total == 0:
+        yield lambda done, total: None
+        return
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -1,0 +1,1 @@
+"""TODO docstring: tiercheck/dist."""

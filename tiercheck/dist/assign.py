@@ -1,0 +1,326 @@
+"""Who writes which chunk on save, and who reads and sends which chunk on restore.
+
+Pure Python (no torch, no I/O, no store): the pieces ``saveplan`` and ``restoreplan`` run on
+coordinators and holders, and ``plan_writes`` / ``plan_reads``, which run them over the whole job
+in one place (for tests, tools and single-directory loads).
+
+Saving: the tensors of all ranks are pieces (boxes) of global arrays. The chunk grid of an array
+is aligned to every box boundary (``layout.grid_for_boxes``), so each chunk lies wholly inside
+every box that touches it, and any rank holding that box can write it alone. Each chunk is
+written once, by the least-loaded of its holders: replicas share the writing, and each group of
+ranks holding the same chunks splits them the same way on every member.
+
+Restoring: each rank asks for boxes of global arrays; the chunks they touch are read by ranks
+whose node directory holds the chunk's file and sent to ranks that need it but cannot read it.
+"""
+
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tiercheck.errors import IncompatibleStateError, UnsupportedValueError
+from tiercheck.format.codec import chunk_nbytes, itemsize
+from tiercheck.format.layout import MAX_CHUNKS, Chunk, chunks_in_box, grid_for_boxes, grid_size
+from tiercheck.format.manifest import ArrayRecord
+
+
+@dataclass(frozen=True, slots=True)
+class LeafDesc:
+    """What one rank holds of one global array (exchanged between ranks as a JSON list)."""
+
+    path: str
+    dtype: str
+    kind: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]  # the local piece's extents
+    lazy: bool
+
+    def to_json(self) -> list[object]:
+        return [
+            self.path,
+            self.dtype,
+            self.kind,
+            list(self.global_shape),
+            list(self.offsets),
+            list(self.shape),
+            self.lazy,
+        ]
+
+    @classmethod
+    def from_json(cls, doc: list[object]) -> LeafDesc:
+        path, dtype, kind, gshape, offs, shape, lazy = doc
+        return cls(str(path), str(dtype), str(kind), _ints(gshape), _ints(offs), _ints(shape), bool(lazy))
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        return tuple(o + n for o, n in zip(self.offsets, self.shape, strict=True))
+
+
+def _ints(v: object) -> tuple[int, ...]:
+    assert isinstance(v, list)
+    return tuple(int(x) for x in v)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteTask:
+    leaf: int  # index into this rank's leaves
+    chunk: Chunk  # in global coordinates (its key names the file)
+    local: Chunk  # the same chunk in the leaf's own coordinates (what to copy)
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    records: dict[str, ArrayRecord]  # every global array, with the owner of each chunk
+    tasks: list[list[WriteTask]]  # per rank
+    nbytes: list[int]  # per rank: bytes of chunk data to write
+
+
+def plan_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int) -> WritePlan:
+    """Dedup and balance: each chunk of each global array is written by exactly one holder.
+
+    The whole job's plan from every rank's descriptions, in one place: what ``saveplan`` computes
+    spread over the ranks (each array on its coordinator, each group of holders on its members),
+    with the same answer. For tests and tools; a job never gathers every rank's descriptions.
+    """
+    arrays: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    leaf_of: dict[tuple[int, str], int] = {}
+    for rank, leaves in enumerate(descs):
+        for i, d in enumerate(leaves):
+            arrays[d.path].append((rank, d))
+            leaf_of[rank, d.path] = i
+    records: dict[str, ArrayRecord] = {}
+    offers: list[Offer] = []
+    for path in sorted(arrays):
+        rec, chunks = chunk_array(path, arrays[path], target_chunk_bytes)
+        records[path] = rec
+        offers.extend(Offer(chunk_nbytes(rec), path, c, holders) for c, holders in chunks)
+    owners = assign_owners(offers)
+    tasks: list[list[WriteTask]] = [[] for _ in descs]
+    load = [0] * len(descs)
+    by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    for offer, rank in zip(offers, owners, strict=True):
+        by_path[offer.path][offer.chunk.key] = rank
+        load[rank] += offer.nbytes
+        i = leaf_of[rank, offer.path]
+        tasks[rank].append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[rank][i])))
+    for rank_tasks in tasks:
+        rank_tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
+    records = {path: r.with_chunks(owners=dict(sorted(by_path[path].items()))) for path, r in records.items()}
+    return WritePlan(records=records, tasks=tasks, nbytes=load)
+
+
+def chunk_array(
+    path: str, pieces: Sequence[tuple[int, LeafDesc]], target_chunk_bytes: int
+) -> tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]:
+    """One global array from the pieces ranks hold of it: its chunk grid (aligned to every piece,
+    so any holder of a chunk can write it alone) and each chunk with the ranks holding it.
+
+    Raises ``IncompatibleStateError`` when the ranks disagree on the array or leave a hole."""
+    first_rank, first = pieces[0]
+    for rank, d in pieces[1:]:
+        if (d.dtype, d.kind, d.global_shape) != (first.dtype, first.kind, first.global_shape):
+            raise IncompatibleStateError(
+                f"array {path!r}: rank {first_rank} has {first.dtype}{list(first.global_shape)} "
+                f"but rank {rank} has {d.dtype}{list(d.global_shape)} as the global tensor"
+            )
+    shape = first.global_shape
+    boxes = [(d.offsets, d.shape) for _, d in pieces if math.prod(d.shape) > 0]
+    grid = grid_for_boxes(shape, boxes, itemsize(first.dtype), target_chunk_bytes)
+    if grid_size(shape, grid) > MAX_CHUNKS:  # it could not be read back (nor planned in time)
+        raise UnsupportedValueError(
+            f"array {path!r}{list(shape)}: its shards' boundaries cut it into {grid_size(shape, grid):,} chunks "
+            f"of {list(grid)}, more than {MAX_CHUNKS:,}; shard it at coarser offsets or raise WriteOptions.chunk_bytes"
+        )
+    rec = ArrayRecord(path=path, dtype=first.dtype, kind=first.kind, shape=shape, chunks=grid)
+    by_chunk: dict[tuple[int, ...], tuple[Chunk, list[int]]] = {}
+    for rank, d in pieces:
+        for c in chunks_in_box(shape, grid, d.offsets, d.shape):
+            by_chunk.setdefault(c.coords, (c, []))[1].append(rank)
+    expected = grid_size(shape, grid)
+    if len(by_chunk) != expected:
+        raise IncompatibleStateError(f"array {path!r}{list(shape)}: {_hole(shape, grid, by_chunk)} is held by no rank")
+    return rec, [(c, tuple(sorted(hs))) for _, (c, hs) in sorted(by_chunk.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A chunk to be written by one of ``holders``."""
+
+    nbytes: int
+    path: str
+    chunk: Chunk
+    holders: tuple[int, ...]
+
+
+def assign_owners(offers: Sequence[Offer]) -> list[int]:
+    """The rank that writes each offered chunk. Chunks are balanced within each group of ranks
+    holding the same chunks (DP replicas of a shard, say), largest first, each to the least-loaded
+    member. A group's members see the same offers, so each can run this on its own offers and
+    agree with the others without another exchange."""
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, o in enumerate(offers):
+        groups[o.holders].append(i)
+    owner = [-1] * len(offers)
+    for holders, members in groups.items():
+        # Holders by load: a heap of distinct loads, and the holders at each load by position in
+        # the group, so a chunk finds the least-loaded holder next to its own start in log time
+        # (a group of 1,024 replicas must not cost 1,024 steps per chunk).
+        at_load: dict[int, list[int]] = {0: list(range(len(holders)))}
+        loads = [0]
+        for i in sorted(members, key=lambda i: (-offers[i].nbytes, offers[i].path, offers[i].chunk.coords)):
+            while not at_load.get(loads[0]):
+                at_load.pop(heapq.heappop(loads), None)
+            least = at_load[loads[0]]
+            # Ties go round the group from a point the chunk picks, so a group's lone chunk (a
+            # replicated optimizer partition, say) does not always land on its lowest rank.
+            start = zlib.crc32(f"{offers[i].path}/{offers[i].chunk.key}".encode()) % len(holders)
+            j = least.pop(bisect.bisect_left(least, start) % len(least))
+            owner[i] = holders[j]
+            load = loads[0] + offers[i].nbytes
+            if load not in at_load:
+                at_load[load] = []
+                heapq.heappush(loads, load)
+            bisect.insort(at_load[load], j)
+    return owner
+
+
+def local_chunk(c: Chunk, d: LeafDesc) -> Chunk:
+    """Chunk ``c`` of the global array in the coordinates of the piece ``d`` holding it."""
+    return Chunk(
+        coords=c.coords,
+        starts=tuple(s - o for s, o in zip(c.starts, d.offsets, strict=True)),
+        stops=tuple(s - o for s, o in zip(c.stops, d.offsets, strict=True)),
+    )
+
+
+def _hole(shape: tuple[int, ...], grid: tuple[int, ...], found: Mapping[tuple[int, ...], object]) -> str:
+    for c in chunks_in_box(shape, grid, (0,) * len(shape), shape):
+        if c.coords not in found:
+            return "[" + ", ".join(f"{a}:{b}" for a, b in zip(c.starts, c.stops, strict=True)) + "]"
+    return "part of it"
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """A box of a global array that one rank wants filled."""
+
+    path: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    path: str
+    chunk: Chunk
+    src: int  # the restoring rank that reads it from storage
+    dst: int  # the restoring rank that receives it
+    tag: int  # unique within the restore; pairs the send with its receive
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    path: str
+    chunk: Chunk
+    remote: bool  # from the remote tier (no restoring rank's node holds the file)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    reads: list[list[Read]]  # per restoring rank: chunks it reads from storage
+    transfers: list[Transfer]
+    read_bytes: list[int]  # per restoring rank
+
+
+def plan_reads(
+    records: dict[str, ArrayRecord],
+    needs: Sequence[Sequence[Need]],
+    readable: Sequence[frozenset[int]],
+    *,
+    read_once: bool,
+    remote: bool = False,
+) -> ReadPlan:
+    """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
+    place (a job plans per array on coordinators, ``restoreplan``, with ``assign_reads``).
+
+    ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
+    on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
+    needing it; otherwise every rank that needs a chunk and can read it reads it itself. A chunk
+    no node holds is read from the remote tier (when ``remote``) by the ranks needing it.
+    """
+    readers: dict[int, list[int]] = defaultdict(list)
+    for r, owners in enumerate(readable):
+        for o in owners:
+            readers[o].append(r)
+    wanted = needed_chunks(records, dict(enumerate(needs)))
+    reads, transfers, load = assign_reads(
+        records, wanted, lambda o: readers.get(o, []), read_once=read_once, remote=remote, tag=lambda i: i
+    )
+    return ReadPlan(
+        reads=[reads.get(r, []) for r in range(len(needs))],
+        transfers=transfers,
+        read_bytes=[load.get(r, 0) for r in range(len(needs))],
+    )
+
+
+Needers = dict[tuple[str, tuple[int, ...]], tuple[Chunk, set[int]]]
+
+
+def needed_chunks(records: Mapping[str, ArrayRecord], needs: Mapping[int, Sequence[Need]]) -> Needers:
+    """Each chunk some rank needs, with the ranks needing it."""
+    needers: Needers = {}
+    for rank, rank_needs in needs.items():
+        for n in rank_needs:
+            rec = records[n.path]
+            for c in chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape):
+                needers.setdefault((n.path, c.coords), (c, set()))[1].add(rank)
+    return needers
+
+
+def assign_reads(
+    records: Mapping[str, ArrayRecord],
+    needers: Needers,
+    readers_of: Callable[[int], Sequence[int]],
+    *,
+    read_once: bool,
+    remote: bool,
+    tag: Callable[[int], int],
+) -> tuple[dict[int, list[Read]], list[Transfer], dict[int, int]]:
+    """Readers and transfers of the needed chunks. ``readers_of(owner)`` lists the restoring
+    ranks that can read the files of saving rank ``owner``; ``tag(i)`` numbers the i-th transfer
+    (unique in the whole restore). Returns reads per rank, transfers, and bytes read per rank."""
+    reads: dict[int, list[Read]] = defaultdict(list)
+    load: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    for (path, _), (c, who) in sorted(needers.items()):
+        rec = records[path]
+        owner = rec.owner(c.key)
+        able = list(readers_of(owner))
+        from_remote = not able
+        if from_remote:
+            if not remote:
+                raise IncompatibleStateError(
+                    f"array {path!r} chunk {c.key}: saved by rank {owner}, whose files no restoring rank can read"
+                )
+            able = sorted(who)
+        nbytes = chunk_nbytes(rec)
+        local = sorted(who.intersection(able))
+        chosen = [min(local or able, key=lambda r: (load[r], r))] if read_once or not local else local
+        for r in chosen:
+            reads[r].append(Read(path, c, from_remote))
+            load[r] += nbytes
+        src = min(chosen, key=lambda r: (load[r], r))
+        for dst in sorted(who.difference(chosen)):
+            transfers.append(Transfer(path, c, src, dst, tag(len(transfers))))
+    return dict(reads), transfers, dict(load)

@@ -1,0 +1,335 @@
+"""Agreement between ranks through torch's key-value store, never through the training's collectives.
+
+Background threads commit saves, and a collective issued off the training thread could interleave
+with the training's own and deadlock it. So ranks meet in the store that ``torch.distributed``
+already runs (a TCPStore: rank 0 serves it, everyone is a client); background threads open their
+own client connection to it. A single process uses an in-memory store and the same code.
+
+Every key lives under ``tiercheck/<namespace>/``; a namespace is one Checkpointer of the job.
+
+Cost stays flat per rank as the job grows: no protocol here has a rank read every rank's keys.
+Ranks meet at counting barriers (one ``add`` each; the last to arrive sets one key everyone waits
+for), post into buckets that one rank collects (``post`` / ``collect``), and hand work to chosen
+ranks under keys both sides can name. The protocols built on these (``saveplan``, ``commit``,
+``restore``) are generators that yield a :class:`Barrier` wherever a rank must wait for the
+others: :func:`drive` runs one rank's protocol against the store, and a simulation can run the
+same generators of thousands of simulated ranks in lockstep over one store (``bench/scale_sim.py``).
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+import zlib
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tiercheck.errors import CoordinationError
+
+log = logging.getLogger("tiercheck")
+
+NODE_FILE = ".tiercheck-node"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """A point a protocol waits at: until ``key`` exists in the store."""
+
+    key: str
+    what: str
+
+
+Protocol = Generator[Barrier, None, T]
+
+
+class Coordinator:
+    def __init__(self, store: Any, *, rank: int, world_size: int, namespace: str, timeout_s: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        # What this rank moved through the store: requests, bytes sent (keys and values), bytes received.
+        self.counters = {"store_ops": 0, "store_bytes_out": 0, "store_bytes_in": 0}
+        self._barriers: list[str] = []  # passed since the scope they belong to began (see finish)
+
+    @classmethod
+    def single(cls, timeout_s: float) -> Coordinator:
+        import torch.distributed as dist  # commands that only list or inspect never load torch
+
+        return cls(dist.HashStore(), rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
+
+    def key(self, *parts: object) -> str:
+        return "/".join(["tiercheck", self.namespace, *map(str, parts)])
+
+    def connect_again(self) -> Coordinator:
+        """The same coordinator over a client connection of its own, for use from another thread."""
+        return Coordinator(
+            _own_client(self.store, self.timeout_s),
+            rank=self.rank,
+            world_size=self.world_size,
+            namespace=self.namespace,
+            timeout_s=self.timeout_s,
+        )
+
+    @property
+    def store_bytes(self) -> int:
+        return self.counters["store_bytes_out"] + self.counters["store_bytes_in"]
+
+    def _count(self, out: int = 0, into: int = 0, ops: int = 1) -> None:
+        c = self.counters
+        c["store_ops"] += ops
+        c["store_bytes_out"] += out
+        c["store_bytes_in"] += into
+
+    # ---------------------------------------------------------------------------- primitives
+
+    def wait(self, keys: list[str], *, what: str, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self._count(out=sum(map(len, keys)))
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError as e:  # a timeout, or the store's server (rank 0) is gone (DistError is one)
+            missing = [k for k in keys if not self.has(k)]
+            raise CoordinationError(
+                f"rank {self.rank}: gave up waiting for {what} after {timeout:.0f} s "
+                f"({len(missing)} of {len(keys)} keys missing, e.g. {missing[:1]}): {e}"
+            ) from None
+
+    def has(self, key: str) -> bool:
+        self._count(out=len(key))
+        try:
+            return bool(self.store.check([key]))
+        except RuntimeError:  # torch's DistError is one
+            return False
+
+    def decide(self, key: str, proposal: str) -> str:
+        """First proposal wins; everyone learns the same outcome."""
+        got = bytes(self.store.compare_set(key, "", proposal)).decode()
+        self._count(out=len(key) + len(proposal), into=len(got))
+        return got
+
+    def get(self, key: str) -> bytes:
+        value = bytes(self.store.get(key))
+        self._count(out=len(key), into=len(value))
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        if not keys:
+            return []
+        values = [bytes(v) for v in self.store.multi_get(keys)]
+        self._count(out=sum(map(len, keys)), into=sum(map(len, values)))
+        return values
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, value)
+        self._count(out=len(key) + len(value))
+
+    def multi_set(self, items: Mapping[str, str | bytes]) -> None:
+        if not items:
+            return
+        self.store.multi_set(list(items), list(items.values()))
+        self._count(out=sum(len(k) + len(v) for k, v in items.items()))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to ``key``'s value (creating it): many ranks register at one key."""
+        self.store.append(key, value)
+        self._count(out=len(key) + len(value))
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.store.add(key, n))
+        self._count(out=len(key) + 8, into=8)
+        return value
+
+    def delete(self, *keys: str) -> None:
+        for key in keys:
+            self._count(out=len(key))
+            try:
+                self.store.delete_key(key)
+            except RuntimeError:  # torch's DistError is one
+                log.debug("could not delete %s from the store", key)
+
+    # ---------------------------------------------------------------------------- patterns
+
+    def arrive(self, name: str, *, what: str, count: int | None = None) -> Barrier:
+        """Count this rank in at barrier ``name``; the last of ``count`` (default: every rank) to
+        arrive opens it. Yield the result to wait there."""
+        done = self.key(name, "open")
+        self._barriers.append(name)
+        if self.add(self.key(name, "arrived"), 1) == (self.world_size if count is None else count):
+            self.set(done, "1")
+        return Barrier(done, what)
+
+    def finish(self, scope: str) -> None:
+        """Leave a protocol whose barriers are all named ``scope/...``, after its last barrier:
+        the last rank to leave deletes the barriers' keys (and any failures reported at them),
+        so the store does not grow with the saves and restores of a long job."""
+        names = [n for n in self._barriers if n == scope or n.startswith(f"{scope}/")]
+        self._barriers = [n for n in self._barriers if n not in names]
+        if self.add(self.key(scope, "finished"), 1) == self.world_size:
+            keys = [self.key(n, k) for n in dict.fromkeys(names) for k in ("arrived", "open", "error")]
+            self.delete(self.key(scope, "finished"), self.key(scope, "error"), *keys)
+
+    def report(self, name: str, error: BaseException) -> None:
+        """Record that this rank failed at ``name`` (the first report wins); every rank learns of
+        it with ``check(name)`` after the next barrier."""
+        self.decide(self.key(name, "error"), dumps([self.rank, type(error).__name__, str(error)]))
+
+    def check(self, name: str, own: BaseException | None = None, *, shared: tuple[type[Exception], ...] = ()) -> None:
+        """Raise this rank's own failure, else the first failure any rank reported at ``name``: as
+        the same error where its type is one of ``shared`` (a verdict every rank reaches, like a
+        layout that cannot be planned), else as ``CoordinationError`` naming the failed rank."""
+        if own is not None:
+            raise own
+        key = self.key(name, "error")
+        if not self.has(key):
+            return
+        rank, kind, text = json.loads(self.get(key))
+        for cls in shared:
+            if cls.__name__ == kind:
+                raise cls(text)
+        raise CoordinationError(f"rank {rank} failed, so rank {self.rank} stops too: {kind}: {text}")
+
+    def post(self, bucket: str, value: str | bytes) -> int:
+        """Put ``value`` into ``bucket``, for the rank that ``collect``s it after a barrier; returns
+        how many values the bucket holds with this one."""
+        i = self.add(self.key(bucket, "n"), 1)
+        self.set(self.key(bucket, i), value)
+        return i
+
+    def collect(self, bucket: str, *, forget: bool = True) -> list[bytes]:
+        """Everything posted into ``bucket`` (in no particular order); with ``forget``, removed."""
+        n = self.add(self.key(bucket, "n"), 0)
+        keys = [self.key(bucket, i) for i in range(1, n + 1)]
+        values = self.multi_get(keys)
+        if forget:
+            self.delete(self.key(bucket, "n"), *keys)
+        return values
+
+
+def drive(coord: Coordinator, protocol: Protocol[T]) -> T:
+    """Run one rank's protocol to its end, waiting in the store at each barrier it yields. A wait
+    that times out is raised inside the protocol, at its ``yield``."""
+    try:
+        barrier = next(protocol)
+        while True:
+            try:
+                coord.wait([barrier.key], what=barrier.what)
+            except CoordinationError as e:  # the protocol may tell the others before it gives up
+                barrier = protocol.throw(e)
+            else:
+                barrier = protocol.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+def shard_of(path: str, shards: int) -> int:
+    """The rank that coordinates array ``path`` among ``shards`` ranks (the same on every rank and
+    in every process: CRC-32 of the name, not Python's salted ``hash``)."""
+    return zlib.crc32(path.encode()) % shards
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------------------------- nodes
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """Which ranks share this rank's node-local directory, and how many nodes there are."""
+
+    ranks: tuple[int, ...]  # of this node, ascending
+    count: int
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def join_nodes(coord: Coordinator, node: str) -> Protocol[Nodes]:
+    """Learn this node's ranks: each rank reads its own node's members, never every rank's."""
+    bucket = f"nodes/{node}"
+    mine = coord.post(bucket, str(coord.rank))
+    if mine == 1:
+        coord.add(coord.key("nodes", "count"), 1)
+    yield coord.arrive("nodes/joined", what="every rank to name its node directory")
+    members = sorted(int(v) for v in coord.collect(bucket, forget=False))
+    count = coord.add(coord.key("nodes", "count"), 0)
+    yield coord.arrive("nodes/read", what="every rank to read its node's members")
+    coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
+    if coord.rank == 0:
+        coord.delete(coord.key("nodes", "count"))
+    coord.finish("nodes")
+    return Nodes(tuple(members), count)
+
+
+def _own_client(store: Any, timeout_s: float) -> Any:
+    """A new TCPStore client to the server behind ``store`` (other stores are shared as they are)."""
+    import torch.distributed as dist
+
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(
+            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    return store
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group; every rank of every group is its client."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def node_id(local: str | os.PathLike[str]) -> str:
+    """The identity of a node-local directory: ranks that see the same directory share its id."""
+    path = Path(local) / NODE_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f"{NODE_FILE}.{uuid.uuid4().hex}")
+    tmp.write_text(uuid.uuid4().hex + "\n")
+    try:
+        os.link(tmp, path)  # atomic, and fails if another rank got there first
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def lockstep(protocols: list[Protocol[T]], *, capture: bool = False) -> list[T]:
+    """Run the protocols of many ranks in one thread, round by round: every rank runs to its next
+    barrier before any goes past it, so no wait ever blocks. For simulating a job of thousands of
+    ranks with the real protocol code over one store (``bench/scale_sim.py``) and for tests. With
+    ``capture``, a rank whose protocol raised gets the exception as its result (the others go on)."""
+    results: list[Any] = [None] * len(protocols)
+    live = list(range(len(protocols)))
+    while live:
+        still: list[int] = []
+        for i in live:
+            try:
+                next(protocols[i])
+                still.append(i)
+            except StopIteration as stop:
+                results[i] = stop.value
+            except Exception as e:
+                if not capture:
+                    raise
+                results[i] = e
+        live = still
+    return results

@@ -1,0 +1,100 @@
+"""One writer per node-local directory.
+
+Two jobs (or two ``Checkpointer``s of one process) saving into one directory would delete each
+other's in-flight steps as partial, overwrite each other's committed steps and mix chunks. So the
+node's first rank holds an exclusive ``flock`` on ``<local>/.tiercheck-lock`` for as long as its
+``Checkpointer`` is open, and the node's other ranks (same job) go ahead under it. The kernel drops
+the lock when the holder's process exits however it exits (``kill -9`` included), so a crashed job
+never leaves a lock that blocks the next one; the file's text (pid, host, start time) only names the
+holder in the error a second writer gets.
+"""
+
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from tiercheck.dist.coordination import Coordinator, Protocol
+from tiercheck.errors import DirectoryInUseError
+
+LOCK_FILE = ".tiercheck-lock"
+_MAX_HOLDER_BYTES = 4096  # the holder's description we write is ~100 bytes; read no more of a stray file
+
+
+class DirectoryLock:
+    """An exclusive, process-lifetime lock on a directory; ``release`` (or process exit) frees it."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.path = Path(root) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock at once or raise ``DirectoryInUseError`` naming the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DirectoryInUseError(f"could not lock {self.path}: {e}") from None
+            raise DirectoryInUseError(
+                f"{self.path.parent} is in use by another tiercheck writer ({holder}; lock file {self.path}). "
+                "Two writers in one directory would overwrite each other's steps: stop the other job or "
+                "close its Checkpointer, or give this one another local directory"
+            ) from None
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # drops the flock; the file stays (removing it would race a new holder)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        raw = os.pread(fd, _MAX_HOLDER_BYTES, 0)
+        info = json.loads(raw)
+        return f"pid {int(info['pid'])} on host {str(info['host'])[:255]!r} since {str(info['since'])[:40]}"
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return "holder unknown"
+
+
+def lock_node(coord: Coordinator, leader: int, lock: DirectoryLock) -> Protocol[None]:
+    """The node's ``leader`` takes ``lock``; every rank of the job learns whether it could, and all
+    raise the same ``DirectoryInUseError`` if one node's directory is taken, so no rank goes on alone."""
+    failure: DirectoryInUseError | None = None
+    if coord.rank == leader:
+        try:
+            lock.acquire()
+        except DirectoryInUseError as e:
+            failure = e
+            coord.report("lock", e)
+    yield coord.arrive("lock/taken", what="every node's first rank to lock its directory")
+    try:
+        coord.check("lock", failure, shared=(DirectoryInUseError,))
+    except BaseException:
+        lock.release()
+        raise
+    finally:
+        coord.finish("lock")

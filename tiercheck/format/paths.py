@@ -1,0 +1,70 @@
+"""TODO docstring: tiercheck.format.paths."""
+
+
+from __future__ import annotations
+
+import functools
+import re
+
+FORMAT_NAME = "tiercheck"
+FORMAT_VERSION = 4  # 4: chunks in one pack file per rank; 3: the manifest in parts; 3, 2 and 1 are still read
+WHOLE_FORMAT = 2  # the last format with the whole manifest in one document
+MANIFEST_FILE = "manifest.json"  # since format 3 the step's index; before, the whole manifest
+COMMIT_FILE = "COMMIT"
+PARTS_DIR = "manifest"  # since format 3: rank-NNNNNN.json (each saving rank's) and arrays-NNNNNN.json
+PACKS_DIR = "packs"  # since format 4: rank-NNNNNN.bin, every chunk a saving rank wrote
+REFS_DIR = "refs"  # since format 4: rank-NNNNNN.json, the zarr keys of a rank's chunks (plain JSON)
+
+
+def part_file(rank: int) -> str:
+    """A saving rank's part of the manifest: its state tree and the checksums of its chunks."""
+    return f"{PARTS_DIR}/rank-{rank:06d}.json"
+
+
+def shard_file(rank: int) -> str:
+    """The arrays a saving rank coordinated: shape, dtype, chunk grid and every chunk's owner."""
+    return f"{PARTS_DIR}/arrays-{rank:06d}.json"
+
+
+@functools.lru_cache(maxsize=4096)  # asked for once per chunk a restore reads
+def pack_file(rank: int) -> str:
+    """A saving rank's chunks, one after another (each as zarr stores it: data, then its CRC32C)."""
+    return f"{PACKS_DIR}/rank-{rank:06d}.bin"
+
+
+def pack_owner(path: str) -> int | None:
+    """The saving rank whose pack ``path`` (inside a step) is, or None when it is not a pack."""
+    m = _PACK.match(path)
+    return int(m.group(1)) if m else None
+
+
+_PACK = re.compile(rf"^{PACKS_DIR}/rank-(\d{{6,}})\.bin$")
+
+
+def chunk_location(path: str, key: str, writer: int, offset: int | None) -> tuple[str, int | None]:
+    """Where chunk ``key`` of array ``path`` is stored, relative to its step: its writer's pack
+    and its offset there (format 4), or with no offset its own file (``None``: all of it)."""
+    if offset is None:
+        return f"{path}/{key}", None
+    return pack_file(writer), offset
+
+
+def owners_file(rank: int) -> str:
+    """Who wrote each chunk of the arrays a saving rank coordinated (format 4; in format 3 this
+    was in the arrays shard). Only the rank planning an array's reads needs it: a restoring rank
+    matching its state reads shapes and dtypes, which stay small when every rank writes a chunk
+    of every array (FSDP2)."""
+    return f"{PARTS_DIR}/owners-{rank:06d}.json"
+
+
+def refs_file(rank: int) -> str:
+    """A saving rank's zarr keys as a kerchunk reference map: its chunks' byte ranges in its pack,
+    and the ``zarr.json`` documents of the arrays it coordinated. Plain zarr reads a step through
+    the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
+    return f"{REFS_DIR}/rank-{rank:06d}.json"
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"

@@ -1,0 +1,123 @@
+"""Peer replicas on a node's local tier: the markers that make a peer's files of a step count, and
+where each node's copies go. No torch here: ``tiercheck ls`` and ``verify`` read these too.
+
+A replica of node B's files in node A's directory of step N is B's saving ranks' files, under their own
+names (``rank_files``), plus ``REPLICA-<B's first rank>.json`` naming the ranks, each file's size and
+CRC32C, and B's node directory. The marker is written last, once every file is durable and checked.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+
+from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.format.paths import owners_file, pack_file, part_file, refs_file, shard_file, step_dir
+from tiercheck.format.steps import read_small
+from tiercheck.options import ReplicationOptions
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+REPLICA_PREFIX = "REPLICA-"
+_FORMAT = "tiercheck-replica"
+MAX_FILES_PER_RANK = 5  # its manifest part, arrays shard, owners, refs and pack
+
+
+def rank_files(rank: int) -> list[str]:
+    """The files of one saving rank in a step directory (format 4), those that exist for it."""
+    return [part_file(rank), shard_file(rank), owners_file(rank), refs_file(rank), pack_file(rank)]
+
+
+_RANK_FILE = re.compile(r"^(?:manifest/(?:rank|arrays|owners)|refs/rank)-(\d{6,})\.json$|^packs/rank-(\d{6,})\.bin$")
+
+
+def file_rank(name: str) -> int | None:
+    """The saving rank a file of a step directory belongs to (one of ``rank_files``), else None."""
+    m = _RANK_FILE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def replica_marker(first_rank: int) -> str:
+    return f"{REPLICA_PREFIX}{first_rank:06d}.json"
+
+
+def is_replica_marker(name: str) -> bool:
+    return name.startswith(REPLICA_PREFIX) and name.endswith(".json")
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One peer node's files in this node's directory of a step: what its marker says."""
+
+    step: int
+    ranks: tuple[int, ...]
+    world_size: int
+    files: dict[str, tuple[int, int]]  # name -> (size, crc32c)
+    node: str  # the node directory the files came from
+
+    def to_bytes(self) -> bytes:
+        files = {n: list(v) for n, v in self.files.items()}
+        doc = {"format": _FORMAT, "step": self.step, "ranks": list(self.ranks), "world_size": self.world_size}
+        return json.dumps({**doc, "node": self.node, "files": files}, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, *, step: int, where: str) -> Replica:
+        """A replica marker, checked: its step, ranks in range, and only the named files of those ranks."""
+        try:
+            doc = json.loads(data)
+            ok = isinstance(doc, dict) and doc.get("format") == _FORMAT and doc.get("step") == step
+            ranks = tuple(int(r) for r in doc["ranks"]) if ok and isinstance(doc.get("ranks"), list) else ()
+            world = doc.get("world_size") if ok else None
+            allowed = {f for r in ranks for f in rank_files(r)}
+            files = {
+                str(n): (int(v[0]), int(v[1]))
+                for n, v in (doc.get("files") or {}).items()
+                if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+            }
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where}: replica marker is damaged ({e!r})") from None
+        good = (
+            ok
+            and ranks
+            and isinstance(world, int)
+            and all(0 <= r < world for r in ranks)
+            and set(files) <= allowed
+            and len(files) == len(doc["files"])
+            and all(size >= 0 and 0 <= crc < 2**32 for size, crc in files.values())
+            and isinstance(doc.get("node"), str)
+        )
+        if not good:
+            raise CorruptCheckpointError(f"{where}: replica marker is damaged (fields out of range)")
+        return cls(step, ranks, int(world), files, doc["node"])  # type: ignore[arg-type]
+
+
+def read_replicas(tier: Tier, step: int) -> list[Replica]:
+    """The replicas a committed step directory holds; a damaged marker is reported and passed by."""
+    d = step_dir(step)
+    out = []
+    for name in tier.list_dir(d):
+        if not is_replica_marker(name):
+            continue
+        where = f"{tier.url}: step {step}: {name}"
+        try:
+            out.append(Replica.parse(read_small(tier, f"{d}/{name}", where=where), step=step, where=where))
+        except (TiercheckError, OSError) as e:
+            log.warning("ignoring a replica in %s: %s", tier.url, e)
+    return out
+
+
+def placement(index: int, count: int, options: ReplicationOptions) -> tuple[list[int], list[int]]:
+    """The nodes node ``index`` sends its copies to, and those it holds copies of (of ``count`` nodes)."""
+    jump = options.jump or 1
+    offsets = [(j * jump) % count for j in range(1, options.replicas + 1)]
+    if 0 in offsets or len(set(offsets)) != len(offsets):
+        raise ValueError(
+            f"ReplicationOptions(replicas={options.replicas}, jump={jump}) on {count} node(s): the copies of a node "
+            f"would land on itself or twice on one node; need replicas * jump < nodes (and no wrap onto a node "
+            f"already chosen)"
+        )
+    return [(index + o) % count for o in offsets], [(index - o) % count for o in offsets]

@@ -1,0 +1,288 @@
+"""Step directories on a tier: naming, the commit protocol, what counts as committed, and
+reading a committed step's manifest back.
+
+A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists. It is written last, after
+every data file, the manifest and every directory entry are durable, and it pins the manifest
+by size and CRC32C. Deleting a step withdraws the marker first, so a crash half-way through a
+deletion leaves a partial step (cleaned up later), never a damaged committed one.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from tiercheck.format.codec import checksum, unseal
+from tiercheck.format.manifest import (
+    JSON,
+    ArrayRecord,
+    CommitMarker,
+    Manifest,
+    ManifestIndex,
+    RankPart,
+    parse_manifest_doc,
+    parse_owners,
+    parse_rank_part,
+    parse_shard,
+)
+from tiercheck.format.paths import (
+    _STEP_DIR,
+    COMMIT_FILE,
+    MANIFEST_FILE,
+    PARTS_DIR,
+    owners_file,
+    part_file,
+    shard_file,
+    step_dir,
+)
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class StepListing:
+    committed: list[int]  # ascending
+    partial: list[int]  # directories without a commit marker (in flight, or left by a crash)
+    unreadable: dict[int, str] = field(default_factory=dict)  # step directories that cannot be read: why
+
+
+def list_steps(tier: Tier) -> StepListing:
+    committed: list[int] = []
+    partial: list[int] = []
+    unreadable: dict[int, str] = {}
+    for name in tier.list_dir(""):
+        m = _STEP_DIR.match(name)
+        if not m:
+            continue
+        step = int(m.group(1))
+        try:
+            done = tier.exists(f"{name}/{COMMIT_FILE}")
+        except OSError as e:
+            # A step directory that is a symbolic link (UnsafeCheckpointError), or one that cannot
+            # be read: neither committed (restore passes it by) nor partial (never removed).
+            why = str(e) if isinstance(e, UnsafeCheckpointError) else f"cannot read it ({e.strerror or e})"
+            log.warning("ignoring %s in %s: %s", name, tier.url, why)
+            unreadable[step] = why
+            continue
+        (committed if done else partial).append(step)
+    return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())))
+
+
+def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...] = (0,), world_size: int = 1) -> None:
+    """Publish a step whose data files are all durably written (by every saving rank).
+
+    ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
+    ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
+    """
+    d = step_dir(step)
+    tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
+    tier.sync_dirs(d)
+    marker = CommitMarker(
+        step=step,
+        manifest_crc32c=checksum(manifest),
+        manifest_size=len(manifest),
+        ranks=tuple(ranks),
+        world_size=world_size,
+    )
+    tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
+
+
+def withdraw_step(tier: Tier, step: int) -> None:
+    """Delete a step: first its commit marker (durably), then everything else."""
+    d = step_dir(step)
+    tier.delete(f"{d}/{COMMIT_FILE}")
+    tier.delete_tree(d)
+
+
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest file, part or marker; 16,384 ranks commit 2.75 MiB in all
+
+
+def read_small(tier: Tier, path: str, *, where: str) -> bytes:
+    """A manifest file, part or commit marker, read whole, refused past ``MAX_MANIFEST_BYTES``
+    without reading (or allocating) more: a hostile sparse file of many GiB costs nothing.
+    Raises ``FileNotFoundError`` when it is missing; any other failure to read it (a directory
+    in its place, no permission, EIO) is the step's damage."""
+    try:
+        data = tier.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where}: cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; no manifest is")
+    return bytes(data)
+
+
+def read_marker(tier: Tier, step: int) -> CommitMarker:
+    d = step_dir(step)
+    where = f"{tier.url}: step {step}"
+    try:
+        marker_bytes = read_small(tier, f"{d}/{COMMIT_FILE}", where=where)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} is not committed (no {d}/{COMMIT_FILE})") from None
+    marker = CommitMarker.from_bytes(marker_bytes, where=where)
+    if marker.step != step or not all(0 <= r < marker.world_size for r in marker.ranks):
+        raise CorruptCheckpointError(f"{where}: the commit marker names step {marker.step} or ranks out of range")
+    return marker
+
+
+def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], bytes]:
+    """A committed step's commit marker and ``manifest.json`` (parsed, and as stored), checked
+    against each other."""
+    d = step_dir(step)
+    where = f"{tier.url}: step {step}"
+    marker = read_marker(tier, step)
+    try:
+        data = read_small(tier, f"{d}/{MANIFEST_FILE}", where=where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} is missing from a committed step") from None
+    if len(data) != marker.manifest_size or checksum(data) != marker.manifest_crc32c:
+        raise CorruptCheckpointError(
+            f"{where}: {MANIFEST_FILE} is damaged (size or checksum differs from the commit marker)"
+        )
+    doc = parse_manifest_doc(data, where=where)
+    return marker, doc, data
+
+
+def read_manifest(tier: Tier, step: int) -> Manifest:
+    """The manifest of a committed step as this tier holds it, checked against its commit marker.
+
+    A format-3 step's manifest is in parts: each saving rank's (its tree and chunk checksums) and
+    each coordinating rank's (its arrays). A node-local tier holds its own ranks' parts only, so
+    what is returned describes those (the other ranks' trees are absent, see ``Manifest.tree``);
+    the remote tier, or a copy of the whole step, holds all of them.
+    """
+    where = f"{tier.url}: step {step}"
+    marker, doc, data = read_index(tier, step)
+    if doc["format_version"] < 3:
+        manifest = Manifest.from_bytes(data, where=where)
+    else:
+        index = ManifestIndex.from_doc(doc, where=where)
+        files = {}
+        try:
+            names = tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}")
+        except OSError as e:  # a file in its place, no permission
+            raise CorruptCheckpointError(f"{where}: cannot list {PARTS_DIR}/: {e.strerror or e}") from None
+        for name in names:
+            m = _PART.match(name)
+            if m and int(m.group(2)) < index.world_size:
+                files[m.group(1), int(m.group(2))] = read_small(
+                    tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where
+                )
+        manifest = assemble(index, files, where=where)
+    if manifest.step != step or manifest.world_size != marker.world_size:
+        raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")
+    return manifest
+
+
+def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
+    """The given saving ranks' parts of a format-3/4 manifest on this tier: their trees, and
+    the checksum and place of every chunk they wrote."""
+    out: dict[int, RankPart] = {}
+    for rank in ranks:
+        path = f"{step_dir(step)}/{part_file(rank)}"
+        where = f"{tier.url}: {path}"
+        try:
+            raw = read_small(tier, path, where=where)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where} is missing from a committed step") from None
+        out[rank] = parse_rank_part(unseal(raw, where=where), where=where)
+    return out
+
+
+_PART = re.compile(r"^(rank|arrays|owners)-(\d{6,})\.json$")
+_FILES = {"rank": part_file, "arrays": shard_file, "owners": owners_file}
+
+
+def manifest_file(kind: str, rank: int) -> str:
+    """The path, inside a step, of a manifest file: a rank part, an arrays shard, an owners file."""
+    return _FILES[kind](rank)
+
+
+def assemble(
+    index: ManifestIndex,
+    files: dict[tuple[str, int], bytes],
+    *,
+    where: str,
+    only: set[str] | None = None,
+    owners: bool = True,
+    parts: dict[int, RankPart] | None = None,
+) -> Manifest:
+    """A format-3 manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
+    to the file's bytes as stored); with ``only``, the records of those arrays alone, and without
+    their chunks' owners unless ``owners`` (see ``parse_shard``). ``parts`` holds the rank parts
+    parsed so far (by saving rank): they are taken from there, and those parsed here are added
+    (a restore assembles the same parts several times, and each is a state's worth of JSON)."""
+    arrays: dict[str, ArrayRecord] = {}
+    checksums: dict[str, dict[str, int]] = defaultdict(dict)
+    offsets: dict[str, dict[str, int]] = defaultdict(dict)
+    writers: dict[str, dict[str, int]] = {}
+    got: dict[int, RankPart] = {}
+    for (kind, rank), raw in sorted(files.items()):
+        here = f"{where}: {manifest_file(kind, rank)}"
+        part = parts.get(rank) if parts is not None and kind == "rank" else None
+        doc = unseal(raw, where=here) if part is None else b""
+        if kind == "arrays":
+            arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
+            continue
+        if kind == "owners":
+            if owners:
+                writers.update(parse_owners(doc, where=here, only=only))
+            continue
+        if part is None:
+            part = parse_rank_part(doc, where=here)
+            if parts is not None:
+                parts[rank] = part
+        got[rank] = part
+        if arrays and owners:  # arrays files come first (sorted); records without owners keep no checksums
+            for path, by_key in part.checksums.items():
+                checksums[path].update(by_key)
+            for path, by_key in part.offsets.items():
+                offsets[path].update(by_key)
+    trees: list[JSON] = []
+    tree_of_rank = [-1] * index.world_size
+    seen: dict[str, int] = {}
+    for rank, part in got.items():  # ranks that saved the same tree share it
+        text = json.dumps(part.tree, sort_keys=True) if len(got) > 1 else ""
+        if text not in seen:
+            seen[text] = len(trees)
+            trees.append(part.tree)
+        tree_of_rank[rank] = seen[text]
+    if not owners:  # as parsed: a chunk's checksum and offset are kept only with its owner
+        return _manifest(index, trees, tree_of_rank, arrays)
+    records = {}
+    for path, rec in arrays.items():
+        if path in writers:
+            rec = rec.with_chunks(owners=writers[path])
+        for key, owner in rec.owners.items():
+            if owner >= index.world_size:
+                raise CorruptCheckpointError(
+                    f"{where}: array {path!r} chunk {key}: owner {owner} is not a rank of the "
+                    f"{index.world_size} that saved the step"
+                )
+        kept = {k: v for k, v in checksums.get(path, {}).items() if k in rec.owners}
+        at = {k: v for k, v in offsets.get(path, {}).items() if k in kept}
+        records[path] = rec.with_chunks(checksums=dict(sorted(kept.items())), offsets=at)
+    return _manifest(index, trees, tree_of_rank, records)
+
+
+def _manifest(
+    index: ManifestIndex, trees: list[JSON], tree_of_rank: list[int], arrays: dict[str, ArrayRecord]
+) -> Manifest:
+    return Manifest(
+        step=index.step,
+        library_version=index.library_version,
+        created_unix=index.created_unix,
+        trees=trees,
+        tree_of_rank=tree_of_rank,
+        arrays=arrays,
+        metadata=index.metadata,
+        topology={"world_size": index.world_size, "nodes": index.nodes},
+        format_version=index.format_version,
+    )

@@ -1,0 +1,147 @@
+"""TODO docstring: tiercheck.restore.agree."""
+
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, dumps
+from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.fmt import fmt_steps, ranges
+from tiercheck.format.manifest import JSON
+from tiercheck.format.replicas import read_replicas
+from tiercheck.format.steps import list_steps, read_marker
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+
+def held_steps(tier: Tier) -> dict[str, JSON]:
+    """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
+    of them this node wrote itself]}``; the others are peers' replicas (``replicas.read_replicas``)."""
+    held: dict[str, JSON] = {}
+    for s in list_steps(tier).committed:
+        try:
+            marker = read_marker(tier, s)
+        except TiercheckError as e:
+            log.warning("ignoring step %d on %s: %s", s, tier.url, e)
+            continue
+        own = list(marker.ranks)
+        copies = {r for c in read_replicas(tier, s) if c.world_size == marker.world_size for r in c.ranks}
+        held[str(s)] = [own + sorted(copies - set(own)), marker.world_size, own]
+    return held
+
+
+@dataclass(frozen=True, slots=True)
+class StepChoice:
+    step: int | None
+    from_remote: bool  # committed on the remote tier: read what no node holds from there
+    held: dict[str, JSON]  # this node's committed steps (see held_steps)
+
+
+def agree_on_step(
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    *,
+    requested: int | None,
+    remote_steps: Callable[[], list[int]],
+    below: int | None = None,
+) -> Protocol[StepChoice]:
+    """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
+    when given. ``remote_steps`` is called on rank 0 only."""
+    held = held_steps(tier) if coord.rank == nodes.leader else {}
+    if coord.rank == nodes.leader:
+        coord.post(f"{name}/held", dumps({"ranks": list(nodes.ranks), "held": held}))
+    yield coord.arrive(f"{name}/held", what="every node to list its committed steps")
+    answer = coord.key(name, "step")
+    if coord.rank == 0:
+        per_node = [json.loads(v) for v in coord.collect(f"{name}/held")]
+        remote = set(remote_steps())
+        if below is not None:
+            remote = {s for s in remote if s < below}
+            for node in per_node:
+                node["held"] = {s: v for s, v in node["held"].items() if int(s) < below}
+        try:
+            step = choose_step(per_node, requested, remote, world=coord.world_size, where=tier.url)
+            coord.set(answer, dumps({"step": step, "remote": step is not None and step in remote}))
+        except CheckpointNotFoundError as e:
+            coord.set(answer, dumps({"error": str(e)}))
+    yield coord.arrive(f"{name}/chosen", what="rank 0 to choose the step to restore")
+    decision = json.loads(coord.get(answer))
+    if "error" in decision:
+        raise CheckpointNotFoundError(decision["error"])
+    if coord.rank != nodes.leader:
+        held = held_steps(tier)
+    return StepChoice(decision["step"], bool(decision.get("remote")), held)
+
+
+def choose_step(
+    per_node: list[dict[str, JSON]], requested: int | None, remote: set[int], *, world: int, where: str
+) -> int | None:
+    """The step to restore: committed on the remote tier, or whole across the nodes' local
+    directories. ``per_node`` holds each node's ``{"ranks": its ranks, "held": held_steps}``."""
+    have: dict[int, set[int]] = defaultdict(set)  # step -> saving ranks whose files some node holds
+    saved_world: dict[int, int] = {}
+    holders: dict[int, set[int]] = defaultdict(set)  # step -> restoring ranks holding a copy
+    for node in per_node:
+        for s, (saving, ws, *_) in node["held"].items():
+            have[int(s)].update(saving)
+            saved_world[int(s)] = ws
+            holders[int(s)].update(node["ranks"])
+
+    def missing(s: int) -> list[int]:
+        return sorted(set(range(saved_world[s])) - have[s])
+
+    def lacking(s: int) -> str:
+        without = sorted(set(range(world)) - holders[s])
+        return f"step {s}: the files of saving rank(s) {ranges(missing(s))} are on no rank's local tier" + (
+            f" (restoring rank(s) {ranges(without)} have no copy of the step)" if without else ""
+        )
+
+    whole = sorted(remote | {s for s in have if not missing(s)})
+    if requested is not None:
+        if requested in whole:
+            return requested
+        if requested in have:
+            raise CheckpointNotFoundError(f"{where}: cannot restore {lacking(requested)}")
+        raise CheckpointNotFoundError(
+            f"step {requested} is not committed on any rank's local tier or the remote tier "
+            f"({where}; committed: {fmt_steps(whole)})"
+        )
+    newer = [s for s in have if whole and s > whole[-1]]
+    if newer:
+        log.warning("newest steps are incomplete, skipping them: %s", "; ".join(lacking(s) for s in sorted(newer)))
+    if whole:
+        return whole[-1]
+    if have:
+        raise CheckpointNotFoundError(f"{where}: no committed step is whole; newest: {lacking(max(have))}")
+    return None
+
+
+def settle(
+    coord: Coordinator, name: str, failure: TiercheckError | None, *, shared: tuple[type[Exception], ...] = ()
+) -> Protocol[None]:
+    """Every rank learns whether any rank failed at this point; the first failure is raised on all
+    of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it, or as
+    the same error where its type is one of ``shared``)."""
+    if failure is not None:
+        coord.report(name, failure)
+    yield coord.arrive(name, what="every rank to get this far in the restore")
+    coord.check(name, failure, shared=shared)
+
+
+def remote_steps(remote: Tier | None) -> list[int]:
+    if remote is None:
+        return []
+    try:
+        return list_steps(remote).committed
+    except (OSError, TiercheckError) as e:  # restore from the local tier alone, and say so
+        log.error("cannot list %s, restoring from local tiers only: %s", remote.url, e)
+        return []

@@ -1,0 +1,69 @@
+"""TODO docstring: tiercheck.restore.load."""
+
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tiercheck.dist.assign import plan_reads as plan_reads_whole
+from tiercheck.errors import CheckpointNotFoundError
+from tiercheck.fmt import fmt_steps, ranges
+from tiercheck.format.steps import list_steps, read_manifest, read_marker
+from tiercheck.restore.match import apply, prepare
+from tiercheck.restore.read import move_chunks
+from tiercheck.state.flatten import gc_paused
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import open_tier
+
+# --------------------------------------------------------------------------- load()
+
+
+@gc_paused()
+def load(
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    allow_pickle: bool = False,
+    io_threads: int = 4,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Read a committed step into a plain nested dict of CPU tensors (state_dicts become dicts).
+
+    ``path`` is a local directory or any remote URL (``s3://``, ``az://``, ``file://``;
+    ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
+    hold every chunk: a step saved by ranks on several nodes is spread over their directories.
+    """
+    root = os.fspath(path)
+    tier = open_tier(root, storage_options=storage_options)
+    if isinstance(tier, LocalTier) and not tier.root.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
+    committed = list_steps(tier).committed
+    if step is None and not committed:
+        raise CheckpointNotFoundError(f"{root!r} holds no committed step")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {root!r} (committed: {fmt_steps(committed)})")
+    manifest = read_manifest(tier, step)
+    marker = read_marker(tier, step)
+    where = f"{tier.url}: step {step}"
+    out: dict[str, Any] = {}
+    if set(marker.ranks) != set(range(marker.world_size)):
+        if manifest.format_version >= 3:  # the other ranks' parts of the manifest are elsewhere too
+            absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
+        else:
+            owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
+            absent = sorted(owners - set(marker.ranks))
+        if absent:
+            raise CheckpointNotFoundError(
+                f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
+                f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
+            )
+    items, decoded = prepare(
+        out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
+    )
+    plan = plan_reads_whole(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
+    move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
+    apply(out, decoded, where=where)
+    return out

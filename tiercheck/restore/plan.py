@@ -1,0 +1,429 @@
+"""Planning a restore with every rank's cost flat in the job's size.
+
+The step is chosen first (``restore.agree_on_step``). Then, in rounds closed by barriers:
+
+1. **Holders.** The first node holding each saving rank's files (its commit marker lists the rank)
+   claims it in the store, naming the node's ranks: they can read that rank's chunks and parts of
+   the manifest. The step's index goes into the store once.
+2. **Fetch** (``fetch``): each rank gets the manifest files it needs, and no others: its saving
+   rank's part (its state tree), then, only if the live state has entries that tree lacks (a
+   pipeline stage moved), the other ranks' parts, then the array shards of the arrays its tree
+   refers to. Each file is read from this node's directory when it is here, from the remote tier
+   when the step comes from there, and otherwise from the store, where the node holding it posts
+   it on request.
+3. **Plan reads** (``plan_reads``): each rank posts what it needs of each array to the array's
+   coordinator (a rank on the node holding the array's shard, which reads the shard from disk);
+   each coordinator decides who reads each needed chunk and who sends it to whom
+   (``planner.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
+   receives, with the checksum of each chunk it reads taken from the writer's part on its node.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chunks
+from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, dumps, shard_of
+from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.format.codec import chunk_nbytes, unseal
+from tiercheck.format.layout import chunk_at
+from tiercheck.format.manifest import (
+    JSON,
+    ArrayRecord,
+    Manifest,
+    ManifestIndex,
+    RankPart,
+    parse_manifest_doc,
+    parse_owners,
+    parse_rank_part,
+    parse_shard,
+)
+from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
+from tiercheck.format.steps import manifest_file, read_index, read_small
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+FileId = tuple[str, int]  # ("rank" | "arrays" | "owners", saving rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What every rank knows of the chosen step once holders are known."""
+
+    step: int
+    index: bytes  # manifest.json as stored
+    format_version: int
+    world_size: int  # of the saving job
+    here: frozenset[int]  # saving ranks whose files this node holds
+    from_remote: bool  # the step is committed on the remote tier
+    claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
+
+
+def find_holders(
+    coord: Coordinator,
+    root: str,
+    tier: Tier,
+    nodes: Nodes,
+    step: int,
+    here: Sequence[int],
+    written: Sequence[int] = (),
+    *,
+    remote: Tier | None,
+    from_remote: bool,
+) -> Protocol[Step]:
+    """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
+    claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
+    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files."""
+    index_key = coord.key(root, "index")
+    own: TiercheckError | None = None
+    claimed: list[str] = []
+    members = dumps(list(nodes.ranks))
+    copies = sorted(set(here) - set(written))
+
+    def claim(ranks: Sequence[int]) -> None:
+        for w in ranks:
+            if coord.decide(coord.key(root, "holder", w), members) == members:
+                claimed.append(coord.key(root, "holder", w))
+
+    if here and coord.rank == nodes.leader:
+        try:
+            _, _, index = read_index(tier, step)
+            if coord.decide(index_key, index.decode()) == index.decode():
+                claimed.append(index_key)
+            claim(sorted(set(here) & set(written)))
+        except TiercheckError as e:
+            own = e
+            coord.report(f"{root}/holders", e)
+    yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
+    coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
+    if copies and coord.rank == nodes.leader:
+        claim(copies)
+    yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
+    if coord.has(index_key):
+        index = coord.get(index_key)
+    elif from_remote and remote is not None:  # no node holds any of it
+        _, _, index = read_index(remote, step)
+    else:
+        raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
+    where = f"{tier.url}: step {step}"
+    doc = parse_manifest_doc(index, where=where)
+    version = doc["format_version"]
+    world = (
+        ManifestIndex.from_doc(doc, where=where) if version >= 3 else Manifest.from_bytes(index, where=where)
+    ).world_size
+    return Step(step, index, version, world, frozenset(here), from_remote, tuple(claimed))
+
+
+def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
+    """The restoring ranks that can read each of these saving ranks' files (none: only the remote)."""
+    wanted = sorted(set(saving))
+    keys = [coord.key(name, "holder", w) for w in wanted]
+    if remote:  # some saving ranks may be on no node: ask for each before reading
+        present = [(w, k) for w, k in zip(wanted, keys, strict=True) if coord.has(k)]
+    else:  # the step is whole across the nodes: every saving rank has a holder
+        present = list(zip(wanted, keys, strict=True))
+    values = coord.multi_get([k for _, k in present])
+    return {w: json.loads(v) for (w, _), v in zip(present, values, strict=True)}
+
+
+def fetch(
+    coord: Coordinator,
+    root: str,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    st: Step,
+    remote: Tier | None,
+    wanted: set[FileId],
+) -> Protocol[dict[FileId, bytes]]:
+    """Round 2 (run once per kind of file a rank wants): the manifest files in ``wanted``, as stored.
+
+    A shard that does not exist (its rank coordinated nothing) comes back empty. A file that
+    cannot be read fails every rank (the reader with its own error, the others quoting it)."""
+    d = step_dir(st.step)
+    got: dict[FileId, bytes] = {}
+    away = sorted(f for f in wanted if f[1] not in st.here)
+    own: TiercheckError | None = None
+    try:
+        for f in sorted(wanted - set(away)):
+            got[f] = _read(tier, d, f)
+        if st.from_remote and remote is not None:  # from a node where one holds them (a peer's copy too)
+            held = holders_of(coord, root, {f[1] for f in away}, remote=True)
+            for f in [f for f in away if f[1] not in held]:
+                got[f] = _read(remote, d, f)
+            away = [f for f in away if f[1] in held]
+    except TiercheckError as e:
+        own, away = e, []
+        coord.report(name, e)
+    coord.multi_set({coord.key(name, "want", *f): "1" for f in away})
+    yield coord.arrive(f"{name}/wanted", what="every rank to ask for the manifest files it needs")
+    served: list[str] = []
+    if coord.rank == nodes.leader:
+        claimed = holders_of(coord, root, st.here, remote=st.from_remote)
+        for w in sorted(st.here):
+            if claimed.get(w) != list(nodes.ranks):
+                continue  # another node serves this rank's files
+            for kind in ("rank", "arrays"):
+                want = coord.key(name, "want", kind, w)
+                if coord.has(want):
+                    file_key = coord.key(name, "file", kind, w)
+                    try:
+                        data = _read(tier, d, (kind, w))
+                    except TiercheckError as e:  # still answer: the asking rank must not wait forever
+                        own, data = own or e, b""
+                        coord.report(name, e)
+                    coord.set(file_key, data)
+                    served += [want, file_key]
+    yield coord.arrive(f"{name}/served", what="the nodes holding the step to share manifest files")
+    coord.check(name, own, shared=(CorruptCheckpointError,))
+    for f, value in zip(away, coord.multi_get([coord.key(name, "file", *f) for f in away]), strict=True):
+        got[f] = value
+    yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
+    coord.delete(*served)
+    return got
+
+
+def _read(tier: Tier, d: str, f: FileId) -> bytes:
+    kind, rank = f
+    try:
+        return read_small(tier, f"{d}/{manifest_file(kind, rank)}", where=tier.url)
+    except FileNotFoundError:
+        if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
+            return b""
+        raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(rank)} is missing from a committed step") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RankReads:
+    """One restoring rank's part of the read plan."""
+
+    reads: list[Read]
+    transfers: list[Transfer]  # those this rank sends or receives
+    records: dict[str, ArrayRecord]  # of the arrays it reads or receives, checksums of what it reads
+    read_bytes: int
+
+
+def plan_reads(
+    coord: Coordinator,
+    root: str,
+    name: str,
+    tier: Tier,
+    st: Step,
+    remote: Tier | None,
+    needs: Sequence[Need],
+    records: Mapping[str, ArrayRecord],
+    *,
+    read_once: bool,
+    parts: Mapping[int, RankPart] | None = None,
+) -> Protocol[RankReads]:
+    """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work.
+    ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there)."""
+    rank, world = coord.rank, coord.world_size
+    shards = sorted({shard_of(n.path, st.world_size) for n in needs})
+    shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
+    by_coord: dict[int, list[list[object]]] = defaultdict(list)
+    for n in needs:
+        s = shard_of(n.path, st.world_size)
+        by_coord[coordinator_of(s, shard_holders.get(s), world)].append([n.path, list(n.offsets), list(n.shape)])
+    for c, items in sorted(by_coord.items()):
+        coord.post(f"{name}/needs/{c}", dumps({"rank": rank, "needs": items}))
+    yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
+
+    # As a coordinator: plan the reads of my arrays, post each rank its work.
+    posted = [json.loads(v) for v in coord.collect(f"{name}/needs/{rank}")]
+    if posted:
+        _coordinate_reads(coord, root, name, tier, st, remote, posted, records, read_once=read_once)
+    del posted, by_coord
+    yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
+    coord.check(name, shared=(IncompatibleStateError, CorruptCheckpointError))
+
+    # My work: what to read (with each chunk's checksum from its writer's part), send, receive.
+    out_reads: list[Read] = []
+    out_moves: dict[int, Transfer] = {}
+    recs: dict[str, ArrayRecord] = {}
+    owners_of: dict[tuple[str, str], int] = {}
+    for value in coord.collect(f"{name}/work/{rank}"):
+        w = json.loads(value)
+        for short in w["records"]:  # shape and chunks: as this rank parsed them where it did
+            if short[0] not in recs:
+                recs[short[0]] = records.get(short[0]) or _from_short(short)
+        for path, cc, from_remote, owner in w["reads"]:
+            chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
+            out_reads.append(Read(path, chunk, bool(from_remote)))
+            owners_of[path, chunk.key] = int(owner)
+        for path, cc, src, dst, tag in w["moves"]:
+            out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
+    by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    offsets: dict[str, dict[str, int]] = defaultdict(dict)
+    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts or {}).items():
+        by_path[path][key] = crc
+        if offset is not None:
+            offsets[path][key] = offset
+    for path, rec in list(recs.items()):
+        mine_crcs = by_path.get(path, {})
+        recs[path] = rec.with_chunks(
+            checksums=mine_crcs,
+            owners={key: owners_of[path, key] for key in mine_crcs},
+            offsets=offsets.get(path, {}),
+        )
+    for path, rec in records.items():
+        recs.setdefault(path, rec)
+    out_reads.sort(key=lambda x: (x.path, x.chunk.coords))
+    transfers = sorted(out_moves.values(), key=lambda t: t.tag)
+    nbytes = sum(chunk_nbytes(recs[x.path]) for x in out_reads)
+    yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
+    return RankReads(out_reads, transfers, recs, nbytes)
+
+
+def _coordinate_reads(
+    coord: Coordinator,
+    root: str,
+    name: str,
+    tier: Tier,
+    st: Step,
+    remote: Tier | None,
+    posted: list[JSON],
+    known: Mapping[str, ArrayRecord],
+    *,
+    read_once: bool,
+) -> None:
+    """Plan the reads of the arrays whose needs were posted to this rank; post every rank its work
+    (or report why the plan cannot be made). ``known``: records this rank parsed already from the
+    same shards (its own manifest's, without owners): where they cover a shard's needed arrays,
+    the shard is not parsed again (format 4 keeps the owners apart)."""
+    rank, world = coord.rank, coord.world_size
+    failure: TiercheckError | None = None
+    d = step_dir(st.step)
+    wanted: dict[int, list[Need]] = defaultdict(list)
+    for doc in posted:
+        wanted[int(doc["rank"])].extend(Need(p, tuple(o), tuple(s)) for p, o, s in doc["needs"])
+    try:
+        mine: dict[str, ArrayRecord] = {}
+        by_shard: dict[int, set[str]] = defaultdict(set)
+        for ns in wanted.values():
+            for n in ns:
+                by_shard[shard_of(n.path, st.world_size)].add(n.path)
+        for s, paths in sorted(by_shard.items()):
+            source = tier if s in st.here else remote
+            if source is None:
+                raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
+            if st.format_version >= 4 and paths <= known.keys():
+                mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
+            else:
+                raw = _read(source, d, ("arrays", s))
+                where = f"{source.url}: {d}/{shard_file(s)}"
+                if raw:
+                    records = parse_shard(unseal(raw, where=where), where=where)
+                    for path, rec in records.items():
+                        _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
+                    mine.update(records)
+            raw = _read(source, d, ("owners", s))
+            where = f"{source.url}: {d}/{owners_file(s)}"
+            for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
+                _check_owners(path, writers, st.world_size, where=where)
+                if path in mine:
+                    mine[path] = mine[path].with_chunks(owners=writers)
+        for ns in wanted.values():
+            for n in ns:
+                if n.path not in mine:
+                    raise CorruptCheckpointError(f"{tier.url}: step {st.step}: no record of array {n.path!r}")
+        needers = needed_chunks(mine, wanted)
+        owners = {mine[p].owner(c.key) for (p, _), (c, _) in needers.items()}
+        readers = holders_of(coord, root, owners, remote=st.from_remote)
+        reads, transfers, _ = assign_reads(
+            mine,
+            needers,
+            lambda o: readers.get(o, []),
+            read_once=read_once,
+            remote=st.from_remote,
+            tag=lambda i: i * world + rank,
+        )
+    except TiercheckError as e:
+        failure = e
+        reads, transfers = {}, []
+    work: dict[int, dict[str, list[object]]] = defaultdict(lambda: {"reads": [], "moves": [], "records": []})
+    used: dict[int, set[str]] = defaultdict(set)
+    for r, rs in reads.items():
+        for x in rs:
+            work[r]["reads"].append([x.path, list(x.chunk.coords), x.remote, mine[x.path].owner(x.chunk.key)])
+            used[r].add(x.path)
+    for t in transfers:
+        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag]
+        for r in (t.src, t.dst):
+            work[r]["moves"].append(move)
+            used[r].add(t.path)
+    for r, paths in used.items():
+        work[r]["records"] = [_short(mine[p]) for p in sorted(paths)]
+    for r, w in sorted(work.items()):
+        coord.post(f"{name}/work/{r}", dumps(w))
+    if failure is not None:
+        coord.report(name, failure)
+
+
+def _check_owners(path: str, owners: Mapping[str, int], world: int, *, where: str) -> None:
+    """A chunk's writer must be a rank of the saving job: the reads wait on the store for a holder of
+    each writer's files, and none would ever come for a rank that never was (a hang, then the store's
+    own timeout error)."""
+    for key, owner in owners.items():
+        if owner >= world:
+            raise CorruptCheckpointError(
+                f"{where}: array {path!r} chunk {key}: owner {owner} is not a rank of the {world} that saved the step"
+            )
+
+
+def coordinator_of(shard: int, holders: list[int] | None, world: int) -> int:
+    """The restoring rank planning the reads of the arrays in ``shard``: one on the node holding
+    the shard (it reads it from disk), else (the shard is only on the remote tier) rank ``shard``
+    modulo the world size."""
+    if holders:
+        return holders[shard % len(holders)]
+    return shard % world
+
+
+def _checksums(
+    tier: Tier,
+    remote: Tier | None,
+    st: Step,
+    owners_of: Mapping[tuple[str, str], int],
+    parts: Mapping[int, RankPart],
+) -> dict[tuple[str, str], tuple[int, int | None]]:
+    """The checksum of each chunk this rank reads, and its offset in its writer's pack (format 4),
+    from the writer's part of the manifest: in ``parts`` when parsed already, else on this node
+    (the reader is on the writer's node) or on the remote tier."""
+    out: dict[tuple[str, str], tuple[int, int | None]] = {}
+    d = step_dir(st.step)
+    by_owner: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for chunk, owner in owners_of.items():
+        by_owner[owner].append(chunk)
+    for owner, chunks in sorted(by_owner.items()):
+        source = tier if owner in st.here else remote
+        where = f"{(source or tier).url}: {d}/{part_file(owner)}"
+        part = parts.get(owner)
+        if part is None:
+            if source is None:
+                raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
+            part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
+        for path, key in chunks:
+            if key not in part.checksums.get(path, {}):
+                raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")
+            out[path, key] = part.checksums[path][key], part.offsets.get(path, {}).get(key)
+    return out
+
+
+def _short(rec: ArrayRecord) -> list[object]:
+    return [rec.path, rec.dtype, rec.kind, list(rec.shape), list(rec.chunks)]
+
+
+def _from_short(doc: list[object]) -> ArrayRecord:
+    path, dtype, kind, shape, chunks = doc
+    return ArrayRecord(path=str(path), dtype=str(dtype), kind=str(kind), shape=tuple(shape), chunks=tuple(chunks))  # type: ignore[arg-type]
+
+
+def index_of(st: Step, *, where: str) -> ManifestIndex:
+    return ManifestIndex.from_doc(parse_manifest_doc(st.index, where=where), where=where)

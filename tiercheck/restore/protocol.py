@@ -1,0 +1,376 @@
+"""Restoring a step: agree on it, gather its manifest, match it to the state, move the bytes.
+
+Every rank of the job calls ``restore_state`` together (a single process is a job of one). The
+ranks meet in the store, never in the training's collectives:
+
+1. **Agree on the step** (``agree_on_step``): the first rank of each node posts the steps its
+   directory holds (and the saving ranks whose files are there); rank 0 alone reads those, one
+   per node, picks the newest step whole across the nodes or committed on the remote tier, and
+   posts that one answer.
+2. **Gather the manifest** (``gather_manifest``): from the remote tier when the step comes from
+   there; otherwise the first node holding each saving rank's part of the manifest posts it, and
+   each rank reads the parts its own directory lacks.
+3. **Match** the saved tree to the live state (``prepare``): shapes, dtypes and keys are checked
+   on every rank, and any rank's mismatch fails all of them, before anything is overwritten.
+4. **Move the bytes** (``scatter.move_chunks``): each chunk is read where its file is, verified
+   against its checksum, and sent to the ranks that need it; then the decoded values are handed
+   to the state (``apply``).
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, drive, shard_of
+from tiercheck.errors import CoordinationError, CorruptCheckpointError, TiercheckError
+from tiercheck.fmt import fmt_steps, plural
+from tiercheck.format.manifest import JSON, Manifest, RankPart
+from tiercheck.format.steps import assemble
+from tiercheck.restore.agree import agree_on_step, remote_steps, settle
+from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
+from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_reads
+from tiercheck.restore.read import ReadItem, copy_in, move_chunks, staged, staging_bytes
+from tiercheck.state.flatten import gc_paused, tensor_paths
+from tiercheck.state.staging import HostPool
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+# ------------------------------------------------------------------------------- one restore
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    arrays: int
+    bytes_read: int
+    chunks_received: int
+    remote_reads: int
+    fallbacks: int
+    staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
+    read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
+    from_remote: bool  # the step was chosen from the remote tier
+    held_here: list[int]  # saving ranks whose files this node holds
+
+
+@gc_paused()
+def restore_state(
+    state: Mapping[str, Any],
+    *,
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    remote: Tier | None,
+    group: Any,
+    requested: int | None,
+    strict: bool,
+    allow_pickle: bool,
+    others: bool | Callable[[list[str]], Iterable[str]],
+    extra: bool,
+    read_once: bool,
+    io_threads: int,
+    pool: HostPool | None = None,
+    in_place: bool = False,
+) -> Restored | None:
+    """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
+    same ``name``. Returns None when no tier holds a committed step (and none was requested).
+
+    All or nothing: every chunk is read into staging memory and verified, on every rank, before
+    the first byte reaches the state; with ``in_place``, CPU tensors are read into as they are
+    (see ``Checkpointer.restore``). When the chosen step turns out damaged (a bad checksum, a
+    missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
+    step instead, with a warning; a ``requested`` step is never swapped for another."""
+    touched: list[int] = []  # steps read into the state's own memory (in place) so far
+    try:
+        below: int | None = None
+        attempt = name
+        damaged: list[_Damaged] = []
+        for n in itertools.count(1):
+            try:
+                done = _restore_step(
+                    state,
+                    coord=coord,
+                    name=attempt,
+                    tier=tier,
+                    nodes=nodes,
+                    remote=remote,
+                    group=group,
+                    requested=requested,
+                    below=below,
+                    strict=strict,
+                    allow_pickle=allow_pickle,
+                    others=others,
+                    extra=extra,
+                    read_once=read_once,
+                    io_threads=io_threads,
+                    pool=pool,
+                    touched=touched if in_place else None,
+                )
+            except _Damaged as d:
+                if requested is not None:
+                    raise d.error from None
+                if coord.rank == 0:
+                    log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
+                damaged.append(d)
+                below, attempt = d.step, f"{name}.{n}"
+                continue
+            if done is None and damaged:
+                also = (
+                    f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
+                )
+                raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
+            return done
+    except BaseException as e:
+        if touched:
+            _say_partly_restored(e, touched)
+        raise
+    raise AssertionError("unreachable")
+
+
+def _in_place(item: ReadItem) -> bool:
+    """Whether an in-place restore reads ``item`` into the state's own memory: a tensor of the
+    state on the CPU (a GPU one is staged in host memory either way)."""
+    return not item.fresh and item.dest.device.type == "cpu"
+
+
+def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
+    """Tell the caller of a failed in-place restore that the state's tensors were read into."""
+    what = (
+        f"restore(in_place=True) failed after it began to read into the state: its tensors may hold "
+        f"parts of step(s) {fmt_steps(steps)}; restore again before using them"
+    )
+    log.error("%s (%s)", what, e)
+    if hasattr(e, "add_note"):  # Python 3.11 and later: shown under the traceback
+        e.add_note(what)
+
+
+DAMAGE = (CorruptCheckpointError,)
+"""Failures every rank raises as they are (not as another rank's ``CoordinationError``): each rank
+then agrees the step is damaged, and they try an older one together."""
+
+
+def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
+    """Every rank is past every key of this restore attempt: remove them."""
+    coord.delete(*claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
+    coord.finish(name)
+
+
+class _Damaged(Exception):
+    """Every rank agreed that ``step`` is damaged on every tier."""
+
+    def __init__(self, step: int, error: CorruptCheckpointError) -> None:
+        self.step, self.error = step, error
+
+
+def _restore_step(
+    state: Mapping[str, Any],
+    *,
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    nodes: Nodes,
+    remote: Tier | None,
+    group: Any,
+    requested: int | None,
+    below: int | None,
+    strict: bool,
+    allow_pickle: bool,
+    others: bool | Callable[[list[str]], Iterable[str]],
+    extra: bool,
+    read_once: bool,
+    io_threads: int,
+    pool: HostPool | None,
+    touched: list[int] | None,
+) -> Restored | None:
+    """One attempt at one step. With ``touched`` (a list), CPU tensors of the state are read into
+    in place, and ``step`` is added to it before the first byte is."""
+    choice = drive(
+        coord,
+        agree_on_step(
+            coord,
+            f"{name}/step",
+            tier,
+            nodes,
+            requested=requested,
+            below=below,
+            remote_steps=lambda: remote_steps(remote),
+        ),
+    )
+    if choice.step is None:
+        return None
+    step = choice.step
+    here, _, own = choice.held.get(str(step), [[], 0, []])
+    where = f"{tier.url}: step {step}"
+    claimed: tuple[str, ...] = ()
+    failure: TiercheckError | None = None
+    items: list[ReadItem] = []
+    decoded: dict[str, Any] = {}
+    view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
+    parts: dict[int, RankPart] = {}  # saving ranks' manifest parts, parsed once
+    try:  # a damaged index, manifest file or tree is the step's damage as much as a bad chunk
+        st = drive(
+            coord,
+            find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
+        )
+        claimed = st.claimed
+        manifest = drive(
+            coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others), parts=parts)
+        )
+        try:
+            if others:
+                add_entries(view, manifest, others, where=where)
+                if len(view) > len(state) and not isinstance(state, MutableMapping):
+                    raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=extra)
+            items, decoded = prepare(view, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
+        except TiercheckError as e:
+            if coord.world_size == 1:
+                raise
+            failure = e
+        drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
+    except CorruptCheckpointError as e:
+        _leave(coord, name, claimed)
+        raise _Damaged(step, e) from None
+    plan = drive(
+        coord,
+        plan_reads(
+            coord,
+            name,
+            f"{name}/reads",
+            tier,
+            st,
+            remote,
+            [i.need for i in items],
+            manifest.arrays,
+            read_once=read_once,
+            parts=parts,
+        ),
+    )
+    moved: dict[str, int] = {}
+    nbytes = 0
+    if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
+        items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
+        touched.append(step)
+    with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
+        arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
+        reads, live = staged(items, arena)
+        pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
+        in_pool = sum(b.numel() * b.element_size() for _, b in live if b.untyped_storage().data_ptr() == pool_memory)
+        try:
+            nbytes = move_chunks(
+                tier,
+                step,
+                plan.records,
+                reads,
+                plan.reads,
+                plan.transfers,
+                rank=coord.rank,
+                group=group,
+                io_threads=io_threads,
+                remote=remote if choice.from_remote else None,
+                counters=moved,
+            )
+        except TiercheckError as e:
+            failure = e
+        try:
+            if coord.world_size > 1:
+                drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+            elif failure is not None:
+                raise failure
+        except CorruptCheckpointError as e:
+            raise _Damaged(step, e) from None
+        finally:
+            _leave(coord, name, claimed)
+        copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
+    apply(state, decoded, where=where)
+    log.info(
+        "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
+        step,
+        plural(len(items), "array"),
+        moved.get("remote_reads", 0),
+        remote.url if remote is not None else "no remote tier",
+        moved.get("fallbacks", 0),
+    )
+    return Restored(
+        step=step,
+        arrays=len(items),
+        bytes_read=nbytes,
+        chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
+        remote_reads=moved.get("remote_reads", 0),
+        fallbacks=moved.get("fallbacks", 0),
+        staged_in_pool=in_pool,
+        read_direct=moved.get("direct_bytes", 0),
+        from_remote=choice.from_remote,
+        held_here=list(here),
+    )
+
+
+def manifest_for(
+    coord: Coordinator,
+    root: str,
+    tier: Tier,
+    nodes: Nodes,
+    st: Step,
+    remote: Tier | None,
+    state: Mapping[str, Any],
+    *,
+    others: bool,
+    parts: dict[int, RankPart] | None = None,
+) -> Protocol[Manifest]:
+    """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
+    the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
+    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
+    The saving ranks' parts it parses are left in ``parts`` (``plan_reads`` takes checksums there)."""
+    parts = {} if parts is None else parts
+    where = f"{tier.url}: step {st.step}"
+    if st.format_version < 3:
+        return Manifest.from_bytes(st.index, where=where)
+    ix = index_of(st, where=where)
+    own = coord.rank if coord.rank < ix.world_size else 0
+    got = yield from fetch(coord, root, f"{root}/tree", tier, nodes, st, remote, {("rank", own)})
+    failure: TiercheckError | None = None
+    more: set[tuple[str, int]] = set()
+    try:
+        if others or not covers(assemble(ix, got, where=where, parts=parts).tree(own), state):
+            more = {("rank", w) for w in range(ix.world_size)} - set(got)
+    except TiercheckError as e:
+        failure = e
+    yield from settle(coord, f"{root}/tree", failure, shared=DAMAGE)
+    got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
+    paths: set[str] = set()
+    try:
+        trees = assemble(ix, got, where=where, parts=parts).trees
+        paths = {p for t in trees for p in tensor_paths(t) if isinstance(p, str)}
+    except TiercheckError as e:
+        failure = e
+    yield from settle(coord, f"{root}/paths", failure, shared=DAMAGE)
+    shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
+    got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
+    manifest: Manifest | None = None
+    try:
+        manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False, parts=parts)
+    except TiercheckError as e:
+        failure = e
+    del got
+    yield from settle(coord, f"{root}/manifest", failure, shared=DAMAGE)
+    assert manifest is not None
+    return manifest
+
+
+def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: int) -> None:
+    if own is not None:
+        raise own
+    for r, o in enumerate(outcomes):
+        if "error" in o:
+            raise CoordinationError(f"rank {r} failed, so rank {rank} stops too: {o['error']}")
+
+
+# ------------------------------------------------------------------------------------ helpers

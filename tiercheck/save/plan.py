@@ -1,0 +1,388 @@
+"""Making a save plan with every rank's cost flat in the job's size: per-array coordinators.
+
+No rank sees every rank's descriptions. Each global array has one coordinating rank (a CRC of its
+name modulo the world size), and the plan is made in four rounds, each closed by a barrier:
+
+1. every rank describes its pieces, grouped by coordinator, and names each group by a digest of
+   its description. Replicas (DP ranks, TP ranks of a replicated norm) have the same pieces and so
+   the same digest: the first of them posts the description into the coordinator's bucket, each
+   appends its rank to the digest's list of holders (a few bytes, not a description per replica);
+2. each coordinator lays out its arrays (the chunk grid aligned to every piece, refusing a
+   disagreement or a hole) and writes one offer per digest: the chunks those pieces hold, each
+   with the full group of ranks holding that chunk;
+3. each rank reads its offers and splits the offers of every group of holders as every other
+   member does (largest first, least loaded; ``planner.assign_owners``): the members see the same
+   offers, so they agree without another exchange. It tells each coordinator which of its chunks
+   it took (only the ranks that took some do);
+4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,
+   written beside the data at every save.
+
+A rank sends and receives in proportion to the pieces it holds (plus, as a coordinator, to the
+distinct pieces of a few arrays and a few bytes per holder): about the same at 16,384 ranks as at
+8. The plan is cached and redone only when some rank's layout changes (every rank then plans
+again, with a new generation number).
+"""
+
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tiercheck.dist.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
+from tiercheck.dist.coordination import Coordinator, Protocol, dumps, shard_of
+from tiercheck.errors import CoordinationError, IncompatibleStateError
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
+from tiercheck.format.layout import Chunk, chunk_at, is_edge
+from tiercheck.format.manifest import ArrayRecord
+from tiercheck.format.paths import pack_file
+from tiercheck.state.flatten import Leaf
+from tiercheck.state.staging import ALIGN, align_up
+from tiercheck.tiers.local import DIRECT_MIN_BYTES
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """One rank's part of the job's save plan."""
+
+    records: dict[str, ArrayRecord]  # every array this rank holds (no owners)
+    tasks: list[WriteTask]  # the chunks this rank writes, in leaf order
+    nbytes: int  # bytes of chunk data this rank writes
+    shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with every chunk's owner
+
+
+def plan_save(
+    coord: Coordinator, generation: int, descs: Sequence[LeafDesc], *, target_chunk_bytes: int
+) -> Protocol[SavePlan]:
+    """This rank's side of making a save plan (see the module docstring). Every rank runs it
+    with the same ``generation``; it yields at each barrier."""
+    name = f"plan{generation}"
+    rank, world = coord.rank, coord.world_size
+    leaf_of = {d.path: i for i, d in enumerate(descs)}
+    by_coord: dict[int, list[LeafDesc]] = defaultdict(list)
+    for d in descs:
+        by_coord[shard_of(d.path, world)].append(d)
+
+    # 1. Post my pieces to their coordinators. Replicas hold the same pieces: the first of them
+    #    posts the pieces, each appends its rank to the list of holders of that digest.
+    digests: dict[int, str] = {}
+    for c, leaves in sorted(by_coord.items()):
+        body = dumps([d.to_json() for d in leaves])
+        digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+        if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
+            coord.post(f"{name}/in/{c}", f"{digest}|{body}")
+        coord.append(coord.key(name, "in", c, digest, "ranks"), f"{rank},")
+    yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
+
+    # 2. As a coordinator: lay out my arrays and offer each chunk to its holders (one offer per
+    #    digest: the holders of the same pieces get the same offer).
+    bodies: dict[str, list[LeafDesc]] = {}
+    for value in coord.collect(f"{name}/in/{rank}"):
+        digest, body = value.decode().split("|", 1)
+        bodies[digest] = [LeafDesc.from_json(leaf) for leaf in json.loads(body)]
+    registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
+    held = {
+        digest: sorted(int(r) for r in value.decode().split(",") if r)
+        for digest, value in zip(registers, coord.multi_get(list(registers.values())), strict=True)
+    }
+    coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
+    pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    for digest, leaves in bodies.items():
+        for r in held[digest]:
+            for d in leaves:
+                pieces[d.path].append((r, d))
+    layouts: dict[str, tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]] = {}
+    offers: dict[int, dict[str, list[object]]] = defaultdict(dict)
+    try:
+        for path in sorted(pieces):
+            rec, chunks = chunk_array(path, sorted(pieces[path], key=lambda p: p[0]), target_chunk_bytes)
+            layouts[path] = (rec, chunks)
+            short = [rec.dtype, rec.kind, list(rec.shape), list(rec.chunks)]
+            lists: dict[int, list[object]] = {}
+            for r, _ in pieces[path]:  # every holder hears of the array, even of an empty piece
+                lists[r] = offers[r][path] = [short, []]
+            for chunk, holders in chunks:
+                group = _encode_ranks(holders)
+                for h in holders:
+                    lists[h][1].append([list(chunk.coords), group])  # type: ignore[attr-defined]
+    except IncompatibleStateError as e:
+        coord.report(name, e)
+        offers.clear()
+    cand = {coord.key(name, "offer", rank, digest): dumps(offers[rs[0]]) for digest, rs in held.items() if offers}
+    coord.multi_set(cand)
+    offered = list(cand)  # deleted at the end; the rest is not needed past this point
+    del cand, offers, pieces, bodies
+    yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+
+    # 3. Take my share of every group of holders I belong to; tell the coordinators.
+    mine_offers: list[Offer] = []
+    records: dict[str, ArrayRecord] = {}
+    coords_of = sorted(by_coord)
+    groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
+    for value in coord.multi_get([coord.key(name, "offer", c, digests[c]) for c in coords_of]):
+        for path, (short, chunks) in json.loads(value).items():
+            dtype, kind, shape, grid = short
+            rec = ArrayRecord(path=path, dtype=dtype, kind=kind, shape=tuple(shape), chunks=tuple(grid))
+            records[path] = rec
+            nbytes = chunk_nbytes(rec)
+            for cc, group in chunks:
+                holders = groups.setdefault(tuple(group), _decode_ranks(group))
+                mine_offers.append(Offer(nbytes, path, _chunk(rec, tuple(cc)), holders))
+    missing = sorted(set(leaf_of) - set(records))
+    if missing:
+        raise CoordinationError(f"rank {rank}: the save plan left out {missing[:3]}")
+    owners = assign_owners(mine_offers)
+    taken: dict[int, dict[str, list[list[int]]]] = {c: {} for c in coords_of}
+    tasks: list[WriteTask] = []
+    nbytes = 0
+    for offer, owner in zip(mine_offers, owners, strict=True):
+        if owner != rank:
+            continue
+        i = leaf_of[offer.path]
+        tasks.append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[i])))
+        nbytes += offer.nbytes
+        taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(list(offer.chunk.coords))
+    tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
+    for c, took in taken.items():
+        if took:  # only the ranks that took chunks of a coordinator's arrays tell it
+            coord.post(f"{name}/took/{c}", dumps({"rank": rank, "took": took}))
+    del mine_offers, owners, taken, groups
+    yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
+
+    # 4. As a coordinator: record every chunk's owner (each must have exactly one).
+    owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
+    for value in coord.collect(f"{name}/took/{rank}"):
+        doc = json.loads(value)
+        h = int(doc["rank"])
+        for path, coord_list in doc["took"].items():
+            for cc in coord_list:
+                key = _chunk(layouts[path][0], tuple(cc)).key
+                if owners_by_path[path].setdefault(key, h) != h:
+                    taken_twice = f"array {path!r} chunk {key}: taken by ranks {owners_by_path[path][key]} and {h}"
+                    coord.report(name, CoordinationError(taken_twice))
+    shard: dict[str, ArrayRecord] = {}
+    for path, (rec, chunks) in layouts.items():
+        owned = owners_by_path[path]
+        if len(owned) != len(chunks):
+            coord.report(
+                name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
+            )
+        shard[path] = rec.with_chunks(owners=dict(sorted(owned.items())))
+    coord.delete(*offered)  # read by now: every holder passed 'chosen'
+    yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+    coord.finish(name)
+    return SavePlan(records=records, tasks=tasks, nbytes=nbytes, shard=shard)
+
+
+def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
+    return chunk_at(rec.shape, rec.chunks, coords)
+
+
+def _encode_ranks(ranks: tuple[int, ...]) -> list[int]:
+    """A sorted rank list, compactly: ``[start, stride, count]`` negated-first when it is an
+    arithmetic progression of three or more (DP replicas are), else the list itself."""
+    if len(ranks) >= 3:
+        stride = ranks[1] - ranks[0]
+        if all(b - a == stride for a, b in itertools.pairwise(ranks)):
+            return [-1, ranks[0], stride, len(ranks)]
+    return list(ranks)
+
+
+def _decode_ranks(doc: list[int]) -> tuple[int, ...]:
+    if doc and doc[0] == -1:
+        _, start, stride, count = doc
+        return tuple(range(start, start + stride * count, stride))
+    return tuple(doc)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTask:
+    leaf: int  # index into the save's leaves
+    path: str  # array path
+    chunk: Chunk  # in the global array (its key names the file)
+    local: Chunk  # the same chunk in the leaf tensor's own coordinates
+    chunk_shape: tuple[int, ...]
+    nbytes: int  # full (padded) chunk bytes
+    offset: int  # where the chunk (data, then its CRC32C) starts in this rank's pack
+
+
+RUN_BYTES = 64 << 20  # chunks are staged and written together in runs of up to this many bytes
+RUN_CHUNKS = 512  # and this many chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive chunks staged in one region of the pool exactly as they lie in the pack (data,
+    checksum, data, ..., with the zeros of alignment gaps) and written with one call: one copy
+    call, one write, one pool region for many chunks. A chunk longer than a run is one alone.
+
+    The run starts ``lead`` bytes into its region: its offset in the pack modulo a page, so that
+    the pack's block-aligned middle of the run is page-aligned in memory too, and is written with
+    direct I/O wherever the run starts (0 where its first chunk cannot be placed there)."""
+
+    tasks: list[ChunkTask]
+    lead: int = 0
+
+    @property
+    def offset(self) -> int:
+        return self.tasks[0].offset  # in the pack; each chunk's place in the region is relative to it
+
+    @property
+    def nbytes(self) -> int:
+        last = self.tasks[-1]
+        return last.offset + last.nbytes + CHECKSUM_BYTES - self.offset
+
+    def at(self, t: ChunkTask) -> int:
+        """Where chunk ``t`` starts in the run's region."""
+        return self.lead + t.offset - self.offset
+
+    @staticmethod
+    def plan(tasks: list[ChunkTask], limit: int, placeable: Callable[[ChunkTask, int], bool]) -> list[Run]:
+        """``tasks`` (in pack order) cut into runs spanning at most ``limit`` bytes. A chunk joins
+        the run before it where ``placeable(task, place in the region)`` (its copy can land there)."""
+        runs: list[Run] = []
+        cur: list[ChunkTask] = []
+        lead = 0
+        for t in tasks:
+            if cur and (
+                len(cur) >= RUN_CHUNKS
+                or t.offset + t.nbytes + CHECKSUM_BYTES - cur[0].offset > limit
+                or not placeable(t, lead + t.offset - cur[0].offset)
+            ):
+                runs.append(Run(cur, lead))
+                cur = []
+            if not cur:
+                lead = t.offset % ALIGN if placeable(t, t.offset % ALIGN) else 0
+            cur.append(t)
+        if cur:
+            runs.append(Run(cur, lead))
+        return runs
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What this rank writes, computed once and reused while the layout of every rank is unchanged."""
+
+    signature: tuple[Any, ...]
+    shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with their chunk owners
+    tasks: list[ChunkTask]  # this rank's chunks: eager ones first, then lazy ones
+    n_eager: int
+    runs: tuple[list[Run], list[Run]]  # the eager tasks and the lazy ones in runs (``plan_runs``)
+    placement: tuple[tuple[torch.device, tuple[int, ...]], ...]  # what the runs assumed (``leaf_placement``)
+    rank: int
+    refs: bytes  # this rank's zarr keys: its chunks in its pack, the zarr.json of the arrays it coordinates
+    pool_bytes: int  # host memory this rank's whole snapshot needs
+
+
+def rank_plan(
+    leaves: list[Leaf],
+    save_plan: SavePlan,
+    *,
+    signature: tuple[Any, ...],
+    rank: int,
+    root_doc: bool,
+) -> Plan:
+    """This rank's part of the save plan: its chunks in copy order, eager leaves first, each at
+    its place in the rank's pack (in that order; big chunks block-aligned, for direct I/O), and
+    its reference map (its chunks, and the zarr documents of the arrays it coordinates; the
+    step's own group with ``root_doc``)."""
+    eager: list[ChunkTask] = []
+    lazy: list[ChunkTask] = []
+    for t in save_plan.tasks:
+        leaf = leaves[t.leaf]
+        rec = save_plan.records[leaf.path]
+        task = ChunkTask(t.leaf, leaf.path, t.chunk, t.local, rec.chunks, chunk_nbytes(rec), 0)
+        (lazy if leaf.lazy else eager).append(task)
+    tasks, end = [], 0
+    for task in eager + lazy:
+        if task.nbytes >= DIRECT_MIN_BYTES:
+            end = align_up(end)
+        tasks.append(replace(task, offset=end))
+        end += task.nbytes + CHECKSUM_BYTES
+    runs = plan_runs(leaves, tasks[: len(eager)], tasks[len(eager) :], RUN_BYTES)
+    return Plan(
+        signature=signature,
+        shard=save_plan.shard,
+        tasks=tasks,
+        n_eager=len(eager),
+        rank=rank,
+        runs=runs,
+        placement=leaf_placement(leaves),
+        refs=reference_map(rank, tasks, zarr_documents(list(save_plan.shard.values()), root=root_doc)),
+        pool_bytes=runs_bytes(runs),
+    )
+
+
+def leaf_placement(leaves: list[Leaf]) -> tuple[tuple[torch.device, tuple[int, ...]], ...]:
+    """Each leaf's device and strides, which decide where ``plan_runs`` may place its chunks (which
+    pieces are contiguous, which stream copies them). The plan's signature (shapes and dtypes, on
+    which every rank re-plans together) leaves them out."""
+    return tuple((leaf.tensor.device, leaf.tensor.stride()) for leaf in leaves)
+
+
+def runs_bytes(runs: tuple[list[Run], list[Run]]) -> int:
+    """The pool memory ``runs`` take at once: one region of whole pages a run."""
+    return sum(align_up(r.lead + r.nbytes) for part in runs for r in part)
+
+
+def plan_runs(
+    leaves: list[Leaf], eager: list[ChunkTask], lazy: list[ChunkTask], limit: int
+) -> tuple[list[Run], list[Run]]:
+    """The eager and the lazy tasks in runs (``Run.plan``) whose chunks all come from one device
+    (one stream copies a run), each chunk where its view can be taken: at a place aligned for its
+    dtype, or anywhere when it is copied as bytes (a contiguous piece, no edge padding)."""
+
+    def placeable(t: ChunkTask, at: int) -> bool:
+        return at % RUN_ALIGN == 0 or as_bytes(leaves[t.leaf].tensor, t) is not None
+
+    def cut(tasks: list[ChunkTask]) -> list[Run]:
+        runs: list[Run] = []
+        start = 0
+        devices = [leaves[t.leaf].tensor.device for t in tasks]
+        for i in range(1, len(tasks) + 1):
+            if i == len(tasks) or devices[i] != devices[start]:
+                runs.extend(Run.plan(tasks[start:i], limit, placeable))
+                start = i
+        return runs
+
+    return cut(eager), cut(lazy)
+
+
+def reference_map(rank: int, tasks: list[ChunkTask], docs: dict[str, bytes]) -> bytes:
+    """A kerchunk reference map (version 1) of this rank's zarr keys: each chunk's byte range in
+    its pack, under the template ``{{u}}`` a reader sets to the step's URL, and the ``zarr.json``
+    documents inline. The union of every rank's map is the step as one zarr group."""
+    if not tasks and not docs:
+        return b""
+    pack = "{{u}}/" + pack_file(rank)
+    refs: dict[str, object] = {k: v.decode() for k, v in docs.items()}
+    for t in tasks:
+        refs[f"{t.path}/{t.chunk.key}"] = [pack, t.offset, t.nbytes + CHECKSUM_BYTES]
+    return json.dumps({"version": 1, "templates": {"u": "."}, "refs": refs}, separators=(",", ":")).encode()
+
+
+RUN_ALIGN = 64  # a chunk copied through a view of its dtype starts at a multiple of this in its run
+
+
+def as_bytes(src: torch.Tensor, t: ChunkTask) -> torch.Tensor | None:
+    """Chunk ``t`` of ``src`` as bytes, where it can be copied as such: a contiguous piece (a whole
+    small tensor, rows of a big one) filling its chunk (no edge padding). None otherwise."""
+    if src.device.type != "cpu" or is_edge(t.local, t.chunk_shape):
+        return None
+    whole = t.local.stops == src.shape and not any(t.local.starts)  # most chunks: no indexing to pay for
+    piece = src if whole else src[t.local.slices()]
+    if not piece.is_contiguous():
+        return None
+    return piece.reshape(-1).view(torch.uint8)

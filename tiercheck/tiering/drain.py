@@ -1,0 +1,391 @@
+"""Copying committed steps from the node-local tier to the remote tier, in the background.
+
+Each node uploads the files in its own directory (with several nodes they are disjoint: each chunk
+was written once, on one node), then leaves a ``__drained.<first rank>.json`` object naming the
+saving ranks whose files it uploaded. The node that finds every rank accounted for uploads the
+manifest and writes the remote ``COMMIT`` last, then applies remote retention. The remote tier
+is thus its own record: a drain cut short by a crash resumes from what the remote already holds
+(files of the right size are not sent again), in this job or the next.
+
+Nothing here blocks training: uploads run on their own threads with their own retries, a failing
+remote fails the drain of a step (reported on its handle, in ``status()`` and in the log) and
+never the local checkpoint, and local retention keeps any step still waiting to be drained.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tiercheck.dist.coordination import Coordinator
+from tiercheck.errors import CoordinationError
+from tiercheck.fmt import fmt_steps
+from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE, pack_owner, step_dir
+from tiercheck.format.replicas import file_rank, is_replica_marker
+from tiercheck.format.steps import commit_step, list_steps, read_marker, withdraw_step
+from tiercheck.options import DrainOptions
+from tiercheck.tiering.retention import steps_to_delete
+from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
+
+log = logging.getLogger("tiercheck")
+
+DRAINED_PREFIX = "__drained."
+
+
+class Drainer:
+    """One per rank. The first rank of a node uploads; the others learn the outcome via the store."""
+
+    def __init__(
+        self,
+        local: LocalTier,
+        remote: Tier,
+        options: DrainOptions,
+        *,
+        coord: Coordinator,
+        node_ranks: tuple[int, ...],
+        uploads: bool,
+        on_settled: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.options = options
+        self.coord = coord
+        self.node_ranks = node_ranks
+        self.uploads = uploads
+        self.on_settled = on_settled  # a drain finished or steps were skipped: local retention may act
+        self._cond = threading.Condition()
+        self._queue: dict[int, list[Future[bool]]] = {}
+        self._current: int | None = None
+        self._failed: set[int] = set()  # drains that failed in this run (the local copy is kept)
+        self._settling = False
+        self._stop = False
+        self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
+        self.status: dict[str, Any] = {
+            "url": remote.url,
+            "last_drained": None,
+            "drained": 0,
+            "skipped": 0,
+            "failed": 0,
+            "last_error": None,
+            "bytes_uploaded": 0,
+            "files_uploaded": 0,
+            "files_already_there": 0,
+            "last_drain_s": None,
+        }
+        self._resumer: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._loop, name="tiercheck-drain", daemon=True)
+        self._thread.start()
+
+    # --- caller side --------------------------------------------------------------------------
+
+    def submit(self, step: int, future: Future[bool] | None = None) -> None:
+        """Drain ``step`` (committed locally) unless the policy skips it; ``future`` gets the outcome."""
+        if step % self.options.every:
+            if future is not None:
+                future.set_result(False)
+            return
+        with self._cond:
+            self._queue.setdefault(step, [])
+            if future is not None:
+                self._queue[step].append(future)
+            self._cond.notify_all()
+
+    def submit_many(self, steps: list[int]) -> None:
+        """Queue several steps at once (a resumed drain): the backlog policy sees them together."""
+        with self._cond:
+            for step in steps:
+                if step % self.options.every == 0:
+                    self._queue.setdefault(step, [])
+            self._cond.notify_all()
+
+    def resume(self, local_steps: list[int]) -> None:
+        """In the background: queue the local steps a previous run committed but did not finish
+        draining (those newer than the remote's newest)."""
+
+        def run() -> None:
+            try:
+                steps = pending_steps(local_steps, self.remote, self.options)
+            except Exception as e:  # an unreachable remote must not stop training: drains retry later
+                log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
+                return
+            if steps:
+                log.info("resuming the drain of step(s) %s to %s", fmt_steps(steps), self.remote.url)
+                self.submit_many(steps)
+
+        self._resumer = threading.Thread(target=run, name="tiercheck-resume", daemon=True)
+        self._resumer.start()
+
+    def pinned(self) -> set[int]:
+        """Steps local retention must keep: waiting to be drained, or being drained."""
+        with self._cond:
+            return set(self._queue) | ({self._current} if self._current is not None else set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._resumer is not None:
+            self._resumer.join(timeout)
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and self._current is None and not self._settling, timeout
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            out = dict(self.status)
+            out["pending"] = sorted(self._queue)
+            out["draining"] = self._current
+        counters = getattr(self.remote, "counters", None)
+        if counters is not None:
+            out["retries"] = counters["retries"]
+            out["requests"] = counters["requests"]
+        return out
+
+    def close(self, *, drain: bool, timeout: float | None = None) -> list[int]:
+        """Stop, after waiting (with ``drain``) for the queued drains; ``timeout`` bounds the whole
+        wait. Returns the steps left undrained: queued, in flight when the wait ran out (their
+        requests stop retrying), or failed in this run."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self._resumer is not None:
+            self._resumer.join(left())
+        if drain:
+            self.wait(left())
+        with self._cond:
+            undrained = set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
+            self._stop = True
+            for futures in self._queue.values():
+                for f in futures:
+                    f.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(left())
+        if self._thread.is_alive():  # an upload still in flight: its requests give up at their next retry
+            self.remote.abort()
+        if self._pool is not None:
+            self._pool.shutdown(wait=not self._thread.is_alive(), cancel_futures=True)
+        return sorted(undrained)
+
+    # --- drain thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stop)
+                if self._stop:
+                    return
+                waiting = sorted(self._queue)
+                chosen = self._choose(waiting)
+                skipped = {s: self._queue.pop(s) for s in waiting if s < chosen}
+                futures = self._queue.pop(chosen)
+                self._current = chosen
+            for s, fs in skipped.items():
+                self.status["skipped"] += 1
+                log.info("drain: skipping step %d, step %d is newer (DrainOptions(backlog='newest'))", s, chosen)
+                for f in fs:
+                    f.set_result(False)
+            try:
+                t0 = time.perf_counter()
+                self._drain(chosen)
+                with self._cond:
+                    self.status.update(drained=self.status["drained"] + 1, last_drained=chosen)
+                    self.status["last_drain_s"] = time.perf_counter() - t0
+                    self._failed.discard(chosen)
+                for f in futures:
+                    f.set_result(True)
+            except BaseException as e:
+                with self._cond:
+                    self.status["failed"] += 1
+                    self._failed.add(chosen)
+                    self.status["last_error"] = f"step {chosen}: {type(e).__name__}: {e}"
+                log.error("drain of step %d to %s failed (the local copy is kept): %s", chosen, self.remote.url, e)
+                for f in futures:
+                    if not f.cancelled():
+                        f.set_exception(e)
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._settling = True
+                try:
+                    self.on_settled()
+                except Exception:
+                    log.exception("local retention after draining step %d failed", chosen)
+                with self._cond:
+                    self._settling = False
+                    self._cond.notify_all()
+
+    def _choose(self, waiting: list[int]) -> int:
+        """The step to drain next. With several nodes, the nodes must pick the same steps: the
+        first node to decide about a step decides for all (through the store)."""
+        if self.options.backlog == "all":
+            return waiting[0]
+        newest = waiting[-1]
+        if self.coord.world_size == 1:
+            return newest
+        for s in waiting:
+            wanted = "go" if s == newest else "skip"
+            try:
+                decided = self.coord.decide(self.coord.key("drain", s, "decision"), wanted)
+            except (RuntimeError, CoordinationError):  # the job's store is gone: decide alone
+                decided = wanted
+            if decided == "go":
+                return s
+        return newest
+
+    def _drain(self, step: int) -> None:
+        if not self.uploads:
+            self._follow(step)
+            return
+        outcome = self.coord.key("drain", step, "node", self.node_ranks[0])
+        try:
+            self._upload(step)
+        except BaseException as e:
+            why = f"error: {type(e).__name__}: {e}"
+            self._tell(outcome, why)
+            # The other nodes wait for the remote commit this node's files would complete: tell them it
+            # will not come (unless it already did), or they wait out the retry deadline (900 s).
+            if self.coord.world_size > 1:
+                try:
+                    self.coord.decide(
+                        self.coord.key("drain", step, "remote-commit"), f"the node of rank {self.node_ranks[0]}: {why}"
+                    )
+                except (RuntimeError, CoordinationError):
+                    log.debug("could not post the drain failure to the store")
+            raise
+        self._tell(outcome, "ok")
+
+    def _tell(self, key: str, value: str, *, everyone: bool = False) -> None:
+        if self.coord.world_size > 1 and (everyone or len(self.node_ranks) > 1):
+            try:
+                self.coord.set(key, value)
+            except (RuntimeError, CoordinationError):
+                log.debug("could not post the drain outcome to the store")
+
+    def _follow(self, step: int) -> None:
+        """A rank that does not upload: wait for its node's first rank to say how it went."""
+        key = self.coord.key("drain", step, "node", self.node_ranks[0])
+        self.coord.wait(
+            [key], what=f"rank {self.node_ranks[0]} to drain step {step}", timeout_s=4 * self.options.retry.deadline_s
+        )
+        verdict = self.coord.get(key).decode()
+        if verdict != "ok":
+            raise CoordinationError(f"rank {self.node_ranks[0]} could not drain step {step}: {verdict}")
+
+    def _upload(self, step: int) -> None:
+        def count(nbytes: int) -> None:
+            with self._cond:
+                self.status["bytes_uploaded"] += nbytes
+                self.status["files_uploaded"] += 1
+
+        assert self._pool is not None
+        result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count)
+        with self._cond:
+            self.status["files_already_there"] += result.files_already_there
+        committed = self.coord.key("drain", step, "remote-commit")
+        if result.committed:
+            self._tell(committed, "ok", everyone=True)
+            self._retain()
+        elif not result.was_committed:
+            # Another node will find every rank accounted for and commit; wait for its word.
+            self.coord.wait(
+                [committed], what=f"the remote commit of step {step}", timeout_s=self.options.retry.deadline_s
+            )
+            if not self.remote.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
+                verdict = self.coord.get(committed).decode()
+                raise CoordinationError(f"step {step} was not committed on {self.remote.url}: {verdict}")
+
+    def _retain(self) -> None:
+        committed = list_steps(self.remote).committed
+        for old in steps_to_delete(committed, self.options.retention):
+            withdraw_step(self.remote, old)
+            log.info("remote retention: deleted step %d from %s", old, self.remote.url)
+
+
+def pending_steps(local_steps: list[int], remote: Tier, options: DrainOptions) -> list[int]:
+    """Of the steps a previous run committed locally, those newer than the remote's newest: the
+    drains that run did not finish."""
+    remote_steps = list_steps(remote).committed
+    newest = remote_steps[-1] if remote_steps else -1
+    return [s for s in local_steps if s > newest and s % options.every == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    files_uploaded: int
+    files_already_there: int
+    bytes_uploaded: int
+    committed: bool  # this call wrote the remote commit marker
+    was_committed: bool  # the remote already had the step
+
+
+def upload_step(
+    local: LocalTier,
+    remote: Tier,
+    step: int,
+    *,
+    pool: ThreadPoolExecutor,
+    on_file: Callable[[int], None] = lambda n: None,
+) -> UploadResult:
+    """Upload this node's files of a locally committed step, mark them drained, and commit the
+    step on the remote if every saving rank's files are now there. Resumable."""
+    d = step_dir(step)
+    if remote.exists(f"{d}/{COMMIT_FILE}"):
+        log.info("drain: step %d is already committed on %s", step, remote.url)
+        return UploadResult(0, 0, 0, committed=False, was_committed=True)
+    marker = read_marker(local, step)
+    files = local.sizes(d)
+    own = set(marker.ranks)
+    files = {
+        f: n
+        for f, n in files.items()
+        if f not in (COMMIT_FILE, MANIFEST_FILE)
+        and not f.rsplit("/", 1)[-1].startswith(".")  # temporaries (a replica being received, say)
+        and not is_replica_marker(f)
+        and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
+    }
+    there = remote.sizes(d)
+    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    crcs = chunk_file_crcs(local, step, list(marker.ranks))
+    t0 = time.perf_counter()
+
+    def copy(f: str) -> int:
+        if pack_owner(f) is not None:  # every chunk checked as it is read: rot is never uploaded
+            n = copy_pack(local, remote, step, f, files[f])
+            on_file(n)
+            return n
+        n = copy_chunk_file(local, remote, step, f, crcs)  # format 3: each chunk file checked as read
+        on_file(n)
+        return n
+
+    nbytes = sum(pool.map(copy, todo))
+    log.info(
+        "drain: step %d: %d files (%d already on %s) in %.2f s",
+        step,
+        len(todo),
+        len(files) - len(todo),
+        remote.url,
+        time.perf_counter() - t0,
+    )
+    mine = f"{DRAINED_PREFIX}{marker.ranks[0]:06d}.json"
+    remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks)}).encode()])
+    have: set[int] = set()
+    for name in remote.list_dir(d):
+        if name.startswith(DRAINED_PREFIX):
+            have.update(json.loads(remote.read(f"{d}/{name}"))["ranks"])
+    if have != set(range(marker.world_size)):
+        log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, list(marker.ranks))
+        return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=False, was_committed=False)
+    manifest = bytes(local.read(f"{d}/{MANIFEST_FILE}"))
+    commit_step(remote, step, manifest, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
+    log.info("drain: step %d committed on %s", step, remote.url)
+    return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=True, was_committed=False)

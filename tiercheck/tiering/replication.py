@@ -1,0 +1,356 @@
+"""Peer replication: each node's committed local step, copied to ``replicas`` other nodes' local tiers.
+
+At scale the common failure is one lost node. Its ranks' files then exist only on the remote tier, the
+slowest and most shared one. With replication, the first rank of each node (its leader) sends the files its
+node wrote for a step, once the step is committed, to the leaders of ``replicas`` other nodes, chosen
+``jump`` nodes apart (as NVIDIA resiliency-ext's ``replication_jump``: with nodes numbered by their first
+rank, a jump of the number of nodes per rack puts every copy in another rack). A receiving node stores them
+in its own directory of that step, under their own names (each saving rank's manifest parts and pack, as
+written: the same chunks and CRCs), and makes them count with a marker of their own,
+``REPLICA-<first rank>.json``, written last, once every file is durable and its CRC32C checked against the
+sender's. A step directory thus holds its node's files, plus the peers' whose markers it holds; restore
+counts both (``held_steps``) and prefers a node's own files, then a peer's copy, then the remote tier.
+
+Transport: leaders talk over gloo process groups of tiercheck's own, one per sending and receiving pair of
+nodes (made from the store at start, never the training's group), from a background thread; every leader
+replicates the same committed steps in the same order, so the pairs stay in step. Memory: one piece
+(``piece_bytes``) per pair in flight, read from and written to disk. A pair that fails (a peer died, a
+timeout) is reported and left out for the rest of the run; the step stays committed and restorable from
+its own node or the remote tier. Steps committed before a restart are not replicated again.
+
+Node numbering costs O(nodes) store traffic in all (rank 0 reads one entry per node and writes each leader
+its number); each leader then knows only its own ``replicas`` peers each way.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, _own_client, drive
+from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.format.codec import checksum
+from tiercheck.format.paths import COMMIT_FILE, step_dir
+from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement, rank_files, replica_marker
+from tiercheck.format.steps import read_marker
+from tiercheck.options import ReplicationOptions
+from tiercheck.tiers.local import LocalTier
+
+log = logging.getLogger("tiercheck")
+
+
+def number_nodes(coord: Coordinator, nodes: Nodes) -> Protocol[int | None]:
+    """Each node's number, 0 to nodes - 1 in the order of their first ranks (None on other ranks)."""
+    leader = coord.rank == nodes.leader
+    if leader:
+        coord.post("replicate/leaders", str(coord.rank))
+    yield coord.arrive("replicate/joined", what="every node's first rank to join replication")
+    if coord.rank == 0:
+        leaders = sorted(int(v) for v in coord.collect("replicate/leaders"))
+        coord.multi_set({coord.key("replicate", "number", r): str(i) for i, r in enumerate(leaders)})
+    yield coord.arrive("replicate/numbered", what="rank 0 to number the nodes")
+    number = None
+    if leader:
+        key = coord.key("replicate", "number", coord.rank)
+        number = int(coord.get(key))
+        coord.delete(key)
+    coord.finish("replicate")
+    return number
+
+
+class _Pair:
+    """A gloo group of two leaders: rank 0 sends a step's files to rank 1, which acknowledges them."""
+
+    def __init__(self, store: Any, name: str, rank: int, timeout_s: float, peer: int) -> None:
+        self.peer = peer  # the other node's number
+        self.broken: str | None = None
+        prefix = dist.PrefixStore(name, store)
+        self.group = dist.ProcessGroupGloo(prefix, rank, 2, timedelta(seconds=timeout_s))
+        self.other = 1 - rank
+
+    def send(self, t: torch.Tensor) -> None:
+        self.group.send([t], self.other, 0).wait()  # type: ignore[attr-defined]
+
+    def recv(self, t: torch.Tensor) -> None:
+        self.group.recv([t], self.other, 0).wait()  # type: ignore[attr-defined]
+
+    def send_bytes(self, data: bytes) -> None:
+        self.send(torch.tensor([len(data)], dtype=torch.int64))
+        if data:
+            self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def recv_bytes(self, limit: int) -> bytes:
+        n = torch.empty(1, dtype=torch.int64)
+        self.recv(n)
+        size = int(n.item())
+        if not 0 <= size <= limit:
+            raise CorruptCheckpointError(f"node {self.peer} announced {size} bytes of header (at most {limit})")
+        buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self.recv(buf)
+        return buf.numpy().tobytes()
+
+
+class Replicator:
+    """One per rank; only a node's leader sends and receives. ``submit`` each step as it commits."""
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        options: ReplicationOptions,
+        *,
+        coord: Coordinator,
+        nodes: Nodes,
+        node: str,
+    ) -> None:
+        self.tier = tier
+        self.options = options
+        self.node = node
+        self.leader = coord.rank == nodes.leader
+        number = drive(coord, number_nodes(coord, nodes))
+        self.number = number
+        self.targets: list[_Pair] = []
+        self.sources: list[_Pair] = []
+        self.status: dict[str, Any] = {
+            "replicas": options.replicas,
+            "node": number,
+            "to": [],
+            "from": [],
+            "replicated": 0,
+            "received": 0,
+            "failed": 0,
+            "last_replicated": None,
+            "last_error": None,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "last_replication_s": None,
+        }
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, Future[bool]]] = []
+        self._current: int | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if not self.leader or number is None:
+            return
+        targets, sources = placement(number, nodes.count, options)
+        self.status["to"], self.status["from"] = targets, sources
+        base = coord.key("replicate", "pair")
+        wanted = [(f"{base}/{number}-{t}", 0, t) for t in targets] + [(f"{base}/{s}-{number}", 1, s) for s in sources]
+
+        def connect(w: tuple[str, int, int]) -> _Pair:  # a store client each: they are not shared between threads
+            return _Pair(_own_client(coord.store, options.timeout_s), w[0], w[1], options.timeout_s, w[2])
+
+        # Each group's rendezvous waits for its peer: make them all at once, so no order can deadlock.
+        with ThreadPoolExecutor(len(wanted), thread_name_prefix="tiercheck-replica-connect") as pool:
+            pairs = list(pool.map(connect, wanted))
+        self.targets, self.sources = pairs[: len(targets)], pairs[len(targets) :]
+        self._thread = threading.Thread(target=self._run, name="tiercheck-replicate", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------- the queue
+
+    def submit(self, step: int, done: Future[bool] | None = None) -> None:
+        """Replicate a step this node committed (every leader submits the same steps in order)."""
+        fut: Future[bool] = done or Future()
+        if not self.leader or self._thread is None or step % self.options.every:
+            fut.set_result(False)
+            return
+        with self._cond:
+            self._queue.append((step, fut))
+            self._cond.notify_all()
+
+    def pinned(self) -> set[int]:
+        """Steps still to be replicated: local retention keeps them."""
+        with self._cond:
+            return {s for s, _ in self._queue} | ({self._current} if self._current is not None else set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted step is replicated (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._current is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        with self._cond:
+            self._stop = True
+            for _, fut in self._queue:
+                fut.set_result(False)
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                step, fut = self._queue.pop(0)
+                self._current = step
+            try:
+                fut.set_result(self._replicate(step))
+            except BaseException as e:  # reported; replication never stops training
+                fut.set_result(False)
+                log.warning("replication of step %d failed: %s", step, e)
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------- one step
+
+    def _replicate(self, step: int) -> bool:
+        start = time.monotonic()
+        d = step_dir(step)
+        marker = read_marker(self.tier, step)
+        sizes = self.tier.sizes(d)
+        files = [(f, sizes[f]) for r in marker.ranks for f in rank_files(r) if f in sizes]
+        header = {
+            "step": step,
+            "ranks": list(marker.ranks),
+            "world_size": marker.world_size,
+            "node": self.node,
+            "files": files,
+        }
+        pairs = [p for p in self.targets + self.sources if p.broken is None]
+        own = set(marker.ranks)
+        with ThreadPoolExecutor(max(1, len(pairs)), thread_name_prefix="tiercheck-replica") as pool:
+            sends = [(p, pool.submit(self._send, p, d, header)) for p in self.targets if p.broken is None]
+            recvs = [(p, pool.submit(self._receive, p, step, own)) for p in self.sources if p.broken is None]
+        ok = True
+        for kind, jobs in (("sending to", sends), ("receiving from", recvs)):
+            for pair, job in jobs:
+                error = job.exception()
+                if error is None:
+                    continue
+                ok = False
+                pair.broken = f"{type(error).__name__}: {error}"
+                self._count("failed", 1)
+                self.status["last_error"] = f"step {step}: {kind} node {pair.peer}: {pair.broken}"
+                log.warning(
+                    "replication: step %d: %s node %d failed, and that pair is left out from now on: %s",
+                    step,
+                    kind,
+                    pair.peer,
+                    pair.broken,
+                )
+        if ok and sends:
+            self.status["replicated"] += 1
+            self.status["last_replicated"] = step
+        self.status["last_replication_s"] = time.monotonic() - start
+        log.info("replication: step %d %s in %.2f s", step, "done" if ok else "incomplete", time.monotonic() - start)
+        return ok and bool(sends)
+
+    def _send(self, pair: _Pair, d: str, header: dict[str, Any]) -> None:
+        pair.send_bytes(json.dumps(header).encode())
+        buf = torch.empty(self.options.piece_bytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+        crcs = []
+        for name, size in header["files"]:
+            crc = 0
+            for offset in range(0, size, len(view)):
+                n = min(len(view), size - offset)
+                got, _ = self.tier.read_into(f"{d}/{name}", view[:n], offset=offset, length=n)
+                if got != n:
+                    raise CorruptCheckpointError(f"{self.tier.url}: {d}/{name} shrank while it was replicated")
+                crc = checksum(view[:n], crc)
+                pair.send(buf[:n])
+                self._count("bytes_sent", n)
+            crcs.append(crc)
+        pair.send(torch.tensor(crcs or [0], dtype=torch.int64))
+        ack = torch.zeros(1, dtype=torch.int64)
+        pair.recv(ack)
+        if ack.item() != 1:
+            raise TiercheckError(f"node {pair.peer} could not keep the copy (its log says why)")
+
+    def _receive(self, pair: _Pair, step: int, own: set[int]) -> None:
+        d = step_dir(step)
+        where = f"{self.tier.url}: step {step}: replica from node {pair.peer}"
+        header = json.loads(pair.recv_bytes(1 << 20))
+        ranks = [int(r) for r in header["ranks"]]
+        world = int(header["world_size"])
+        files = [(str(n), int(s)) for n, s in header["files"]]
+        allowed = {f for r in ranks for f in rank_files(r)}
+        problem = None
+        if header["step"] != step:
+            problem = f"the peer sent step {header['step']}"
+        elif not ranks or not all(0 <= r < world for r in ranks) or own & set(ranks):
+            problem = f"ranks {ranks} are out of range or this node's own"
+        elif not {n for n, _ in files} <= allowed or len(files) > MAX_FILES_PER_RANK * len(ranks):
+            problem = "the peer named files that are not its ranks' files"
+        elif not self.tier.exists(f"{d}/{COMMIT_FILE}"):
+            problem = "the step is not committed here (deleted, or its save failed on this node)"
+        keep = problem is None
+        buf = torch.empty(self.options.piece_bytes, dtype=torch.uint8)
+        crcs: dict[str, int] = {}
+        written: list[str] = []
+        try:
+            for name, size in files:
+                pieces = self._pieces(pair, buf, size)
+                if keep:
+                    crcs[name] = 0
+
+                    def stream(name: str = name, pieces: Iterator[memoryview] = pieces) -> Iterator[memoryview]:
+                        for piece in pieces:
+                            crcs[name] = checksum(piece, crcs[name])
+                            yield piece
+
+                    self.tier.write_stream(f"{d}/{name}", stream)
+                    written.append(name)
+                else:
+                    for _ in pieces:  # the protocol goes on: take the bytes, keep nothing
+                        pass
+            sent = torch.zeros(max(1, len(files)), dtype=torch.int64)
+            pair.recv(sent)
+            if keep:
+                bad = [n for (n, _), c in zip(files, sent.tolist(), strict=False) if crcs[n] != c]
+                if bad:
+                    problem, keep = f"CRC32C mismatch in {', '.join(bad)}", False
+            if keep:
+                self.tier.sync_dirs(d)
+                replica = Replica(step, tuple(ranks), world, {n: (s, crcs[n]) for n, s in files}, str(header["node"]))
+                self.tier.publish(f"{d}/{replica_marker(ranks[0])}", replica.to_bytes())
+                self._count("received", 1)
+        except BaseException:
+            self._discard(d, written)
+            raise
+        if not keep:
+            self._discard(d, written)
+            log.warning("%s: not kept: %s", where, problem)
+        pair.send(torch.tensor([1 if keep else 0], dtype=torch.int64))
+
+    def _pieces(self, pair: _Pair, buf: torch.Tensor, size: int) -> Iterator[memoryview]:
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+        for offset in range(0, size, len(view)):
+            n = min(len(view), size - offset)
+            pair.recv(buf[:n])
+            self._count("bytes_received", n)
+            yield view[:n]
+
+    def _count(self, key: str, n: int) -> None:
+        """Add to a status counter: the sending and receiving threads of a step count at once."""
+        with self._cond:
+            self.status[key] += n
+
+    def _discard(self, d: str, written: list[str]) -> None:
+        for name in written:
+            try:
+                self.tier.delete(f"{d}/{name}")
+            except OSError as e:
+                log.warning("replication: could not remove %s/%s: %s", d, name, e)

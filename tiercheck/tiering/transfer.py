@@ -1,0 +1,201 @@
+"""Copying one whole committed step between tiers (remote -> local to pre-stage a restart).
+
+Resumable: files already at the destination with the right size are not copied again. Chunks
+are verified against the manifest's checksums on the way. The destination's commit marker is
+written last and names every saving rank, so a copy cut short leaves a partial step, never a
+wrong one.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
+from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE, PARTS_DIR, pack_file, pack_owner, step_dir
+from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import BLOCK
+
+log = logging.getLogger("tiercheck")
+
+_CHUNK_FILE = re.compile(r"(^|/)c([./]\d+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes to do)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReport:
+    step: int
+    files_copied: int
+    files_already_there: int
+    bytes_copied: int
+    seconds: float
+
+
+def copy_step(
+    src: Tier,
+    dst: Tier,
+    step: int,
+    *,
+    ranks: set[int] | None = None,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy committed ``step`` from ``src`` to ``dst``: all of it, or with ``ranks`` only the chunk
+    files those saving ranks wrote (a node's share: its restore gets the rest from other ranks
+    or the remote tier). ``src`` must hold the files asked for."""
+    t0 = time.perf_counter()
+    d = step_dir(step)
+    marker = read_marker(src, step)
+    wanted = set(range(marker.world_size)) if ranks is None else set(ranks)
+    if not wanted <= set(range(marker.world_size)):
+        raise ValueError(f"step {step} was saved by ranks 0-{marker.world_size - 1}; asked for {sorted(wanted)}")
+    if not wanted <= set(marker.ranks):
+        raise CheckpointNotFoundError(
+            f"{src.url}: step {step} holds the files of ranks {list(marker.ranks)} of {marker.world_size} only"
+        )
+    manifest = read_manifest(src, step)
+    manifest_bytes = bytes(src.read(f"{d}/{MANIFEST_FILE}"))
+    chunk_records = {}
+    for rec in manifest.arrays.values():
+        for key in rec.checksums:
+            chunk_records[f"{rec.path}/{key}"] = (rec, key)
+    files = {
+        f: n
+        for f, n in src.sizes(d).items()
+        if f not in (COMMIT_FILE, MANIFEST_FILE)
+        and not f.startswith("__")
+        and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
+        and (f in chunk_records or not _CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
+    }
+    files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
+    absent = sorted(
+        f
+        for f, (rec, key) in chunk_records.items()
+        if key not in rec.offsets and rec.owner(key) in wanted and f not in files
+    )
+    if absent:  # format 3 and before: each chunk its own file
+        raise CorruptCheckpointError(
+            f"{src.url}: step {step}: {len(absent)} chunk file(s) the manifest names are missing, e.g. {absent[0]}"
+        )
+    writers = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.offsets}
+    lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
+    if lost:
+        raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
+    there = dst.sizes(d)
+    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    total = sum(files[f] for f in todo)
+    done = 0
+
+    def copy(f: str) -> int:
+        if pack_owner(f) is not None:
+            return copy_pack(src, dst, step, f, files[f])
+        if f not in chunk_records:  # manifest parts checked against their seals; the rest bounded
+            return copy_chunk_file(src, dst, step, f, None)
+        rec, key = chunk_records[f]
+        nbytes = chunk_nbytes(rec)
+        data = src.read_range(f"{d}/{f}", 0, nbytes + CHECKSUM_BYTES + 1)  # one byte past: too long shows
+        verify_chunk(data, expected_crc=rec.checksums[key], nbytes=nbytes, where=f"{src.url}: step {step}: {f}")
+        dst.write(f"{d}/{f}", [data])
+        return len(data)
+
+    with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tiercheck-copy") as pool:
+        for n in pool.map(copy, todo):
+            done += n
+            if progress is not None:
+                progress(done, total)
+    commit_step(dst, step, manifest_bytes, ranks=tuple(sorted(wanted)), world_size=marker.world_size)
+    report = CopyReport(step, len(todo), len(files) - len(todo), done, time.perf_counter() - t0)
+    log.info(
+        "copied step %d from %s to %s: %d files (%d already there), %.1f MiB in %.2f s",
+        step,
+        src.url,
+        dst.url,
+        report.files_copied,
+        report.files_already_there,
+        done / 2**20,
+        report.seconds,
+    )
+    return report
+
+
+def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
+    """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming one chunk at a
+    time and checking each against its writer's part of the manifest as it is read: a chunk that
+    rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
+    bytes copied."""
+    rank = pack_owner(f)
+    assert rank is not None
+    d = step_dir(step)
+    where = f"{src.url}: {d}/{f}"
+    part = rank_parts(src, step, [rank])[rank]
+    spans = part.spans()
+    end = 0
+    for offset, nbytes, path, key, _ in spans:
+        if offset < end or offset - end >= BLOCK:
+            raise CorruptCheckpointError(
+                f"{where}: array {path!r} chunk {key}: offset {offset} overlaps the chunk before it or leaves a gap"
+            )
+        end = offset + nbytes + CHECKSUM_BYTES
+    if end > size:
+        raise CorruptCheckpointError(f"{where}: has {size} bytes, its chunks end at {end} (truncated)")
+
+    def pieces() -> Iterator[bytes | bytearray]:
+        pos = 0
+        for offset, nbytes, path, key, crc in spans:
+            if offset > pos:
+                yield bytes(offset - pos)  # the alignment gap before a big chunk: a hole of zeros
+            raw = src.read_range(f"{d}/{f}", offset, nbytes + CHECKSUM_BYTES)
+            verify_chunk(raw, expected_crc=crc, nbytes=nbytes, where=f"{where}: array {path!r} chunk {key}")
+            yield raw
+            pos = offset + nbytes + CHECKSUM_BYTES
+
+    dst.write_stream(f"{d}/{f}", pieces)
+    return end
+
+
+def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | None:
+    """The checksum of each chunk file (format 3: each chunk its own file) that ``ranks`` wrote
+    in ``step``, by its path inside the step; None for a format that keeps no such files to check
+    this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
+    if read_index(src, step)[1]["format_version"] != 3:
+        return None
+    parts = rank_parts(src, step, ranks)
+    return {
+        f"{path}/{key}": crc
+        for part in parts.values()
+        for path, by in part.checksums.items()
+        for key, crc in by.items()
+    }
+
+
+def copy_chunk_file(src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None) -> int:
+    """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
+    checked against its checksum as read (one the manifest does not name is refused), and a file
+    of the manifest against its seal: a rotted part is never committed on ``dst``. Returns the
+    bytes copied."""
+    d = step_dir(step)
+    if f.startswith(f"{PARTS_DIR}/"):
+        data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
+        unseal(data, where=f"{src.url}: {d}/{f}")
+        dst.write(f"{d}/{f}", [data])
+        return len(data)
+    if not _CHUNK_FILE.search(f):  # refs/ (plain JSON for outside zarr readers), zarr.json: small, never unbounded
+        data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
+        dst.write(f"{d}/{f}", [data])
+        return len(data)
+    data = src.read_bytes(f"{d}/{f}")
+    if crcs is not None:
+        where = f"{src.url}: {d}/{f}"
+        if f not in crcs:
+            raise CorruptCheckpointError(f"{where}: a chunk file the manifest does not name")
+        verify_chunk(data, expected_crc=crcs[f], nbytes=max(len(data) - CHECKSUM_BYTES, 0), where=where)
+    dst.write(f"{d}/{f}", [data])
+    return len(data)
