@@ -31,15 +31,15 @@ import harness as h  # puts the repository first on sys.path
 import torch.distributed as dist
 
 from tiercheck import __version__
-from tiercheck.dist.assign import LeafDesc, Need, WritePlan, plan_reads, plan_writes
+from tiercheck.dist.assign import LeafDesc, Need, WriteAssignment, assign_all_reads, assign_writes
 from tiercheck.dist.coordination import Coordinator, Nodes, join_nodes, lockstep
+from tiercheck.dist.job import Job
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
 from tiercheck.format.manifest import Manifest, RankPart, owners_bytes, shard_bytes
 from tiercheck.restore.agree import agree_on_step, settle
-from tiercheck.restore.plan import find_holders
-from tiercheck.restore.plan import plan_reads as plan_restore_reads
+from tiercheck.restore.plan import find_holders, plan_restore
 from tiercheck.restore.protocol import manifest_for
-from tiercheck.save.commit import commit_save
+from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
 
@@ -196,7 +196,7 @@ def _tree(descs: Sequence[LeafDesc]) -> dict[str, Any]:
     return root
 
 
-def _commit_parts(descs_per_rank: Layout, plan: WritePlan, rng: random.Random) -> list[dict[str, Any]]:
+def _commit_parts(descs_per_rank: Layout, plan: WriteAssignment, rng: random.Random) -> list[dict[str, Any]]:
     """What each rank posts to the store when its writes are durable (``Checkpointer._commit``)."""
     parts = []
     for rank, tasks in enumerate(plan.tasks):
@@ -207,7 +207,7 @@ def _commit_parts(descs_per_rank: Layout, plan: WritePlan, rng: random.Random) -
     return parts
 
 
-def _manifest(plan: WritePlan, parts: list[dict[str, Any]], n: int) -> Manifest:
+def _manifest(plan: WriteAssignment, parts: list[dict[str, Any]], n: int) -> Manifest:
     """The manifest the node leaders write (``Checkpointer._manifest``), from the posted parts."""
     checksums: dict[str, dict[str, int]] = {path: {} for path in plan.records}
     for p in parts:
@@ -247,7 +247,7 @@ def simulate_before(name: str, descs_per_rank: Layout, args: argparse.Namespace)
     decode_s = time.perf_counter() - t0
     del values
     t0 = time.perf_counter()
-    plan = plan_writes(everyone, target_chunk_bytes=args.chunk_bytes)
+    plan = assign_writes(everyone, target_chunk_bytes=args.chunk_bytes)
     plan_s = time.perf_counter() - t0
     del everyone
 
@@ -267,7 +267,7 @@ def simulate_before(name: str, descs_per_rank: Layout, args: argparse.Namespace)
         on_node = [frozenset(range(i, min(i + RANKS_PER_NODE, n))) for i in range(0, n, RANKS_PER_NODE)]
         readable = [on_node[r // RANKS_PER_NODE] for r in range(n)]
         t0 = time.perf_counter()
-        plan_reads(manifest.arrays, needs, readable, read_once=False)
+        assign_all_reads(manifest.arrays, needs, readable, read_once=False)
         restore_s = time.perf_counter() - t0
     else:
         note = f"restore plan skipped: too slow (world {n} > --restore-max-ranks {args.restore_max_ranks})"
@@ -333,7 +333,7 @@ def _restore_plan(coord: Coordinator, tier: LocalTier, nodes: Nodes, descs: Sequ
     manifest = yield from manifest_for(coord, "restore0", tier, nodes, st, None, {}, others=False)
     yield from settle(coord, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in descs]
-    plan = yield from plan_restore_reads(
+    plan = yield from plan_restore(
         coord, "restore0", "restore0/reads", tier, st, None, needs, manifest.arrays, read_once=False
     )
     return plan
@@ -378,7 +378,7 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
             offsets: dict[str, dict[str, int]] = {}
             sizes: dict[str, int] = {}
             end = 0
-            for t in plan.tasks:  # laid out in the pack as pipeline.rank_plan does
+            for t in plan.tasks:  # laid out in the pack as save.plan.pack_plan does
                 path = descs[t.leaf].path
                 sizes[path] = chunk_nbytes(plan.records[path])
                 crcs.setdefault(path, {})[t.chunk.key] = 0
@@ -388,17 +388,16 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
             refs += bool(plan.tasks or plan.shard or r == nodes[r].leader)
             commits.append(
                 commit_save(
-                    c,
-                    tier_of[r],
-                    step=1,
-                    attempt=0,
-                    nodes=nodes[r],
-                    part=seal(RankPart(_tree(descs), crcs, offsets, sizes).to_bytes()),
-                    shard=seal(shard_bytes(plan.shard)) if plan.shard else None,
-                    owners=seal(owners_bytes(plan.shard)) if plan.shard else None,
-                    error=None,
-                    metadata={"simulated": True},
-                    library_version=__version__,
+                    Job(coord=c, nodes=nodes[r], tier=tier_of[r]),
+                    RankOutcome(
+                        step=1,
+                        attempt=0,
+                        part=seal(RankPart(_tree(descs), crcs, offsets, sizes).to_bytes()),
+                        shard=seal(shard_bytes(plan.shard)) if plan.shard else None,
+                        owners=seal(owners_bytes(plan.shard)) if plan.shard else None,
+                        metadata={"simulated": True},
+                        library_version=__version__,
+                    ),
                 )
             )
         _run(commits, [0.0] * n)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tests.test_planner import megatron_like
 from tiercheck.dist.assign import LeafDesc, Need
 from tiercheck.dist.coordination import Coordinator, join_nodes, lockstep
+from tiercheck.dist.job import Job
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import seal
 from tiercheck.format.layout import chunks_in_box
@@ -23,9 +24,9 @@ from tiercheck.format.manifest import RankPart, owners_bytes, shard_bytes
 from tiercheck.format.paths import part_file
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
-from tiercheck.restore.plan import find_holders, plan_reads
+from tiercheck.restore.plan import find_holders, plan_restore
 from tiercheck.restore.protocol import manifest_for
-from tiercheck.save.commit import commit_save
+from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
 
@@ -57,17 +58,16 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
         owners = seal(owners_bytes(plan.shard)) if plan.shard else None
         commits.append(
             commit_save(
-                c,
-                tiers[c.rank],
-                step=1,
-                attempt=0,
-                nodes=nodes[c.rank],
-                part=part,
-                shard=shard,
-                owners=owners,
-                error=None,
-                metadata={"m": 1},
-                library_version="t",
+                Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank]),
+                RankOutcome(
+                    step=1,
+                    attempt=0,
+                    part=part,
+                    shard=shard,
+                    owners=owners,
+                    metadata={"m": 1},
+                    library_version="t",
+                ),
             )
         )
     lockstep(commits)
@@ -84,7 +84,7 @@ def restore_plan(world: int, root: Path, needs: list[list[Need]]) -> tuple[list[
         here = choice.held.get(str(choice.step), [[], 0])[0]
         st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
         manifest = yield from manifest_for(c, "r", tier, node, st, None, {}, others=False)
-        plan = yield from plan_reads(c, "r", "r/reads", tier, st, None, needs[c.rank], manifest.arrays, read_once=False)
+        plan = yield from plan_restore(c, "r", "r/reads", tier, st, None, needs[c.rank], manifest.arrays, read_once=False)
         return manifest, plan
 
     return lockstep([one(c) for c in coords]), coords

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from tiercheck.dist.assign import LeafDesc, Need, plan_reads, plan_writes
+from tiercheck.dist.assign import LeafDesc, Need, assign_all_reads, assign_writes
 from tiercheck.dist.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
@@ -56,7 +56,7 @@ def descs(path: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], 
 def test_replicated_data_is_written_once_and_spread_over_the_replicas() -> None:
     world = 4
     per_rank = [descs("w", (4096,), [((0,), (4096,))]) + descs("b", (16,), [((0,), (16,))]) for _ in range(world)]
-    plan = plan_writes(per_rank, target_chunk_bytes=1024)
+    plan = assign_writes(per_rank, target_chunk_bytes=1024)
     written = Counter((t.leaf, t.chunk.key) for rank_tasks in plan.tasks for t in rank_tasks)
     assert all(n == 1 for n in written.values())
     assert sum(plan.nbytes) == (4096 + 16) * 4  # no chunk twice
@@ -70,7 +70,7 @@ def test_replicated_data_is_written_once_and_spread_over_the_replicas() -> None:
 
 def test_sharded_data_is_written_by_its_holder_in_local_coordinates() -> None:
     per_rank = [descs("w", (8, 4), [((4 * r, 0), (4, 4))]) for r in range(2)]
-    plan = plan_writes(per_rank, target_chunk_bytes=1 << 20)
+    plan = assign_writes(per_rank, target_chunk_bytes=1 << 20)
     assert plan.records["w"].chunks == (4, 4)
     [t0], [t1] = plan.tasks
     assert (t0.chunk.starts, t0.local.starts) == ((0, 0), (0, 0))
@@ -79,34 +79,34 @@ def test_sharded_data_is_written_by_its_holder_in_local_coordinates() -> None:
 
 def test_a_hole_or_a_disagreement_between_ranks_is_refused() -> None:
     with pytest.raises(IncompatibleStateError, match=r"array 'w'\[8, 4\]: \[4:8, 0:4\] is held by no rank"):
-        plan_writes([descs("w", (8, 4), [((0, 0), (4, 4))])], target_chunk_bytes=1 << 20)
+        assign_writes([descs("w", (8, 4), [((0, 0), (4, 4))])], target_chunk_bytes=1 << 20)
     with pytest.raises(IncompatibleStateError, match=r"rank 0 has float32\[8\] but rank 1 has float32\[9\]"):
-        plan_writes([descs("w", (8,), [((0,), (8,))]), descs("w", (9,), [((0,), (9,))])], target_chunk_bytes=64)
+        assign_writes([descs("w", (8,), [((0,), (8,))]), descs("w", (9,), [((0,), (9,))])], target_chunk_bytes=64)
 
 
 def test_reads_go_to_ranks_that_can_read_and_the_rest_is_sent() -> None:
     per_rank = [descs("w", (8,), [((0,), (8,))]) for _ in range(2)]  # replicated, 2 chunks of 4
-    records = plan_writes(per_rank, target_chunk_bytes=16).records
+    records = assign_writes(per_rank, target_chunk_bytes=16).records
     assert sorted(records["w"].owners.values()) == [0, 1]
     needs = [[Need("w", (0,), (8,))] for _ in range(3)]
     readable = [frozenset({0}), frozenset({1}), frozenset()]  # restoring rank 2 sits on a fresh node
-    each = plan_reads(records, needs, readable, read_once=False)
+    each = assign_all_reads(records, needs, readable, read_once=False)
     assert [len(r) for r in each.reads] == [1, 1, 0]
     assert sorted((t.src, t.dst) for t in each.transfers) == [(0, 1), (0, 2), (1, 0), (1, 2)]
     assert len({t.tag for t in each.transfers}) == len(each.transfers)
     with pytest.raises(IncompatibleStateError, match="whose files no restoring rank can read"):
-        plan_reads(records, needs, [frozenset({0})] * 3, read_once=False)
+        assign_all_reads(records, needs, [frozenset({0})] * 3, read_once=False)
 
 
 def test_read_once_reads_every_chunk_once() -> None:
     per_rank = [descs("w", (64,), [((0,), (64,))])]
-    records = plan_writes(per_rank, target_chunk_bytes=64).records  # 4 chunks of 16 floats
+    records = assign_writes(per_rank, target_chunk_bytes=64).records  # 4 chunks of 16 floats
     needs = [[Need("w", (0,), (64,))] for _ in range(4)]
-    plan = plan_reads(records, needs, [frozenset({0})] * 4, read_once=True)
+    plan = assign_all_reads(records, needs, [frozenset({0})] * 4, read_once=True)
     assert sorted(x.chunk.key for r in plan.reads for x in r) == sorted(c.key for c in chunks((64,), (16,)))
     assert all(len(r) == 1 for r in plan.reads)  # balanced: one chunk per rank
     assert len(plan.transfers) == 4 * 3
-    every = plan_reads(records, needs, [frozenset({0})] * 4, read_once=False)
+    every = assign_all_reads(records, needs, [frozenset({0})] * 4, read_once=False)
     assert all(len(r) == 4 for r in every.reads) and not every.transfers
 
 
@@ -135,7 +135,7 @@ def test_the_plan_made_through_the_store_is_the_whole_job_plan(world: int, tp: i
     coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
     for generation in range(2):  # a second plan reuses nothing of the first
         plans = lockstep([plan_save(c, generation, per_rank[c.rank], target_chunk_bytes=256) for c in coords])
-    whole = plan_writes(per_rank, target_chunk_bytes=256)
+    whole = assign_writes(per_rank, target_chunk_bytes=256)
     for rank, plan in enumerate(plans):
         assert [(t.leaf, t.chunk, t.local) for t in plan.tasks] == [
             (t.leaf, t.chunk, t.local) for t in whole.tasks[rank]

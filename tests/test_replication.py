@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 import tiercheck
 from tiercheck.cli import main
-from tiercheck.format.paths import step_dir
-from tiercheck.format.replicas import placement, rank_files
+from tiercheck.format.paths import rank_files, step_dir
+from tiercheck.format.replicas import placement
 from tiercheck.restore.agree import held_steps
 from tiercheck.tiers.local import LocalTier
 

@@ -266,8 +266,8 @@ def test_the_store_keeps_nothing_of_past_saves_and_restores(ckpt_dir: Path) -> N
     state = {"w": torch.randn(64, 16), "step": 0}
     with Checkpointer(state, local=ckpt_dir) as ck:
         store = ck._coord.store
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)  # its plan (the first save's) runs the planning protocol too
+        assert ck._prefaulter.thread is not None
+        ck._prefaulter.thread.join(60)  # its plan (the first save's) runs the planning protocol too
         assert store.num_keys() == 0  # joining the node and planning left nothing behind
         for step in range(6):
             state["step"] = step

@@ -317,15 +317,15 @@ def test_the_pool_is_faulted_in_when_a_single_process_checkpointer_is_built(ckpt
     pool to the first save."""
     state = {"w": torch.randn(1 << 20)}
     with Checkpointer(state, local=ckpt_dir / "on") as ck:
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)
-        assert not ck._prefaulting.is_alive()
+        assert ck._prefaulter.thread is not None
+        ck._prefaulter.thread.join(60)
+        assert not ck._prefaulter.thread.is_alive()
         built = ck.stats()
         assert built["pool_allocations"] == 1 and built["pool_capacity_bytes"] == align_up((4 << 20) + 4)
         ck.save(1).wait()
         assert ck.stats()["pool_allocations"] == 1, "the first save staged into the pre-faulted pool"
     with Checkpointer(state, local=ckpt_dir / "off", staging=StagingOptions(prefault=False)) as ck:
-        assert ck._prefaulting is None and ck.stats()["pool_allocations"] == 0
+        assert ck._prefaulter.thread is None and ck.stats()["pool_allocations"] == 0
         ck.save(1).wait()
         assert ck.stats()["pool_allocations"] == 1
 
@@ -345,20 +345,20 @@ def test_where_steps_are_committed_the_pool_is_faulted_in_after_the_restore(ckpt
     fresh = torch.nn.Linear(256, 256)
     fresh_opt = torch.optim.AdamW(fresh.parameters())  # no state until its first step
     with Checkpointer({"model": fresh, "optim": fresh_opt}, local=ckpt_dir / "job") as ck:
-        assert ck._prefaulting is None and ck.stats()["pool_allocations"] == 0
+        assert ck._prefaulter.thread is None and ck.stats()["pool_allocations"] == 0
         assert ck.restore() == 1
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)
+        assert ck._prefaulter.thread is not None
+        ck._prefaulter.thread.join(60)
         assert ck.stats()["pool_allocations"] == 1 and ck.stats()["pool_capacity_bytes"] == saved
     assert_identical(model.state_dict(), fresh.state_dict())
 
     with Checkpointer({"model": torch.nn.Linear(256, 256)}, local=ckpt_dir / "new") as ck:
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)
+        assert ck._prefaulter.thread is not None
+        ck._prefaulter.thread.join(60)
         assert ck.stats()["pool_allocations"] == 1
         assert ck.restore() is None  # nothing to restore: the pool was given back, then faulted in again
-        assert ck._prefaulting is not None
-        ck._prefaulting.join(60)
+        assert ck._prefaulter.thread is not None
+        ck._prefaulter.thread.join(60)
         assert ck.stats()["pool_allocations"] == 2
 
 

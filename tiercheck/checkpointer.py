@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import atexit
-import hashlib
-import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -20,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiercheck.dist.assign import LeafDesc
-from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, node_id
+from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
+from tiercheck.dist.job import Job
 from tiercheck.dist.lock import DirectoryLock, lock_node
-from tiercheck.errors import RemoteStorageError, StepExistsError
-from tiercheck.fmt import fmt_steps
+from tiercheck.errors import StepExistsError
 from tiercheck.format.manifest import JSON
 from tiercheck.format.metadata import encode as encode_metadata
 from tiercheck.format.steps import list_steps
@@ -37,29 +33,23 @@ from tiercheck.options import (
     WriteOptions,
 )
 from tiercheck.restore.load import load
-from tiercheck.restore.protocol import Restored, restore_state
-from tiercheck.save.commit import commit_save
-from tiercheck.save.handle import SaveHandle, SaveJob
+from tiercheck.restore.protocol import RestoreRequest, restore_state
+from tiercheck.save.commit import commit_job
+from tiercheck.save.handle import SaveHandle, SaveJob, record_ready, wait_staged
 from tiercheck.save.pipeline import Pipeline
-from tiercheck.save.plan import Plan, plan_save, rank_plan
-from tiercheck.state.flatten import Leaf, dtype_name, flatten, gc_paused
+from tiercheck.save.plan import PackPlan, leaf_descs, pack_plan, plan_save
+from tiercheck.save.prefault import Prefaulter
+from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import HostPool
-from tiercheck.tiering.drain import Drainer
-from tiercheck.tiering.replication import Replicator
+from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.retention import LocalSteps
-from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
-from tiercheck.tiers.remote import open_tier
 from tiercheck.version import __version__
 
 __all__ = ["Checkpointer", "load"]
 
 log = logging.getLogger("tiercheck")
-
-_namespaces: dict[tuple[int, ...], itertools.count[int]] = defaultdict(itertools.count)
-# One namespace per Checkpointer of a group: its ranks create them in the same order.
-
 
 class Checkpointer:
     """Saves and restores one training state on a node-local tier, alone or as one rank of many.
@@ -115,7 +105,7 @@ class Checkpointer:
                 default_store(),
                 rank=self.rank,
                 world_size=self.world_size,
-                namespace=_namespace(process_group),
+                namespace=namespace_of(process_group),
                 timeout_s=self.distributed.timeout_s,
             )
         elif process_group is not None:
@@ -140,7 +130,7 @@ class Checkpointer:
         self.lazy = self.staging.mode == "lazy" or (
             self.staging.mode == "auto" and any(isinstance(v, torch.optim.Optimizer) for v in state.values())
         )
-        self._plan: Plan | None = None
+        self._plan: PackPlan | None = None
         self._plans_made = 0
         self._attempts: dict[int, int] = defaultdict(int)
         self._restores = 0
@@ -152,88 +142,49 @@ class Checkpointer:
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         try:
             self._local = LocalSteps(self.tier, self.retention, leader=self._leader)
-            self.remote: Tier | None = None
-            self._drainer: Drainer | None = None
-            self._populate: threading.Thread | None = None
-            self._drain_failures_seen = 0
-            if remote is not None:
-                self.remote = (
-                    remote
-                    if isinstance(remote, Tier)
-                    else open_tier(
-                        remote,
-                        storage_options=remote_options,
-                        retry=self.drain_options.retry,
-                        part_bytes=self.drain_options.part_bytes,
-                    )
-                )
-                self._drainer = Drainer(
-                    self.tier,
-                    self.remote,
-                    self.drain_options,
-                    coord=self._coord.connect_again(),
-                    node_ranks=self.node_ranks,
-                    uploads=self._leader,
-                    on_settled=self._local.retain,
-                )
-                if self._leader:
-                    self._drainer.resume(self._local.sorted())
-            self._replicator: Replicator | None = None
-            if replication is not None and self._nodes.count > 1:
-                where = f"{socket.gethostname()}:{self.tier.root}"  # named in the replicas it sends
-                self._replicator = Replicator(self.tier, replication, coord=self._coord, nodes=self._nodes, node=where)
-            elif replication is not None:
-                log.warning("replication is off: it needs two nodes or more, and this job has one")
-            self._local.pinned = self._pinned
+            self._tiers = TierManager(
+                self.tier,
+                self._local,
+                remote=remote,
+                remote_options=remote_options,
+                drain=self.drain_options,
+                replication=replication,
+                coord=self._coord,
+                nodes=self._nodes,
+                leader=self._leader,
+            )
         except BaseException:
             self._dir_lock.release()
             raise
+        self.remote = self._tiers.remote
+        self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
-        self._prefaulting: threading.Thread | None = None
+        self._prefaulter = Prefaulter()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
             self._prefault()
 
     def _prefault(self) -> None:
-        """Plan the state as it is now and fault in a pool for it, on a background thread (see
-        StagingOptions.prefault), in a single process before its first save. Whatever fails there
-        (the state changing under it included) is left for the first save to meet."""
-        if not self.staging.prefault or self.world_size != 1 or self._pipeline is not None:
-            return
-        stop = threading.Event()
-        self._prefaulting = threading.Thread(target=self._prefault_run, args=(stop,), name="tiercheck-prefault")
-        self._prefaulting.daemon = True
-        _PREFAULTING[self._prefaulting] = stop
-        self._prefaulting.start()
+        """Fault in a pool for the state as it is now (see ``save.prefault``)."""
+        if self.staging.prefault and self.world_size == 1 and self._pipeline is None:
+            self._prefaulter.start(self._prefault_target)
 
-    def _prefault_run(self, stop: threading.Event) -> None:
-        try:
-            with self._lock:
-                if stop.is_set() or self._pipeline is not None:
-                    return
-                _, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
-                if not leaves:
-                    return
-                pool = self._ensure_pool(leaves)
-                plan = self._plan_for(leaves)
-            bound = self.staging.max_host_bytes
-            pool.reserve(plan.pool_bytes if bound is None else min(plan.pool_bytes, bound), touch=stop)
-        except Exception as e:
-            log.debug("not pre-faulting the staging pool: %r", e)
-        finally:
-            _PREFAULTING.pop(threading.current_thread(), None)
+    def _prefault_target(self, stop: threading.Event) -> tuple[HostPool, int] | None:
+        with self._lock:
+            if stop.is_set() or self._pipeline is not None:
+                return None
+            _, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
+            if not leaves:
+                return None
+            pool = self._ensure_pool(leaves)
+            plan = self._plan_for(leaves)
+        bound = self.staging.max_host_bytes
+        return pool, plan.pool_bytes if bound is None else min(plan.pool_bytes, bound)
 
     def _drop_prefault(self) -> None:
         """Before a restore: stop pre-faulting and give the pool back until a save needs it. A
         restore at the start of a job reads into as much new memory; both at once cost it time
         and raised its peak by one snapshot."""
-        if self._prefaulting is None:
-            return
-        stop = _PREFAULTING.get(self._prefaulting)  # gone once the thread is done
-        if stop is not None:
-            stop.set()
-        self._prefaulting.join()
-        self._prefaulting = None
-        if self._pool is not None and self._pipeline is None:
+        if self._prefaulter.stop() and self._pool is not None and self._pipeline is None:
             self._pool.drop()
 
     # ------------------------------------------------------------------------------- saving
@@ -276,7 +227,7 @@ class Checkpointer:
                 attempt=self._attempts[step],
                 handle=handle,
                 t_call=t_call,
-                ready=_record_ready(leaves),
+                ready=record_ready(leaves),
             )
             self._attempts[step] += 1
             handle.timings["plan_s"] = time.perf_counter() - t_call
@@ -286,7 +237,7 @@ class Checkpointer:
             if self.lazy:
                 job.eager_staged.wait()
             else:
-                _wait_staged(handle)
+                wait_staged(handle)
             handle.timings["blocked_s"] = time.perf_counter() - t_call
             return handle
 
@@ -295,7 +246,7 @@ class Checkpointer:
         handle = self._last
         if handle is not None and not handle.staged.done():
             t0 = time.perf_counter()
-            _wait_staged(handle)
+            wait_staged(handle)
             waited = time.perf_counter() - t0
             self._counters["staging_blocked_s"] += waited
             handle.timings["hook_blocked_s"] = handle.timings.get("hook_blocked_s", 0.0) + waited
@@ -309,23 +260,18 @@ class Checkpointer:
             if exc is not None:
                 raise exc
 
+    def forget_plan(self) -> None:
+        """Re-plan at the next save even if this rank's leaves look the same: for frameworks
+        whose other ranks' shares can change when this rank's do not (every rank must then call
+        it, as planning is collective)."""
+        self._plan = None
+
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.wait_staged()
 
-    def _plan_for(self, leaves: list[Leaf]) -> Plan:
-        """This rank's write plan; re-planned (with every rank, see ``saveplan``) only when a layout changed."""
-        descs = tuple(
-            LeafDesc(
-                leaf.path,
-                dtype_name(leaf.tensor.dtype),
-                leaf.kind,
-                leaf.global_shape,
-                leaf.offsets,
-                tuple(leaf.tensor.shape),
-                leaf.lazy,
-            )
-            for leaf in leaves
-        )
+    def _plan_for(self, leaves: list[Leaf]) -> PackPlan:
+        """This rank's write plan; re-planned (with every rank, see ``save.plan``) only when a layout changed."""
+        descs = leaf_descs(leaves)
         if self._plan is not None and self._plan.signature == descs:
             return self._plan
         target = self.write.chunk_bytes
@@ -333,7 +279,7 @@ class Checkpointer:
             target = min(target, max(self.staging.max_host_bytes // 2, 4096))
         save_plan = drive(self._coord, plan_save(self._coord, self._plans_made, descs, target_chunk_bytes=target))
         self._plans_made += 1
-        self._plan = rank_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self._leader)
+        self._plan = pack_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self._leader)
         if self.world_size > 1:
             log.info(
                 "rank %d: save plan: this rank writes %.1f MiB of the %d arrays it holds, coordinates %d",
@@ -369,49 +315,13 @@ class Checkpointer:
         return self._pipeline
 
     def _commit(self, job: SaveJob) -> None:
-        """Runs on the commit thread once this rank's writes are durable (or failed): writes this
-        rank's part of the manifest and meets the other ranks in the store (``commit.commit_save``)."""
-        c = self._bg_coord
-        assert c is not None
-        error = job.error
-        part, shard, owners = b"", None, None
-        if error is None:
-            try:
-                part, shard, owners = job.manifest_parts()
-            except (TypeError, ValueError) as e:
-                error = e
-        drive(
-            c,
-            commit_save(
-                c,
-                self.tier,
-                step=job.step,
-                attempt=job.attempt,
-                nodes=self._nodes,
-                part=part,
-                shard=shard,
-                owners=owners,
-                error=error,
-                metadata=job.metadata,
-                library_version=__version__,
-            ),
-        )
-
-    def _pinned(self) -> set[int]:
-        """Steps local retention keeps for now: still to be drained or replicated."""
-        pinned = self._drainer.pinned() if self._drainer is not None else set()
-        return pinned | (self._replicator.pinned() if self._replicator is not None else set())
+        """Runs on the commit thread once this rank's writes are durable (or failed)."""
+        assert self._bg_coord is not None
+        commit_job(replace(self._job, coord=self._bg_coord), job, library_version=__version__)
 
     def _after_commit(self, job: SaveJob) -> None:
         step = job.step
-        if self._replicator is not None:
-            self._replicator.submit(step, job.handle.replicated)
-        else:
-            job.handle.replicated.set_result(False)
-        if self._drainer is not None:
-            self._drainer.submit(step, job.handle.drained)
-        else:
-            job.handle.drained.set_result(False)
+        self._tiers.committed(step, job.handle.replicated, job.handle.drained)
         self._local.add(step)
         self._local.retain()
 
@@ -472,62 +382,26 @@ class Checkpointer:
             n = self._restores
             self._restores += 1
             try:
-                done = self._restore_state(step, strict, allow_pickle, others, extra, n, in_place)
+                request = RestoreRequest(
+                    step=step,
+                    strict=strict,
+                    allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
+                    others=others,
+                    extra=extra,
+                    in_place=in_place,
+                    read_once=self.distributed.read_once,
+                    io_threads=self.write.io_threads,
+                )
+                done = restore_state(self.state, self._job, request, name=f"restore{n}", pool=self._pool)
             finally:
                 self._prefault()  # for the state as restored (a fresh optimizer's state included)
             if done is None:
                 return None
-            self._counters["restore_bytes_read"] = done.bytes_read
-            self._counters["restore_chunks_received"] = done.chunks_received
-            self._counters["restore_remote_reads"] = done.remote_reads
-            self._counters["restore_fallbacks"] = done.fallbacks
-            self._counters["restore_staged_in_pool"] = done.staged_in_pool
-            self._counters["restore_read_direct_bytes"] = done.read_direct
+            self._counters.update(done.counters())
             self._local.add(*self.steps())
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
-                self._populate = threading.Thread(
-                    target=self._populate_local, args=(done.step,), name="tiercheck-populate", daemon=True
-                )
-                self._populate.start()
+                self._tiers.populate(done.step)
             return done.step
-
-    def _restore_state(
-        self,
-        step: int | None,
-        strict: bool,
-        allow_pickle: bool | None,
-        others: bool | Callable[[list[str]], Iterable[str]],
-        extra: bool,
-        n: int,
-        in_place: bool = False,
-    ) -> Restored | None:
-        return restore_state(
-            self.state,
-            coord=self._coord,
-            name=f"restore{n}",
-            tier=self.tier,
-            nodes=self._nodes,
-            remote=self.remote,
-            group=self.group,
-            requested=step,
-            strict=strict,
-            allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
-            others=others,
-            extra=extra,
-            read_once=self.distributed.read_once,
-            io_threads=self.write.io_threads,
-            pool=self._pool,
-            in_place=in_place,
-        )
-
-    def _populate_local(self, step: int) -> None:
-        assert self.remote is not None
-        try:
-            copy_step(self.remote, self.tier, step, concurrency=self.drain_options.concurrency)
-        except Exception as e:  # the restore succeeded; a failed copy only costs the next restart
-            log.error("could not copy step %d from %s to %s: %s", step, self.remote.url, self.tier.url, e)
-            return
-        self._local.add(step)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -557,17 +431,11 @@ class Checkpointer:
         failed since the last call. Steps an earlier run left undrained are included.
         """
         self._check_open()
-        if self._drainer is None:
+        if self._tiers.drainer is None:
             raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
         if self._pipeline is not None:
             self._pipeline.wait_idle(timeout)
-        if not self._drainer.wait(timeout):
-            raise TimeoutError(f"drains still running after {timeout} s")
-        status = self._drainer.snapshot()
-        if status["failed"] > self._drain_failures_seen:
-            self._drain_failures_seen = status["failed"]
-            raise RemoteStorageError(f"draining to {status['url']} failed: {status['last_error']}")
-        return status
+        return self._tiers.wait_drained(timeout)
 
     def status(self) -> dict[str, Any]:
         """Where each tier stands: committed local steps, in-flight saves, and the remote drain
@@ -579,8 +447,7 @@ class Checkpointer:
                 "committed": self.steps(),
                 "inflight": sorted(self._pipeline.inflight_steps()) if self._pipeline else [],
             },
-            "remote": self._drainer.snapshot() if self._drainer is not None else None,
-            "replication": dict(self._replicator.status) if self._replicator is not None else None,
+            **self._tiers.status(),
         }
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
@@ -600,23 +467,10 @@ class Checkpointer:
             self._pipeline.close()
         if self._pool is not None:
             self._pool.drop()  # a closed Checkpointer holds no snapshot's worth of host memory
-        if self._populate is not None:
-            self._populate.join(timeout)
-        if self._replicator is not None:
-            self._replicator.close(timeout)
-        undrained = self._drainer.close(drain=drain, timeout=timeout) if self._drainer is not None else []
-        self._dir_lock.release()
-        if undrained and drain and self.remote is not None:
-            log.warning(
-                "closing with step(s) %s not drained to %s; they stay in %s, and the next run with this "
-                "remote tier (or `tiercheck drain %s %s`) drains them",
-                fmt_steps(undrained),
-                self.remote.url,
-                self.tier.url,
-                self.tier.url,
-                self.remote.url,
-            )
-        return undrained
+        try:
+            return self._tiers.close(drain=drain, timeout=timeout)
+        finally:
+            self._dir_lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -630,42 +484,3 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
 
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-_PREFAULTING: dict[threading.Thread, threading.Event] = {}  # pre-faulting threads, and how to stop each
-
-
-def _stop_prefaulting_at_exit() -> None:
-    """A daemon thread still in torch's zero_() when the interpreter finalizes aborts the process
-    (it cannot take the GIL back): stop pre-faulting (within one piece) before that."""
-    for thread, stop in list(_PREFAULTING.items()):
-        stop.set()
-        thread.join()
-
-
-# Run at threading's shutdown, before the atexit callbacks: zarr's callback stops the event loop
-# that a save plan's zarr documents are made on, and a pre-faulting thread still planning then
-# waited on it forever, so the process never exited (1 exit in 6 in the DeepSpeed disk-full test).
-# concurrent.futures stops its workers the same way; plain atexit where this Python lacks it.
-getattr(threading, "_register_atexit", atexit.register)(_stop_prefaulting_at_exit)
-
-
-def _namespace(group: Any) -> str:
-    """Store keys of this Checkpointer: distinct per process group, and per Checkpointer in a group."""
-    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
-    members = "-".join(map(str, ranks)) if len(ranks) <= 8 else hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
-    return f"g{members}/ckpt{next(_namespaces[ranks])}"
-
-
-def _record_ready(leaves: list[Leaf]) -> torch.cuda.Event | None:
-    if not any(leaf.tensor.is_cuda for leaf in leaves):
-        return None
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream())
-    return ev
-
-
-def _wait_staged(handle: SaveHandle) -> None:
-    handle.staged.exception()  # waits; a failed copy surfaces through handle.wait()/committed

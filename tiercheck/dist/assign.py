@@ -1,7 +1,7 @@
 """Who writes which chunk on save, and who reads and sends which chunk on restore.
 
-Pure Python (no torch, no I/O, no store): the pieces ``saveplan`` and ``restoreplan`` run on
-coordinators and holders, and ``plan_writes`` / ``plan_reads``, which run them over the whole job
+Pure Python (no torch, no I/O, no store): the pieces ``save.plan`` and ``restore.plan`` run on
+coordinators and holders, and ``assign_writes`` / ``assign_all_reads``, which run them over the whole job
 in one place (for tests, tools and single-directory loads).
 
 Saving: the tensors of all ranks are pieces (boxes) of global arrays. The chunk grid of an array
@@ -77,16 +77,16 @@ class WriteTask:
 
 
 @dataclass(frozen=True, slots=True)
-class WritePlan:
+class WriteAssignment:
     records: dict[str, ArrayRecord]  # every global array, with the owner of each chunk
     tasks: list[list[WriteTask]]  # per rank
     nbytes: list[int]  # per rank: bytes of chunk data to write
 
 
-def plan_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int) -> WritePlan:
+def assign_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int) -> WriteAssignment:
     """Dedup and balance: each chunk of each global array is written by exactly one holder.
 
-    The whole job's plan from every rank's descriptions, in one place: what ``saveplan`` computes
+    The whole job's plan from every rank's descriptions, in one place: what ``save.plan`` computes
     spread over the ranks (each array on its coordinator, each group of holders on its members),
     with the same answer. For tests and tools; a job never gathers every rank's descriptions.
     """
@@ -114,7 +114,7 @@ def plan_writes(descs: Sequence[Sequence[LeafDesc]], *, target_chunk_bytes: int)
     for rank_tasks in tasks:
         rank_tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
     records = {path: r.with_chunks(owners=dict(sorted(by_path[path].items()))) for path, r in records.items()}
-    return WritePlan(records=records, tasks=tasks, nbytes=load)
+    return WriteAssignment(records=records, tasks=tasks, nbytes=load)
 
 
 def chunk_array(
@@ -237,22 +237,22 @@ class Read:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadPlan:
+class ReadAssignment:
     reads: list[list[Read]]  # per restoring rank: chunks it reads from storage
     transfers: list[Transfer]
     read_bytes: list[int]  # per restoring rank
 
 
-def plan_reads(
+def assign_all_reads(
     records: dict[str, ArrayRecord],
     needs: Sequence[Sequence[Need]],
     readable: Sequence[frozenset[int]],
     *,
     read_once: bool,
     remote: bool = False,
-) -> ReadPlan:
+) -> ReadAssignment:
     """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
-    place (a job plans per array on coordinators, ``restoreplan``, with ``assign_reads``).
+    place (a job plans per array on coordinators, ``restore.plan``, with ``assign_reads``).
 
     ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
     on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
@@ -267,7 +267,7 @@ def plan_reads(
     reads, transfers, load = assign_reads(
         records, wanted, lambda o: readers.get(o, []), read_once=read_once, remote=remote, tag=lambda i: i
     )
-    return ReadPlan(
+    return ReadAssignment(
         reads=[reads.get(r, []) for r in range(len(needs))],
         transfers=transfers,
         read_bytes=[load.get(r, 0) for r in range(len(needs))],

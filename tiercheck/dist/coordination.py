@@ -10,20 +10,24 @@ Every key lives under ``tiercheck/<namespace>/``; a namespace is one Checkpointe
 Cost stays flat per rank as the job grows: no protocol here has a rank read every rank's keys.
 Ranks meet at counting barriers (one ``add`` each; the last to arrive sets one key everyone waits
 for), post into buckets that one rank collects (``post`` / ``collect``), and hand work to chosen
-ranks under keys both sides can name. The protocols built on these (``saveplan``, ``commit``,
-``restore``) are generators that yield a :class:`Barrier` wherever a rank must wait for the
+ranks under keys both sides can name. The protocols built on these (``save.plan``, ``save.commit``,
+``restore.protocol``) are generators that yield a :class:`Barrier` wherever a rank must wait for the
 others: :func:`drive` runs one rank's protocol against the store, and a simulation can run the
 same generators of thousands of simulated ranks in lockstep over one store (``bench/scale_sim.py``).
 """
 
 
+
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import os
 import uuid
 import zlib
+from collections import defaultdict
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,10 +35,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tiercheck.errors import CoordinationError
+from tiercheck.format.paths import NODE_FILE
+
 
 log = logging.getLogger("tiercheck")
-
-NODE_FILE = ".tiercheck-node"
 
 T = TypeVar("T")
 
@@ -47,7 +51,9 @@ class Barrier:
     what: str
 
 
-Protocol = Generator[Barrier, None, T]
+# One rank's side of a protocol, sans I/O: a generator that yields the barriers it waits at and
+# returns its result (``drive`` runs it against the store, ``lockstep`` runs many ranks' at once).
+Exchange = Generator[Barrier, None, T]
 
 
 class Coordinator:
@@ -215,7 +221,7 @@ class Coordinator:
         return values
 
 
-def drive(coord: Coordinator, protocol: Protocol[T]) -> T:
+def drive(coord: Coordinator, protocol: Exchange[T]) -> T:
     """Run one rank's protocol to its end, waiting in the store at each barrier it yields. A wait
     that times out is raised inside the protocol, at its ``yield``."""
     try:
@@ -256,7 +262,7 @@ class Nodes:
         return self.ranks[0]
 
 
-def join_nodes(coord: Coordinator, node: str) -> Protocol[Nodes]:
+def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
     """Learn this node's ranks: each rank reads its own node's members, never every rank's."""
     bucket = f"nodes/{node}"
     mine = coord.post(bucket, str(coord.rank))
@@ -287,6 +293,19 @@ def _own_client(store: Any, timeout_s: float) -> Any:
     return store
 
 
+_namespaces: dict[tuple[int, ...], itertools.count[int]] = defaultdict(itertools.count)
+# One namespace per Checkpointer of a group: its ranks create them in the same order.
+
+
+def namespace_of(group: Any) -> str:
+    """Store keys of a Checkpointer: distinct per process group, and per Checkpointer in a group."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    members = "-".join(map(str, ranks)) if len(ranks) <= 8 else hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+    return f"g{members}/ckpt{next(_namespaces[ranks])}"
+
+
 def default_store() -> Any:
     """The key-value store of the default process group; every rank of every group is its client."""
     from torch.distributed import distributed_c10d as c10d
@@ -312,7 +331,7 @@ def node_id(local: str | os.PathLike[str]) -> str:
     return path.read_text().strip()
 
 
-def lockstep(protocols: list[Protocol[T]], *, capture: bool = False) -> list[T]:
+def lockstep(protocols: list[Exchange[T]], *, capture: bool = False) -> list[T]:
     """Run the protocols of many ranks in one thread, round by round: every rank runs to its next
     barrier before any goes past it, so no wait ever blocks. For simulating a job of thousands of
     ranks with the real protocol code over one store (``bench/scale_sim.py``) and for tests. With

@@ -10,6 +10,7 @@ holder in the error a second writer gets.
 """
 
 
+
 from __future__ import annotations
 
 import datetime
@@ -20,10 +21,10 @@ import os
 import socket
 from pathlib import Path
 
-from tiercheck.dist.coordination import Coordinator, Protocol
+from tiercheck.dist.coordination import Coordinator, Exchange
 from tiercheck.errors import DirectoryInUseError
+from tiercheck.format.paths import LOCK_FILE
 
-LOCK_FILE = ".tiercheck-lock"
 _MAX_HOLDER_BYTES = 4096  # the holder's description we write is ~100 bytes; read no more of a stray file
 
 
@@ -80,7 +81,7 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-def lock_node(coord: Coordinator, leader: int, lock: DirectoryLock) -> Protocol[None]:
+def lock_node(coord: Coordinator, leader: int, lock: DirectoryLock) -> Exchange[None]:
     """The node's ``leader`` takes ``lock``; every rank of the job learns whether it could, and all
     raise the same ``DirectoryInUseError`` if one node's directory is taken, so no rank goes on alone."""
     failure: DirectoryInUseError | None = None

@@ -235,7 +235,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
-        """A whole manifest in one document (formats 1 and 2; see ``commit.read_manifest``)."""
+        """A whole manifest in one document (formats 1 and 2; see ``format.steps.read_manifest``)."""
         doc = parse_manifest_doc(data, where=where)
         version = doc["format_version"]
         if version > WHOLE_FORMAT:

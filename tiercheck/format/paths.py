@@ -1,4 +1,6 @@
-"""TODO docstring: tiercheck.format.paths."""
+"""Every name on storage: the format's name and version, the step directories, and the files of
+a step (index, commit marker, manifest parts, packs, reference maps). Nothing else in the package
+spells a file name out; it asks here."""
 
 
 from __future__ import annotations
@@ -63,8 +65,42 @@ def refs_file(rank: int) -> str:
     the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
     return f"{REFS_DIR}/rank-{rank:06d}.json"
 
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def step_dir(step: int) -> str:
     return f"step-{step:08d}"
+
+LOCK_FILE = ".tiercheck-lock"
+
+NODE_FILE = ".tiercheck-node"
+
+DRAINED_PREFIX = "__drained."
+
+CHUNK_FILE = re.compile(r"(^|/)c([./]\d+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
+
+REPLICA_PREFIX = "REPLICA-"
+
+
+def rank_files(rank: int) -> list[str]:
+    """The files of one saving rank in a step directory (format 4), those that exist for it."""
+    return [part_file(rank), shard_file(rank), owners_file(rank), refs_file(rank), pack_file(rank)]
+
+
+RANK_FILE = re.compile(
+    rf"^(?:{PARTS_DIR}/(?:rank|arrays|owners)|{REFS_DIR}/rank)-(\d{{6,}})\.json$|^{PACKS_DIR}/rank-(\d{{6,}})\.bin$"
+)
+
+
+def file_rank(name: str) -> int | None:
+    """The saving rank a file of a step directory belongs to (one of ``rank_files``), else None."""
+    m = RANK_FILE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def replica_marker(first_rank: int) -> str:
+    return f"{REPLICA_PREFIX}{first_rank:06d}.json"
+
+
+def is_replica_marker(name: str) -> bool:
+    return name.startswith(REPLICA_PREFIX) and name.endswith(".json")

@@ -7,46 +7,26 @@ CRC32C, and B's node directory. The marker is written last, once every file is d
 """
 
 
+
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
-from tiercheck.format.paths import owners_file, pack_file, part_file, refs_file, shard_file, step_dir
+from tiercheck.format.paths import (
+    is_replica_marker,
+    rank_files,
+    step_dir,
+)
 from tiercheck.format.steps import read_small
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
-
-REPLICA_PREFIX = "REPLICA-"
 _FORMAT = "tiercheck-replica"
 MAX_FILES_PER_RANK = 5  # its manifest part, arrays shard, owners, refs and pack
-
-
-def rank_files(rank: int) -> list[str]:
-    """The files of one saving rank in a step directory (format 4), those that exist for it."""
-    return [part_file(rank), shard_file(rank), owners_file(rank), refs_file(rank), pack_file(rank)]
-
-
-_RANK_FILE = re.compile(r"^(?:manifest/(?:rank|arrays|owners)|refs/rank)-(\d{6,})\.json$|^packs/rank-(\d{6,})\.bin$")
-
-
-def file_rank(name: str) -> int | None:
-    """The saving rank a file of a step directory belongs to (one of ``rank_files``), else None."""
-    m = _RANK_FILE.match(name)
-    return None if m is None else int(m.group(1) or m.group(2))
-
-
-def replica_marker(first_rank: int) -> str:
-    return f"{REPLICA_PREFIX}{first_rank:06d}.json"
-
-
-def is_replica_marker(name: str) -> bool:
-    return name.startswith(REPLICA_PREFIX) and name.endswith(".json")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,10 +31,10 @@ from tiercheck.format.manifest import (
     parse_shard,
 )
 from tiercheck.format.paths import (
-    _STEP_DIR,
     COMMIT_FILE,
     MANIFEST_FILE,
     PARTS_DIR,
+    STEP_DIR,
     owners_file,
     part_file,
     shard_file,
@@ -57,7 +57,7 @@ def list_steps(tier: Tier) -> StepListing:
     partial: list[int] = []
     unreadable: dict[int, str] = {}
     for name in tier.list_dir(""):
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR.match(name)
         if not m:
             continue
         step = int(m.group(1))

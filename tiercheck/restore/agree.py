@@ -1,5 +1,7 @@
-"""TODO docstring: tiercheck.restore.agree."""
-
+"""Agreeing on the step to restore: each node says which steps it holds whole, rank 0 picks the
+newest every rank can get (locally, from a peer's replica, or from the remote tier), and every
+rank learns the answer. Also the verdict after a restore (``settle``): all ranks succeeded, or all
+fall back together."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, dumps
+from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.manifest import JSON
@@ -23,7 +25,7 @@ log = logging.getLogger("tiercheck")
 
 def held_steps(tier: Tier) -> dict[str, JSON]:
     """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
-    of them this node wrote itself]}``; the others are peers' replicas (``replicas.read_replicas``)."""
+    of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``)."""
     held: dict[str, JSON] = {}
     for s in list_steps(tier).committed:
         try:
@@ -53,7 +55,7 @@ def agree_on_step(
     requested: int | None,
     remote_steps: Callable[[], list[int]],
     below: int | None = None,
-) -> Protocol[StepChoice]:
+) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
     when given. ``remote_steps`` is called on rank 0 only."""
     held = held_steps(tier) if coord.rank == nodes.leader else {}
@@ -127,7 +129,7 @@ def choose_step(
 
 def settle(
     coord: Coordinator, name: str, failure: TiercheckError | None, *, shared: tuple[type[Exception], ...] = ()
-) -> Protocol[None]:
+) -> Exchange[None]:
     """Every rank learns whether any rank failed at this point; the first failure is raised on all
     of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it, or as
     the same error where its type is one of ``shared``)."""

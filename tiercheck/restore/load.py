@@ -1,19 +1,19 @@
-"""TODO docstring: tiercheck.restore.load."""
-
+"""``load``: a committed step read into a plain nested dict of CPU tensors, with no live state and
+no other ranks (inspection, conversion, tests)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from tiercheck.dist.assign import plan_reads as plan_reads_whole
+from tiercheck.dist.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
+from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
 from tiercheck.state.flatten import gc_paused
-from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
 
 # --------------------------------------------------------------------------- load()
@@ -36,7 +36,7 @@ def load(
     """
     root = os.fspath(path)
     tier = open_tier(root, storage_options=storage_options)
-    if isinstance(tier, LocalTier) and not tier.root.is_dir():
+    if tier.local_path is not None and not tier.local_path.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
     committed = list_steps(tier).committed
     if step is None and not committed:
@@ -50,7 +50,7 @@ def load(
     where = f"{tier.url}: step {step}"
     out: dict[str, Any] = {}
     if set(marker.ranks) != set(range(marker.world_size)):
-        if manifest.format_version >= 3:  # the other ranks' parts of the manifest are elsewhere too
+        if not whole_manifest(manifest.format_version):  # the other ranks' parts of the manifest are elsewhere too
             absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
         else:
             owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
@@ -63,7 +63,7 @@ def load(
     items, decoded = prepare(
         out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
     )
-    plan = plan_reads_whole(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
+    plan = assign_all_reads(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
     move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
     apply(out, decoded, where=where)
     return out

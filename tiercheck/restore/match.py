@@ -13,7 +13,7 @@ import torch
 
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, StagingError
 from tiercheck.format.manifest import JSON, ArrayRecord, Manifest
-from tiercheck.restore.read import ReadItem
+from tiercheck.restore.stage import ReadItem
 from tiercheck.state.flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
 from tiercheck.state.sharding import Shard, placement_of
 

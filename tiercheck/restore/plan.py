@@ -1,6 +1,6 @@
 """Planning a restore with every rank's cost flat in the job's size.
 
-The step is chosen first (``restore.agree_on_step``). Then, in rounds closed by barriers:
+The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds closed by barriers:
 
 1. **Holders.** The first node holding each saving rank's files (its commit marker lists the rank)
    claims it in the store, naming the node's ranks: they can read that rank's chunks and parts of
@@ -11,10 +11,10 @@ The step is chosen first (``restore.agree_on_step``). Then, in rounds closed by 
    refers to. Each file is read from this node's directory when it is here, from the remote tier
    when the step comes from there, and otherwise from the store, where the node holding it posts
    it on request.
-3. **Plan reads** (``plan_reads``): each rank posts what it needs of each array to the array's
+3. **Plan reads** (``plan_restore``): each rank posts what it needs of each array to the array's
    coordinator (a rank on the node holding the array's shard, which reads the shard from disk);
    each coordinator decides who reads each needed chunk and who sends it to whom
-   (``planner.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
+   (``dist.assign.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
    receives, with the checksum of each chunk it reads taken from the writer's part on its node.
 """
 
@@ -28,14 +28,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chunks
-from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, dumps, shard_of
+from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.layout import chunk_at
+from tiercheck.format.legacy import has_packs, saving_world_size
 from tiercheck.format.manifest import (
     JSON,
     ArrayRecord,
-    Manifest,
     ManifestIndex,
     RankPart,
     parse_manifest_doc,
@@ -76,7 +76,7 @@ def find_holders(
     *,
     remote: Tier | None,
     from_remote: bool,
-) -> Protocol[Step]:
+) -> Exchange[Step]:
     """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
     claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
     holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files."""
@@ -113,11 +113,8 @@ def find_holders(
         raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
     where = f"{tier.url}: step {step}"
     doc = parse_manifest_doc(index, where=where)
-    version = doc["format_version"]
-    world = (
-        ManifestIndex.from_doc(doc, where=where) if version >= 3 else Manifest.from_bytes(index, where=where)
-    ).world_size
-    return Step(step, index, version, world, frozenset(here), from_remote, tuple(claimed))
+    world = saving_world_size(doc, index, where=where)
+    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed))
 
 
 def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
@@ -141,7 +138,7 @@ def fetch(
     st: Step,
     remote: Tier | None,
     wanted: set[FileId],
-) -> Protocol[dict[FileId, bytes]]:
+) -> Exchange[dict[FileId, bytes]]:
     """Round 2 (run once per kind of file a rank wants): the manifest files in ``wanted``, as stored.
 
     A shard that does not exist (its rank coordinated nothing) comes back empty. A file that
@@ -200,7 +197,7 @@ def _read(tier: Tier, d: str, f: FileId) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class RankReads:
+class RestorePlan:
     """One restoring rank's part of the read plan."""
 
     reads: list[Read]
@@ -209,7 +206,7 @@ class RankReads:
     read_bytes: int
 
 
-def plan_reads(
+def plan_restore(
     coord: Coordinator,
     root: str,
     name: str,
@@ -221,7 +218,7 @@ def plan_reads(
     *,
     read_once: bool,
     parts: Mapping[int, RankPart] | None = None,
-) -> Protocol[RankReads]:
+) -> Exchange[RestorePlan]:
     """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work.
     ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there)."""
     rank, world = coord.rank, coord.world_size
@@ -278,7 +275,7 @@ def plan_reads(
     transfers = sorted(out_moves.values(), key=lambda t: t.tag)
     nbytes = sum(chunk_nbytes(recs[x.path]) for x in out_reads)
     yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
-    return RankReads(out_reads, transfers, recs, nbytes)
+    return RestorePlan(out_reads, transfers, recs, nbytes)
 
 
 def _coordinate_reads(
@@ -313,7 +310,7 @@ def _coordinate_reads(
             source = tier if s in st.here else remote
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
-            if st.format_version >= 4 and paths <= known.keys():
+            if has_packs(st.format_version) and paths <= known.keys():
                 mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
             else:
                 raw = _read(source, d, ("arrays", s))

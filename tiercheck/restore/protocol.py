@@ -12,7 +12,7 @@ ranks meet in the store, never in the training's collectives:
    each rank reads the parts its own directory lacks.
 3. **Match** the saved tree to the live state (``prepare``): shapes, dtypes and keys are checked
    on every rank, and any rank's mismatch fails all of them, before anything is overwritten.
-4. **Move the bytes** (``scatter.move_chunks``): each chunk is read where its file is, verified
+4. **Move the bytes** (``restore.read.move_chunks``): each chunk is read where its file is, verified
    against its checksum, and sent to the ranks that need it; then the decoded values are handed
    to the state (``apply``).
 """
@@ -27,15 +27,18 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequenc
 from dataclasses import dataclass
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, drive, shard_of
-from tiercheck.errors import CoordinationError, CorruptCheckpointError, TiercheckError
+from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, drive, shard_of
+from tiercheck.dist.job import Job
+from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural
-from tiercheck.format.manifest import JSON, Manifest, RankPart
+from tiercheck.format.legacy import whole_manifest
+from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import agree_on_step, remote_steps, settle
 from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
-from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_reads
-from tiercheck.restore.read import ReadItem, copy_in, move_chunks, staged, staging_bytes
+from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_restore
+from tiercheck.restore.read import move_chunks
+from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused, tensor_paths
 from tiercheck.state.staging import HostPool
 from tiercheck.tiers.base import Tier
@@ -59,35 +62,46 @@ class Restored:
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
 
+    def counters(self) -> dict[str, int]:
+        """What ``Checkpointer.stats()`` reports of the last restore."""
+        return {
+            "restore_bytes_read": self.bytes_read,
+            "restore_chunks_received": self.chunks_received,
+            "restore_remote_reads": self.remote_reads,
+            "restore_fallbacks": self.fallbacks,
+            "restore_staged_in_pool": self.staged_in_pool,
+            "restore_read_direct_bytes": self.read_direct,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreRequest:
+    """What one restore asks for: ``Checkpointer.restore``'s keywords (see there), and how to read."""
+
+    step: int | None = None  # None: the newest step every rank can get
+    strict: bool = True
+    allow_pickle: bool = False
+    others: bool | Callable[[list[str]], Iterable[str]] = False
+    extra: bool = True
+    in_place: bool = False
+    read_once: bool = True  # ranks that need the same chunk: one reads, the others receive it
+    io_threads: int = 4
+
 
 @gc_paused()
 def restore_state(
-    state: Mapping[str, Any],
-    *,
-    coord: Coordinator,
-    name: str,
-    tier: Tier,
-    nodes: Nodes,
-    remote: Tier | None,
-    group: Any,
-    requested: int | None,
-    strict: bool,
-    allow_pickle: bool,
-    others: bool | Callable[[list[str]], Iterable[str]],
-    extra: bool,
-    read_once: bool,
-    io_threads: int,
-    pool: HostPool | None = None,
-    in_place: bool = False,
+    state: Mapping[str, Any], job: Job, request: RestoreRequest, *, name: str, pool: HostPool | None = None
 ) -> Restored | None:
     """One rank's part of restoring a step into ``state`` in place; every rank calls it with the
     same ``name``. Returns None when no tier holds a committed step (and none was requested).
+    ``pool`` is the idle save pool, staged into where it is big enough.
 
     All or nothing: every chunk is read into staging memory and verified, on every rank, before
     the first byte reaches the state; with ``in_place``, CPU tensors are read into as they are
     (see ``Checkpointer.restore``). When the chosen step turns out damaged (a bad checksum, a
     missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
-    step instead, with a warning; a ``requested`` step is never swapped for another."""
+    step instead, with a warning; a requested step is never swapped for another."""
+    requested = request.step
     touched: list[int] = []  # steps read into the state's own memory (in place) so far
     try:
         below: int | None = None
@@ -95,29 +109,12 @@ def restore_state(
         damaged: list[_Damaged] = []
         for n in itertools.count(1):
             try:
-                done = _restore_step(
-                    state,
-                    coord=coord,
-                    name=attempt,
-                    tier=tier,
-                    nodes=nodes,
-                    remote=remote,
-                    group=group,
-                    requested=requested,
-                    below=below,
-                    strict=strict,
-                    allow_pickle=allow_pickle,
-                    others=others,
-                    extra=extra,
-                    read_once=read_once,
-                    io_threads=io_threads,
-                    pool=pool,
-                    touched=touched if in_place else None,
-                )
+                into = touched if request.in_place else None
+                done = _restore_step(state, job, request, name=attempt, below=below, pool=pool, touched=into)
             except _Damaged as d:
                 if requested is not None:
                     raise d.error from None
-                if coord.rank == 0:
+                if job.coord.rank == 0:
                     log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
                 damaged.append(d)
                 below, attempt = d.step, f"{name}.{n}"
@@ -172,26 +169,18 @@ class _Damaged(Exception):
 
 def _restore_step(
     state: Mapping[str, Any],
+    job: Job,
+    request: RestoreRequest,
     *,
-    coord: Coordinator,
     name: str,
-    tier: Tier,
-    nodes: Nodes,
-    remote: Tier | None,
-    group: Any,
-    requested: int | None,
     below: int | None,
-    strict: bool,
-    allow_pickle: bool,
-    others: bool | Callable[[list[str]], Iterable[str]],
-    extra: bool,
-    read_once: bool,
-    io_threads: int,
     pool: HostPool | None,
     touched: list[int] | None,
 ) -> Restored | None:
     """One attempt at one step. With ``touched`` (a list), CPU tensors of the state are read into
     in place, and ``step`` is added to it before the first byte is."""
+    coord, tier, nodes, remote, group = job.coord, job.tier, job.nodes, job.remote, job.group
+    requested, others = request.step, request.others
     choice = drive(
         coord,
         agree_on_step(
@@ -229,8 +218,10 @@ def _restore_step(
                 add_entries(view, manifest, others, where=where)
                 if len(view) > len(state) and not isinstance(state, MutableMapping):
                     raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
-            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=extra)
-            items, decoded = prepare(view, manifest, tree, strict=strict, allow_pickle=allow_pickle, where=where)
+            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
+            items, decoded = prepare(
+                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where
+            )
         except TiercheckError as e:
             if coord.world_size == 1:
                 raise
@@ -241,7 +232,7 @@ def _restore_step(
         raise _Damaged(step, e) from None
     plan = drive(
         coord,
-        plan_reads(
+        plan_restore(
             coord,
             name,
             f"{name}/reads",
@@ -250,7 +241,7 @@ def _restore_step(
             remote,
             [i.need for i in items],
             manifest.arrays,
-            read_once=read_once,
+            read_once=request.read_once,
             parts=parts,
         ),
     )
@@ -274,7 +265,7 @@ def _restore_step(
                 plan.transfers,
                 rank=coord.rank,
                 group=group,
-                io_threads=io_threads,
+                io_threads=request.io_threads,
                 remote=remote if choice.from_remote else None,
                 counters=moved,
             )
@@ -324,14 +315,14 @@ def manifest_for(
     *,
     others: bool,
     parts: dict[int, RankPart] | None = None,
-) -> Protocol[Manifest]:
+) -> Exchange[Manifest]:
     """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
     the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
     records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
-    The saving ranks' parts it parses are left in ``parts`` (``plan_reads`` takes checksums there)."""
+    The saving ranks' parts it parses are left in ``parts`` (``plan_restore`` takes checksums there)."""
     parts = {} if parts is None else parts
     where = f"{tier.url}: step {st.step}"
-    if st.format_version < 3:
+    if whole_manifest(st.format_version):
         return Manifest.from_bytes(st.index, where=where)
     ix = index_of(st, where=where)
     own = coord.rank if coord.rank < ix.world_size else 0
@@ -363,14 +354,6 @@ def manifest_for(
     yield from settle(coord, f"{root}/manifest", failure, shared=DAMAGE)
     assert manifest is not None
     return manifest
-
-
-def _raise_first_error(outcomes: list[JSON], own: BaseException | None, rank: int) -> None:
-    if own is not None:
-        raise own
-    for r, o in enumerate(outcomes):
-        if "error" in o:
-            raise CoordinationError(f"rank {r} failed, so rank {rank} stops too: {o['error']}")
 
 
 # ------------------------------------------------------------------------------------ helpers

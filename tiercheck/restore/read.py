@@ -1,7 +1,7 @@
 """Moving a committed step's bytes: verified chunk reads into destination tensors, across ranks.
 
 Callers plan first (match every stored array to a destination and check shapes and dtypes, then
-the read plan, ``restoreplan.plan_reads``, says who reads and who sends each chunk) and move bytes
+the read plan, ``restore.plan.plan_restore``, says who reads and who sends each chunk) and move bytes
 second, so an incompatible state is refused before a single byte is overwritten. A destination is
 any box of a global array: a whole tensor, a tensor-parallel shard, a ZeRO partition. Each chunk
 read is copied into the part of every destination it overlaps; a chunk some rank needs but cannot
@@ -9,11 +9,12 @@ read (its file is on another node) arrives point-to-point over the process group
 """
 
 
+
+
 from __future__ import annotations
 
 import bisect
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,30 +24,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.dist.assign import Need, Read, Transfer
+from tiercheck.dist.assign import Read, Transfer
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
-from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_parts
 from tiercheck.format.layout import Chunk, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
+from tiercheck.format.verify import read_stored_chunk
+from tiercheck.restore.stage import ReadItem
 from tiercheck.state.flatten import torch_dtype
-from tiercheck.state.staging import aligned_empty, page_aligned_empty
+from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES, LocalTier
+from tiercheck.tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
-
-
-@dataclass(frozen=True, slots=True)
-class ReadItem:
-    record: ArrayRecord
-    dest: torch.Tensor  # shape and dtype already checked; any device
-    offsets: tuple[int, ...]  # where dest sits in the global array
-    fresh: bool = False  # dest is a new tensor, not (part of) the live state
-
-    @property
-    def need(self) -> Need:
-        return Need(self.record.path, self.offsets, tuple(self.dest.shape))
 
 
 def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryview | None = None) -> memoryview:
@@ -59,26 +50,18 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     if key not in rec.checksums:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
     file, offset = rec.location(key)
-    path = f"{step_dir(step)}/{file}"
-    nbytes, crc = chunk_nbytes(rec), rec.checksums[key]
-    # A chunk's own file is read one byte past its expected end, so one that is too long shows.
-    length = nbytes + CHECKSUM_BYTES + (offset is None)
     try:
-        if into is None:
-            # Sized by what is stored, not by the manifest alone, and writable: tensors are made
-            # from what this returns.
-            raw = tier.read_range(path, offset or 0, length)
-            return verify_chunk(
-                raw if isinstance(raw, bytearray) else bytearray(raw), expected_crc=crc, nbytes=nbytes, where=where
-            )
-        n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
+        data = read_stored_chunk(
+            tier, step, file, offset, nbytes=chunk_nbytes(rec), crc=rec.checksums[key], where=where, into=into
+        )
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
     except TiercheckError:
         raise
     except OSError as e:  # unreadable (EIO, a directory in its place, ...): as damaged as a bad checksum
-        raise CorruptCheckpointError(f"{where}: cannot read {path}: {e.strerror or e}") from None
-    return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
+        raise CorruptCheckpointError(f"{where}: cannot read {step_dir(step)}/{file}: {e.strerror or e}") from None
+    # Writable: tensors are made from what this returns.
+    return memoryview(bytearray(data)) if data.readonly else data
 
 
 def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
@@ -122,99 +105,6 @@ def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whol
     if not dest.is_contiguous():
         return None
     return dest.reshape(-1).view(torch.uint8)
-
-
-def staged(
-    items: Sequence[ReadItem], arena: torch.Tensor | None = None
-) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The same reads with every live destination swapped for a host tensor, and the (live,
-    staged) pairs to ``copy_in`` once every chunk is verified: a restore that fails part-way
-    leaves the live state as it was. The host tensors are carved out of ``arena`` (uint8 memory
-    the process holds resident, at least ``staging_bytes(items)``) where given, else new; new ones
-    for CUDA destinations are page-locked."""
-    out: list[ReadItem] = []
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pos = 0
-    for item in items:
-        if item.fresh:
-            out.append(item)
-            continue
-        live = item.dest
-        n = live.numel() * live.element_size()
-        if arena is not None and (not live.is_cuda or arena.is_pinned()):
-            pos = _arena_align(pos, n)
-            buf = arena[pos : pos + n].view(live.dtype).view(tuple(live.shape))
-            pos += n
-        elif not live.is_cuda:
-            buf = host_read_buffer(tuple(live.shape), live.dtype)
-        else:  # page-locked memory starts on a page as it is
-            buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=True)
-        out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
-        pairs.append((live, buf))
-    return out, pairs
-
-
-def host_read_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """New host memory for a restore to read an array into: a big one on a page, so that its
-    chunks can skip the page cache (see ``LocalTier.read_vectored``)."""
-    if math.prod(shape) * dtype.itemsize >= DIRECT_MIN_BYTES:
-        return page_aligned_empty(shape, dtype)
-    return torch.empty(shape, dtype=dtype)
-
-
-def staging_bytes(items: Sequence[ReadItem]) -> int:
-    """The arena ``staged`` needs for ``items``."""
-    pos = 0
-    for i in items:
-        if not i.fresh:
-            n = i.dest.numel() * i.dest.element_size()
-            pos = _arena_align(pos, n) + n
-    return pos
-
-
-def _arena_align(pos: int, n: int) -> int:
-    """Where ``n`` bytes go in an arena from ``pos`` on: a big array on a block (its chunks can
-    skip the page cache), the others on 64 bytes (any dtype's alignment, whole cache lines)."""
-    align = BLOCK if n >= DIRECT_MIN_BYTES else 64
-    return -(-pos // align) * align
-
-
-def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, swap: bool = True) -> None:
-    """Hand verified, staged data to the live tensors (see ``staged``): with ``swap`` (staged in
-    new memory, not an arena), a live CPU tensor that is the whole of its memory takes the staged
-    memory over (``_swappable``: every tensor that shares that memory, a module's parameter behind a
-    ``state_dict()`` alias, sees the restored values, and nothing is copied); the others are copied
-    into."""
-    with torch.no_grad():
-        for live, buf in pairs:
-            if swap and _swappable(live, buf):
-                live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
-                torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
-            else:
-                live.copy_(buf, non_blocking=live.is_cuda)
-    if any(live.is_cuda for live, _ in pairs):
-        torch.cuda.synchronize()
-
-
-def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether ``live``'s memory can take ``buf``'s over instead of a copy: on the CPU, ordinary
-    memory (not page-locked, not shared with other processes), and holding ``live`` alone, laid
-    out as ``buf`` is (contiguous from its start). A tensor that is part of a larger buffer (a
-    flat parameter, a view) is copied into. Skipped where torch lacks the swap."""
-    if live.device.type != "cpu" or type(live) not in (torch.Tensor, torch.nn.Parameter):
-        return False
-    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-        return False
-    storage = live.untyped_storage()
-    nbytes = live.numel() * live.element_size()
-    return (
-        nbytes > 0
-        and live.storage_offset() == 0
-        and live.is_contiguous()
-        and storage.nbytes() == nbytes == buf.untyped_storage().nbytes()
-        and not storage.is_shared()
-        and not live.is_pinned()  # the storage's own is_pinned() builds a tensor to ask: 3x as long
-    )
 
 
 def _stops(item: ReadItem) -> tuple[int, ...]:
@@ -299,7 +189,6 @@ def move_chunks(
         path falls back to the remote tier or reports the chunk."""
         if len(run) == 1:
             return [read_and_fill(run[0])], 0
-        assert isinstance(tier, LocalTier)
         slots = []
         for job in run:
             rec = records[job.path]
@@ -474,7 +363,7 @@ def read_runs(tier: Tier, records: dict[str, ArrayRecord], reads: Sequence[Read]
     """``reads`` in runs to read at once: chunks of one pack on the local tier, in file order, each
     starting where the one before ends (or after its alignment gap). Everything else (remote
     reads, a chunk's own file, overlapping offsets a damaged manifest names) is read alone."""
-    if not isinstance(tier, LocalTier):
+    if not tier.vectored_reads:
         return [[r] for r in reads]
     alone: list[list[Read]] = []
     placed: list[tuple[str, int, int, Read]] = []

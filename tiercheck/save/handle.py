@@ -1,5 +1,5 @@
-"""TODO docstring: tiercheck.save.handle."""
-
+"""What a save hands back and carries through the pipeline: ``SaveHandle`` (the caller's view:
+staged, committed, drained, timings) and ``SaveJob`` (one step on its way through the threads)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from tiercheck.format.codec import seal
 from tiercheck.format.manifest import JSON, RankPart, owners_bytes, shard_bytes
-from tiercheck.save.plan import Plan, Run
+from tiercheck.save.plan import PackPlan, Run
 from tiercheck.state.flatten import Leaf
 from tiercheck.state.staging import Region
 from tiercheck.tiers.local import PackWriter
@@ -70,7 +70,7 @@ class SaveHandle:
 @dataclass(eq=False)
 class SaveJob:
     step: int
-    plan: Plan
+    plan: PackPlan
     leaves: list[Leaf]
     tree: JSON
     metadata: JSON
@@ -101,3 +101,17 @@ class SaveJob:
         if not self.plan.shard:
             return part, None, None
         return part, seal(shard_bytes(self.plan.shard)), seal(owners_bytes(self.plan.shard))
+
+
+def record_ready(leaves: list[Leaf]) -> torch.cuda.Event | None:
+    """An event on the training stream after the work that produced the state: staging on a side
+    stream waits for it, never for the whole device."""
+    if not any(leaf.tensor.is_cuda for leaf in leaves):
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream())
+    return ev
+
+
+def wait_staged(handle: SaveHandle) -> None:
+    handle.staged.exception()  # waits; a failed copy surfaces through handle.wait()/committed

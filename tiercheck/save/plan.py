@@ -11,7 +11,7 @@ name modulo the world size), and the plan is made in four rounds, each closed by
    disagreement or a hole) and writes one offer per digest: the chunks those pieces hold, each
    with the full group of ranks holding that chunk;
 3. each rank reads its offers and splits the offers of every group of holders as every other
-   member does (largest first, least loaded; ``planner.assign_owners``): the members see the same
+   member does (largest first, least loaded; ``dist.assign.assign_owners``): the members see the same
    offers, so they agree without another exchange. It tells each coordinator which of its chunks
    it took (only the ranks that took some do);
 4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,
@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from tiercheck.dist.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
-from tiercheck.dist.coordination import Coordinator, Protocol, dumps, shard_of
+from tiercheck.dist.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import pack_file
-from tiercheck.state.flatten import Leaf
+from tiercheck.state.flatten import Leaf, dtype_name
 from tiercheck.state.staging import ALIGN, align_up
 from tiercheck.tiers.local import DIRECT_MIN_BYTES
 
@@ -63,7 +63,7 @@ class SavePlan:
 
 def plan_save(
     coord: Coordinator, generation: int, descs: Sequence[LeafDesc], *, target_chunk_bytes: int
-) -> Protocol[SavePlan]:
+) -> Exchange[SavePlan]:
     """This rank's side of making a save plan (see the module docstring). Every rank runs it
     with the same ``generation``; it yields at each barrier."""
     name = f"plan{generation}"
@@ -272,8 +272,9 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """What this rank writes, computed once and reused while the layout of every rank is unchanged."""
+class PackPlan:
+    """What this rank writes into its pack and how it stages it (chunks, runs, pool bytes): computed
+    once and reused while the layout of every rank is unchanged."""
 
     signature: tuple[Any, ...]
     shard: dict[str, ArrayRecord]  # the arrays this rank coordinates, with their chunk owners
@@ -286,14 +287,14 @@ class Plan:
     pool_bytes: int  # host memory this rank's whole snapshot needs
 
 
-def rank_plan(
+def pack_plan(
     leaves: list[Leaf],
     save_plan: SavePlan,
     *,
     signature: tuple[Any, ...],
     rank: int,
     root_doc: bool,
-) -> Plan:
+) -> PackPlan:
     """This rank's part of the save plan: its chunks in copy order, eager leaves first, each at
     its place in the rank's pack (in that order; big chunks block-aligned, for direct I/O), and
     its reference map (its chunks, and the zarr documents of the arrays it coordinates; the
@@ -312,7 +313,7 @@ def rank_plan(
         tasks.append(replace(task, offset=end))
         end += task.nbytes + CHECKSUM_BYTES
     runs = plan_runs(leaves, tasks[: len(eager)], tasks[len(eager) :], RUN_BYTES)
-    return Plan(
+    return PackPlan(
         signature=signature,
         shard=save_plan.shard,
         tasks=tasks,
@@ -386,3 +387,19 @@ def as_bytes(src: torch.Tensor, t: ChunkTask) -> torch.Tensor | None:
     if not piece.is_contiguous():
         return None
     return piece.reshape(-1).view(torch.uint8)
+
+
+def leaf_descs(leaves: list[Leaf]) -> tuple[LeafDesc, ...]:
+    """What planning needs of each leaf (and what tells a changed layout from an unchanged one)."""
+    return tuple(
+        LeafDesc(
+            leaf.path,
+            dtype_name(leaf.tensor.dtype),
+            leaf.kind,
+            leaf.global_shape,
+            leaf.offsets,
+            tuple(leaf.tensor.shape),
+            leaf.lazy,
+        )
+        for leaf in leaves
+    )

@@ -46,7 +46,7 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor that is the whole of its memory, and that memory starts on a page. A
     restore stages big arrays here so their chunks can be read with O_DIRECT, and hands the memory
-    over to the live tensor (``scatter.copy_in``), which needs a storage of exactly the tensor's
+    over to the live tensor (``restore.stage.copy_in``), which needs a storage of exactly the tensor's
     size. The memory comes from the C library's ``posix_memalign`` (memory the process freed is
     reused, resident, as torch's allocator would) and goes back with the last reference to it;
     torch does not resize such a storage in place (``resizable()`` is False). Where the C library

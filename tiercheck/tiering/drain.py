@@ -13,6 +13,7 @@ never the local checkpoint, and local retention keeps any step still waiting to 
 """
 
 
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ from typing import Any
 from tiercheck.dist.coordination import Coordinator
 from tiercheck.errors import CoordinationError
 from tiercheck.fmt import fmt_steps
-from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE, pack_owner, step_dir
-from tiercheck.format.replicas import file_rank, is_replica_marker
+from tiercheck.format.paths import (
+    COMMIT_FILE,
+    DRAINED_PREFIX,
+    MANIFEST_FILE,
+    file_rank,
+    is_replica_marker,
+    pack_owner,
+    step_dir,
+)
 from tiercheck.format.steps import commit_step, list_steps, read_marker, withdraw_step
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
@@ -37,8 +45,6 @@ from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
-
-DRAINED_PREFIX = "__drained."
 
 
 class Drainer:
@@ -329,7 +335,7 @@ class UploadResult:
 
 
 def upload_step(
-    local: LocalTier,
+    local: Tier,
     remote: Tier,
     step: int,
     *,

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.dist.coordination import Coordinator, Nodes, Protocol, _own_client, drive
+from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, _own_client, drive
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
-from tiercheck.format.paths import COMMIT_FILE, step_dir
-from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement, rank_files, replica_marker
+from tiercheck.format.paths import COMMIT_FILE, rank_files, replica_marker, step_dir
+from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement
 from tiercheck.format.steps import read_marker
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiers.local import LocalTier
@@ -49,7 +49,7 @@ from tiercheck.tiers.local import LocalTier
 log = logging.getLogger("tiercheck")
 
 
-def number_nodes(coord: Coordinator, nodes: Nodes) -> Protocol[int | None]:
+def number_nodes(coord: Coordinator, nodes: Nodes) -> Exchange[int | None]:
     """Each node's number, 0 to nodes - 1 in the order of their first ranks (None on other ranks)."""
     leader = coord.rank == nodes.leader
     if leader:

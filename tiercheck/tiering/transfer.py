@@ -7,10 +7,10 @@ wrong one.
 """
 
 
+
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
-from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE, PARTS_DIR, pack_file, pack_owner, step_dir
+from tiercheck.format.legacy import chunk_files_with_parts
+from tiercheck.format.paths import CHUNK_FILE, COMMIT_FILE, MANIFEST_FILE, PARTS_DIR, pack_file, pack_owner, step_dir
 from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
-
-_CHUNK_FILE = re.compile(r"(^|/)c([./]\d+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes to do)
 
@@ -73,7 +72,7 @@ def copy_step(
         if f not in (COMMIT_FILE, MANIFEST_FILE)
         and not f.startswith("__")
         and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
-        and (f in chunk_records or not _CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
+        and (f in chunk_records or not CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
     }
     files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
     absent = sorted(
@@ -165,7 +164,7 @@ def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | 
     """The checksum of each chunk file (format 3: each chunk its own file) that ``ranks`` wrote
     in ``step``, by its path inside the step; None for a format that keeps no such files to check
     this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
-    if read_index(src, step)[1]["format_version"] != 3:
+    if not chunk_files_with_parts(read_index(src, step)[1]["format_version"]):
         return None
     parts = rank_parts(src, step, ranks)
     return {
@@ -187,7 +186,7 @@ def copy_chunk_file(src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int
         unseal(data, where=f"{src.url}: {d}/{f}")
         dst.write(f"{d}/{f}", [data])
         return len(data)
-    if not _CHUNK_FILE.search(f):  # refs/ (plain JSON for outside zarr readers), zarr.json: small, never unbounded
+    if not CHUNK_FILE.search(f):  # refs/ (plain JSON for outside zarr readers), zarr.json: small, never unbounded
         data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
         dst.write(f"{d}/{f}", [data])
         return len(data)

@@ -3,28 +3,58 @@
 Paths are "/"-separated and relative to the tier's root. Call order for one step, all from
 tiercheck's background threads of the rank that owns the data (never the training thread):
 
-    write(...)             once per file: zarr metadata, chunks, the manifest (any order, concurrently)
+    open_pack(pack)        a save: the rank's pack, filled at known offsets by the I/O threads
+    write(...)             once per file: zarr metadata, the manifest parts (any order, concurrently)
     sync_dirs(step_dir)    make every directory entry under the step (and the step's own) durable
     publish(marker, ...)   atomically and durably create the commit marker: the step is visible
 
-Readers call ``list_dir``, ``exists`` and ``read``; retention calls ``delete_tree`` after it
-has withdrawn a step's commit marker with ``delete``.
+Copies between tiers (drain, ``tiercheck restore``) use ``write_stream`` instead of ``open_pack``.
+Readers call ``list_dir``, ``exists``, ``read``, ``read_range`` and ``read_into``; a restore reads
+chunks that lie together in a pack with one ``read_vectored`` where the tier says it can
+(``vectored_reads``). Retention calls ``delete_tree`` after it has withdrawn a step's commit marker
+with ``delete``.
+
+What a tier can do is said by its capability attributes (``local_path``, ``direct_io``,
+``vectored_reads``), never by asking which class it is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
 
 Buffer = bytes | bytearray | memoryview
 
 
+class PackWriter(Protocol):
+    """One file that several threads fill at known offsets (a rank's pack), durable on ``close``."""
+
+    def write_at(self, offset: int, parts: Sequence[Buffer]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Tier(ABC):
-    """A place checkpoints live: a node-local directory, or (later) an fsspec URL."""
+    """A place checkpoints live: a node-local directory, or an fsspec URL (``tiers.remote``)."""
 
     url: str
     #: Whether a completed ``write`` survives a machine crash (fsync or equivalent).
     durable: bool = True
+    #: Whether ``read_vectored`` fills many buffers with one request (a local file's ``preadv``);
+    #: where it does not, a restore reads chunk by chunk.
+    vectored_reads: bool = False
+
+    @property
+    def local_path(self) -> Path | None:
+        """The tier's root on this machine's filesystem; None for object stores."""
+        return None
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether reads and writes may bypass the page cache (O_DIRECT)."""
+        return False
 
     @abstractmethod
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
@@ -56,6 +86,25 @@ class Tier(ABC):
         n = min(len(raw), len(out))
         out[:n] = raw[:n]
         return n, bytes(raw[n:])
+
+    def read_vectored(
+        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+    ) -> tuple[int, bool]:
+        """Fill ``views`` (writable) from ``path`` at ``offset`` on, in order; returns the bytes read
+        (fewer where the file ends first) and whether they bypassed the page cache. The default
+        reads the range, then copies; tiers with ``vectored_reads`` do better."""
+        raw = memoryview(self.read_range(path, offset, sum(len(v) for v in views)))
+        pos = 0
+        for v in views:
+            n = min(len(v), len(raw) - pos)
+            v[:n] = raw[pos : pos + n]
+            pos += n
+        return pos, False
+
+    def open_pack(self, path: str) -> PackWriter:
+        """A file the I/O threads fill at given offsets, concurrently: a save's pack. Only tiers a
+        save writes to (the local tier) have one."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.url}) does not take writes at offsets")
 
     def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
         """Create or replace ``path`` with the buffers ``pieces()`` yields, in order; durable on

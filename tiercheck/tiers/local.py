@@ -25,6 +25,12 @@ DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct
 
 
 class LocalTier(Tier):
+    """A directory on this machine's filesystem: the node-local tier (NVMe), or a parallel
+    filesystem's path. Files are written with fsync (``fsync=False`` for tests and benchmarks),
+    big ones around the page cache with ``direct_io``."""
+
+    vectored_reads = True
+
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, direct_io: bool = False) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
@@ -36,6 +42,10 @@ class LocalTier(Tier):
     def direct_io(self) -> bool:
         """Whether big chunks go around the page cache (asked for, and not refused so far)."""
         return self._direct
+
+    @property
+    def local_path(self) -> Path:
+        return self.root
 
     def create(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,159 @@
+"""Whether a stored step is intact: every chunk its saving ranks wrote is where the manifest says,
+of the right size and CRC32C, and every replica file matches its marker.
+
+``read_stored_chunk`` is the one read-and-check of a chunk: a restore reads its chunks through it
+(``restore.read.read_chunk``) and ``verify_step`` re-reads a whole step with it. Both find the
+chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
+``codec.verify_chunk``/``verify_parts``. Nothing here sees a tensor.
+"""
+
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+
+from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.format.codec import CHECKSUM_BYTES, checksum, chunk_nbytes, verify_chunk, verify_parts
+from tiercheck.format.layout import grid_size
+from tiercheck.format.paths import chunk_location, step_dir
+from tiercheck.format.replicas import read_replicas
+from tiercheck.format.steps import rank_parts, read_manifest, read_marker
+from tiercheck.tiers.base import Tier
+
+#: Given the bytes a check will read, a context (a progress bar) whose value is called with
+#: (bytes done, total) after each chunk.
+Progress = Callable[[int], AbstractContextManager[Callable[[int, int], None]]]
+
+# A chunk to check: array path, chunk key, CRC32C, data bytes (None: unknown, all of its file),
+# and where it is (chunk_location's file and offset).
+_Job = tuple[str, str, int, int | None, str, int | None]
+
+
+def read_stored_chunk(
+    tier: Tier,
+    step: int,
+    file: str,
+    offset: int | None,
+    *,
+    nbytes: int | None,
+    crc: int,
+    where: str,
+    into: memoryview | None = None,
+) -> memoryview:
+    """A stored chunk's data, its size and CRC32C checked (``CorruptCheckpointError`` when not).
+
+    ``file`` and ``offset`` say where it is (``paths.chunk_location``): at ``offset`` in a pack,
+    or with no offset its own file, which is read one byte past its expected end so that one too
+    long shows. ``nbytes`` None: the size is not known here (a format-3 chunk file of an array
+    recorded in another directory), so all of the file is the chunk. With ``into``, the chunk's
+    first ``len(into)`` bytes are read there (see ``Tier.read_into``) and a view of them is
+    returned. A missing file raises ``FileNotFoundError`` and an unreadable one ``OSError``: each
+    caller words those its own way."""
+    path = f"{step_dir(step)}/{file}"
+    if nbytes is None:
+        assert offset is None and into is None
+        raw = tier.read(path)
+        return verify_chunk(raw, expected_crc=crc, nbytes=len(raw) - CHECKSUM_BYTES, where=where)
+    length = nbytes + CHECKSUM_BYTES + (offset is None)
+    if into is None:
+        return verify_chunk(tier.read_range(path, offset or 0, length), expected_crc=crc, nbytes=nbytes, where=where)
+    n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
+    return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
+
+
+def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress | None = None) -> list[str]:
+    """Re-read every chunk of ``step`` that this tier's saving ranks wrote, and the replica files it
+    keeps; returns the problems found, one line each (``"step N: ..."``), none when it is intact.
+
+    A node's local directory holds only its ranks' chunks and its peers' replicas: those are the
+    ones checked there. Every chunk's checksum is checked, its size where known (in the writer's
+    part, format 4, or where this directory holds the array's record), and that it is where it
+    should be (its own file, or an offset in its writer's pack)."""
+    bad: list[str] = []
+    try:
+        manifest = read_manifest(tier, step)
+        marker = read_marker(tier, step)
+        replicas = read_replicas(tier, step)
+        held = sorted(set(marker.ranks) | {r for c in replicas for r in c.ranks})
+        for c in replicas:
+            bad.extend(verify_replica_files(tier, step, c.files))
+        jobs: list[_Job] = []
+        whole = set(marker.ranks) == set(range(marker.world_size))
+        if not marker.ranks:  # load refuses it: nothing here is anyone's
+            bad.append(f"step {step}: the commit marker names no saving rank")
+        if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
+            for rank, part in sorted(rank_parts(tier, step, held).items()):
+                for path, crcs in sorted(part.checksums.items()):
+                    rec = manifest.arrays.get(path)
+                    if rec is None and whole:  # every shard is here: some record of the array must be
+                        bad.append(
+                            f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
+                        )
+                    size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
+                    for key, crc in sorted(crcs.items()):
+                        file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
+                        jobs.append((path, key, crc, size, file, offset))
+        else:
+            ranks = set(marker.ranks)
+            for rec in manifest.arrays.values():
+                for key, crc in sorted(rec.checksums.items()):
+                    if rec.owner(key) in ranks:
+                        jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
+    except TiercheckError as e:
+        return [*bad, f"step {step}: {e}"]
+    if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
+        for rec in manifest.arrays.values():
+            if len(rec.checksums) != grid_size(rec.shape, rec.chunks):
+                bad.append(
+                    f"step {step}: array {rec.path!r}: the manifest names {len(rec.checksums):,} chunks "
+                    f"of its {grid_size(rec.shape, rec.chunks):,}"
+                )
+    total = sum(job[3] or 0 for job in jobs)
+
+    def check(job: _Job) -> int:
+        path, key, crc, nbytes, file, offset = job
+        where = f"{tier.url}: step {step}: array {path!r} chunk {key}"
+        try:
+            try:
+                read_stored_chunk(tier, step, file, offset, nbytes=nbytes, crc=crc, where=where)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: {file} is missing") from None
+        except TiercheckError as e:
+            bad.append(f"step {step}: array {path!r} chunk {key}: {str(e).rsplit(': ', 1)[-1]}")
+        except OSError as e:  # no permission, EIO, a directory in its place
+            bad.append(f"step {step}: array {path!r} chunk {key}: cannot read {file}: {e.strerror or e}")
+        return nbytes or 0
+
+    done = 0
+    bar = progress(total) if progress is not None else nullcontext(_no_progress)
+    with bar as report, ThreadPoolExecutor(max(1, threads)) as pool:
+        for nbytes in pool.map(check, jobs):
+            done += nbytes
+            report(done, total)
+    return sorted(bad)
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+def verify_replica_files(tier: Tier, step: int, files: dict[str, tuple[int, int]]) -> list[str]:
+    """A replica's files other than packs (whose chunks are checked one by one) against their
+    marker's (size, CRC32C); returns the problems found."""
+    bad = []
+    for name, (size, crc) in sorted(files.items()):
+        if name.endswith(".bin"):
+            continue
+        try:
+            data = tier.read_range(f"{step_dir(step)}/{name}", 0, size + 1)
+        except FileNotFoundError:
+            bad.append(f"step {step}: replica file {name} is missing")
+            continue
+        except OSError as e:
+            bad.append(f"step {step}: replica file {name}: cannot read it: {e.strerror or e}")
+            continue
+        if len(data) != size or checksum(data) != crc:
+            bad.append(f"step {step}: replica file {name}: size or CRC32C differs from its replica marker")
+    return bad
