@@ -1,5 +1,7 @@
-"""The ``tiercheck`` command: ``main`` is the click group (``commands``), ``common`` its shared
-options, output and errors, ``sizing`` the arithmetic behind ``tiercheck plan``."""
+"""The ``tiercheck`` command: ``main`` is the click group (``commands``); its subcommands are in
+``steps`` (ls, inspect, verify), ``copy`` (restore, drain, export-deepspeed, gc) and ``plan``;
+``common`` holds their shared options, output and errors, ``sizing`` the arithmetic behind
+``tiercheck plan``."""
 
 from tiercheck.cli.commands import main
 

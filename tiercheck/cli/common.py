@@ -1,5 +1,6 @@
 """What every ``tiercheck`` subcommand shares: the consoles, the context holding fsspec options and
-retry limits, one-line errors, option validation, progress bars and human-readable numbers.
+retry limits, one-line errors, option validation, choosing a step, progress bars and human-readable
+numbers.
 
 No torch and no zarr here: ``tiercheck --help``, ``ls``, ``inspect`` and ``plan`` answer without them.
 """
@@ -7,14 +8,14 @@ No torch and no zarr here: ``tiercheck --help``, ``ls``, ``inspect`` and ``plan`
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import IO, Any, NoReturn
 
 import click
@@ -22,16 +23,18 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.fmt import fmt_steps
+from tiercheck.format.codec import chunk_nbytes
+from tiercheck.format.manifest import Manifest
+from tiercheck.format.paths import STEP_DIR
+from tiercheck.format.steps import list_steps
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
 
 # Piped output (scripts, logs, tests) gets wide lines rather than tables wrapped at 80 columns.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
-
-_STEP_DIR = re.compile(r"^step-\d{8,}$")
 
 
 class Context:
@@ -41,21 +44,22 @@ class Context:
         self.quiet = quiet
 
     def tier(self, url: str, *, must_exist: bool = True) -> Tier:
-        tier = open_tier(url, storage_options=_typed(self.options) or None, retry=self.retry)
-        if isinstance(tier, LocalTier):
-            root = tier.root
-            if root.exists() and not root.is_dir():
-                raise NotADirectoryError(f"not a directory: {root} is a file; give a checkpoint directory")
-            if must_exist and not root.is_dir():
-                raise CheckpointNotFoundError(f"no such directory: {root}")
-            if _STEP_DIR.match(root.name) and root.is_dir():
-                raise CheckpointNotFoundError(
-                    f"{root} is the directory of one step; give the checkpoint directory that holds it: {root.parent}"
-                )
+        tier = open_tier(url, storage_options=typed_options(self.options) or None, retry=self.retry)
+        root = tier.local_path
+        if root is None:  # an object store: nothing to check before the first request
+            return tier
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(f"not a directory: {root} is a file; give a checkpoint directory")
+        if must_exist and not root.is_dir():
+            raise CheckpointNotFoundError(f"no such directory: {root}")
+        if STEP_DIR.match(root.name) and root.is_dir():
+            raise CheckpointNotFoundError(
+                f"{root} is the directory of one step; give the checkpoint directory that holds it: {root.parent}"
+            )
         return tier
 
 
-def _typed(options: dict[str, str]) -> dict[str, Any]:
+def typed_options(options: dict[str, str]) -> dict[str, Any]:
     """``-o key=value`` strings as JSON where they parse (numbers, booleans), else strings."""
     typed: dict[str, Any] = {}
     for k, v in options.items():
@@ -64,6 +68,30 @@ def _typed(options: dict[str, str]) -> dict[str, Any]:
         except ValueError:
             typed[k] = v
     return typed
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+def pick_step(tier: Tier, step: str) -> int:
+    """The committed step ``--step`` names: a number, or ``latest``."""
+    committed = list_steps(tier).committed
+    if not committed:
+        raise CheckpointNotFoundError(f"{tier.url} holds no committed step")
+    if step == "latest":
+        return committed[-1]
+    try:
+        n = int(step)
+    except ValueError:
+        raise click.BadParameter(f"expected a step number or 'latest', got {step!r}", param_hint="--step") from None
+    if n not in committed:
+        raise CheckpointNotFoundError(f"step {n} is not committed in {tier.url} (committed: {fmt_steps(committed)})")
+    return n
+
+
+def step_bytes(manifest: Manifest) -> int:
+    """The bytes of a step's chunks, every rank's."""
+    return sum(len(rec.checksums) * chunk_nbytes(rec) for rec in manifest.arrays.values())
 
 
 def fail(message: str) -> NoReturn:
@@ -234,3 +262,8 @@ def progress(ctx: Context, what: str, total: int) -> Iterator[Callable[[int, int
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task(what, total=total)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def step_progress(ctx: Context, step: int) -> Callable[[int], AbstractContextManager[Callable[[int, int], None]]]:
+    """A progress bar for checking a step, opened once the bytes to read are known (``verify_step``)."""
+    return functools.partial(progress, ctx, f"step {step}")

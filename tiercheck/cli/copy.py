@@ -1,0 +1,264 @@
+"""``tiercheck restore``, ``drain``, ``export-deepspeed`` and ``gc``: the commands that copy steps
+between tiers, or out of tiercheck's format, and the one that deletes them.
+
+Nothing committed is ever deleted or overwritten except by ``gc`` without ``--dry-run``, which
+never deletes the newest committed step.
+"""
+
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import click
+
+from tiercheck.cli.common import (
+    Context,
+    err,
+    errors_as_one_line,
+    fail,
+    human,
+    out,
+    pass_context,
+    pick_step,
+    progress,
+    remote_options,
+    step_bytes,
+    step_progress,
+    step_value,
+    typed_options,
+)
+from tiercheck.fmt import fmt_steps
+from tiercheck.format.paths import step_dir
+from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
+from tiercheck.format.verify import verify_step
+from tiercheck.options import RetentionOptions
+from tiercheck.tiering.drain import upload_step
+from tiercheck.tiering.retention import steps_to_delete
+from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiers.base import Tier
+
+# ------------------------------------------------------------------------------------ restore
+
+
+@click.command("restore")
+@click.argument("source", metavar="SRC")
+@click.option("--to", "target", required=True, metavar="DIR", help="The node's local checkpoint directory.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
+@click.option(
+    "--ranks",
+    default=None,
+    metavar="A-B[,C]",
+    help="Only the chunk files these saving ranks wrote (this node's share, e.g. 0-7).",
+)
+@click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
+@click.option("--threads", default=8, show_default=True, help="Files copied at once.")
+@remote_options
+@pass_context
+def restore_command(
+    ctx: Context, source: str, target: str, step: str, ranks: str | None, verify_after: bool, threads: int
+) -> None:
+    """Pre-stage a committed step from SRC onto a node's local tier before a job restarts.
+
+    Copies in parallel, verifies every chunk's checksum on the way, and commits the step in DIR
+    only when every file is there, so the job's restore() then reads locally. Interrupted, it
+    resumes: files already in DIR with the right size are not copied again.
+    """  # fmt: skip
+    with errors_as_one_line():
+        src = ctx.tier(source)
+        dst = ctx.tier(target, must_exist=False)
+        n = pick_step(src, step)
+        spans = _parse_ranks(ranks) if ranks else None
+        world = read_marker(src, n).world_size
+        wanted = None
+        if spans is not None:
+            if any(b >= world for _, b in spans):  # checked before a set is built: 0-999999999 is one line
+                asked = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+                raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {asked}")
+            wanted = {r for a, b in spans for r in range(a, b + 1)}
+        if n in list_steps(dst).committed:
+            out.print(f"step {n} is already committed in {dst.url}; nothing to do")
+            return
+        total_hint = step_bytes(read_manifest(src, n))
+        if dst.local_path is not None:  # only now: a refused restore leaves no new directory behind
+            dst.local_path.mkdir(parents=True, exist_ok=True)
+        with progress(ctx, f"step {n}", total_hint) as report:
+            result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+        out.print(
+            f"restored step {n} to {dst.url}: {result.files_copied} files copied "
+            f"({human(result.bytes_copied)}), {result.files_already_there} already there, {result.seconds:.1f} s"
+        )
+        if verify_after:
+            bad = verify_step(dst, n, threads=threads, progress=step_progress(ctx, n))
+            if bad:
+                for line in bad:
+                    err.print(f"damaged: {line}", markup=False)
+                fail(f"{len(bad)} damaged chunk(s) in {dst.url} after the copy")
+            out.print(f"ok: step {n} intact in {dst.url}")
+
+
+def _parse_ranks(text: str) -> list[tuple[int, int]]:
+    """``--ranks`` as inclusive ``(first, last)`` spans; an empty or inverted span is an error."""
+    spans: list[tuple[int, int]] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.strip().partition("-")
+            spans.append((int(a), int(b or a)))
+    except ValueError:
+        raise click.BadParameter(f"expected ranks like 0-7 or 0,2,4-5, got {text!r}", param_hint="--ranks") from None
+    for first, last in spans:
+        if first < 0 or last < first:
+            raise click.BadParameter(
+                f"{first}-{last} is an empty range of ranks (write it low-high)", param_hint="--ranks"
+            )
+    return spans
+
+
+# -------------------------------------------------------------------------------------- drain
+
+
+@click.command("drain")
+@click.argument("local", metavar="DIR")
+@click.option("--to", "remote", required=True, metavar="URL", help="The remote tier.")
+@click.option(
+    "--step",
+    default=None,
+    callback=step_value,
+    help="Drain this step (default: every committed step newer than the remote's).",
+)
+@click.option("--threads", default=8, show_default=True, help="Files uploaded at once.")
+@remote_options
+@pass_context
+def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:
+    """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
+
+    Uploads what is missing (files already there with the right size are skipped) and commits
+    the step on the remote once every saving rank's files are there; with several nodes, run it
+    on each.
+    """
+    with errors_as_one_line():
+        src = ctx.tier(local)
+        assert src.local_path is not None
+        dst = ctx.tier(remote, must_exist=False)
+        if step is not None:
+            steps = [pick_step(src, step)]
+        else:
+            remote_steps = list_steps(dst).committed
+            newest = remote_steps[-1] if remote_steps else -1
+            steps = [s for s in list_steps(src).committed if s > newest]
+        if not steps:
+            out.print(f"nothing to drain: {dst.url} has every step of {src.url}")
+            return
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for n in steps:
+                total = step_bytes(read_manifest(src, n))
+                done = 0
+                with progress(ctx, f"step {n}", total) as report:
+
+                    def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
+                        nonlocal done
+                        done += nbytes
+                        report(done, total)
+
+                    # A local directory (asserted above); upload_step's annotation asks for the class,
+                    # though it uses nothing beyond Tier.
+                    result = upload_step(src, dst, n, pool=pool, on_file=on_file)
+                state = (
+                    "already committed there" if result.was_committed
+                    else "committed" if result.committed
+                    else "uploaded; waiting for the other nodes' files before it can commit"
+                )  # fmt: skip
+                out.print(
+                    f"step {n} -> {dst.url}: {result.files_uploaded} files ({human(result.bytes_uploaded)}), "
+                    f"{result.files_already_there} already there; {state}"
+                )
+
+
+# ---------------------------------------------------------------------------- export, gc
+
+
+@click.command("export-deepspeed")
+@click.argument("source", metavar="SRC")
+@click.argument("save_dir", metavar="SAVE_DIR")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Unpickle objects outside the allow-list (only for checkpoints you trust)."
+)
+@remote_options
+@pass_context
+def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str, allow_pickle: bool) -> None:
+    """Write a step saved through the DeepSpeed plugin as DeepSpeed's own files.
+
+    SRC must hold every rank's chunks: a remote URL, a single node's directory, or one filled by
+    `tiercheck restore`. Writes SAVE_DIR/<tag>/*.pt with torch.save and SAVE_DIR/latest, which
+    DeepSpeed's load_checkpoint and zero_to_fp32.py read without tiercheck. Needs DeepSpeed.
+    """  # fmt: skip
+    with errors_as_one_line():
+        n = pick_step(ctx.tier(source), step)
+        try:
+            from tiercheck.integrations import deepspeed as tiercheck_ds
+        except ImportError as e:
+            fail(str(e))
+        tag = tiercheck_ds.export(
+            source, save_dir, step=n, allow_pickle=allow_pickle, storage_options=typed_options(ctx.options) or None
+        )
+        out.print(f"exported step {n} as DeepSpeed checkpoint {tag!r}: {os.path.join(save_dir, tag)} and its latest")
+
+
+@click.command("gc")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--keep-last", type=int, default=None, help="Keep this many newest committed steps.")
+@click.option("--keep-every", type=int, default=None, help="Also keep every step divisible by this.")
+@click.option(
+    "--grace-hours",
+    type=float,
+    default=24.0,
+    show_default=True,
+    help="Remove partial steps only when older than the newest committed step and this old.",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@remote_options
+@pass_context
+def gc_command(
+    ctx: Context, location: str, keep_last: int | None, keep_every: int | None, grace_hours: float, dry_run: bool
+) -> None:
+    """Apply retention: delete committed steps the policy lets go, and abandoned partial steps.
+
+    Never removes the newest committed step. A partial step counts as abandoned when it is older
+    than the newest committed step and older than the grace period (a drain may still be writing it).
+    """
+    with errors_as_one_line():
+        if keep_last is None and keep_every is None:
+            raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
+        tier = ctx.tier(location)
+        listing = list_steps(tier)
+        policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+        doomed = steps_to_delete(listing.committed, policy)
+        newest = listing.committed[-1] if listing.committed else None
+        abandoned = [
+            s for s in listing.partial
+            if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600)
+        ]  # fmt: skip
+        verb = "would remove" if dry_run else "removed"
+        for s in doomed:
+            if not dry_run:
+                withdraw_step(tier, s)
+            out.print(f"{verb} committed step {s}")
+        for s in abandoned:
+            if not dry_run:
+                tier.delete_tree(step_dir(s))
+            out.print(f"{verb} partial step {s}")
+        kept = [s for s in listing.committed if s not in doomed]
+        out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
+
+
+def _older_than(tier: Tier, step: int, seconds: float) -> bool:
+    """Whether every file of a partial step is older than ``seconds`` (local: by mtime)."""
+    if tier.local_path is None:
+        return True  # object stores: age is judged by being older than the newest committed step
+    root = tier.local_path / step_dir(step)
+    newest = max((p.stat().st_mtime for p in root.rglob("*")), default=root.stat().st_mtime)
+    return time.time() - newest > seconds

@@ -1,0 +1,206 @@
+"""``tiercheck ls``, ``inspect`` and ``verify``: what a tier holds, and whether it is intact.
+
+They only read, and they answer without torch or zarr (the checks themselves are the library's,
+``tiercheck.format.verify``).
+"""
+
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+from rich.table import Table
+
+from tiercheck.cli.common import (
+    Context,
+    age,
+    err,
+    errors_as_one_line,
+    fail,
+    human,
+    out,
+    pass_context,
+    pick_step,
+    remote_options,
+    step_bytes,
+    step_progress,
+    step_value,
+)
+from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.fmt import plural, ranges
+from tiercheck.format.codec import chunk_nbytes
+from tiercheck.format.paths import step_dir
+from tiercheck.format.replicas import read_replicas
+from tiercheck.format.steps import list_steps, read_manifest, read_marker
+from tiercheck.format.verify import verify_step
+from tiercheck.tiers.remote import redact
+
+# ----------------------------------------------------------------------------------------- ls
+
+
+@click.command("ls")
+@click.argument("locations", nargs=-1, required=True, metavar="URL_OR_DIR...")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@remote_options
+@pass_context
+def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
+    """Steps in one or more tiers: committed, partial or draining, size, age, which tier holds them.
+
+    Give a node's local directory and the remote URL together to see both tiers side by side: a
+    step committed locally and partial on the remote is "draining".
+    """
+    with errors_as_one_line():
+        rows: dict[int, dict[str, Any]] = {}
+        names = [redact(loc) for loc in locations]
+        for loc, name in zip(locations, names, strict=True):
+            tier = ctx.tier(loc)
+            listing = list_steps(tier)
+            for s in listing.committed:
+                row = rows.setdefault(s, {"step": s, "tiers": {}})
+                try:
+                    manifest = read_manifest(tier, s)
+                    marker = read_marker(tier, s)
+                except TiercheckError as e:
+                    row["tiers"][name] = {"status": "damaged", "error": str(e)}
+                    continue
+                whole = set(marker.ranks) == set(range(marker.world_size))
+                copies = sorted({r for c in read_replicas(tier, s) for r in c.ranks} - set(marker.ranks))
+                status = "committed" if whole else f"committed (ranks {ranges(sorted(marker.ranks))})"
+                if copies:  # peers' files this node keeps a replica of
+                    status += f" + replicas of ranks {ranges(copies)}"
+                row.setdefault("bytes", step_bytes(manifest))
+                row.setdefault("created_unix", manifest.created_unix)
+                row["tiers"][name] = {
+                    "status": status,
+                    "ranks": list(marker.ranks),
+                    "replica_ranks": copies,
+                    "world_size": marker.world_size,
+                }
+            for s in listing.partial:
+                rows.setdefault(s, {"step": s, "tiers": {}})["tiers"][name] = {"status": "partial"}
+        for row in rows.values():  # committed on one tier, partial on another: a drain in progress
+            statuses = [t["status"] for t in row["tiers"].values()]
+            if any(st.startswith("committed") for st in statuses):
+                for t in row["tiers"].values():
+                    if t["status"] == "partial":
+                        t["status"] = "draining"
+        ordered = [rows[s] for s in sorted(rows)]
+        if as_json:
+            click.echo(json.dumps({"locations": names, "steps": ordered}, indent=2))
+            return
+        if not ordered:
+            out.print(f"no steps in {', '.join(names)}")
+            return
+        table = Table(box=None, pad_edge=False)
+        table.add_column("step", justify="right")
+        for name in names:
+            table.add_column(name)
+        table.add_column("size", justify="right")
+        table.add_column("age", justify="right")
+        for row in ordered:
+            cells = [row["tiers"].get(n, {}).get("status", "-") for n in names]
+            size = human(row["bytes"]) if "bytes" in row else "-"
+            created = age(row["created_unix"]) if "created_unix" in row else "-"
+            table.add_row(str(row["step"]), *cells, size, created)
+        out.print(table)
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+@click.command("inspect")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@remote_options
+@pass_context
+def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> None:
+    """Tensors, shapes, dtypes, shard layout, saving topology and user metadata of a step."""
+    with errors_as_one_line():
+        tier = ctx.tier(location)
+        n = pick_step(tier, step)
+        manifest = read_manifest(tier, n)
+        marker = read_marker(tier, n)
+        arrays: list[dict[str, Any]] = []
+        for rec in manifest.arrays.values():
+            writers = sorted(set(rec.owners.values())) if rec.owners else [0]
+            arrays.append({
+                "path": rec.path, "dtype": rec.dtype, "kind": rec.kind, "shape": list(rec.shape),
+                "chunks": list(rec.chunks), "n_chunks": len(rec.checksums),
+                "bytes": len(rec.checksums) * chunk_nbytes(rec), "written_by_ranks": writers,
+            })  # fmt: skip
+        doc = {
+            "location": redact(location),
+            "step": n,
+            "format_version": manifest.format_version,
+            "library_version": manifest.library_version,
+            "created_utc": datetime.fromtimestamp(manifest.created_unix, timezone.utc).isoformat(timespec="seconds"),
+            "bytes": step_bytes(manifest),
+            "topology": manifest.topology,
+            "this_tier_holds_ranks": list(marker.ranks),
+            "metadata": manifest.metadata,
+            "distinct_rank_states": len(manifest.trees),
+            "arrays": arrays,
+        }
+        if as_json:
+            click.echo(json.dumps(doc, indent=2))
+            return
+        world = manifest.world_size
+        raw = manifest.topology.get("nodes", 1)  # a count since format 3, node ids before
+        nodes = raw if isinstance(raw, int) else (len(set(map(str, raw))) if isinstance(raw, list) else 1) or 1
+        out.print(f"step {n} in {doc['location']}: {human(doc['bytes'])} in {len(arrays)} arrays")
+        out.print(
+            f"  saved {doc['created_utc']} by tiercheck {manifest.library_version} (format {doc['format_version']})"
+        )
+        out.print(f"  saving topology: {world} rank(s) on {nodes} node(s); this tier holds the files of ranks "
+                  f"{ranges(sorted(marker.ranks))}")  # fmt: skip
+        out.print(f"  metadata: {json.dumps(manifest.metadata)}", markup=False)
+        columns = (("array", "<"), ("dtype", "<"), ("shape", "<"), ("chunks", "<"), ("n", ">"), ("size", ">"),
+                   ("written by ranks", "<"))  # fmt: skip
+        rows = [(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]), human(a["bytes"]),
+                 ranges(a["written_by_ranks"])) for a in arrays]  # fmt: skip
+        # Plain aligned lines: rich's table takes ~1 ms a row (20,000 arrays: 18 s).
+        widths = [max([len(name), *(len(r[i]) for r in rows)]) for i, (name, _) in enumerate(columns)]
+        line = "  ".join(f"{{:{align}{w}}}" for (_, align), w in zip(columns, widths, strict=True))
+        click.echo(line.format(*(name for name, _ in columns)).rstrip())
+        click.echo("\n".join(line.format(*r).rstrip() for r in rows))
+
+
+# ------------------------------------------------------------------------------------- verify
+
+
+@click.command("verify")
+@click.argument("location", metavar="URL_OR_DIR")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
+@click.option("--all", "every", is_flag=True, help="Verify every committed step.")
+@click.option("--threads", default=8, show_default=True, help="Chunks read at once.")
+@remote_options
+@pass_context
+def verify_command(ctx: Context, location: str, step: str, every: bool, threads: int) -> None:
+    """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
+
+    Names every damaged array and chunk. A node's local directory holds only its ranks' chunks,
+    and the peers' replicas it keeps: those are the ones checked there (replicas also against the
+    size and CRC32C of each of their files).
+    """
+    with errors_as_one_line():
+        tier = ctx.tier(location)
+        listing = list_steps(tier)
+        steps = listing.committed if every else [pick_step(tier, step)]
+        if not steps:
+            raise CheckpointNotFoundError(f"{tier.url} holds no committed step")
+        damaged = [  # a step directory that cannot be read is not intact either
+            f"step {n}: cannot read {step_dir(n)}: {why}"
+            for n, why in listing.unreadable.items()
+            if every or (step == "latest" and n > steps[-1])
+        ]
+        for n in steps:
+            damaged.extend(verify_step(tier, n, threads=threads, progress=step_progress(ctx, n)))
+        if damaged:
+            for line in damaged:
+                err.print(f"damaged: {line}", markup=False)
+            fail(f"{len(damaged)} damaged chunk(s) in {tier.url}")
+        out.print(f"ok: {plural(len(steps), 'step')} intact in {tier.url}")
