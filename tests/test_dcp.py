@@ -215,12 +215,12 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
     """The reader's buffers, and the tensors a planner makes for the load, are read into straight (restore
     stages no copy of them); DCP's tensors that alias the state are copied into once every chunk is verified,
     and a damaged chunk leaves a planner's made tensors uncommitted."""
-    import tiercheck.integrations.dcp as tc_dcp
+    import tiercheck.integrations.dcp.reader as dcp_reader
     import tiercheck.restore.protocol
 
     copies: list[int] = []
     own: list[bool] = []
-    staged, own_target = tiercheck.restore.protocol.staged, tc_dcp._own_target
+    staged, own_target = tiercheck.restore.protocol.staged, dcp_reader.own_target
 
     def counting_staged(items: Any, arena: Any = None) -> Any:
         reads, pairs = staged(items, arena)
@@ -231,8 +231,8 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
         own.append(own_target(*args))
         return own[-1]
 
-    monkeypatch.setattr(tiercheck.restore, "staged", counting_staged)
-    monkeypatch.setattr(tc_dcp, "_own_target", recording_own_target)
+    monkeypatch.setattr(tiercheck.restore.protocol, "staged", counting_staged)
+    monkeypatch.setattr(dcp_reader, "own_target", recording_own_target)
     root = tmp_path / "ckpt"
     saved = {"a": torch.arange(4096.0).reshape(64, 64), "b": torch.arange(7.0), "cfg": {"lr": 0.5}}
     with TiercheckWriter(local=root, write=tiercheck.WriteOptions(chunk_bytes=4096)) as writer:

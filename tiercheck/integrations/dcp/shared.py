@@ -3,7 +3,7 @@
 tiercheck allows one writer per directory (a second Checkpointer there gets ``DirectoryInUseError``), and a
 DCP reader may load from a directory whose writer is open in the same process (torchtitan loads, then saves).
 Both go through here: the first user creates the Checkpointer (every rank together: a collective), the last
-one closes it.
+one closes it. Writers and readers take the Checkpointer's keyword options, checked by :func:`checked_options`.
 """
 
 
@@ -17,7 +17,11 @@ from typing import Any
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.errors import DirectoryInUseError
 
-__all__ = ["Shared", "acquire", "release"]
+__all__ = ["CHECKPOINTER_OPTIONS", "Shared", "acquire", "checked_options", "release"]
+
+CHECKPOINTER_OPTIONS = frozenset(
+    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "replication"}
+)
 
 
 @dataclass
@@ -30,6 +34,16 @@ class Shared:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one save or restore fills `state` at a time
     users: int = 0
     writer: bool = False
+
+
+def checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` if each is a Checkpointer option that writers and readers pass on; else ``TypeError``."""
+    unknown = sorted(set(options) - CHECKPOINTER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown Checkpointer option(s) {', '.join(unknown)}; known: {', '.join(sorted(CHECKPOINTER_OPTIONS))}"
+        )
+    return options
 
 
 _open: dict[str, Shared] = {}

@@ -5,7 +5,7 @@ DeepSpeed's state dicts hold objects tiercheck cannot keep as JSON (its loss sca
 ``torch.load(weights_only=True)`` and an allow-list, or with pickle only if the caller allows it.
 Pointer files, named like DeepSpeed's own files in ``<save_dir>/<tag>/``, say which tiercheck step
 holds the data: DeepSpeed globs for its files and checks that they exist before it loads them.
-:func:`export_files` writes a step back as DeepSpeed's own ``torch.save`` files.
+:func:`export` (with :func:`export_files`) writes a step back as DeepSpeed's own ``torch.save`` files.
 """
 
 
@@ -29,6 +29,7 @@ import torch
 from tiercheck.checkpointer import Checkpointer, load
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
 from tiercheck.format.steps import list_steps, read_manifest
+from tiercheck.integrations.deepspeed.compat import SAFE_GLOBALS
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck.deepspeed")
@@ -170,6 +171,32 @@ def read_pointer(path: str) -> dict[str, Any] | None:
         if isinstance(doc, dict) and doc.get("format") == POINTER_FORMAT:
             return doc
     return None
+
+
+def export(
+    source: str | os.PathLike[str],
+    save_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    allow_pickle: bool = False,
+    safe_globals: Iterable[Any] = (),
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """Write a tiercheck step of a DeepSpeed run as DeepSpeed's own files, in one process.
+
+    ``source`` is a local tiercheck directory holding every rank's chunks (one node, or a copy made
+    with ``tiercheck restore``) or a remote URL. Writes ``<save_dir>/<tag>/*.pt`` with
+    ``torch.save`` and ``<save_dir>/latest``; returns the tag. DeepSpeed (and its
+    ``zero_to_fp32.py`` and ``ds_to_universal``) then loads them without tiercheck.
+    """
+    return export_files(
+        source,
+        save_dir,
+        step=step,
+        allow_pickle=allow_pickle,
+        safe_globals=(*SAFE_GLOBALS, *safe_globals),
+        storage_options=storage_options,
+    )
 
 
 def export_files(
