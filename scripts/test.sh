@@ -27,6 +27,7 @@ if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
 fi
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
+.venv/bin/lint-imports  # the package's layers point one way (pyproject.toml, [tool.importlinter])
 
 # The Megatron lane: megatron-core's current release (0.19, Python 3.12+) in a venv of its own, beside the
 # main suite's 0.16 on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a
