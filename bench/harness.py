@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,30 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
+
+def when_done(inner: Future[Any], then: Callable[[], None] = lambda: None) -> Future[float]:
+    """A future of the perf_counter() time ``inner`` completed (after ``then()``), or its failure."""
+    out: Future[float] = Future()
+
+    def cb(f: Future[Any]) -> None:
+        try:
+            f.result()
+            then()
+            out.set_result(time.perf_counter())
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    inner.add_done_callback(cb)
+    return out
+
+
+def dcp_state(model: Any, opt: Any) -> dict[str, Any]:
+    """DCP's state dict of a model and its optimizer, as DCP users save it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
 
 
 # ------------------------------------------------------------------------------------------

@@ -166,26 +166,6 @@ def _done_at_now() -> Future[float]:
     return fut
 
 
-def _when_done(inner: Future[Any], then: Callable[[], None] = lambda: None) -> Future[float]:
-    out: Future[float] = Future()
-
-    def cb(f: Future[Any]) -> None:
-        try:
-            f.result()
-            then()
-            out.set_result(time.perf_counter())
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    inner.add_done_callback(cb)
-    return out
-
-
-def _dcp_state(model: Any, opt: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
 
 
 class Method:
@@ -242,20 +222,20 @@ class Method:
             h.fsync_dir(self.root)
             fut = _done_at_now()
         elif self.name == "dcp.save":
-            dcp.save(_dcp_state(self.model, self.opt), checkpoint_id=path)
+            dcp.save(h.dcp_state(self.model, self.opt), checkpoint_id=path)
             h.fsync_dir(path)  # FileSystemWriter fsyncs files, not directories
             h.fsync_dir(self.root)
             fut = _done_at_now()
         elif self.name == "dcp.async_save":
-            inner = dcp.async_save(_dcp_state(self.model, self.opt), checkpoint_id=path)
+            inner = dcp.async_save(h.dcp_state(self.model, self.opt), checkpoint_id=path)
             assert isinstance(inner, Future), type(inner)  # the default stager: a plain Future
-            fut = _when_done(inner, lambda: (h.fsync_dir(path), h.fsync_dir(self.root)))
+            fut = h.when_done(inner, lambda: (h.fsync_dir(path), h.fsync_dir(self.root)))
         elif self.name == "torch_checkpointing":
             inner = self.mgr.save(str(path), {"model": self.model.state_dict(), "optim": self.opt.state_dict()})
-            fut = _when_done(inner)  # its files written, not fsync'd
+            fut = h.when_done(inner)  # its files written, not fsync'd
         else:
             handle = self.tc.save(step)
-            fut = _when_done(handle.committed)
+            fut = h.when_done(handle.committed)
             extra["timings"] = {k: float(v) for k, v in dict(handle.timings).items()}
         self.pending.append(fut)
         return fut, extra
@@ -288,7 +268,7 @@ class Method:
             self.model.load_state_dict(sd["model"])
             self.opt.load_state_dict(sd["optim"])
         elif self.name.startswith("dcp."):
-            state = _dcp_state(self.model, self.opt)
+            state = h.dcp_state(self.model, self.opt)
             dcp.load(state, checkpoint_id=path)
             set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         elif self.name == "torch_checkpointing":
