@@ -1,4 +1,5 @@
-"""The CUDA path: pinned pool, side-stream copies, lazy staging fenced before optimizer.step().
+"""The CUDA path: pinned pool, side-stream copies, lazy staging fenced before optimizer.step(), and
+restores staged on the GPU through page-locked bounce buffers.
 
 Runs only where a CUDA device exists (marker ``gpu``); elsewhere pytest reports these as skipped.
 """
@@ -12,7 +13,9 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
-from tiercheck import Checkpointer, StagingOptions, WriteOptions
+from tests.ondisk import evict_packs, flip_chunk_byte
+from tiercheck import Checkpointer, CorruptCheckpointError, StagingOptions, WriteOptions
+from tiercheck.format.paths import step_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,3 +50,52 @@ def test_cuda_state_round_trips_through_a_pinned_pool(ckpt_dir: Path, mode: str)
         ck.restore(strict=False)
     assert all(p.is_cuda for p in model2.parameters())
     assert_identical(expected, {k: v.cpu() for k, v in model2.state_dict().items()})
+
+
+def _cuda_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {
+        "big": torch.randn(1024, 1024, device="cuda", generator=g),  # 4 MiB: 4 chunks of 1 MiB, read around the cache
+        "odd": torch.randn(333, 777, device="cuda", generator=g).to(torch.bfloat16),  # an edge chunk
+        "small": torch.arange(10, device="cuda"),
+    }
+
+
+def test_a_fresh_restore_stages_gpu_tensors_on_the_gpu_and_reads_around_the_cache(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted job: a new Checkpointer restores CUDA tensors through a few page-locked bounce
+    buffers into spare GPU memory (not a page-locked copy of the whole state), with O_DIRECT reads
+    of a cold pack, and waits for its own copies only, never the whole device."""
+    saved = _cuda_state(0)
+    expected = {k: v.cpu() for k, v in saved.items()}
+    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+    evict_packs(ckpt_dir / step_dir(1))
+    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    pointers = {k: v.data_ptr() for k, v in live.items()}
+
+    def no_device_sync(*args: object, **kwargs: object) -> None:
+        raise AssertionError("restore waited for the whole device")
+
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck:
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "synchronize", no_device_sync)
+            assert ck.restore() == 1
+        stats = ck.stats()
+    assert_identical(expected, {k: v.cpu() for k, v in live.items()})
+    assert {k: v.data_ptr() for k, v in live.items()} == pointers  # copied into, memory kept
+    assert stats["restore_staged_on_device"] == sum(v.numel() * v.element_size() for v in saved.values())
+    assert stats["restore_read_direct_bytes"] >= 4 << 20
+
+
+def test_a_damaged_chunk_leaves_gpu_tensors_as_they_were(ckpt_dir: Path) -> None:
+    saved = _cuda_state(1)
+    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+    flip_chunk_byte(ckpt_dir / step_dir(1), "s/big", "c.2.0", 100)
+    live = _cuda_state(2)
+    before = {k: v.cpu() for k, v in live.items()}
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match="c.2.0"):
+        ck.restore()
+    assert_identical(before, {k: v.cpu() for k, v in live.items()})

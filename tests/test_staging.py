@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tiercheck
+import tiercheck.restore.read
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, chunks_of, evict_packs, flip_chunk_byte, skip_without_direct_io
 from tiercheck import Checkpointer, StagingOptions, WriteOptions
@@ -459,6 +460,24 @@ def test_a_restore_reads_big_chunks_around_the_page_cache_unless_it_holds_them(c
         aligned = state["aligned"].numel() * 4
         assert aligned <= direct < sum(t.numel() * t.element_size() for t in state.values()) + (1 << 20)
         assert live["aligned"].data_ptr() % 4096 == 0, "staged on a page, and that memory handed over"
+
+
+def test_chunks_as_big_as_a_read_run_are_read_around_the_page_cache_too(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default 64 MiB chunks every run of a pack holds one chunk: a cold restore reads
+    each of them with O_DIRECT too, not through the cache (here runs and chunks scaled down)."""
+    monkeypatch.setattr(tiercheck.restore.read, "READ_RUN_BYTES", 1 << 20)
+    state = {"w": torch.randn(4, 1 << 18, generator=torch.Generator().manual_seed(3))}  # four 1 MiB chunks
+    opts = WriteOptions(chunk_bytes=1 << 20)
+    with Checkpointer(state, local=ckpt_dir, write=opts) as ck:
+        ck.save(1).wait()
+    evict_packs(ckpt_dir / "step-00000001")
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
+        assert ck.restore() == 1
+        assert ck.stats()["restore_read_direct_bytes"] >= 4 << 20
+    assert_identical(live, state)
 
 
 def test_a_second_restore_of_a_cold_pack_reads_around_the_page_cache_again(ckpt_dir: Path) -> None:

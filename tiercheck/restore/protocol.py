@@ -58,6 +58,7 @@ class Restored:
     remote_reads: int
     fallbacks: int
     staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
+    staged_on_device: int  # bytes of GPU tensors staged in spare GPU memory rather than host memory
     read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
@@ -70,6 +71,7 @@ class Restored:
             "restore_remote_reads": self.remote_reads,
             "restore_fallbacks": self.fallbacks,
             "restore_staged_in_pool": self.staged_in_pool,
+            "restore_staged_on_device": self.staged_on_device,
             "restore_read_direct_bytes": self.read_direct,
         }
 
@@ -255,6 +257,7 @@ def _restore_step(
         reads, live = staged(items, arena)
         pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
         in_pool = sum(b.numel() * b.element_size() for _, b in live if b.untyped_storage().data_ptr() == pool_memory)
+        on_device = sum(b.numel() * b.element_size() for _, b in live if b.is_cuda)
         try:
             nbytes = move_chunks(
                 tier,
@@ -298,6 +301,7 @@ def _restore_step(
         remote_reads=moved.get("remote_reads", 0),
         fallbacks=moved.get("fallbacks", 0),
         staged_in_pool=in_pool,
+        staged_on_device=on_device,
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
         held_here=list(here),

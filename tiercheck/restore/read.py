@@ -31,7 +31,7 @@ from tiercheck.format.layout import Chunk, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
-from tiercheck.restore.stage import ReadItem
+from tiercheck.restore.stage import Bounce, ReadItem
 from tiercheck.state.flatten import torch_dtype
 from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
@@ -64,9 +64,15 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     return memoryview(bytearray(data)) if data.readonly else data
 
 
-def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem]) -> None:
-    """Copy the part of chunk ``c`` (``data``: its bytes, uint8) that each destination covers."""
-    src = data.view(torch_dtype(rec.dtype)).view(rec.chunks)
+def fill(
+    rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadItem], *, non_blocking: bool = False
+) -> None:
+    """Copy the part of chunk ``c`` (``data``: its bytes, uint8) that each destination covers;
+    ``non_blocking`` from page-locked ``data`` into GPU memory, on the current stream."""
+    dtype = torch_dtype(rec.dtype)
+    if data.storage_offset() % dtype.itemsize:  # a chunk after an odd-sized one in its pack, read with it
+        data = data.clone()
+    src = data.view(dtype).view(rec.chunks)
     for item in items:
         stops = tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
         box = overlap(c.starts, c.stops, item.offsets, stops)
@@ -75,7 +81,7 @@ def fill(rec: ArrayRecord, c: Chunk, data: torch.Tensor, items: Iterable[ReadIte
         lo, hi = box
         dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets, strict=True))
         src_idx = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, c.starts, strict=True))
-        item.dest[dst_idx].copy_(src[src_idx])
+        item.dest[dst_idx].copy_(src[src_idx], non_blocking=non_blocking)
 
 
 def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whole: bool) -> torch.Tensor | None:
@@ -187,8 +193,10 @@ def move_chunks(
         destinations (``_RunLayout``), then each verified; and the bytes read around the page
         cache. A chunk that fails, or a run the file cuts short, is read again on its own: that
         path falls back to the remote tier or reports the chunk."""
-        if len(run) == 1:
-            return [read_and_fill(run[0])], 0
+        if len(run) == 1 and (run[0].remote or records[run[0].path].location(run[0].chunk.key)[1] is None):
+            return [read_and_fill(run[0])], 0  # not in a pack on the local tier
+        if bounce is not None and any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ())):
+            return read_run_to_device(run, bounce)
         slots = []
         for job in run:
             rec = records[job.path]
@@ -226,6 +234,43 @@ def move_chunks(
             out.append((job.path, c, chunk))
         return out, n if direct else 0
 
+    def read_run_to_device(run: list[Read], bounce: Bounce) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
+        """A run bound for GPU memory: read whole (around the page cache where it can) into a
+        page-locked buffer, each chunk verified, then copied up on the bounce stream while the
+        next runs are read. The buffer is reused once those copies are done."""
+        first, last = run[0], run[-1]
+        file, start = records[first.path].location(first.chunk.key)
+        _, last_offset = records[last.path].location(last.chunk.key)
+        assert start is not None and last_offset is not None
+        start = start // BLOCK * BLOCK
+        end = last_offset + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES
+        with bounce.lend(-(-(end - start) // BLOCK) * BLOCK) as buf:
+            try:
+                n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", start, [buf.numpy().data], direct=True)
+            except OSError:
+                n, direct = 0, False
+            if n < end - start:  # cut short: each chunk alone, which reports it
+                return [read_and_fill(job) for job in run], 0
+            out = []
+            where = tier.url
+            with torch.cuda.stream(bounce.stream):
+                for job in run:
+                    rec = records[job.path]
+                    c, nbytes = job.chunk, chunk_nbytes(rec)
+                    _, offset = rec.location(c.key)
+                    assert offset is not None
+                    data = buf[offset - start : offset - start + nbytes]
+                    rest = buf[offset - start + nbytes : offset - start + nbytes + CHECKSUM_BYTES]
+                    try:
+                        crc = rec.checksums[c.key]
+                        verify_parts(data.numpy().data, rest.numpy().data, expected_crc=crc, nbytes=nbytes, where=where)
+                    except CorruptCheckpointError:  # read again alone, which names the chunk in its error
+                        out.append(read_and_fill(job))
+                        continue
+                    fill(rec, c, data, by_path.get(job.path, ()), non_blocking=True)
+                    out.append((job.path, c, data.clone() if (job.path, c.coords) in sends else data))
+        return out, n if direct else 0
+
     total = 0
     runs = read_runs(tier, records, reads)
     # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
@@ -233,6 +278,7 @@ def move_chunks(
     # (20,000 chunks of 1 KiB: 0.6 s on 4 threads, 0.3 s on one). A thread per run's worth of bytes.
     nbytes = sum(chunk_nbytes(records[r.path]) for r in reads)
     threads = max(1, min(io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
+    bounce = Bounce.for_runs(tier, records, items, runs, threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
         for done, direct_bytes in pool.map(read_run, runs):
             counts["direct_bytes"] += direct_bytes
@@ -242,6 +288,8 @@ def move_chunks(
                     out = data if device.type == "cpu" else data.to(device)
                     keep.append(out)
                     ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
+    if bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
+        torch.cuda.current_stream(bounce.device).wait_stream(bounce.stream)
     for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
         op.wait()
         if not errors:

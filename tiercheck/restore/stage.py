@@ -1,20 +1,25 @@
 """Where a restore's bytes land before the state sees them: each live destination is swapped for
-host memory (new, or carved out of the idle save pool), and once every chunk is verified the
-staged data is handed to the live tensors (``copy_in``): all or nothing."""
+new memory (host memory, or spare memory on the GPU for a GPU tensor) or for a piece of the idle
+save pool, and once every chunk is verified the staged data is handed to the live tensors
+(``copy_in``): all or nothing."""
 
 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import queue
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tiercheck.dist.assign import Need
+from tiercheck.dist.assign import Need, Read
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.state.staging import page_aligned_empty
+from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES
 
 
@@ -33,14 +38,16 @@ class ReadItem:
 def staged(
     items: Sequence[ReadItem], arena: torch.Tensor | None = None
 ) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The same reads with every live destination swapped for a host tensor, and the (live,
+    """The same reads with every live destination swapped for a new tensor, and the (live,
     staged) pairs to ``copy_in`` once every chunk is verified: a restore that fails part-way
-    leaves the live state as it was. The host tensors are carved out of ``arena`` (uint8 memory
-    the process holds resident, at least ``staging_bytes(items)``) where given, else new; new ones
-    for CUDA destinations are page-locked."""
+    leaves the live state as it was. The tensors are carved out of ``arena`` (uint8 memory the
+    process holds resident, at least ``staging_bytes(items)``) where given, else new. A GPU
+    tensor is staged on its GPU where the GPU has room for all of them (chunks are copied up as
+    they are verified, see ``read.move_chunks``), else in new page-locked memory."""
     out: list[ReadItem] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     pos = 0
+    on_device = device_room(items) if arena is None or not arena.is_pinned() else set()
     for item in items:
         if item.fresh:
             out.append(item)
@@ -53,11 +60,32 @@ def staged(
             pos += n
         elif not live.is_cuda:
             buf = host_read_buffer(tuple(live.shape), live.dtype)
+        elif live.device in on_device:
+            buf = torch.empty(tuple(live.shape), dtype=live.dtype, device=live.device)
         else:  # page-locked memory starts on a page as it is
             buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=True)
         out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
         pairs.append((live, buf))
     return out, pairs
+
+
+DEVICE_HEADROOM = 1 << 30  # GPU memory a restore leaves free, at least (and 5% of the GPU's)
+
+
+def device_room(items: Sequence[ReadItem]) -> set[torch.device]:
+    """The GPUs with room to stage every live tensor of ``items`` they hold: their free memory
+    (torch's cached blocks included) less a headroom for the training that follows."""
+    need: dict[torch.device, int] = {}
+    for i in items:
+        if not i.fresh and i.dest.is_cuda:
+            need[i.dest.device] = need.get(i.dest.device, 0) + i.dest.numel() * i.dest.element_size()
+    room = set()
+    for device, n in need.items():
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if n <= free - max(DEVICE_HEADROOM, total // 20):
+            room.add(device)
+    return room
 
 
 def host_read_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +126,12 @@ def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, swap: bool = 
                 torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
             else:
                 live.copy_(buf, non_blocking=live.is_cuda)
-    if any(live.is_cuda for live, _ in pairs):
-        torch.cuda.synchronize()
+    for device in {live.device for live, _ in pairs if live.is_cuda}:
+        # Only these copies are waited for (the staged memory goes back to its owner after),
+        # never the whole device: the current stream's own event, not torch.cuda.synchronize().
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
@@ -121,3 +153,56 @@ def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
         and not storage.is_shared()
         and not live.is_pinned()  # the storage's own is_pinned() builds a tensor to ask: 3x as long
     )
+
+
+class Bounce:
+    """Page-locked buffers, each starting on a block, that runs bound for one GPU are read into:
+    a few runs' worth, allocated once per restore (not a whole state's worth of page-locked
+    memory, which costs a fresh process as long as the reads). The chunks go up on ``stream``;
+    a buffer is lent again once the copies out of it are done (its event, not the device)."""
+
+    def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Event | None]] = queue.SimpleQueue()
+        for _ in range(count):
+            raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=True)
+            skip = -raw.data_ptr() % BLOCK
+            self._free.put((raw[skip : skip + nbytes], None))
+
+    @classmethod
+    def for_runs(
+        cls,
+        tier: Tier,
+        records: dict[str, ArrayRecord],
+        items: Sequence[ReadItem],
+        runs: list[list[Read]],
+        threads: int,
+    ) -> Bounce | None:
+        """Buffers for the biggest run, one more than the threads reading; None where no run is
+        read into a single GPU's memory from a pack on this tier."""
+        devices = {i.dest.device for i in items if i.dest.is_cuda}
+        if len(devices) != 1 or not tier.vectored_reads:
+            return None
+        spans = []
+        for run in runs:
+            first, last = run[0], run[-1]
+            _, a = records[first.path].location(first.chunk.key)
+            _, b = records[last.path].location(last.chunk.key)
+            if not first.remote and a is not None and b is not None:
+                spans.append(b + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES - a // BLOCK * BLOCK)
+        if not spans:
+            return None
+        return cls(devices.pop(), -(-max(spans) // BLOCK) * BLOCK, threads + 1)
+
+    @contextlib.contextmanager
+    def lend(self, nbytes: int) -> Iterator[torch.Tensor]:
+        buf, copied = self._free.get()
+        if copied is not None:
+            copied.synchronize()
+        try:
+            yield buf[:nbytes]
+        finally:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self._free.put((buf, done))
