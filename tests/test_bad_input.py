@@ -653,3 +653,58 @@ def test_verify_reports_what_load_refuses_a_marker_naming_no_rank_and_an_array_w
     (step / "COMMIT").write_text(json.dumps({**marker, "ranks": []}))
     result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
     assert result.exit_code == 1 and "the commit marker names no saving rank" in result.output, result.output
+
+
+def _index_naming_step(step: Path, named: int) -> None:
+    """Rewrite ``step``'s manifest.json to describe step ``named``, re-signed in its COMMIT (whose
+    own step stays): an index copied in from another step, as a careless copy or a hostile one
+    leaves it."""
+    index = json.loads((step / "manifest.json").read_bytes())
+    index["step"] = named
+    data = json.dumps(index).encode()
+    (step / "manifest.json").write_bytes(data)
+    marker = json.loads((step / "COMMIT").read_bytes())
+    marker.update(manifest_crc32c=checksum(data), manifest_size=len(data))
+    (step / "COMMIT").write_text(json.dumps(marker))
+
+
+def test_a_step_whose_index_names_another_step_is_damaged_for_restore_as_for_load(ckpt_dir: Path) -> None:
+    """restore() refuses a step whose manifest.json describes another step, as load() and verify
+    do, and falls back to the newest older whole step."""
+    states = [{"w": torch.full((64,), float(s))} for s in (1, 2)]
+    with Checkpointer(states[0], local=ckpt_dir) as ck:
+        ck.save(1).wait()
+        ck.state = states[1]
+        ck.save(2).wait()
+    _index_naming_step(ckpt_dir / "step-00000002", 1)
+    with pytest.raises(CorruptCheckpointError, match="manifest.json describes step 1, not this step"):
+        tiercheck.load(ckpt_dir, step=2)
+    live = {"w": torch.zeros(64)}
+    with Checkpointer(live, local=ckpt_dir) as ck:
+        with pytest.raises(CorruptCheckpointError, match="describes step 1, not this step"):
+            ck.restore(2)
+        assert ck.restore() == 1
+    assert_identical(live, states[0])
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "2"])
+    assert result.exit_code == 1 and "describes step 1" in result.output, result.output
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0660", "1_0", "\uff11\uff10", "+10"])  # Arabic-Indic, fullwidth
+def test_a_step_number_is_ascii_digits_only(ckpt_dir: Path, text: str) -> None:
+    """int() reads other scripts' digits and underscores (Arabic-Indic 10 and '1_0' are 10): a step named so
+    is refused, by the CLI and as a DCP checkpoint_id, never taken for another step."""
+    from tiercheck.integrations.dcp.metadata import step_of
+
+    with Checkpointer({"w": torch.zeros(4)}, local=ckpt_dir) as ck:
+        ck.save(10).wait()
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", text])
+    assert result.exit_code == 2 and "expected a step number or 'latest'" in result.output, result.output
+    with pytest.raises(ValueError, match="is not a step"):
+        step_of(text)
+
+
+def test_ranks_are_ascii_digits_only(ckpt_dir: Path, tmp_path: Path) -> None:
+    with Checkpointer({"w": torch.zeros(4)}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    result = CliRunner().invoke(main, ["restore", str(ckpt_dir), "--to", str(tmp_path / "t"), "--ranks", "\u0660-\u0661"])
+    assert result.exit_code == 2 and "expected ranks like 0-7" in result.output, result.output

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -192,14 +193,16 @@ def parameter_count(ctx: click.Context, param: click.Parameter, value: float | N
     return value
 
 
+ASCII_INT = re.compile(r"-?[0-9]+")
+
+
 def step_value(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``latest`` or a non-negative step number."""
     if value is None or value == "latest":
         return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a step number or 'latest', got {value!r}", ctx, param) from None
+    if not ASCII_INT.fullmatch(value.strip()):  # int() takes '1_0' and other scripts' digits too
+        raise click.BadParameter(f"expected a step number or 'latest', got {value!r}", ctx, param)
+    n = int(value)
     if n < 0:
         raise click.BadParameter(f"a step is a non-negative number, got {n}", ctx, param)
     return str(n)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import click
 
 from tiercheck.cli.common import (
+    ASCII_INT,
     Context,
     err,
     errors_as_one_line,
@@ -106,6 +107,8 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
     try:
         for part in text.split(","):
             a, _, b = part.strip().partition("-")
+            if not ASCII_INT.fullmatch(a.strip()) or not ASCII_INT.fullmatch((b or a).strip()):
+                raise ValueError(part)
             spans.append((int(a), int(b or a)))
     except ValueError:
         raise click.BadParameter(f"expected ranks like 0-7 or 0,2,4-5, got {text!r}", param_hint="--ranks") from None

@@ -313,8 +313,10 @@ class ManifestIndex:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
 
 
-def parse_manifest_doc(data: bytes | bytearray, *, where: str) -> dict[str, JSON]:
-    """``manifest.json`` parsed and its format checked (any version this library reads)."""
+def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None = None) -> dict[str, JSON]:
+    """``manifest.json`` parsed and its format checked (any version this library reads); with
+    ``step``, it must describe that step (the directory it was read from): an index copied in from
+    another step would otherwise pass for this one."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -329,6 +331,8 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str) -> dict[str, JSON
             f"{where}: manifest format version {version} is newer than this tiercheck understands "
             f"({FORMAT_VERSION}); upgrade tiercheck"
         )
+    if step is not None and doc.get("step") != step:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} describes step {doc.get('step')!r}, not this step")
     return doc
 
 

@@ -40,7 +40,7 @@ def pack_owner(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_PACK = re.compile(rf"^{PACKS_DIR}/rank-(\d{{6,}})\.bin$")
+_PACK = re.compile(rf"^{PACKS_DIR}/rank-([0-9]{{6,}})\.bin$")
 
 
 def chunk_location(path: str, key: str, writer: int, offset: int | None) -> tuple[str, int | None]:
@@ -77,7 +77,7 @@ NODE_FILE = ".tiercheck-node"
 
 DRAINED_PREFIX = "__drained."
 
-CHUNK_FILE = re.compile(r"(^|/)c([./]\d+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
+CHUNK_FILE = re.compile(r"(^|/)c([./][0-9]+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
 
 REPLICA_PREFIX = "REPLICA-"
 
@@ -88,7 +88,7 @@ def rank_files(rank: int) -> list[str]:
 
 
 RANK_FILE = re.compile(
-    rf"^(?:{PARTS_DIR}/(?:rank|arrays|owners)|{REFS_DIR}/rank)-(\d{{6,}})\.json$|^{PACKS_DIR}/rank-(\d{{6,}})\.bin$"
+    rf"^(?:{PARTS_DIR}/(?:rank|arrays|owners)|{REFS_DIR}/rank)-([0-9]{{6,}})\.json$|^{PACKS_DIR}/rank-([0-9]{{6,}})\.bin$"
 )
 
 

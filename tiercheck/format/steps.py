@@ -146,7 +146,7 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
         raise CorruptCheckpointError(
             f"{where}: {MANIFEST_FILE} is damaged (size or checksum differs from the commit marker)"
         )
-    doc = parse_manifest_doc(data, where=where)
+    doc = parse_manifest_doc(data, where=where, step=step)
     return marker, doc, data
 
 
@@ -196,7 +196,7 @@ def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
     return out
 
 
-_PART = re.compile(r"^(rank|arrays|owners)-(\d{6,})\.json$")
+_PART = re.compile(r"^(rank|arrays|owners)-([0-9]{6,})\.json$")
 _FILES = {"rank": part_file, "arrays": shard_file, "owners": owners_file}
 
 

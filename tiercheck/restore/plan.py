@@ -112,7 +112,7 @@ def find_holders(
     else:
         raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
     where = f"{tier.url}: step {step}"
-    doc = parse_manifest_doc(index, where=where)
+    doc = parse_manifest_doc(index, where=where, step=step)
     world = saving_world_size(doc, index, where=where)
     return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed))
 

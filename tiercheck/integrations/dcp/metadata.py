@@ -51,7 +51,7 @@ log = logging.getLogger("tiercheck")
 
 FORMAT = "tiercheck-dcp"
 VERSION = 1
-_DIGITS = re.compile(r"^\d+$")
+_DIGITS = re.compile(r"^[0-9]+$")
 _ROOM = MAX_BYTES - 4096  # what the rest of the commit metadata may take
 
 

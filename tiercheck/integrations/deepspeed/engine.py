@@ -346,20 +346,20 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         elastic = bool(getattr(engine, "zero_elastic_checkpoint", lambda: False)())
         group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
         dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
-        mp_ranks = {int(m.group(1)) for n in names if (m := re.search(r"mp_rank_(\d+)", n))}
+        mp_ranks = {int(m.group(1)) for n in names if (m := re.search(r"mp_rank_([0-9]+)", n))}
         same_mp = len(mp_ranks) == int(getattr(engine, "mp_world_size", 1) or 1)
         mine = {int(getattr(engine, "checkpoint_mp_rank", 0) or 0), min(mp_ranks, default=0)}
         module = getattr(engine, "module", None)
         start, stop = getattr(module, "_local_start", None), getattr(module, "_local_stop", None)
         out = []
         for n in names:
-            z = re.search(r"zero_pp_rank_(\d+)_", n)
+            z = re.search(r"zero_pp_rank_([0-9]+)_", n)
             if z and not elastic and int(z.group(1)) != dp_rank:
                 continue
-            m = re.search(r"mp_rank_(\d+)", n)
+            m = re.search(r"mp_rank_([0-9]+)", n)
             if m and same_mp and int(m.group(1)) not in mine:
                 continue
-            layer = re.match(r"layer_(\d+)-", os.path.basename(n))
+            layer = re.match(r"layer_([0-9]+)-", os.path.basename(n))
             if layer and start is not None and stop is not None and not start <= int(layer.group(1)) < stop:
                 continue
             out.append(n)

@@ -121,7 +121,7 @@ def checked_tag(tag: object, *, where: str) -> str:
 
 def find_tag(tier: Tier, tag: str) -> int | None:
     """The newest committed step on ``tier`` whose metadata names ``tag``."""
-    guess = re.fullmatch(r"global_step(\d+)", tag)
+    guess = re.fullmatch(r"global_step([0-9]+)", tag)
     steps = list_steps(tier).committed
     if guess and int(guess.group(1)) in steps:  # DeepSpeed's default tags: try the step they name first
         steps.remove(int(guess.group(1)))

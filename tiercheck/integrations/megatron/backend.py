@@ -55,7 +55,7 @@ _CHECKPOINTER_OPTIONS = frozenset(
         "allow_pickle",
     }
 )
-_ITERATION = re.compile(r"(\d+)$")
+_ITERATION = re.compile(r"([0-9]+)$")
 
 
 @dataclass
