@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import pytest
 import torch
 
 import tiercheck
+from tests.conftest import assert_identical
 from tiercheck import Checkpointer, RetentionOptions
+from tiercheck.format.paths import step_dir, step_of
 from tiercheck.tiering.retention import LocalSteps, steps_to_delete
 from tiercheck.tiers.local import LocalTier, PackWriter
 
@@ -47,6 +51,51 @@ def test_partial_steps_are_never_reported_and_are_cleaned_at_start(ckpt_dir: Pat
         assert ck.steps() == [1] and ck.restore() == 1
         ck.save(2).wait()  # the number of a cleaned partial step can be saved normally
         assert ck.steps() == [1, 2]
+
+
+def test_a_step_has_one_name() -> None:
+    assert [step_of(step_dir(n)) for n in (0, 2, 99_999_999, 123_456_789)] == [0, 2, 99_999_999, 123_456_789]
+    for alias in ("step-000000002", "step-2", "step-0123456789", "step-00000002\n", "step-0000000\u0662", "step-"):
+        assert step_of(alias) is None, alias
+
+
+def _warned(caplog: pytest.LogCaptureFixture, name: str) -> bool:
+    return any(r.levelno == logging.WARNING and name in r.getMessage() for r in caplog.records)
+
+
+def test_a_stray_alias_of_a_committed_step_is_never_cleaned_up_in_its_place(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``step-000000002`` without a commit marker once read as "partial step 2", and start-up
+    cleanup then deleted ``step-00000002``: the committed step."""
+    g = torch.Generator().manual_seed(2)
+    saved = {"w": torch.randn(1000, generator=g), "b": torch.randn(7, generator=g).half()}
+    with Checkpointer({k: v.clone() for k, v in saved.items()}, local=ckpt_dir) as ck:
+        ck.save(2).wait()
+    alias = ckpt_dir / "step-000000002"
+    alias.mkdir()
+    (alias / "stray").write_bytes(b"not ours")
+    state = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with Checkpointer(state, local=ckpt_dir) as ck:
+        assert (ckpt_dir / step_dir(2) / "COMMIT").exists() and (alias / "stray").exists()
+        assert ck.steps() == [2] and ck.restore() == 2
+    assert_identical(state, saved)
+    assert _warned(caplog, "step-000000002")
+
+
+def test_keep_last_counts_only_steps_under_their_own_name(ckpt_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A committed copy under another name (step 9 by its spelling) once counted as the newest
+    step, so keep_last=1 kept it and deleted every real step."""
+    with Checkpointer({"x": torch.ones(4)}, local=ckpt_dir, retention=RetentionOptions(keep_last=None)) as ck:
+        for step in (1, 2, 3):
+            ck.save(step).wait()
+    shutil.copytree(ckpt_dir / step_dir(3), ckpt_dir / "step-000000009")
+    steps = LocalSteps(LocalTier(ckpt_dir), RetentionOptions(keep_last=1), leader=True)
+    assert steps.sorted() == [1, 2, 3]
+    steps.retain()
+    assert steps.sorted() == [3]
+    assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-000000009", "step-00000003"]
+    assert _warned(caplog, "step-000000009")
 
 
 class FullDiskTier(LocalTier):

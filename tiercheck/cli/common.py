@@ -27,7 +27,7 @@ from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.manifest import Manifest
-from tiercheck.format.paths import STEP_DIR
+from tiercheck.format.paths import step_of
 from tiercheck.format.steps import list_steps
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
@@ -53,7 +53,7 @@ class Context:
             raise NotADirectoryError(f"not a directory: {root} is a file; give a checkpoint directory")
         if must_exist and not root.is_dir():
             raise CheckpointNotFoundError(f"no such directory: {root}")
-        if STEP_DIR.match(root.name) and root.is_dir():
+        if step_of(root.name) is not None and root.is_dir():
             raise CheckpointNotFoundError(
                 f"{root} is the directory of one step; give the checkpoint directory that holds it: {root.parent}"
             )

@@ -65,11 +65,26 @@ def refs_file(rank: int) -> str:
     the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
     return f"{REFS_DIR}/rank-{rank:06d}.json"
 
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STEP_PREFIX = "step-"
 
 
 def step_dir(step: int) -> str:
-    return f"step-{step:08d}"
+    """The one name of a step's directory: the number zero-padded to 8 digits (more if it has more)."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step whose directory ``name`` is, or None. Only ``step_dir(n)`` names step ``n``:
+    another spelling of the number (``step-000000002``, ``step-2``) is no step, so two directories
+    can never both be step 2 and housekeeping never deletes one in the other's name."""
+    m = _STEP.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
+
+
+_STEP = re.compile(r"step-([0-9]+)")  # ASCII digits: int() also reads other scripts' digits
 
 LOCK_FILE = ".tiercheck-lock"
 

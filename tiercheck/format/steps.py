@@ -1,7 +1,8 @@
 """Step directories on a tier: naming, the commit protocol, what counts as committed, and
 reading a committed step's manifest back.
 
-A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists. It is written last, after
+A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists, under the step's one name
+(``paths.step_dir``; any other spelling of the number is no step). It is written last, after
 every data file, the manifest and every directory entry are durable, and it pins the manifest
 by size and CRC32C. Deleting a step withdraws the marker first, so a crash half-way through a
 deletion leaves a partial step (cleaned up later), never a damaged committed one.
@@ -34,11 +35,12 @@ from tiercheck.format.paths import (
     COMMIT_FILE,
     MANIFEST_FILE,
     PARTS_DIR,
-    STEP_DIR,
+    STEP_PREFIX,
     owners_file,
     part_file,
     shard_file,
     step_dir,
+    step_of,
 )
 from tiercheck.tiers.base import Tier
 
@@ -50,17 +52,23 @@ class StepListing:
     committed: list[int]  # ascending
     partial: list[int]  # directories without a commit marker (in flight, or left by a crash)
     unreadable: dict[int, str] = field(default_factory=dict)  # step directories that cannot be read: why
+    ignored: list[str] = field(default_factory=list)  # names spelled like a step that are none (not step_dir(n))
 
 
 def list_steps(tier: Tier) -> StepListing:
+    """The steps on a tier, by their directories' names as ``step_of`` reads them. A name spelled
+    like a step but not ``step_dir(n)`` (``step-000000002`` beside ``step-00000002``) is ignored
+    aloud: counted neither committed nor partial, so nothing restores, keeps or deletes it."""
     committed: list[int] = []
     partial: list[int] = []
     unreadable: dict[int, str] = {}
+    ignored: list[str] = []
     for name in tier.list_dir(""):
-        m = STEP_DIR.match(name)
-        if not m:
+        step = step_of(name)
+        if step is None:
+            if name.startswith(STEP_PREFIX):
+                ignored.append(name)
             continue
-        step = int(m.group(1))
         try:
             done = tier.exists(f"{name}/{COMMIT_FILE}")
         except OSError as e:
@@ -71,7 +79,14 @@ def list_steps(tier: Tier) -> StepListing:
             unreadable[step] = why
             continue
         (committed if done else partial).append(step)
-    return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())))
+    if ignored:
+        log.warning(
+            "ignoring %s in %s: not a step's own name (step 2's is %s), so never counted as a step nor deleted",
+            ", ".join(ignored),
+            tier.url,
+            step_dir(2),
+        )
+    return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())), ignored)
 
 
 def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...] = (0,), world_size: int = 1) -> None:
