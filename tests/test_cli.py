@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,6 +100,37 @@ def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None
     assert list_steps(open_tier(str(saved))).committed == [30]
     assert not (saved / step_dir(5)).exists()
     assert_identical(tiercheck.load(saved), make_state(30))
+
+
+def test_gc_deletes_only_steps_under_their_own_name(saved: Path) -> None:
+    """Aliases of step 30 (``step-000000030`` half-written, ``step-000000040`` a committed copy)
+    once made gc keep "step 40" and delete step 30 twice over: every real step gone."""
+    half, copy = saved / "step-000000030", saved / "step-000000040"
+    half.mkdir()
+    (half / "stray").write_bytes(b"x")
+    shutil.copytree(saved / step_dir(30), copy)
+    proc = run("gc", str(saved), "--keep-last", "1", "--grace-hours", "0")
+    assert "removed committed step 10" in proc.stdout and "removed committed step 20" in proc.stdout
+    assert "committed step 30" not in proc.stdout and "partial step 30" not in proc.stdout
+    assert "kept committed step(s): 30" in proc.stdout
+    assert "step-000000030" in proc.stderr and "step-000000040" in proc.stderr
+    assert list_steps(open_tier(str(saved))).committed == [30]
+    assert (half / "stray").exists() and (copy / "COMMIT").exists()
+    assert_identical(tiercheck.load(saved), make_state(30))
+
+
+def test_a_committed_copy_under_another_name_is_no_step(saved: Path, caplog: pytest.LogCaptureFixture) -> None:
+    alias = saved / "step-000000040"
+    shutil.copytree(saved / step_dir(20), alias)
+    proc = run("ls", str(saved), "--json")
+    assert [s["step"] for s in json.loads(proc.stdout)["steps"]] == [10, 20, 30]
+    assert "ignoring step-000000040" in proc.stderr
+    state = make_state(0)
+    with tiercheck.Checkpointer(state, local=saved) as ck:
+        assert ck.steps() == [10, 20, 30] and ck.restore() == 30
+    assert_identical(state, make_state(30))
+    assert any(r.levelname == "WARNING" and "step-000000040" in r.getMessage() for r in caplog.records)
+    assert (alias / "COMMIT").exists()
 
 
 def test_bad_input_gives_one_line_and_a_nonzero_exit(tmp_path: Path, saved: Path) -> None:
