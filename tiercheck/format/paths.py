@@ -65,6 +65,7 @@ def refs_file(rank: int) -> str:
     the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
     return f"{REFS_DIR}/rank-{rank:06d}.json"
 
+
 STEP_PREFIX = "step-"
 
 
