@@ -302,3 +302,12 @@ def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_o
     assert model.weight._version > version  # autograd sees the change, as after a copy
     assert torch.equal(flat, expected["flat"])
     assert parts["a"].data_ptr() == flat.data_ptr() and parts["b"].data_ptr() == flat.data_ptr() + 50 * 4
+
+
+def test_a_0d_numpy_array_round_trips_0d(ckpt_dir: Path) -> None:
+    """A 0-d array (a counter kept as np.array(7)) is stored 0-d, not as a 1-element vector that
+    would no longer fit the live array it came from."""
+    with Checkpointer({"count": np.array(7, dtype=np.int64)}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    loaded = tiercheck.load(ckpt_dir)["count"]
+    assert isinstance(loaded, np.ndarray) and loaded.shape == () and loaded.dtype == np.int64 and loaded == 7

@@ -156,7 +156,8 @@ class _Encoder:
             return {"$bytes": base64.b64encode(obj).decode()}
         if isinstance(obj, np.ndarray) and obj.dtype.name in STORAGE_DTYPES:
             path = self._path(parts)
-            t = torch.from_numpy(np.ascontiguousarray(obj))
+            # Not np.ascontiguousarray alone: it makes a 0-d array 1-d, which then restores into nothing.
+            t = torch.from_numpy(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
             self.leaves.append(Leaf(path, t, "ndarray", False, tuple(t.shape), (0,) * t.dim()))
             return {"$ndarray": path}
         if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
