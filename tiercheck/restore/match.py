@@ -117,8 +117,9 @@ def prepare(
         if rec is None:
             raise CorruptCheckpointError(f"{where}: the state refers to array {path!r}, which the manifest lacks")
         here = f"{where}: {path}"
-        if isinstance(live, np.ndarray) and tag == "$ndarray" and live.flags.writeable and live.flags.c_contiguous:
-            live_placed = placement_of(torch.from_numpy(live), where=here)
+        view = _numpy_view(live) if isinstance(live, np.ndarray) and tag == "$ndarray" else None
+        if view is not None:
+            live_placed = placement_of(view, where=here)
         else:
             live_placed = placement_of(live, where=here) if tag == "$tensor" else None
         if live_placed is not None:
@@ -128,7 +129,7 @@ def prepare(
                     f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
                     f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
                 )
-            items.append(ReadItem(rec, local, offsets, fresh=isinstance(live, FreshShard)))
+            items.append(ReadItem(rec, local, offsets, fresh=isinstance(live, FreshShard), borrowed=view is not None))
             return live
         dest = _allocate(rec, where=here)
         items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))
@@ -204,6 +205,18 @@ def _update_in_place(live: Any, new: Any) -> bool:
                 live[i] = v
         return True
     return False
+
+
+def _numpy_view(live: np.ndarray) -> torch.Tensor | None:
+    """A tensor over a live numpy array's own memory, for a restore to fill it in place (the
+    array stays the object the state and its owner hold); None where it cannot be written
+    (read-only) or viewed (negative strides): then it is replaced by a new array."""
+    if not live.flags.writeable:
+        return None
+    try:
+        return torch.from_numpy(live)
+    except ValueError:
+        return None
 
 
 def _allocate(rec: ArrayRecord, *, where: str) -> torch.Tensor:

@@ -256,8 +256,8 @@ def _restore_step(
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         reads, live = staged(items, arena)
         pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
-        in_pool = sum(b.numel() * b.element_size() for _, b in live if b.untyped_storage().data_ptr() == pool_memory)
-        on_device = sum(b.numel() * b.element_size() for _, b in live if b.is_cuda)
+        in_pool = sum(b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory)
+        on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
         try:
             nbytes = move_chunks(
                 tier,

@@ -29,23 +29,27 @@ class ReadItem:
     dest: torch.Tensor  # shape and dtype already checked; any device
     offsets: tuple[int, ...]  # where dest sits in the global array
     fresh: bool = False  # dest is a new tensor, not (part of) the live state
+    borrowed: bool = False  # dest views memory another library owns (a numpy array's): copied into, never swapped
 
     @property
     def need(self) -> Need:
         return Need(self.record.path, self.offsets, tuple(self.dest.shape))
 
 
-def staged(
-    items: Sequence[ReadItem], arena: torch.Tensor | None = None
-) -> tuple[list[ReadItem], list[tuple[torch.Tensor, torch.Tensor]]]:
+StagedCopy = tuple[torch.Tensor, torch.Tensor, bool]
+"""(live tensor, the new memory its data is read into, whether the live tensor may take that memory
+over or must be copied into)."""
+
+
+def staged(items: Sequence[ReadItem], arena: torch.Tensor | None = None) -> tuple[list[ReadItem], list[StagedCopy]]:
     """The same reads with every live destination swapped for a new tensor, and the (live,
-    staged) pairs to ``copy_in`` once every chunk is verified: a restore that fails part-way
+    staged, ownable) triples to ``copy_in`` once every chunk is verified: a restore that fails part-way
     leaves the live state as it was. The tensors are carved out of ``arena`` (uint8 memory the
     process holds resident, at least ``staging_bytes(items)``) where given, else new. A GPU
     tensor is staged on its GPU where the GPU has room for all of them (chunks are copied up as
     they are verified, see ``read.move_chunks``), else in new page-locked memory."""
     out: list[ReadItem] = []
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs: list[StagedCopy] = []
     pos = 0
     on_device = device_room(items) if arena is None or not arena.is_pinned() else set()
     for item in items:
@@ -65,7 +69,7 @@ def staged(
         else:  # page-locked memory starts on a page as it is
             buf = torch.empty(tuple(live.shape), dtype=live.dtype, pin_memory=True)
         out.append(ReadItem(item.record, buf, item.offsets, fresh=True))
-        pairs.append((live, buf))
+        pairs.append((live, buf, not item.borrowed))
     return out, pairs
 
 
@@ -113,20 +117,21 @@ def _arena_align(pos: int, n: int) -> int:
     return -(-pos // align) * align
 
 
-def copy_in(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, swap: bool = True) -> None:
+def copy_in(pairs: Sequence[StagedCopy], *, swap: bool = True) -> None:
     """Hand verified, staged data to the live tensors (see ``staged``): with ``swap`` (staged in
     new memory, not an arena), a live CPU tensor that is the whole of its memory takes the staged
     memory over (``_swappable``: every tensor that shares that memory, a module's parameter behind a
     ``state_dict()`` alias, sees the restored values, and nothing is copied); the others are copied
-    into."""
+    into. So is a tensor over a numpy array's memory (not ownable): the array would go on pointing
+    at its old memory, which only the tensor's storage would have let go."""
     with torch.no_grad():
-        for live, buf in pairs:
-            if swap and _swappable(live, buf):
+        for live, buf, ownable in pairs:
+            if swap and ownable and _swappable(live, buf):
                 live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
                 torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
             else:
                 live.copy_(buf, non_blocking=live.is_cuda)
-    for device in {live.device for live, _ in pairs if live.is_cuda}:
+    for device in {live.device for live, _, _ in pairs if live.is_cuda}:
         # Only these copies are waited for (the staged memory goes back to its owner after),
         # never the whole device: the current stream's own event, not torch.cuda.synchronize().
         done = torch.cuda.Event()
