@@ -180,6 +180,31 @@ def test_incompatible_shapes_or_dtypes_are_refused_before_anything_is_overwritte
     assert_identical(before, live)
 
 
+@pytest.mark.parametrize(
+    ("saved", "live", "message"),
+    [
+        (np.arange(100, dtype=np.int16), np.zeros(100, dtype=object), r"n/0: checkpoint has int16\[100\], .* numpy array of object\[100\]"),
+        (np.arange(100, dtype=np.int16), np.zeros(100, dtype="U3"), r"n/0: checkpoint has int16\[100\], .* numpy array of <U3\[100\]"),
+        (np.arange(100, dtype=np.int16), np.zeros(50, dtype=np.int16), r"n/0: checkpoint has int16\[100\], .* numpy array of int16\[50\]"),
+        (np.arange(100, dtype=np.int16), np.zeros(100, dtype=np.int32), r"n/0: checkpoint has int16\[100\], .* numpy array of int32\[100\]"),
+        (torch.arange(100, dtype=torch.int16), np.zeros(100, dtype=np.int32), r"n/0: checkpoint has int16\[100\], .* numpy array of int32\[100\]"),
+        (np.arange(100, dtype=np.int16), torch.zeros(100, dtype=torch.int32), r"n/0: checkpoint has int16\[100\], the state to restore into has int32\[100\]"),
+    ],
+    ids=["object array", "str array", "shape", "dtype", "tensor saved", "array saved"],
+)  # fmt: skip
+def test_a_numpy_array_or_tensor_that_does_not_fit_is_refused_before_anything_is_overwritten(
+    ckpt_dir: Path, saved: Any, live: Any, message: str
+) -> None:
+    with Checkpointer({"w": torch.arange(8.0), "n": [saved]}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    state: dict[str, Any] = {"w": torch.zeros(8), "n": [live]}
+    before = live.copy() if isinstance(live, np.ndarray) else live.clone()
+    with Checkpointer(state, local=ckpt_dir) as ck, pytest.raises(IncompatibleStateError, match=message):
+        ck.restore()
+    assert state["n"][0] is live and type(live) is type(before) and (live == before).all()
+    assert torch.equal(state["w"], torch.zeros(8))
+
+
 def test_missing_keys_and_tensors_are_named(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     with (

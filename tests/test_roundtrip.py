@@ -375,3 +375,16 @@ def test_restore_fills_live_numpy_arrays_in_place_wherever_they_are_nested(ckpt_
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(got, want, equal_nan=want.dtype.kind == "f") and got.tobytes() == want.tobytes()
 
+
+def test_a_tensor_and_a_numpy_array_of_one_shape_and_dtype_restore_into_each_other(ckpt_dir: Path) -> None:
+    """Which of the two was saved does not matter, as the device a tensor was saved from does not:
+    the live array or tensor is written into, and stays what the state holds."""
+    saved = {"t": torch.arange(12, dtype=torch.float32).reshape(3, 4), "a": np.arange(6, dtype=np.int16)}
+    with Checkpointer(saved, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    as_array, as_tensor = np.zeros((3, 4), np.float32), torch.zeros(6, dtype=torch.int16)
+    live: dict[str, Any] = {"t": as_array, "a": as_tensor}
+    with Checkpointer(live, local=ckpt_dir) as ck:
+        assert ck.restore() == 1
+    assert live["t"] is as_array and as_array.dtype == np.float32 and np.array_equal(as_array, saved["t"].numpy())
+    assert live["a"] is as_tensor and torch.equal(as_tensor, torch.from_numpy(saved["a"]))

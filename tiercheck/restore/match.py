@@ -117,11 +117,10 @@ def prepare(
         if rec is None:
             raise CorruptCheckpointError(f"{where}: the state refers to array {path!r}, which the manifest lacks")
         here = f"{where}: {path}"
-        view = _numpy_view(live) if isinstance(live, np.ndarray) and tag == "$ndarray" else None
-        if view is not None:
-            live_placed = placement_of(view, where=here)
-        else:
-            live_placed = placement_of(live, where=here) if tag == "$tensor" else None
+        # The live value decides how it is filled, as a tensor's device does: a tensor or numpy
+        # array of the saved shape and dtype is written into, whichever of the two was saved.
+        view = _numpy_view(live, rec, where=here) if isinstance(live, np.ndarray) else None
+        live_placed = placement_of(live if view is None else view, where=here)
         if live_placed is not None:
             local, global_shape, offsets = live_placed
             if global_shape != rec.shape or dtype_name(local.dtype) != rec.dtype:
@@ -133,7 +132,7 @@ def prepare(
             return live
         dest = _allocate(rec, where=here)
         items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))
-        return dest.numpy() if tag == "$ndarray" else dest
+        return dest.numpy() if tag == "$ndarray" or isinstance(live, np.ndarray) else dest
 
     keys = list(tree) if fresh else list(state)
     missing = [k for k in keys if k not in tree]
@@ -207,10 +206,17 @@ def _update_in_place(live: Any, new: Any) -> bool:
     return False
 
 
-def _numpy_view(live: np.ndarray) -> torch.Tensor | None:
+def _numpy_view(live: np.ndarray, rec: ArrayRecord, *, where: str) -> torch.Tensor | None:
     """A tensor over a live numpy array's own memory, for a restore to fill it in place (the
     array stays the object the state and its owner hold); None where it cannot be written
-    (read-only) or viewed (negative strides): then it is replaced by a new array."""
+    (read-only) or viewed (negative strides): then it is replaced by a new array. An array of
+    another shape or dtype (an object array, a byte order torch cannot view) is refused, as a
+    tensor is, before torch is asked to view it."""
+    if live.shape != rec.shape or live.dtype.name != rec.dtype or not live.dtype.isnative:
+        raise IncompatibleStateError(
+            f"{where}: checkpoint has {rec.dtype}{list(rec.shape)}, "
+            f"the state to restore into has a numpy array of {live.dtype}{list(live.shape)}"
+        )
     if not live.flags.writeable:
         return None
     try:
