@@ -3,12 +3,13 @@ damage one on purpose."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tiercheck.format.codec import CHECKSUM_BYTES, unseal
+from tiercheck.format.codec import CHECKSUM_BYTES, checksum, seal, unseal
 from tiercheck.format.manifest import RankPart, parse_rank_part
 from tiercheck.format.paths import pack_file
 from tiercheck.tiers.local import LocalTier, resident_pages
@@ -53,10 +54,6 @@ def step_parts(step: Path) -> list[RankPart]:
 def as_format3(step: Path) -> None:
     """Rewrite the single-node step directory ``step`` as format 3 laid it out: each chunk its own
     file ``<array>/<key>`` (data and trailer), no packs, the parts without offsets; re-signed."""
-    import json
-
-    from tiercheck.format.codec import checksum, seal
-
     for part_path in sorted((step / "manifest").glob("rank-*.json")):
         rank = int(part_path.stem.split("-")[1])
         doc = json.loads(unseal(part_path.read_bytes(), where=str(part_path)))
@@ -76,7 +73,12 @@ def as_format3(step: Path) -> None:
     index["format_version"] = 3
     index["parts"].pop("packs", None)
     index["parts"].pop("refs", None)
-    data = json.dumps(index).encode()
+    resign_index(step, json.dumps(index).encode())
+
+
+def resign_index(step: Path, data: bytes) -> None:
+    """Write ``data`` as ``step``'s manifest.json and sign it in its COMMIT (size and CRC32C), so
+    that a reader parses it instead of refusing it as damaged."""
     (step / "manifest.json").write_bytes(data)
     marker = json.loads((step / "COMMIT").read_bytes())
     marker.update(manifest_crc32c=checksum(data), manifest_size=len(data))

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import tiercheck
 from tests.conftest import assert_identical
-from tests.ondisk import chunk_span, flip_chunk_byte
+from tests.ondisk import chunk_span, flip_chunk_byte, resign_index
 from tiercheck import Checkpointer, WriteOptions
 from tiercheck.cli import main
 from tiercheck.errors import (
@@ -396,10 +396,9 @@ def test_json_nested_5000_deep_is_reported_not_a_recursion_error(ckpt_dir: Path,
     step = ckpt_dir / "step-00000003"
     doc = ("[" * 5000 + "]" * 5000).encode()  # json.loads raises RecursionError on it
     if name == "manifest.json":  # re-signed, so that it is parsed
-        marker = json.loads((step / "COMMIT").read_bytes())
-        marker.update(manifest_crc32c=checksum(doc), manifest_size=len(doc))
-        (step / "COMMIT").write_text(json.dumps(marker))
-    (step / name).write_bytes(seal(doc) if name.startswith("manifest/") else doc)
+        resign_index(step, doc)
+    else:
+        (step / name).write_bytes(seal(doc) if name.startswith("manifest/") else doc)
     with pytest.raises((CorruptCheckpointError, CheckpointNotFoundError), match=r"step 3|step-00000003"):
         tiercheck.load(ckpt_dir, 3)
     live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
@@ -686,11 +685,7 @@ def _index_naming_step(step: Path, named: int) -> None:
     leaves it."""
     index = json.loads((step / "manifest.json").read_bytes())
     index["step"] = named
-    data = json.dumps(index).encode()
-    (step / "manifest.json").write_bytes(data)
-    marker = json.loads((step / "COMMIT").read_bytes())
-    marker.update(manifest_crc32c=checksum(data), manifest_size=len(data))
-    (step / "COMMIT").write_text(json.dumps(marker))
+    resign_index(step, json.dumps(index).encode())
 
 
 def test_a_step_whose_index_names_another_step_is_damaged_for_restore_as_for_load(ckpt_dir: Path) -> None:

@@ -31,7 +31,7 @@ from tiercheck.format.layout import Chunk, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
-from tiercheck.restore.stage import Bounce, ReadItem
+from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
 from tiercheck.state.flatten import torch_dtype
 from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
@@ -238,13 +238,10 @@ def move_chunks(
         """A run bound for GPU memory: read whole (around the page cache where it can) into a
         page-locked buffer, each chunk verified, then copied up on the bounce stream while the
         next runs are read. The buffer is reused once those copies are done."""
-        first, last = run[0], run[-1]
-        file, start = records[first.path].location(first.chunk.key)
-        _, last_offset = records[last.path].location(last.chunk.key)
-        assert start is not None and last_offset is not None
-        start = start // BLOCK * BLOCK
-        end = last_offset + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES
-        with bounce.lend(-(-(end - start) // BLOCK) * BLOCK) as buf:
+        span = run_span(records, run)
+        assert span is not None
+        file, start, end = span
+        with bounce.lend(whole_blocks(end - start)) as buf:
             try:
                 n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", start, [buf.numpy().data], direct=True)
             except OSError:
@@ -358,7 +355,7 @@ class _RunLayout:
         last = slots[-1]
         end = last.offset + last.nbytes + CHECKSUM_BYTES
         layout = cls(slots[0].offset // BLOCK * BLOCK, end, direct=True)
-        hi = -(-end // BLOCK) * BLOCK
+        hi = whole_blocks(end)
         bodies = [
             0
             if s.target is None or s.offset % BLOCK or s.target.data_ptr() % BLOCK

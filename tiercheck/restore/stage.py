@@ -160,6 +160,23 @@ def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
     )
 
 
+def whole_blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole blocks of the local tier's direct I/O."""
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def run_span(records: dict[str, ArrayRecord], run: Sequence[Read]) -> tuple[str, int, int] | None:
+    """Where a run of chunks lies in its pack: (file, start, end), from the block its first chunk
+    starts in to the end of its last chunk's checksum; None for a read that is not in a pack."""
+    first, last = run[0], run[-1]
+    file, start = records[first.path].location(first.chunk.key)
+    _, last_offset = records[last.path].location(last.chunk.key)
+    if first.remote or start is None or last_offset is None:
+        return None
+    end = last_offset + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES
+    return file, start // BLOCK * BLOCK, end
+
+
 class Bounce:
     """Page-locked buffers, each starting on a block, that runs bound for one GPU are read into:
     a few runs' worth, allocated once per restore (not a whole state's worth of page-locked
@@ -189,16 +206,10 @@ class Bounce:
         devices = {i.dest.device for i in items if i.dest.is_cuda}
         if len(devices) != 1 or not tier.vectored_reads:
             return None
-        spans = []
-        for run in runs:
-            first, last = run[0], run[-1]
-            _, a = records[first.path].location(first.chunk.key)
-            _, b = records[last.path].location(last.chunk.key)
-            if not first.remote and a is not None and b is not None:
-                spans.append(b + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES - a // BLOCK * BLOCK)
+        spans = [span for span in (run_span(records, run) for run in runs) if span is not None]
         if not spans:
             return None
-        return cls(devices.pop(), -(-max(spans) // BLOCK) * BLOCK, threads + 1)
+        return cls(devices.pop(), max(whole_blocks(end - start) for _, start, end in spans), threads + 1)
 
     @contextlib.contextmanager
     def lend(self, nbytes: int) -> Iterator[torch.Tensor]:
