@@ -35,7 +35,7 @@ from tiercheck.dist.assign import LeafDesc, Need, WriteAssignment, assign_all_re
 from tiercheck.dist.coordination import Coordinator, Nodes, join_nodes, lockstep
 from tiercheck.dist.job import Job
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
-from tiercheck.format.manifest import Manifest, RankPart, owners_bytes, shard_bytes
+from tiercheck.format.manifest import Manifest, RankPart, new_save_id, owners_bytes, shard_bytes
 from tiercheck.restore.agree import agree_on_step, settle
 from tiercheck.restore.plan import find_holders, plan_restore
 from tiercheck.restore.protocol import manifest_for
@@ -392,9 +392,10 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
                     RankOutcome(
                         step=1,
                         attempt=0,
-                        part=seal(RankPart(_tree(descs), crcs, offsets, sizes).to_bytes()),
-                        shard=seal(shard_bytes(plan.shard)) if plan.shard else None,
-                        owners=seal(owners_bytes(plan.shard)) if plan.shard else None,
+                        save_id=(save := new_save_id(nodes[r].run, 1, 0)),
+                        part=seal(RankPart(_tree(descs), crcs, offsets, sizes, save).to_bytes()),
+                        shard=seal(shard_bytes(plan.shard, save)) if plan.shard else None,
+                        owners=seal(owners_bytes(plan.shard, save)) if plan.shard else None,
                         metadata={"simulated": True},
                         library_version=__version__,
                     ),

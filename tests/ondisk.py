@@ -19,7 +19,7 @@ def chunk_span(step: Path, array: str, key: str) -> tuple[Path, int, int]:
     """The pack holding chunk ``key`` of ``array`` in the step directory ``step``, the chunk's
     offset there, and its length (data and checksum trailer)."""
     for part_path in sorted((step / "manifest").glob("rank-*.json")):
-        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path))
+        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path), save=None)
         if key in part.offsets.get(array, {}):
             rank = int(part_path.stem.split("-")[1])
             return step / pack_file(rank), part.offsets[array][key], part.chunk_bytes[array] + CHECKSUM_BYTES
@@ -30,7 +30,7 @@ def chunks_of(step: Path, array: str) -> list[str]:
     """The keys of every chunk of ``array`` the parts in ``step`` list, sorted."""
     keys: set[str] = set()
     for part_path in (step / "manifest").glob("rank-*.json"):
-        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path))
+        part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path), save=None)
         keys.update(part.offsets.get(array, {}))
     return sorted(keys)
 
@@ -47,7 +47,9 @@ def step_parts(step: Path) -> list[RankPart]:
     """The rank parts of the manifest in the step directory ``step`` (those of its node's ranks)."""
     out = []
     for part_path in sorted((step / "manifest").glob("rank-*.json")):
-        out.append(parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path)))
+        out.append(
+            parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path), save=None)
+        )
     return out
 
 
@@ -73,6 +75,25 @@ def as_format3(step: Path) -> None:
     index["format_version"] = 3
     index["parts"].pop("packs", None)
     index["parts"].pop("refs", None)
+    resign_index(step, json.dumps(index).encode())
+
+
+def as_format4(step: Path) -> None:
+    """Rewrite the step directory ``step`` as format 4 wrote it: as 5, but no file names its save."""
+    for part_path in sorted((step / "manifest").glob("*.json")):
+        doc = json.loads(unseal(part_path.read_bytes(), where=str(part_path)))
+        del doc["save_id"]
+        part_path.write_bytes(seal(json.dumps(doc).encode()))
+    for refs in sorted((step / "refs").glob("*.json")):
+        doc = json.loads(refs.read_bytes())
+        del doc["tiercheck"]
+        refs.write_text(json.dumps(doc))
+    index = json.loads((step / "manifest.json").read_bytes())
+    index["format_version"] = 4
+    del index["save_id"]
+    marker = json.loads((step / "COMMIT").read_bytes())
+    del marker["save_id"]
+    (step / "COMMIT").write_text(json.dumps(marker))
     resign_index(step, json.dumps(index).encode())
 
 

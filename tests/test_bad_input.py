@@ -259,11 +259,12 @@ def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     edit(doc)  # type: ignore[operator]
     arrays, trees = doc.pop("arrays"), doc.pop("trees")
     crcs = {path: rec.pop("crc32c") for path, rec in arrays.items()}
-    (d / part_file(0)).write_bytes(seal(json.dumps({"tree": trees[0], "crc32c": crcs}).encode()))
-    (d / shard_file(0)).write_bytes(seal(json.dumps({"arrays": arrays}).encode()))
+    save = {"save_id": part["save_id"]}  # the save's own id, as every file of the step names it
+    (d / part_file(0)).write_bytes(seal(json.dumps({**save, "tree": trees[0], "crc32c": crcs}).encode()))
+    (d / shard_file(0)).write_bytes(seal(json.dumps({**save, "arrays": arrays}).encode()))
     data = json.dumps(doc).encode()
     (d / "manifest.json").write_bytes(data)
-    marker = {"format": "tiercheck", "step": step, "manifest_crc32c": checksum(data), "manifest_size": len(data)}
+    marker = {"format": "tiercheck", "step": step, "manifest_crc32c": checksum(data), "manifest_size": len(data), **save}
     (d / "COMMIT").write_text(json.dumps(marker))
 
 

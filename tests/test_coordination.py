@@ -20,7 +20,7 @@ from tiercheck.dist.job import Job
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import seal
 from tiercheck.format.layout import chunks_in_box
-from tiercheck.format.manifest import RankPart, owners_bytes, shard_bytes
+from tiercheck.format.manifest import RankPart, new_save_id, owners_bytes, shard_bytes
 from tiercheck.format.paths import part_file
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
@@ -53,15 +53,17 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
         for t in plan.tasks:
             crcs.setdefault(per_rank[c.rank][t.leaf].path, {})[t.chunk.key] = c.rank
         tree = {"model": {d.path: {"$tensor": d.path} for d in per_rank[c.rank]}, "rank": c.rank}
-        part = seal(RankPart(tree, crcs, {}, {}).to_bytes())
-        shard = seal(shard_bytes(plan.shard)) if plan.shard else None
-        owners = seal(owners_bytes(plan.shard)) if plan.shard else None
+        save = new_save_id(nodes[c.rank].run, 1, 0)
+        part = seal(RankPart(tree, crcs, {}, {}, save).to_bytes())
+        shard = seal(shard_bytes(plan.shard, save)) if plan.shard else None
+        owners = seal(owners_bytes(plan.shard, save)) if plan.shard else None
         commits.append(
             commit_save(
                 Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank]),
                 RankOutcome(
                     step=1,
                     attempt=0,
+                    save_id=save,
                     part=part,
                     shard=shard,
                     owners=owners,

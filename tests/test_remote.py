@@ -6,6 +6,7 @@ Every test runs against each remote: a parallel-filesystem directory (file://), 
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,8 @@ from tests.ondisk import flip_chunk_byte
 from tests.plainzarr import open_step
 from tiercheck import Checkpointer
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.format.paths import step_dir
-from tiercheck.format.steps import list_steps
+from tiercheck.format.paths import copying_marker, step_dir
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions, WriteOptions
 from tiercheck.tiering.drain import upload_step
 from tiercheck.tiers.base import Buffer, Tier
@@ -172,8 +173,11 @@ def test_an_interrupted_drain_resumes_without_sending_complete_files_again(tmp_p
     with Checkpointer(state, local=local) as ck:  # a run whose drain never happened
         ck.save(1)
         ck.save(2)
-    # Half of step 2's files reached the remote before the job ended.
+    # Half of step 2's files reached the remote before the job ended, under the marker naming their
+    # save that a drain writes before its first file.
     tier = remote.tier()
+    save_id = read_marker(LocalTier(local), 2).save_id
+    tier.write(f"{step_dir(2)}/{copying_marker(0)}", [json.dumps({"save_id": save_id}).encode()])
     files = sorted(p for p in (local / step_dir(2)).rglob("*") if p.is_file() and p.name not in ("COMMIT",))
     data = [p for p in files if p.name != "manifest.json"]  # the pack, the manifest parts, the refs
     data.sort(key=lambda p: p.parent.name != "packs")  # the pack among the three that made it

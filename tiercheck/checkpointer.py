@@ -21,7 +21,7 @@ from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive
 from tiercheck.dist.job import Job
 from tiercheck.dist.lock import DirectoryLock, lock_node
 from tiercheck.errors import StepExistsError
-from tiercheck.format.manifest import JSON
+from tiercheck.format.manifest import JSON, new_save_id
 from tiercheck.format.metadata import encode as encode_metadata
 from tiercheck.format.steps import list_steps
 from tiercheck.options import (
@@ -225,6 +225,7 @@ class Checkpointer:
                 tree=tree,
                 metadata=metadata,
                 attempt=self._attempts[step],
+                save_id=new_save_id(self._nodes.run, step, self._attempts[step]),
                 handle=handle,
                 t_call=t_call,
                 ready=record_ready(leaves),

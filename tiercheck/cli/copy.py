@@ -32,6 +32,7 @@ from tiercheck.cli.common import (
     step_value,
     typed_options,
 )
+from tiercheck.dist.lock import DirectoryLock
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
@@ -66,7 +67,9 @@ def restore_command(
 
     Copies in parallel, verifies every chunk's checksum on the way, and commits the step in DIR
     only when every file is there, so the job's restore() then reads locally. Interrupted, it
-    resumes: files already in DIR with the right size are not copied again.
+    resumes: files a copy of the same save left in DIR are not copied again (any other file of
+    the step there is replaced). It holds DIR's writer lock, as a job does: it refuses a directory
+    a job is writing, and a job cannot start there while it copies.
     """  # fmt: skip
     with errors_as_one_line():
         src = ctx.tier(source)
@@ -80,14 +83,27 @@ def restore_command(
                 asked = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
                 raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {asked}")
             wanted = {r for a, b in spans for r in range(a, b + 1)}
-        if n in list_steps(dst).committed:
-            out.print(f"step {n} is already committed in {dst.url}; nothing to do")
-            return
         total_hint = step_bytes(read_manifest(src, n))
+        lock = None
         if dst.local_path is not None:  # only now: a refused restore leaves no new directory behind
             dst.local_path.mkdir(parents=True, exist_ok=True)
-        with progress(ctx, f"step {n}", total_hint) as report:
-            result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+            lock = DirectoryLock(dst.local_path)
+            lock.acquire()  # a job's Checkpointer would delete the copy in flight as a partial step
+        try:
+            if n in list_steps(dst).committed:
+                have, want = read_marker(dst, n).save_id, read_marker(src, n).save_id
+                if have != want:
+                    fail(
+                        f"{dst.url} holds another save of step {n} (save {have}; {src.url} has save {want}): "
+                        f"delete {step_dir(n)} there to restore this one"
+                    )
+                out.print(f"step {n} is already committed in {dst.url}; nothing to do")
+                return
+            with progress(ctx, f"step {n}", total_hint) as report:
+                result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+        finally:
+            if lock is not None:
+                lock.release()
         out.print(
             f"restored step {n} to {dst.url}: {result.files_copied} files copied "
             f"({human(result.bytes_copied)}), {result.files_already_there} already there, {result.seconds:.1f} s"

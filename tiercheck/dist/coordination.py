@@ -256,6 +256,7 @@ class Nodes:
 
     ranks: tuple[int, ...]  # of this node, ascending
     count: int
+    run: str = ""  # random, the same on every rank of the job: save ids are made from it
 
     @property
     def leader(self) -> int:
@@ -268,15 +269,18 @@ def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
     mine = coord.post(bucket, str(coord.rank))
     if mine == 1:
         coord.add(coord.key("nodes", "count"), 1)
+    if coord.rank == 0:
+        coord.set(coord.key("nodes", "run"), uuid.uuid4().hex)
     yield coord.arrive("nodes/joined", what="every rank to name its node directory")
     members = sorted(int(v) for v in coord.collect(bucket, forget=False))
     count = coord.add(coord.key("nodes", "count"), 0)
+    run = coord.get(coord.key("nodes", "run")).decode()
     yield coord.arrive("nodes/read", what="every rank to read its node's members")
     coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
     if coord.rank == 0:
-        coord.delete(coord.key("nodes", "count"))
+        coord.delete(coord.key("nodes", "count"), coord.key("nodes", "run"))
     coord.finish("nodes")
-    return Nodes(tuple(members), count)
+    return Nodes(tuple(members), count, run)
 
 
 def _own_client(store: Any, timeout_s: float) -> Any:

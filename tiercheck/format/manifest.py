@@ -7,6 +7,7 @@ validates types and refuses any array path that could leave the step's directory
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -204,6 +205,7 @@ class Manifest:
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
     format_version: int = WHOLE_FORMAT  # as read; 3 for one assembled from its parts
+    save_id: str | None = None  # format 5: the save that wrote the step and every file of it
 
     def to_bytes(self) -> bytes:
         """The whole manifest as one document: format 2, which every tiercheck since reads."""
@@ -275,6 +277,7 @@ class ManifestIndex:
     nodes: int
     metadata: JSON = None
     format_version: int = FORMAT_VERSION
+    save_id: str | None = None  # format 5: the save that wrote the step (None before)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -282,6 +285,7 @@ class ManifestIndex:
             "format_version": self.format_version,
             "library_version": self.library_version,
             "step": self.step,
+            **({"save_id": self.save_id} if self.save_id is not None else {}),
             "created_unix": self.created_unix,
             "world_size": self.world_size,
             "topology": {"world_size": self.world_size, "nodes": self.nodes},
@@ -308,6 +312,7 @@ class ManifestIndex:
                 nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
                 metadata=decode_metadata(doc.get("metadata"), where=where),
                 format_version=_nonneg_int(doc["format_version"]),
+                save_id=save_id_of(doc, where=where),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
@@ -336,6 +341,47 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None 
     return doc
 
 
+SAVE_ID_FORMAT = 5  # the first format whose every file names the save that wrote it
+REFS_STAMP = "tiercheck"  # the key of a reference map naming its step and save (kerchunk readers pass it by)
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_save_id(run: str, step: int, attempt: int) -> str:
+    """The id of one save: the same on every rank of the job (``run`` is agreed once, when the
+    job's Checkpointer starts), unique to this run, step and attempt, and no two runs share a
+    ``run``. A step saved again (after a rollback, or by a later job) is another save."""
+    return hashlib.blake2b(f"{run}/{step}/{attempt}".encode(), digest_size=16).hexdigest()
+
+
+def save_id_of(doc: dict[str, JSON], *, where: str) -> str | None:
+    """The save id ``manifest.json`` (or a commit marker) states: required from format 5, None before."""
+    version = doc.get("format_version", SAVE_ID_FORMAT)
+    got = doc.get("save_id")
+    if got is None and isinstance(version, int) and version < SAVE_ID_FORMAT:
+        return None
+    if not isinstance(got, str) or not _SAVE_ID.fullmatch(got):
+        raise CorruptCheckpointError(f"{where}: save_id {str(got)[:80]!r} is not a save id (32 hex digits)")
+    return got
+
+
+def check_save(doc: JSON, save: str | None, *, where: str) -> None:
+    """A file of a step (a rank part, arrays or owners file, a reference map) must have been
+    written by the step's save ``save`` (``None``: a format before 5, whose files name none). A
+    file that names another save is another step's, another run's or another trajectory's: its
+    bits are consistent and wrong."""
+    if save is None:
+        return
+    got = doc.get("save_id") if isinstance(doc, dict) else None
+    if got != save:
+        raise CorruptCheckpointError(
+            f"{where}: written by save {str(got)[:40]!r}, not by this step's save {save!r} "
+            "(a file of another step, run or trajectory)"
+            if got is not None
+            else f"{where}: names no save, and this step's files name theirs ({save!r}): "
+            "a file of another step or format"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RankPart:
     """A saving rank's part of a format-3/4 manifest: its state tree, and the checksum (and in
@@ -345,9 +391,16 @@ class RankPart:
     checksums: dict[str, dict[str, int]]
     offsets: dict[str, dict[str, int]]  # empty in format 3: each chunk is its own file
     chunk_bytes: dict[str, int]  # format 4: each array's (padded) chunk size, to check a pack alone
+    save_id: str | None = None  # format 5: the save that wrote it (and its pack, via the checksums)
 
     def to_bytes(self) -> bytes:
-        doc = {"tree": self.tree, "crc32c": self.checksums, "offset": self.offsets, "nbytes": self.chunk_bytes}
+        doc = {
+            **_save_field(self.save_id),
+            "tree": self.tree,
+            "crc32c": self.checksums,
+            "offset": self.offsets,
+            "nbytes": self.chunk_bytes,
+        }
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
     def spans(self) -> list[tuple[int, int, str, str, int]]:
@@ -360,9 +413,15 @@ class RankPart:
         )
 
 
-def parse_rank_part(doc: bytes, *, where: str) -> RankPart:
+def _save_field(save: str | None) -> dict[str, str]:
+    return {} if save is None else {"save_id": save}
+
+
+def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
+    """A rank part, which must have been written by the step's save ``save`` (see ``check_save``)."""
     try:
         part = json.loads(doc)
+        check_save(part, save, where=where)
         checksums = {
             check_array_path(p, where=where): {str(k): _crc(v) for k, v in crcs.items()}
             for p, crcs in part["crc32c"].items()
@@ -378,43 +437,55 @@ def parse_rank_part(doc: bytes, *, where: str) -> RankPart:
             or not set(offsets) <= set(chunk_bytes)
         ):
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
-        return RankPart(part["tree"], checksums, offsets, chunk_bytes)
+        return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
+    except CorruptCheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest part ({e!r})") from None
 
 
-def shard_bytes(records: dict[str, ArrayRecord]) -> bytes:
+def shard_bytes(records: dict[str, ArrayRecord], save: str | None) -> bytes:
     """The arrays file of a coordinator: each array's dtype, kind, shape and chunks."""
     drop = ("crc32c", "owner", "offset")
     arrays = {path: {k: v for k, v in rec.to_json().items() if k not in drop} for path, rec in records.items()}
-    return json.dumps({"arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
+    return json.dumps({**_save_field(save), "arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
 
 
-def owners_bytes(records: dict[str, ArrayRecord]) -> bytes:
+def owners_bytes(records: dict[str, ArrayRecord], save: str | None) -> bytes:
     """The owners file of a coordinator: ``{"owner": {array path: {chunk key: writing rank}}}``."""
-    doc = {"owner": {path: rec.owners for path, rec in records.items()}}
+    doc = {**_save_field(save), "owner": {path: rec.owners for path, rec in records.items()}}
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
-def parse_owners(doc: bytes, *, where: str, only: set[str] | None = None) -> dict[str, dict[str, int]]:
+def parse_owners(
+    doc: bytes, *, where: str, save: str | None, only: set[str] | None = None
+) -> dict[str, dict[str, int]]:
     try:
-        owners = json.loads(doc)["owner"]
+        whole = json.loads(doc)
+        check_save(whole, save, where=where)
+        owners = whole["owner"]
         return {
             check_array_path(path, where=where): {str(k): _nonneg_int(v) for k, v in by_key.items()}
             for path, by_key in owners.items()
             if only is None or path in only
         }
+    except CorruptCheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed owners file ({e!r})") from None
 
 
-def parse_shard(doc: bytes, *, where: str, only: set[str] | None = None, owners: bool = True) -> dict[str, ArrayRecord]:
+def parse_shard(
+    doc: bytes, *, where: str, save: str | None, only: set[str] | None = None, owners: bool = True
+) -> dict[str, ArrayRecord]:
     """The array records (without checksums) of a coordinator's shard of the manifest: all of
     them, or those in ``only``; without the chunk owners unless ``owners`` (a restoring rank
     matching its state needs shapes and dtypes; only the rank planning an array's reads needs who
     wrote each chunk)."""
     try:
-        arrays = json.loads(doc)["arrays"]
+        whole = json.loads(doc)
+        check_save(whole, save, where=where)
+        arrays = whole["arrays"]
         if not isinstance(arrays, dict):
             raise TypeError("arrays must be an object")
         return {
@@ -422,6 +493,8 @@ def parse_shard(doc: bytes, *, where: str, only: set[str] | None = None, owners:
             for path, rec in arrays.items()
             if only is None or path in only
         }
+    except CorruptCheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest shard ({e!r})") from None
 
@@ -448,12 +521,14 @@ class CommitMarker:
     manifest_size: int
     ranks: tuple[int, ...] = (0,)  # saving ranks whose chunk files are in this directory (its node's)
     world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
+    save_id: str | None = None  # format 5: the manifest's; two tiers hold the same save where these agree
 
     def to_bytes(self) -> bytes:
         return json.dumps(
             {
                 "format": FORMAT_NAME,
                 "step": self.step,
+                **_save_field(self.save_id),
                 "manifest_crc32c": self.manifest_crc32c,
                 "manifest_size": self.manifest_size,
                 "ranks": list(self.ranks),
@@ -471,6 +546,7 @@ class CommitMarker:
                 manifest_size=_nonneg_int(doc["manifest_size"]),
                 ranks=tuple(_nonneg_int(r) for r in doc.get("ranks", [0])),
                 world_size=_world_size(doc.get("world_size", 1)),
+                save_id=None if doc.get("save_id") is None else save_id_of(doc, where=where),
             )
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: commit marker is damaged ({e!r})") from None

@@ -9,7 +9,7 @@ import functools
 import re
 
 FORMAT_NAME = "tiercheck"
-FORMAT_VERSION = 4  # 4: chunks in one pack file per rank; 3: the manifest in parts; 3, 2 and 1 are still read
+FORMAT_VERSION = 5  # 5: every file names its save; 4: chunks in one pack per rank; 3: the manifest in parts
 WHOLE_FORMAT = 2  # the last format with the whole manifest in one document
 MANIFEST_FILE = "manifest.json"  # since format 3 the step's index; before, the whole manifest
 COMMIT_FILE = "COMMIT"
@@ -91,7 +91,20 @@ LOCK_FILE = ".tiercheck-lock"
 
 NODE_FILE = ".tiercheck-node"
 
-DRAINED_PREFIX = "__drained."
+DRAINED_PREFIX = "__drained."  # + first rank + .json: a node's files of the step are on the remote
+
+
+def drained_marker(first_rank: int) -> str:
+    return f"{DRAINED_PREFIX}{first_rank:06d}.json"
+
+
+COPYING_PREFIX = "__copying."  # + first rank + .json: the save whose files a resumable copy puts here
+
+
+def copying_marker(first_rank: int) -> str:
+    """Written into a step directory before a copy (a drain, a pre-stage) puts any file of a save
+    there, naming that save: a copy resumed later trusts the files it finds only under its own."""
+    return f"{COPYING_PREFIX}{first_rank:06d}.json"
 
 CHUNK_FILE = re.compile(r"(^|/)c([./][0-9]+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
 

@@ -30,6 +30,7 @@ from tiercheck.format.manifest import (
     parse_owners,
     parse_rank_part,
     parse_shard,
+    save_id_of,
 )
 from tiercheck.format.paths import (
     COMMIT_FILE,
@@ -89,11 +90,21 @@ def list_steps(tier: Tier) -> StepListing:
     return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())), ignored)
 
 
-def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...] = (0,), world_size: int = 1) -> None:
+def commit_step(
+    tier: Tier,
+    step: int,
+    manifest: bytes,
+    *,
+    save_id: str | None,
+    ranks: tuple[int, ...] = (0,),
+    world_size: int = 1,
+) -> None:
     """Publish a step whose data files are all durably written (by every saving rank).
 
     ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
     ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
+    ``save_id`` is the manifest's (None for a format before 5): two tiers hold the same save of a
+    step where their commit markers name the same one.
     """
     d = step_dir(step)
     tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
@@ -104,6 +115,7 @@ def commit_step(tier: Tier, step: int, manifest: bytes, *, ranks: tuple[int, ...
         manifest_size=len(manifest),
         ranks=tuple(ranks),
         world_size=world_size,
+        save_id=save_id,
     )
     tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
 
@@ -162,6 +174,8 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
             f"{where}: {MANIFEST_FILE} is damaged (size or checksum differs from the commit marker)"
         )
     doc = parse_manifest_doc(data, where=where, step=step)
+    if save_id_of(doc, where=where) != marker.save_id:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} and {COMMIT_FILE} name different saves")
     return marker, doc, data
 
 
@@ -196,9 +210,9 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     return manifest
 
 
-def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
-    """The given saving ranks' parts of a format-3/4 manifest on this tier: their trees, and
-    the checksum and place of every chunk they wrote."""
+def rank_parts(tier: Tier, step: int, ranks: list[int], *, save: str | None) -> dict[int, RankPart]:
+    """The given saving ranks' parts of a format-3/4/5 manifest on this tier: their trees, and
+    the checksum and place of every chunk they wrote; each written by the step's save ``save``."""
     out: dict[int, RankPart] = {}
     for rank in ranks:
         path = f"{step_dir(step)}/{part_file(rank)}"
@@ -207,7 +221,7 @@ def rank_parts(tier: Tier, step: int, ranks: list[int]) -> dict[int, RankPart]:
             raw = read_small(tier, path, where=where)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where} is missing from a committed step") from None
-        out[rank] = parse_rank_part(unseal(raw, where=where), where=where)
+        out[rank] = parse_rank_part(unseal(raw, where=where), where=where, save=save)
     return out
 
 
@@ -244,14 +258,14 @@ def assemble(
         part = parts.get(rank) if parts is not None and kind == "rank" else None
         doc = unseal(raw, where=here) if part is None else b""
         if kind == "arrays":
-            arrays.update(parse_shard(doc, where=here, only=only, owners=owners))
+            arrays.update(parse_shard(doc, where=here, save=index.save_id, only=only, owners=owners))
             continue
         if kind == "owners":
             if owners:
-                writers.update(parse_owners(doc, where=here, only=only))
+                writers.update(parse_owners(doc, where=here, save=index.save_id, only=only))
             continue
         if part is None:
-            part = parse_rank_part(doc, where=here)
+            part = parse_rank_part(doc, where=here, save=index.save_id)
             if parts is not None:
                 parts[rank] = part
         got[rank] = part
@@ -300,4 +314,5 @@ def _manifest(
         metadata=index.metadata,
         topology={"world_size": index.world_size, "nodes": index.nodes},
         format_version=index.format_version,
+        save_id=index.save_id,
     )

@@ -84,7 +84,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
         if not marker.ranks:  # load refuses it: nothing here is anyone's
             bad.append(f"step {step}: the commit marker names no saving rank")
         if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
-            for rank, part in sorted(rank_parts(tier, step, held).items()):
+            for rank, part in sorted(rank_parts(tier, step, held, save=manifest.save_id).items()):
                 for path, crcs in sorted(part.checksums.items()):
                     rec = manifest.arrays.get(path)
                     if rec is None and whole:  # every shard is here: some record of the array must be

@@ -42,6 +42,7 @@ from tiercheck.format.manifest import (
     parse_owners,
     parse_rank_part,
     parse_shard,
+    save_id_of,
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.steps import manifest_file, read_index, read_small
@@ -63,6 +64,7 @@ class Step:
     here: frozenset[int]  # saving ranks whose files this node holds
     from_remote: bool  # the step is committed on the remote tier
     claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
+    save_id: str | None = None  # format 5: every manifest file read must name this save
 
 
 def find_holders(
@@ -114,7 +116,8 @@ def find_holders(
     where = f"{tier.url}: step {step}"
     doc = parse_manifest_doc(index, where=where, step=step)
     world = saving_world_size(doc, index, where=where)
-    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed))
+    save = save_id_of(doc, where=where)
+    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed), save)
 
 
 def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
@@ -316,13 +319,14 @@ def _coordinate_reads(
                 raw = _read(source, d, ("arrays", s))
                 where = f"{source.url}: {d}/{shard_file(s)}"
                 if raw:
-                    records = parse_shard(unseal(raw, where=where), where=where)
+                    records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
                     for path, rec in records.items():
                         _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
                     mine.update(records)
             raw = _read(source, d, ("owners", s))
             where = f"{source.url}: {d}/{owners_file(s)}"
-            for path, writers in (parse_owners(unseal(raw, where=where), where=where) if raw else {}).items():
+            owned = parse_owners(unseal(raw, where=where), where=where, save=st.save_id) if raw else {}
+            for path, writers in owned.items():
                 _check_owners(path, writers, st.world_size, where=where)
                 if path in mine:
                     mine[path] = mine[path].with_chunks(owners=writers)
@@ -405,7 +409,7 @@ def _checksums(
         if part is None:
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
-            part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where)
+            part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where, save=st.save_id)
         for path, key in chunks:
             if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")

@@ -232,21 +232,25 @@ def _restore_step(
     except CorruptCheckpointError as e:
         _leave(coord, name, claimed)
         raise _Damaged(step, e) from None
-    plan = drive(
-        coord,
-        plan_restore(
+    try:  # an arrays or owners file, or a part of a chunk's writer, damaged or of another save
+        plan = drive(
             coord,
-            name,
-            f"{name}/reads",
-            tier,
-            st,
-            remote,
-            [i.need for i in items],
-            manifest.arrays,
-            read_once=request.read_once,
-            parts=parts,
-        ),
-    )
+            plan_restore(
+                coord,
+                name,
+                f"{name}/reads",
+                tier,
+                st,
+                remote,
+                [i.need for i in items],
+                manifest.arrays,
+                read_once=request.read_once,
+                parts=parts,
+            ),
+        )
+    except CorruptCheckpointError as e:
+        _leave(coord, name, claimed)
+        raise _Damaged(step, e) from None
     moved: dict[str, int] = {}
     nbytes = 0
     if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into

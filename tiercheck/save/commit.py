@@ -28,6 +28,7 @@ class RankOutcome:
 
     step: int
     attempt: int  # the how-many-th save of this step in this job: a retry meets its own store keys
+    save_id: str  # the save's id, the same on every rank: in every file of the step
     part: bytes = b""  # this rank's part of the manifest (sealed)
     shard: bytes | None = None  # the arrays it coordinates (sealed), if any
     owners: bytes | None = None  # their chunks' writers (sealed), if any
@@ -82,8 +83,9 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
                 world_size=world,
                 nodes=nodes.count,
                 metadata=meta["metadata"],
+                save_id=outcome.save_id,
             )
-            commit_step(tier, step, index.to_bytes(), ranks=nodes.ranks, world_size=world)
+            commit_step(tier, step, index.to_bytes(), save_id=outcome.save_id, ranks=nodes.ranks, world_size=world)
             if coord.add(coord.key(name, "nodes"), 1) == nodes.count:
                 coord.decide(done, "ok")
         except BaseException as e:
@@ -119,6 +121,7 @@ def commit_job(job: Job, save: SaveJob, *, library_version: str) -> None:
     outcome = RankOutcome(
         step=save.step,
         attempt=save.attempt,
+        save_id=save.save_id,
         part=part,
         shard=shard,
         owners=owners,

@@ -75,6 +75,7 @@ class SaveJob:
     tree: JSON
     metadata: JSON
     attempt: int  # how many earlier saves of this step number this Checkpointer started
+    save_id: str  # names this save in every file it writes (``format.manifest.new_save_id``)
     handle: SaveHandle
     t_call: float
     ready: torch.cuda.Event | None = None  # recorded on the training stream at save()
@@ -97,10 +98,11 @@ class SaveJob:
         for t in self.plan.tasks:
             offsets.setdefault(t.path, {})[t.chunk.key] = t.offset
         sizes = {t.path: t.nbytes for t in self.plan.tasks}
-        part = seal(RankPart(self.tree, self.checksums, offsets, sizes).to_bytes())
+        save = self.save_id
+        part = seal(RankPart(self.tree, self.checksums, offsets, sizes, save).to_bytes())
         if not self.plan.shard:
             return part, None, None
-        return part, seal(shard_bytes(self.plan.shard)), seal(owners_bytes(self.plan.shard))
+        return part, seal(shard_bytes(self.plan.shard, save)), seal(owners_bytes(self.plan.shard, save))
 
 
 def record_ready(leaves: list[Leaf]) -> torch.cuda.Event | None:

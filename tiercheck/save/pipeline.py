@@ -24,7 +24,7 @@ from tiercheck.errors import StepExistsError
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
 from tiercheck.save.handle import SaveJob, WriteRequest
-from tiercheck.save.plan import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes
+from tiercheck.save.plan import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes, stamp_reference_map
 from tiercheck.state.staging import HostPool, Region, chunk_views, copy_pieces, set_copy_threads
 from tiercheck.tiers.local import LocalTier
 
@@ -138,7 +138,8 @@ class Pipeline:
         if self.pool.capacity < need:  # bounded below one snapshot: runs of half the pool at most
             runs = plan_runs(job.leaves, eager, lazy, self.pool.capacity // 2)
         if plan.refs:
-            self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[plan.refs]))
+            refs = stamp_reference_map(plan.refs, step=job.step, save=job.save_id)
+            self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[refs]))
         if plan.tasks:
             job.pack = self.tier.open_pack(f"{d}/{pack_file(plan.rank)}")
         events: list[torch.cuda.Event] = []

@@ -42,7 +42,7 @@ from tiercheck.dist.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
-from tiercheck.format.manifest import ArrayRecord
+from tiercheck.format.manifest import REFS_STAMP, ArrayRecord
 from tiercheck.format.paths import pack_file
 from tiercheck.state.flatten import Leaf, dtype_name
 from tiercheck.state.staging import ALIGN, align_up
@@ -372,6 +372,14 @@ def reference_map(rank: int, tasks: list[ChunkTask], docs: dict[str, bytes]) -> 
     for t in tasks:
         refs[f"{t.path}/{t.chunk.key}"] = [pack, t.offset, t.nbytes + CHECKSUM_BYTES]
     return json.dumps({"version": 1, "templates": {"u": "."}, "refs": refs}, separators=(",", ":")).encode()
+
+
+def stamp_reference_map(refs: bytes, *, step: int, save: str) -> bytes:
+    """A rank's reference map (made once per plan) naming the step and save it is written for, as
+    every file of a step does (format 5), under a key kerchunk readers pass over."""
+    assert refs.endswith(b"}")
+    stamp = json.dumps({"step": step, "save_id": save}, separators=(",", ":"))
+    return refs[:-1] + f',"{REFS_STAMP}":{stamp}}}'.encode()
 
 
 RUN_ALIGN = 64  # a chunk copied through a view of its dtype starts at a multiple of this in its run

@@ -4,8 +4,11 @@ Each node uploads the files in its own directory (with several nodes they are di
 was written once, on one node), then leaves a ``__drained.<first rank>.json`` object naming the
 saving ranks whose files it uploaded. The node that finds every rank accounted for uploads the
 manifest and writes the remote ``COMMIT`` last, then applies remote retention. The remote tier
-is thus its own record: a drain cut short by a crash resumes from what the remote already holds
-(files of the right size are not sent again), in this job or the next.
+is thus its own record: a drain cut short by a crash resumes from what the remote already holds,
+in this job or the next. It resumes by content: a node's files there are kept only under its
+marker naming the same save (``transfer.resumable``), its drained object counts only for the save
+it names, and a remote step committed by another save of the step number (saved again after a
+rollback) is replaced, never taken for this one.
 
 Nothing here blocks training: uploads run on their own threads with their own retries, a failing
 remote fails the drain of a step (reported on its handle, in ``status()`` and in the log) and
@@ -26,21 +29,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercheck.dist.coordination import Coordinator
-from tiercheck.errors import CoordinationError
+from tiercheck.errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.paths import (
     COMMIT_FILE,
     DRAINED_PREFIX,
     MANIFEST_FILE,
+    drained_marker,
     file_rank,
     is_replica_marker,
     pack_owner,
     step_dir,
 )
-from tiercheck.format.steps import commit_step, list_steps, read_marker, withdraw_step
+from tiercheck.format.steps import commit_step, list_steps, read_marker, read_small, withdraw_step
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
-from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack
+from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack, finish_copy, resumable
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 
@@ -345,10 +349,11 @@ def upload_step(
     """Upload this node's files of a locally committed step, mark them drained, and commit the
     step on the remote if every saving rank's files are now there. Resumable."""
     d = step_dir(step)
-    if remote.exists(f"{d}/{COMMIT_FILE}"):
+    marker = read_marker(local, step)
+    save = marker.save_id
+    if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
-    marker = read_marker(local, step)
     files = local.sizes(d)
     own = set(marker.ranks)
     files = {
@@ -359,17 +364,17 @@ def upload_step(
         and not is_replica_marker(f)
         and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
     }
-    there = remote.sizes(d)
+    there = resumable(remote, step, save, marker.ranks[0], files)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
     crcs = chunk_file_crcs(local, step, list(marker.ranks))
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:
         if pack_owner(f) is not None:  # every chunk checked as it is read: rot is never uploaded
-            n = copy_pack(local, remote, step, f, files[f])
+            n = copy_pack(local, remote, step, f, files[f], save=save)
             on_file(n)
             return n
-        n = copy_chunk_file(local, remote, step, f, crcs)  # format 3: each chunk file checked as read
+        n = copy_chunk_file(local, remote, step, f, crcs, save=save)  # format 3: each chunk file checked as read
         on_file(n)
         return n
 
@@ -382,16 +387,60 @@ def upload_step(
         remote.url,
         time.perf_counter() - t0,
     )
-    mine = f"{DRAINED_PREFIX}{marker.ranks[0]:06d}.json"
-    remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks)}).encode()])
-    have: set[int] = set()
-    for name in remote.list_dir(d):
-        if name.startswith(DRAINED_PREFIX):
-            have.update(json.loads(remote.read(f"{d}/{name}"))["ranks"])
+    mine = drained_marker(marker.ranks[0])
+    remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks), "save_id": save}).encode()])
+    have = drained_ranks(remote, step, save)
     if have != set(range(marker.world_size)):
         log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, list(marker.ranks))
         return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=False, was_committed=False)
     manifest = bytes(local.read(f"{d}/{MANIFEST_FILE}"))
-    commit_step(remote, step, manifest, ranks=tuple(range(marker.world_size)), world_size=marker.world_size)
+    ranks = tuple(range(marker.world_size))
+    commit_step(remote, step, manifest, save_id=save, ranks=ranks, world_size=marker.world_size)
+    finish_copy(remote, step, marker.ranks[0])
     log.info("drain: step %d committed on %s", step, remote.url)
     return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=True, was_committed=False)
+
+
+def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
+    """Whether ``remote`` has ``step`` committed by the save ``save`` (the local step's). A remote
+    step of that number committed by another save (the number saved again after a rollback, by
+    this job or one before) is withdrawn: its commit marker and index first, so no restore takes it
+    while this save's files replace its own (each node replaces its files, see ``resumable``)."""
+    d = step_dir(step)
+    try:
+        there = read_marker(remote, step)
+    except CheckpointNotFoundError:
+        return False
+    except CorruptCheckpointError as e:
+        log.warning("drain: %s; replacing it with the local copy of step %d", e, step)
+        there = None
+    if there is not None and (save is None or there.save_id == save):
+        return True
+    if there is not None:
+        log.warning(
+            "drain: %s holds step %d of another save (%s, this one is %s): replacing it",
+            remote.url, step, there.save_id, save,
+        )  # fmt: skip
+    remote.delete(f"{d}/{COMMIT_FILE}")
+    remote.delete(f"{d}/{MANIFEST_FILE}")
+    return False
+
+
+def drained_ranks(remote: Tier, step: int, save: str | None) -> set[int]:
+    """The saving ranks whose files of save ``save`` the nodes have uploaded, by their drained
+    objects: one naming another save (an earlier drain of the same step number) counts for none."""
+    d = step_dir(step)
+    have: set[int] = set()
+    for name in remote.list_dir(d):
+        if not name.startswith(DRAINED_PREFIX):
+            continue
+        where = f"{remote.url}: {d}/{name}"
+        try:
+            doc = json.loads(read_small(remote, f"{d}/{name}", where=where))
+            if doc.get("save_id") == save:
+                have.update(int(r) for r in doc["ranks"])
+        except FileNotFoundError:
+            continue
+        except (CorruptCheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            log.warning("drain: ignoring %s: %s", where, e)
+    return have

@@ -1,25 +1,43 @@
 """Copying one whole committed step between tiers (remote -> local to pre-stage a restart).
 
-Resumable: files already at the destination with the right size are not copied again. Chunks
-are verified against the manifest's checksums on the way. The destination's commit marker is
-written last and names every saving rank, so a copy cut short leaves a partial step, never a
-wrong one.
+Resumable by content, never by size alone: before it writes anything a copy names the save it
+copies in the destination's step directory (``paths.copying_marker``), and a copy resumed later
+keeps the files it finds only under a marker naming the same save (files are written whole, so a
+file there under it is that save's). Files another save left there (a step number saved again
+after a rollback, another run's) are deleted first. Chunks are verified against the manifest's
+checksums on the way, and every manifest file must name the step's save. The destination's
+commit marker is written last and names every saving rank, so a copy cut short leaves a partial
+step, never a wrong one.
 """
 
 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tiercheck.dist.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
-from tiercheck.format.legacy import chunk_files_with_parts
-from tiercheck.format.paths import CHUNK_FILE, COMMIT_FILE, MANIFEST_FILE, PARTS_DIR, pack_file, pack_owner, step_dir
+from tiercheck.format.legacy import chunk_files_with_parts, has_packs
+from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_save
+from tiercheck.format.paths import (
+    CHUNK_FILE,
+    COMMIT_FILE,
+    MANIFEST_FILE,
+    PARTS_DIR,
+    REFS_DIR,
+    copying_marker,
+    pack_file,
+    pack_owner,
+    shard_file,
+    step_dir,
+)
 from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
@@ -61,6 +79,7 @@ def copy_step(
             f"{src.url}: step {step} holds the files of ranks {list(marker.ranks)} of {marker.world_size} only"
         )
     manifest = read_manifest(src, step)
+    save = manifest.save_id
     manifest_bytes = bytes(src.read(f"{d}/{MANIFEST_FILE}"))
     chunk_records = {}
     for rec in manifest.arrays.values():
@@ -88,16 +107,18 @@ def copy_step(
     lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
     if lost:
         raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
-    there = dst.sizes(d)
+    if has_packs(manifest.format_version):
+        check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), files, wanted)
+    there = resumable(dst, step, save, min(wanted), files)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
     total = sum(files[f] for f in todo)
     done = 0
 
     def copy(f: str) -> int:
         if pack_owner(f) is not None:
-            return copy_pack(src, dst, step, f, files[f])
-        if f not in chunk_records:  # manifest parts checked against their seals; the rest bounded
-            return copy_chunk_file(src, dst, step, f, None)
+            return copy_pack(src, dst, step, f, files[f], save=save)
+        if f not in chunk_records:  # manifest parts checked against their seals and save; the rest bounded
+            return copy_chunk_file(src, dst, step, f, None, save=save)
         rec, key = chunk_records[f]
         nbytes = chunk_nbytes(rec)
         data = src.read_range(f"{d}/{f}", 0, nbytes + CHECKSUM_BYTES + 1)  # one byte past: too long shows
@@ -110,7 +131,8 @@ def copy_step(
             done += n
             if progress is not None:
                 progress(done, total)
-    commit_step(dst, step, manifest_bytes, ranks=tuple(sorted(wanted)), world_size=marker.world_size)
+    commit_step(dst, step, manifest_bytes, save_id=save, ranks=tuple(sorted(wanted)), world_size=marker.world_size)
+    finish_copy(dst, step, min(wanted))
     report = CopyReport(step, len(todo), len(files) - len(todo), done, time.perf_counter() - t0)
     log.info(
         "copied step %d from %s to %s: %d files (%d already there), %.1f MiB in %.2f s",
@@ -125,7 +147,69 @@ def copy_step(
     return report
 
 
-def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
+def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[str, int]) -> dict[str, int]:
+    """Before a copy of ``files`` of save ``save`` into ``dst``'s directory of ``step`` (a node's
+    share: ``first`` is its first saving rank): the sizes of those files a copy of the same save
+    left there, which it need not copy again. Any other file of ``files`` there (another save's,
+    or of a format naming none) is deleted, then the directory is marked as receiving ``save``'s
+    files, before the copy writes any."""
+    d = step_dir(step)
+    there = dst.sizes(d)
+    marker = copying_marker(first)
+    if save is not None and marker in there:
+        try:
+            doc = json.loads(read_small(dst, f"{d}/{marker}", where=f"{dst.url}: step {step}"))
+            if isinstance(doc, dict) and doc.get("save_id") == save:
+                return {f: n for f, n in there.items() if f in files}
+        except (FileNotFoundError, CorruptCheckpointError, ValueError, RecursionError):
+            pass  # unreadable: trust nothing
+    stale = sorted(f for f in files if f in there)
+    if stale:
+        log.warning(
+            "%s: step %d: %d file(s) there are not known to be of the save being copied; replacing them",
+            dst.url, step, len(stale),
+        )  # fmt: skip
+        for f in stale:
+            dst.delete(f"{d}/{f}")
+    if save is not None:
+        dst.write(f"{d}/{marker}", [json.dumps({"save_id": save}).encode()])
+    return {}
+
+
+def finish_copy(dst: Tier, step: int, first: int) -> None:
+    """The copy of a node's share is whole: its marker (``resumable``) is no longer needed."""
+    try:
+        dst.delete(f"{step_dir(step)}/{copying_marker(first)}")
+    except OSError as e:  # a leftover marker only names the save the files are of
+        log.debug("%s: could not remove the copy marker of step %d: %s", dst.url, step, e)
+
+
+def check_complete(
+    src: Tier, step: int, manifest: Manifest, parts: dict[int, RankPart], files: dict[str, int], wanted: set[int]
+) -> None:
+    """Every manifest file a restore of the ``wanted`` ranks' share needs is among ``files``: each
+    array their chunks belong to has its record (arrays file) and chunk owners (owners file,
+    format 4 on) where the step keeps them, so no copy commits what ``load`` would refuse."""
+    world = manifest.world_size
+    for rank, part in parts.items():
+        for path, crcs in part.checksums.items():
+            shard = shard_of(path, world)
+            if shard not in wanted:
+                continue  # another node's share keeps the record
+            where = f"{src.url}: {step_dir(step)}/{shard_file(shard)}"
+            rec = manifest.arrays.get(path)
+            if rec is None:
+                raise CorruptCheckpointError(
+                    f"{where}: holds no record of array {path!r} (saving rank {rank} wrote chunks of it): "
+                    "the file is missing or damaged"
+                )
+            if has_packs(manifest.format_version) and any(k not in rec.owners for k in crcs):
+                raise CorruptCheckpointError(
+                    f"{where}: the owners file of array {path!r} is missing or does not name its chunks' writers"
+                )
+
+
+def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> int:
     """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming one chunk at a
     time and checking each against its writer's part of the manifest as it is read: a chunk that
     rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
@@ -134,7 +218,7 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int) -> int:
     assert rank is not None
     d = step_dir(step)
     where = f"{src.url}: {d}/{f}"
-    part = rank_parts(src, step, [rank])[rank]
+    part = rank_parts(src, step, [rank], save=save)[rank]
     spans = part.spans()
     end = 0
     for offset, nbytes, path, key, _ in spans:
@@ -166,7 +250,7 @@ def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | 
     this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
     if not chunk_files_with_parts(read_index(src, step)[1]["format_version"]):
         return None
-    parts = rank_parts(src, step, ranks)
+    parts = rank_parts(src, step, ranks, save=None)  # format 3 names no save
     return {
         f"{path}/{key}": crc
         for part in parts.values()
@@ -175,26 +259,44 @@ def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | 
     }
 
 
-def copy_chunk_file(src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None) -> int:
+def copy_chunk_file(
+    src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None, *, save: str | None
+) -> int:
     """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
     checked against its checksum as read (one the manifest does not name is refused), and a file
-    of the manifest against its seal: a rotted part is never committed on ``dst``. Returns the
-    bytes copied."""
+    of the manifest against its seal and the step's save ``save``: a rotted part, or another
+    save's, is never committed on ``dst``. Returns the bytes copied."""
     d = step_dir(step)
+    where = f"{src.url}: {d}/{f}"
     if f.startswith(f"{PARTS_DIR}/"):
         data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
-        unseal(data, where=f"{src.url}: {d}/{f}")
+        check_file_save(unseal(data, where=where), save, where=where)
         dst.write(f"{d}/{f}", [data])
         return len(data)
     if not CHUNK_FILE.search(f):  # refs/ (plain JSON for outside zarr readers), zarr.json: small, never unbounded
         data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
+        if f.startswith(f"{REFS_DIR}/"):
+            check_file_save(data, save, where=where, key=REFS_STAMP)
         dst.write(f"{d}/{f}", [data])
         return len(data)
     data = src.read_bytes(f"{d}/{f}")
     if crcs is not None:
-        where = f"{src.url}: {d}/{f}"
         if f not in crcs:
             raise CorruptCheckpointError(f"{where}: a chunk file the manifest does not name")
         verify_chunk(data, expected_crc=crcs[f], nbytes=max(len(data) - CHECKSUM_BYTES, 0), where=where)
     dst.write(f"{d}/{f}", [data])
     return len(data)
+
+
+def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
+    """A manifest file's document (or a reference map's, whose save is under ``key``) must name
+    the step's save ``save`` (none before format 5)."""
+    if save is None:
+        return
+    try:
+        parsed = json.loads(doc)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    if key is not None:
+        parsed = parsed.get(key) if isinstance(parsed, dict) else None
+    check_save(parsed, save, where=where)
