@@ -10,6 +10,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import tiercheck
 from tiercheck.format.paths import step_dir
-from tiercheck.format.steps import read_index
+from tiercheck.format.steps import list_steps, read_index
 from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
 from tiercheck.tiers.local import LocalTier
 
@@ -396,3 +400,96 @@ def _layout_changes(rank: int, world: int, root: str) -> list[bool]:
 
 def test_layout_change_on_one_rank_replans_every_rank(tmp_path: Path) -> None:
     assert run_ranks(_layout_changes, 2, str(tmp_path / "ckpt"), start_method="forkserver") == [[True] * 3] * 2
+
+
+# ------------------------------------------------------------------------------- a writer per call, and exit
+
+
+def _save_writer_per_call(rank: int, world: int, root: str, remote: str) -> dict[str, Any]:
+    """DCP's idiom: a new TiercheckWriter in every call (``dcp.save`` step 100, ``dcp.async_save`` 200 and 300),
+    none closed: exit closes their Checkpointer, draining to the remote tier."""
+    warnings.simplefilter("ignore", FutureWarning)
+    ckpt_group = torch.distributed.new_group(backend="gloo")
+    opts = {"remote": remote, "distributed": tiercheck.DistributedOptions(timeout_s=30)}
+    model, optimizer, sd = _fsdp_state(0, shard=True)
+    out: dict[Any, Any] = {100: _full(sd)}
+    writers = [TiercheckWriter(local=root, **opts)]
+    dcp.save(sd, storage_writer=writers[0], checkpoint_id=100)
+    for step in (200, 300):
+        _train(model, optimizer, step)
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd, "extra": {**sd["extra"], "step": step}}
+        out[step] = _full(sd)
+        writers.append(TiercheckWriter(local=root, **opts))
+        dcp.async_save(sd, storage_writer=writers[-1], checkpoint_id=step, process_group=ckpt_group).result(60)
+    with pytest.raises(tiercheck.DirectoryInUseError, match="same ones"):  # it would not save where it asks
+        TiercheckWriter(local=root, remote=None)._checkpointer()
+    ckpt = writers[0].checkpointer
+    # One Checkpointer, planned once, as one long-lived writer would: the same host pool and directory lock.
+    out["shared"] = ckpt is not None and all(w.checkpointer is ckpt for w in writers)
+    out["plans_made"] = ckpt._plans_made if ckpt is not None else None
+    return out
+
+
+def test_a_writer_per_call_shares_one_checkpointer_and_exit_drains(tmp_path: Path) -> None:
+    """A new writer per ``dcp.save`` / ``dcp.async_save`` on 2 ranks saves as one writer does (it was refused with
+    DirectoryInUseError); with no writer closed, interpreter exit drains every step to the remote tier."""
+    root, remote = str(tmp_path / "ckpt"), (tmp_path / "remote").as_uri()
+    saved = run_ranks(_save_writer_per_call, 2, root, remote, start_method="forkserver")
+    for out in saved:
+        assert out["shared"] and out["plans_made"] == 1
+    for step in (100, 200, 300):
+        assert LocalTier(tmp_path / "remote").exists(f"{step_dir(step)}/COMMIT"), step
+        _, _, into = _fsdp_state(5, shard=False)
+        dcp.load(into, storage_reader=TiercheckReader(local=tmp_path / "empty", remote=remote), checkpoint_id=step)
+        _equal(saved[0][step], _full(into), f"step {step}")
+
+
+_UNAWAITED = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from tiercheck.integrations.dcp import TiercheckWriter
+sd = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+dcp.save(sd, storage_writer=TiercheckWriter(local=sys.argv[1]), checkpoint_id=1)
+dcp.async_save(sd, storage_writer=TiercheckWriter(local=sys.argv[1]), checkpoint_id=2)  # nobody awaits it
+"""
+
+
+def test_exit_lets_an_unawaited_async_save_commit(tmp_path: Path) -> None:
+    """A script that ends right after ``dcp.async_save`` with a writer per call: exit waits for the save on
+    DCP's thread to reach the shared Checkpointer, and for its commit, before closing it."""
+    done = subprocess.run([sys.executable, "-c", _UNAWAITED, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert list_steps(LocalTier(tmp_path)).committed == [1, 2], done.stderr
+
+
+def _raise_on_one_rank(rank: int, world: int, root: str, logs: str) -> None:
+    """Rank 1 raises after the first save; rank 0 goes on saving (each commit waits for rank 1) and returns
+    without closing its Checkpointer, noting when it reached exit."""
+    import logging
+
+    logging.basicConfig(filename=f"{logs}/rank{rank}.log", level=logging.WARNING, format="%(levelname)s %(message)s")
+    state = {"w": torch.arange(1024.0)}
+    ckpt = tiercheck.Checkpointer(state, local=root, distributed=tiercheck.DistributedOptions(timeout_s=10))
+    ckpt.save(1).wait()
+    if rank == 1:
+        raise RuntimeError("training failed on rank 1")
+    for step in (2, 3, 4, 5, 6):
+        state["w"].add_(1.0)
+        ckpt.save(step)
+    Path(logs, "exit").write_text(str(time.time()))
+
+
+def test_exit_after_an_error_on_one_rank_waits_at_most_timeout_s(tmp_path: Path) -> None:
+    """Nothing is killed: one rank raises, the other leaves five saves in flight and never closes. Both
+    processes exit, the one left within DistributedOptions.timeout_s (10 s) of reaching exit, and it says what it
+    abandoned; its queued commits each waited 10 s for the failed rank (50 s) before."""
+    root = tmp_path / "ckpt"
+    outcomes = run_ranks(_raise_on_one_rank, 2, str(root), str(tmp_path), check=False, timeout=150, start_method="forkserver")
+    exited = time.time() - float((tmp_path / "exit").read_text())
+    assert [o.exitcode for o in outcomes] == [0, 1], outcomes
+    assert "training failed on rank 1" in (outcomes[1].error or "")
+    assert exited < 10 + 15, f"rank 0 took {exited:.0f} s to exit"
+    log = (tmp_path / "rank0.log").read_text()
+    assert re.search(r"WARNING exiting: abandoned the save of step\(s\) [\d, ]*6 to ", log), log
+    assert LocalTier(root).exists(f"{step_dir(1)}/COMMIT")
+    assert not LocalTier(root).exists(f"{step_dir(6)}/COMMIT")

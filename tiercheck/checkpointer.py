@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -47,9 +49,39 @@ from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.version import __version__
 
-__all__ = ["Checkpointer", "load"]
+__all__ = ["Checkpointer", "exit_deadline", "load"]
 
 log = logging.getLogger("tiercheck")
+
+_unclosed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # closed at interpreter exit (_close_at_exit)
+_exit_started: float | None = None
+
+
+def exit_deadline(timeout_s: float) -> float:
+    """At interpreter exit: when waiting must end, ``timeout_s`` after the first of tiercheck's exit hooks began
+    (the Checkpointers' and an integration's share one bound, not one each)."""
+    global _exit_started
+    if _exit_started is None:
+        _exit_started = time.monotonic()
+    return _exit_started + timeout_s
+
+
+def _close_at_exit() -> None:
+    """Close every Checkpointer left open (never closed, or a rank raised before its ``close()``): wait for its
+    saves and drains, for at most its ``DistributedOptions.timeout_s`` in all, and say what was abandoned. Left
+    to themselves, a commit waiting for a rank that failed, and the commits queued behind it, each waited
+    ``timeout_s`` while the interpreter joined their threads."""
+    for ckpt in list(_unclosed):
+        try:
+            ckpt._close_at_exit()
+        except Exception:
+            log.exception("closing the Checkpointer of %s at exit failed", ckpt.tier.url)
+
+
+# At threading's shutdown, before concurrent.futures joins its workers (the commit and upload threads):
+# registered after it (this module imports it first), so called before it.
+getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+
 
 class Checkpointer:
     """Saves and restores one training state on a node-local tier, alone or as one rank of many.
@@ -162,6 +194,7 @@ class Checkpointer:
         self._prefaulter = Prefaulter()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
             self._prefault()
+        _unclosed.add(self)
 
     def _prefault(self) -> None:
         """Fault in a pool for the state as it is now (see ``save.prefault``)."""
@@ -457,17 +490,47 @@ class Checkpointer:
         the wait for drains. Returns the committed steps
         not drained to the remote tier (empty without one), with a WARNING when ``drain`` asked
         for them: they stay in the local directory, and the next run with this remote tier (or
-        ``tiercheck drain``) finishes them. Idempotent."""
+        ``tiercheck drain``) finishes them. Idempotent.
+
+        A Checkpointer still open at interpreter exit is closed then, with ``drain``, waiting for its saves
+        and drains for at most ``DistributedOptions.timeout_s`` in all; a WARNING names what it abandoned."""
+        return self._close(drain=drain, timeout=timeout)
+
+    def _close_at_exit(self) -> None:
+        if self._closed:
+            return
+        bound = self.distributed.timeout_s
+        deadline = exit_deadline(bound)
+        for coord in (self._coord, self._bg_coord):  # commits not begun yet wait no longer than that either
+            if coord is not None:
+                coord.deadline = deadline
+        log.info("exiting: closing the open Checkpointer of %s within %.0f s", self.tier.url, bound)
+        self._close(drain=True, timeout=max(0.0, deadline - time.monotonic()), deadline=deadline)
+
+    def _close(self, *, drain: bool, timeout: float | None, deadline: float | None = None) -> list[int]:
+        """``close``; with a ``deadline`` (at exit), saves still in flight then are abandoned, with a WARNING."""
         if self._closed:
             return []
         self._closed = True
+        _unclosed.discard(self)
         if self._hook is not None:
             self._hook.remove()
         self._drop_prefault()
+        abandoned: list[int] = []
         if self._pipeline is not None:
-            self._pipeline.close()
-        if self._pool is not None:
+            abandoned = self._pipeline.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if abandoned:
+            log.warning(
+                "exiting: abandoned the save of step(s) %s to %s, still in flight after %.0f s "
+                "(DistributedOptions.timeout_s): not committed; the next save or start removes its files",
+                ", ".join(map(str, abandoned)),
+                self.tier.url,
+                self.distributed.timeout_s,
+            )
+        elif self._pool is not None:
             self._pool.drop()  # a closed Checkpointer holds no snapshot's worth of host memory
+        if deadline is not None:
+            timeout = max(0.0, deadline - time.monotonic())
         try:
             return self._tiers.close(drain=drain, timeout=timeout)
         finally:

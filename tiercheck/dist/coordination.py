@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import os
+import time
 import uuid
 import zlib
 from collections import defaultdict
@@ -63,6 +64,7 @@ class Coordinator:
         self.world_size = world_size
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.deadline: float | None = None  # time.monotonic() by which every wait ends (set at interpreter exit)
         # What this rank moved through the store: requests, bytes sent (keys and values), bytes received.
         self.counters = {"store_ops": 0, "store_bytes_out": 0, "store_bytes_in": 0}
         self._barriers: list[str] = []  # passed since the scope they belong to began (see finish)
@@ -100,6 +102,8 @@ class Coordinator:
 
     def wait(self, keys: list[str], *, what: str, timeout_s: float | None = None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.deadline is not None:
+            timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
         self._count(out=sum(map(len, keys)))
         try:
             self.store.wait(keys, timedelta(seconds=timeout))

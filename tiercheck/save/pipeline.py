@@ -9,6 +9,7 @@ committed independently, but staged strictly in order, and staging waits while t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -16,11 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import InvalidStateError, ThreadPoolExecutor
 
 import torch
 
-from tiercheck.errors import StepExistsError
+from tiercheck.errors import CoordinationError, StepExistsError
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
 from tiercheck.save.handle import SaveJob, WriteRequest
@@ -85,12 +86,32 @@ class Pipeline:
         with self._idle:
             return self._idle.wait_for(lambda: not self._inflight, timeout)
 
-    def close(self) -> None:
-        self.wait_idle()
+    def close(self, timeout: float | None = None) -> list[int]:
+        """Stop once the saves in flight are committed or failed, waiting at most ``timeout`` s; returns the steps
+        abandoned then: their handles fail with ``CoordinationError``, writes and commits not begun are dropped,
+        and a commit already waiting ends at its own timeout (the coordinator's)."""
+        idle = self.wait_idle(timeout)
         self._queue.put(None)
-        self._stager.join()
-        self._io.shutdown(wait=True)
-        self._committer.shutdown(wait=True)
+        if idle:
+            self._stager.join()
+            self._io.shutdown(wait=True)
+            self._committer.shutdown(wait=True)
+            return []
+        with self._inflight_lock:
+            abandoned = dict(self._inflight)
+        for step, job in sorted(abandoned.items()):
+            error = CoordinationError(
+                f"the save of step {step} to {self.tier.url} was abandoned: still in flight when the "
+                f"Checkpointer closed at exit, {timeout:.0f} s later"
+            )
+            self._fail(job, error)
+            job.eager_staged.set()
+            for fut in (job.handle.staged, job.handle.committed, job.handle.drained, job.handle.replicated):
+                with contextlib.suppress(InvalidStateError):  # done meanwhile
+                    fut.set_exception(error)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._committer.shutdown(wait=False, cancel_futures=True)
+        return sorted(abandoned)
 
     # --- stager thread ----------------------------------------------------------------------
 
@@ -314,6 +335,8 @@ class Pipeline:
                 h.timings.get("stage_s", 0.0),
                 h.timings["persist_s"],
             )
+            if h.committed.done():  # abandoned at exit meanwhile (see close)
+                return
             h.committed.set_result(None)  # before retention: the step is durable, deletions can wait
             try:
                 self.on_commit(job)

@@ -27,7 +27,14 @@ from torch.futures import Future
 from tiercheck.checkpointer import Checkpointer
 from tiercheck.errors import UnsupportedValueError
 from tiercheck.integrations.dcp.metadata import describe_metadata, describe_plans, layout_digest, step_of
-from tiercheck.integrations.dcp.shared import Shared, acquire, checked_options, release
+from tiercheck.integrations.dcp.shared import (
+    Shared,
+    acquire,
+    checked_options,
+    layout_of,
+    release,
+    writer_made,
+)
 from tiercheck.state.sharding import Shard
 
 __all__ = ["TiercheckWriter"]
@@ -49,6 +56,12 @@ class TiercheckWriter(StorageWriter):
     step 100, and every save needs one (DCP does not call ``reset`` without it). ``dcp.save`` returns once the
     step is committed on the local tier; ``close()`` waits for the drain to the remote tier.
 
+    One writer for every save, or a new one per save (DCP's idiom, ``storage_writer=TiercheckWriter(...)`` in
+    each call): the writers of one process and directory share one Checkpointer (``shared``), so both save
+    alike, and they must be given the same options. ``close()`` of any of them ends the directory's writing in
+    this process (a later save opens a new Checkpointer); without one, interpreter exit closes it, waiting for
+    its saves and drains for at most ``DistributedOptions(timeout_s=)``.
+
     ``async_save`` works with ``AsyncCheckpointerType.THREAD``: DCP stages a CPU copy of the state dict (its
     ``DefaultStager``), and its thread runs this writer, which copies that into tiercheck's host pool and waits
     for the commit. ``AsyncCheckpointerType.PROCESS`` pickles the writer into another process, where it could
@@ -60,15 +73,15 @@ class TiercheckWriter(StorageWriter):
         self.local = Path(local).absolute()
         self.remote = remote
         self.options = checked_options(checkpointer_options)
+        writer_made(self.options)
         self._step: int | None = None
         self._coordinator = False
         self._dcp_rank: int | None = None
         self._shared: Shared | None = None
         self._closed = False
-        # The coordinator's view of the layout (which rank writes which region), and each rank's.
-        self._digest: str | None = None
-        self._generation = 0
-        self._planned_generation = 0
+        # The coordinator's view of the layout (which rank writes which region), and each rank's: the same for
+        # every writer of the directory in this process.
+        self._layout = layout_of(self.local)
         self._described: dict[str, Any] | None = None
 
     # -- DCP's calls, in order
@@ -101,10 +114,11 @@ class TiercheckWriter(StorageWriter):
         """The coordinator: note the layout; a new one makes every rank re-plan tiercheck's writing together."""
         if all(p.usable for p in plans):  # with DCP's plan caching, unchanged plans come empty
             digest = layout_digest(plans)
-            if digest != self._digest:
-                self._digest, self._generation = digest, self._generation + 1
+            layout = self._layout
+            if digest != layout.digest:
+                layout.digest, layout.generation = digest, layout.generation + 1
             self._described = describe_plans(plans)
-        return [replace(p, storage_data={_LAYOUT_KEY: self._generation}) for p in plans]
+        return [replace(p, storage_data={_LAYOUT_KEY: self._layout.generation}) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """All ranks: hand this rank's items to tiercheck; the future completes once the step is committed."""
@@ -135,11 +149,11 @@ class TiercheckWriter(StorageWriter):
         shared = self._checkpointer()
         layout = plan.storage_data.get(_LAYOUT_KEY) if isinstance(plan.storage_data, dict) else None
         with shared.lock:
-            if layout is not None and layout != self._planned_generation:
+            if layout is not None and layout != self._layout.planned:
                 # Some rank's share changed: every rank re-plans (tiercheck re-plans by itself only where a
                 # rank's own leaves changed, and its planning is collective).
                 shared.ckpt.forget_plan()
-                self._planned_generation = layout
+                self._layout.planned = layout
             shared.state.clear()
             shared.state.update(values)
             try:
@@ -180,7 +194,7 @@ class TiercheckWriter(StorageWriter):
         return {"dcp": described}
 
     def _checkpointer(self) -> Shared:
-        if self._shared is None:
+        if self._shared is None or self._shared.closed or not self._shared.writer:  # another writer closed it
             self._shared = acquire(self.local, self.remote, self.options, writer=True)
             ckpt = self._shared.ckpt
             if self._dcp_rank is not None and self._dcp_rank != ckpt.rank:
@@ -197,18 +211,18 @@ class TiercheckWriter(StorageWriter):
         return self._shared.ckpt if self._shared is not None else None
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
-        """Wait for in-flight saves and (unless another user of the directory keeps it open) for drains to
-        the remote tier, at most ``timeout`` s; returns the steps not drained. Idempotent."""
+        """End this process's writing to the directory (every writer of it shares one Checkpointer): wait for
+        in-flight saves and (unless a reader of the directory keeps it open) for drains to the remote tier, at
+        most ``timeout`` s; returns the steps not drained. Idempotent."""
         self._closed = True
         shared, self._shared = self._shared, None
-        if shared is None:
+        if shared is None or shared.closed or not shared.writer:
             return []
-        shared.writer = False
         try:
-            shared.ckpt.wait()  # this writer's saves, even where a reader keeps the Checkpointer open
+            shared.ckpt.wait()  # the writers' saves, even where a reader keeps the Checkpointer open
         except Exception as e:  # the save's own future carried it already
             log.warning("closing a TiercheckWriter whose last save failed: %s", e)
-        return release(shared, drain=drain, timeout=timeout)
+        return release(shared, drain=drain, timeout=timeout, writer=True)
 
     def __enter__(self) -> TiercheckWriter:
         return self
