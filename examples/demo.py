@@ -146,7 +146,7 @@ def show_disk(ckpt_dir: Path) -> list[int]:
                 verdict = "COMMIT present: committed"
             else:
                 verdict = "no COMMIT: partial, will be ignored"
-            say(f"    {entry.name}/  {size / 1e6:6.2f} MB  {verdict}")
+            say(f"    {entry.name}/  {size / 2**20:6.2f} MiB on disk (all its files)  {verdict}")
         else:
             kind = "dir " if entry.is_dir() else "file"
             say(f"    {entry.name}{'/' if entry.is_dir() else ''}  ({kind}, not a step)")

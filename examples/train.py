@@ -274,7 +274,7 @@ def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[None]], No
         else:
             ms = (time.perf_counter() - t0) * 1e3
             log(
-                f"  ckpt: step {handle.step} committed ({handle.nbytes / 1e6:.2f} MB, durable {ms:.0f} ms after save())"
+                f"  ckpt: step {handle.step} committed ({handle.nbytes / 2**20:.2f} MiB of tensor chunks, durable {ms:.0f} ms after save())"
             )
 
     return callback

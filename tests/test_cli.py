@@ -78,16 +78,59 @@ def test_ls_and_inspect_a_local_directory(saved: Path) -> None:
     assert doc["bytes"] == 8 * 128 * 96 * 4
     table = run("ls", str(saved)).stdout
     assert "committed" in table and "384.0 KiB" in table
+    assert "`tiercheck verify` re-reads its chunks" in table  # committed: has COMMIT, bytes not checked
 
 
 def test_verify_catches_a_flipped_byte_and_names_the_array(saved: Path) -> None:
-    assert run("verify", str(saved), "--all").stdout.startswith("ok: 3 steps intact")
+    assert run("verify", str(saved), "--all").stdout.startswith("ok: steps 10, 20, 30 intact")
     flip_chunk_byte(saved / step_dir(20), "model/layer3", "c.0.0", 100)
     proc = run("verify", str(saved), "--all", check=False)
     assert proc.returncode == 1
     assert "damaged: step 20: array 'model/layer3' chunk c.0" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"tiercheck: error: 1 damaged chunk(s) in {saved}"
-    assert run("verify", str(saved), "--step", "30").returncode == 0
+    assert proc.stderr.strip().splitlines()[-1] == f"tiercheck: error: 1 damaged chunk in step 20 of {saved}"
+    assert proc.stdout.strip() == "intact: steps 10, 30"
+    assert run("verify", str(saved), "--step", "30").stdout.startswith("ok: step 30 intact")
+
+
+def test_verify_a_broken_manifest_says_the_manifest(saved: Path) -> None:
+    """A damaged manifest.json is named once, as a damaged manifest, not as "1 damaged chunk(s)", with the tier
+    and step said once (they were twice: "step 20: DIR: step 20: manifest.json is damaged")."""
+    (saved / step_dir(20) / "manifest.json").write_text("{broken")
+    proc = run("verify", str(saved), "--step", "20", check=False)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("damaged: step 20: manifest.json is damaged"), lines
+    assert lines[0].count("step 20") == 1 and str(saved) not in lines[0]
+    assert lines[-1] == f"tiercheck: error: 1 damaged manifest in step 20 of {saved}"
+
+
+def test_cli_usage_edges() -> None:
+    """No arguments show the help (exit 0); ``verify --step N --all`` and ``--threads 0`` are refused; ``size``
+    points to ``plan``; a parameter count below a billion is not "0.00 B"."""
+    proc = run(check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage:") and "Commands:" in proc.stdout
+    assert proc.stderr == ""
+    for args, message in (
+        (["verify", "DIR", "--step", "3", "--all"], "--step and --all exclude each other"),
+        (["verify", "DIR", "--threads", "0"], "'--threads': 0 is not in the range 1<=x<=1024"),
+        (["restore", "DIR", "--to", "X", "--threads", "0"], "'--threads': 0 is not in the range"),
+        (["drain", "DIR", "--to", "X", "--threads", "0"], "'--threads': 0 is not in the range"),
+        (["size"], "No such command 'size'. Did you mean 'plan'?"),
+    ):
+        proc = run(*args, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+    text = run("plan", "--params", "1234567").stdout
+    assert text.startswith("model: 1.23 million parameters,") and "checkpoint: 16.5 MiB in all" in text, text
+
+
+def test_inspect_sorts_numbered_names_by_number(tmp_path: Path) -> None:
+    state = {"optim": {"state": {i: torch.zeros(2) for i in range(12)}}}
+    with tiercheck.Checkpointer(state, local=tmp_path) as ck:
+        ck.save(1)
+    doc = json.loads(run("inspect", str(tmp_path), "--json").stdout)
+    assert [a["path"] for a in doc["arrays"]] == [f"optim/state/{i}" for i in range(12)]
+    text = run("inspect", str(tmp_path)).stdout
+    assert text.index("optim/state/2 ") < text.index("optim/state/10 ")
 
 
 def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None:

@@ -122,8 +122,13 @@ def _one_line(e: click.UsageError) -> _OneLineUsageError:
     return _OneLineUsageError(e.format_message(), e.ctx)
 
 
+#: Words a user may try for a subcommand, and the one that does it (the README says the command "sizes").
+SYNONYMS = {"size": "plan", "sizes": "plan", "list": "ls", "check": "verify", "copy": "restore", "upload": "drain"}
+
+
 class OneLineGroup(click.Group):
-    """Click's usage errors (a usage block, a blank line, then the error) as one line."""
+    """Click's usage errors (a usage block, a blank line, then the error) as one line; no arguments at all
+    show the help (exit status 0), and a word for a subcommand names the subcommand."""
 
     def make_context(
         self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
@@ -132,8 +137,25 @@ class OneLineGroup(click.Group):
             return super().make_context(info_name, args, parent, **extra)
         except _OneLineUsageError:
             raise
+        except click.exceptions.NoArgsIsHelpError as e:
+            assert e.ctx is not None
+            click.echo(e.ctx.get_help())
+            e.ctx.exit(0)
         except click.UsageError as e:
             raise _one_line(e) from None
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            name = args[0] if args else ""
+            if name in SYNONYMS:
+                raise click.UsageError(
+                    f"No such command {name!r}. Did you mean {SYNONYMS[name]!r}?", ctx
+                ) from None
+            raise e
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -192,6 +214,9 @@ def parameter_count(ctx: click.Context, param: click.Parameter, value: float | N
         raise click.BadParameter(f"expected a parameter count from 1 to 1e16, got {value:g}", ctx, param)
     return value
 
+
+#: ``--threads``: at least one (0 threads would copy or check nothing, and waited forever or said "intact").
+THREADS = click.IntRange(1, 1024)
 
 ASCII_INT = re.compile(r"-?[0-9]+")
 

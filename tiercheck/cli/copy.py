@@ -17,6 +17,7 @@ import click
 
 from tiercheck.cli.common import (
     ASCII_INT,
+    THREADS,
     Context,
     err,
     errors_as_one_line,
@@ -57,7 +58,7 @@ from tiercheck.tiers.base import Tier
     help="Only the chunk files these saving ranks wrote (this node's share, e.g. 0-7).",
 )
 @click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
-@click.option("--threads", default=8, show_default=True, help="Files copied at once.")
+@click.option("--threads", default=8, show_default=True, type=THREADS, help="Files copied at once.")
 @remote_options
 @pass_context
 def restore_command(
@@ -148,7 +149,7 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
     callback=step_value,
     help="Drain this step (default: every committed step newer than the remote's).",
 )
-@click.option("--threads", default=8, show_default=True, help="Files uploaded at once.")
+@click.option("--threads", default=8, show_default=True, type=THREADS, help="Files uploaded at once.")
 @remote_options
 @pass_context
 def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:

@@ -131,13 +131,21 @@ def _dur(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+def _count(n: int) -> str:
+    """A parameter count in words: "B" would read as bytes, and 1e6 parameters as "0.00 B"."""
+    for size, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million")):
+        if n >= size:
+            return f"{n / size:.2f} {word}"
+    return f"{n:,}"
+
+
 def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
     m, z = t["model"], t["sizes"]
     out.print(
-        f"model: {m['n_params'] / 1e9:.2f} B parameters, {m['weight_bytes']} B/param weights, "
+        f"model: {_count(m['n_params'])} parameters, {m['weight_bytes']} B/param weights, "
         f"optimizer {m['optimizer']}; TP={m['tp']} PP={m['pp']} DP={m['dp']} on {z['ranks']} GPUs, {z['nodes']} node(s)"
     )
-    dec = {k: human(z[k], binary=False) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
+    dec = {k: human(z[k]) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
                                                     "per_rank_bytes", "per_node_bytes")}  # fmt: skip
     out.print(
         f"checkpoint: {dec['total_bytes']} in all (weights {dec['weights_bytes']}, optimizer "

@@ -8,6 +8,7 @@ They only read, and they answer without torch or zarr (the checks themselves are
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -15,6 +16,7 @@ import click
 from rich.table import Table
 
 from tiercheck.cli.common import (
+    THREADS,
     Context,
     age,
     err,
@@ -30,7 +32,7 @@ from tiercheck.cli.common import (
     step_value,
 )
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
-from tiercheck.fmt import plural, ranges
+from tiercheck.fmt import fmt_steps, plural, ranges
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.paths import step_dir
 from tiercheck.format.replicas import read_replicas
@@ -106,6 +108,11 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
             created = age(row["created_unix"]) if "created_unix" in row else "-"
             table.add_row(str(row["step"]), *cells, size, created)
         out.print(table)
+        if any(t["status"].startswith("committed") for row in ordered for t in row["tiers"].values()):
+            out.print(
+                "committed: the step's COMMIT marker and manifest are there and agree; "
+                "`tiercheck verify` re-reads its chunks. size: the bytes of its arrays' chunks"
+            )
 
 
 # ------------------------------------------------------------------------------------ inspect
@@ -125,7 +132,7 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         manifest = read_manifest(tier, n)
         marker = read_marker(tier, n)
         arrays: list[dict[str, Any]] = []
-        for rec in manifest.arrays.values():
+        for rec in sorted(manifest.arrays.values(), key=lambda rec: _natural(rec.path)):  # state/2 before state/10
             writers = sorted(set(rec.owners.values())) if rec.owners else [0]
             arrays.append({
                 "path": rec.path, "dtype": rec.dtype, "kind": rec.kind, "shape": list(rec.shape),
@@ -174,18 +181,21 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
 
 @click.command("verify")
 @click.argument("location", metavar="URL_OR_DIR")
-@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
-@click.option("--all", "every", is_flag=True, help="Verify every committed step.")
-@click.option("--threads", default=8, show_default=True, help="Chunks read at once.")
+@click.option("--step", default=None, callback=step_value, help="Step number, or 'latest'.  [default: latest]")
+@click.option("--all", "every", is_flag=True, help="Verify every committed step (not with --step).")
+@click.option("--threads", default=8, show_default=True, type=THREADS, help="Chunks read at once.")
 @remote_options
 @pass_context
-def verify_command(ctx: Context, location: str, step: str, every: bool, threads: int) -> None:
+def verify_command(ctx: Context, location: str, step: str | None, every: bool, threads: int) -> None:
     """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
 
-    Names every damaged array and chunk. A node's local directory holds only its ranks' chunks,
-    and the peers' replicas it keeps: those are the ones checked there (replicas also against the
-    size and CRC32C of each of their files).
+    Names every damaged array and chunk, or the step's manifest. A node's local directory holds only its
+    ranks' chunks, and the peers' replicas it keeps: those are the ones checked there (replicas also against
+    the size and CRC32C of each of their files).
     """
+    if every and step is not None:
+        raise click.UsageError("--step and --all exclude each other: give one")
+    step = step or "latest"
     with errors_as_one_line():
         tier = ctx.tier(location)
         listing = list_steps(tier)
@@ -202,5 +212,27 @@ def verify_command(ctx: Context, location: str, step: str, every: bool, threads:
         if damaged:
             for line in damaged:
                 err.print(f"damaged: {line}", markup=False)
-            fail(f"{len(damaged)} damaged chunk(s) in {tier.url}")
-        out.print(f"ok: {plural(len(steps), 'step')} intact in {tier.url}")
+            bad = sorted({int(m.group(1)) for line in damaged if (m := re.match(r"step (\d+):", line))})
+            intact = [n for n in steps if n not in bad]
+            if intact:
+                out.print(f"intact: {_steps(intact)}")
+            fail(f"{_damage(damaged)} in {_steps(bad)} of {tier.url}")
+        out.print(f"ok: {_steps(steps)} intact in {tier.url}")
+
+
+def _natural(path: str) -> list[Any]:
+    """Sorts numbered names by number: optimizer state 0, 1, 2, ..., 10 (as strings: 0, 1, 10, 11, ..., 2)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"([0-9]+)", path)]
+
+
+def _steps(steps: list[int]) -> str:
+    return f"{'step' if len(steps) == 1 else 'steps'} {fmt_steps(steps)}"
+
+
+def _damage(lines: list[str]) -> str:
+    """What ``verify_step``'s problem lines are, counted: damaged chunks, damaged manifests, other problems."""
+    chunks = sum(" chunk " in line for line in lines)
+    manifests = sum(" chunk " not in line and "manifest" in line for line in lines)
+    others = len(lines) - chunks - manifests
+    counts = [(chunks, "damaged chunk"), (manifests, "damaged manifest"), (others, "other problem")]
+    return ", ".join(plural(n, what) for n, what in counts if n)

@@ -10,6 +10,7 @@ chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -101,8 +102,8 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                 for key, crc in sorted(rec.checksums.items()):
                     if rec.owner(key) in ranks:
                         jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
-    except TiercheckError as e:
-        return [*bad, f"step {step}: {e}"]
+    except TiercheckError as e:  # its message names the tier and the step already
+        return [*bad, f"step {step}: {re.sub(rf'^(.*?: )?step {step}: ', '', str(e), count=1)}"]
     if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
         for rec in manifest.arrays.values():
             if len(rec.checksums) != grid_size(rec.shape, rec.chunks):
