@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+import zarr
+import zarr.core.sync
 
 import tiercheck
 import tiercheck.tiers.remote
@@ -108,6 +111,17 @@ def test_plain_zarr_reads_a_drained_step_through_its_reference_maps(tmp_path: Pa
     group = open_step(f"{root}/{step_dir(1)}", protocol, **(remote.options or {}))
     assert group["w"].nchunks > 1 and np.array_equal(group["w"][:], state["w"].numpy())
     assert np.array_equal(group["b"][:], state["b"].view(torch.uint16).numpy())  # bfloat16's bits
+    # Close the asynchronous filesystem the reference fs opened for Azure, on zarr's loop where its client lives:
+    # adlfs closes it in a finalizer that needs the filesystem's own loop (None when asynchronous=True), which
+    # at interpreter exit printed a traceback ("RuntimeError: Loop is not running") after pytest's summary.
+    opened = group.store.fs.fss[protocol]
+    if hasattr(opened, "service_client"):
+        zarr.core.sync.sync(opened.service_client.close())
+        registry = weakref.finalize._registry  # type: ignore[attr-defined]
+        finalizers = [f for f, info in list(registry.items()) if info.weakref() is opened]
+        assert finalizers, "adlfs no longer closes its client in a finalizer"
+        for finalizer in finalizers:
+            finalizer.detach()
 
 
 def test_remote_retention_is_its_own_policy(tmp_path: Path, remote: Remote) -> None:
