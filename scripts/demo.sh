@@ -25,9 +25,13 @@ pip_install() {
         exit 1
     fi
 }
-# torch is pinned: 2.13.0 is the CPU build this project is tested with; an unpinned
-# install could pull a multi-gigabyte CUDA build instead.
-pip_install torch==2.13.0
+# torch is pinned to 2.13.0, the CPU build this project is tested with. On Linux, PyPI's torch==2.13.0
+# is the CUDA build (~2.5 GB with its nvidia-* wheels): take a CPU build already there or a local wheel,
+# else PyTorch's CPU index.
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-index torch==2.13.0 >>"$log" 2>&1 \
+        || pip_install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+fi
 pip_install -e .
 
 echo "==> running examples/demo.py"

@@ -7,9 +7,14 @@ cd "$root"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-# torch is pinned: 2.13.0 is the CPU build this project tests against (an unpinned torch pulls a
-# multi-GB CUDA build).
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+# torch is pinned to 2.13.0, the CPU build this project tests against. On Linux, PyPI's torch==2.13.0 is
+# the CUDA build (~2.5 GB with its nvidia-* wheels): take a CPU build already there or offered by the
+# configured index without downloading (a local wheel), else PyTorch's CPU index.
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-index torch==2.13.0 2>/dev/null \
+        || .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
+            --index-url https://download.pytorch.org/whl/cpu
+fi
 # DeepSpeed builds from source against that torch: no build isolation (it would fetch another torch)
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
 .venv/bin/python -m pip install -q --disable-pip-version-check setuptools wheel
