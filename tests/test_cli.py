@@ -78,7 +78,7 @@ def test_ls_and_inspect_a_local_directory(saved: Path) -> None:
     assert doc["bytes"] == 8 * 128 * 96 * 4
     table = run("ls", str(saved)).stdout
     assert "committed" in table and "384.0 KiB" in table
-    assert "`tiercheck verify` re-reads its chunks" in table  # committed: has COMMIT, bytes not checked
+    assert "committed: COMMIT, manifest and pack sizes agree (`tiercheck verify` re-reads every chunk)" in table
 
 
 def test_verify_catches_a_flipped_byte_and_names_the_array(saved: Path) -> None:
@@ -121,6 +121,18 @@ def test_cli_usage_edges() -> None:
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
     text = run("plan", "--params", "1234567").stdout
     assert text.startswith("model: 1.23 million parameters,") and "checkpoint: 16.5 MiB in all" in text, text
+
+
+def test_ls_shows_a_truncated_pack_as_damaged(saved: Path) -> None:
+    """A pack cut short (here to 100 bytes) made no difference to ``ls``, which said "committed" from the
+    marker alone; it now compares each pack's size with where its chunks end (one listing, no chunk read)."""
+    os.truncate(saved / step_dir(20) / "packs" / "rank-000000.bin", 100)
+    proc = run("ls", str(saved))
+    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()[1:4]}
+    assert rows == {"10": "committed", "20": "damaged", "30": "committed"}, proc.stdout
+    assert "damaged: " in proc.stderr and "packs/rank-000000.bin holds 100 bytes, its chunks end at byte" in proc.stderr
+    steps = {s["step"]: s["tiers"][str(saved)]["status"] for s in json.loads(run("ls", str(saved), "--json").stdout)["steps"]}
+    assert steps == {10: "committed", 20: "damaged", 30: "committed"}
 
 
 def test_inspect_sorts_numbered_names_by_number(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.paths import step_dir
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
-from tiercheck.format.verify import verify_step
+from tiercheck.format.verify import short_packs, verify_step
 from tiercheck.tiers.remote import redact
 
 # ----------------------------------------------------------------------------------------- ls
@@ -65,8 +65,12 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
                 try:
                     manifest = read_manifest(tier, s)
                     marker = read_marker(tier, s)
+                    short = short_packs(tier, s, manifest, set(marker.ranks))
                 except TiercheckError as e:
                     row["tiers"][name] = {"status": "damaged", "error": str(e)}
+                    continue
+                if short:  # cheap: the packs' sizes against the manifest; `verify` reads every byte
+                    row["tiers"][name] = {"status": "damaged", "error": f"step {s}: {'; '.join(short)}"}
                     continue
                 whole = set(marker.ranks) == set(range(marker.world_size))
                 copies = sorted({r for c in read_replicas(tier, s) for r in c.ranks} - set(marker.ranks))
@@ -108,10 +112,14 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
             created = age(row["created_unix"]) if "created_unix" in row else "-"
             table.add_row(str(row["step"]), *cells, size, created)
         out.print(table)
+        for row in ordered:
+            for n, t in row["tiers"].items():
+                if "error" in t:
+                    err.print(f"damaged: {n}: {t['error']}", markup=False)
         if any(t["status"].startswith("committed") for row in ordered for t in row["tiers"].values()):
             out.print(
-                "committed: the step's COMMIT marker and manifest are there and agree; "
-                "`tiercheck verify` re-reads its chunks. size: the bytes of its arrays' chunks"
+                "committed: COMMIT, manifest and pack sizes agree (`tiercheck verify` re-reads every chunk); "
+                "size: the bytes of its arrays' chunks"
             )
 
 

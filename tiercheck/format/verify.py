@@ -18,7 +18,8 @@ from contextlib import AbstractContextManager, nullcontext
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, chunk_nbytes, verify_chunk, verify_parts
 from tiercheck.format.layout import grid_size
-from tiercheck.format.paths import chunk_location, step_dir
+from tiercheck.format.manifest import Manifest
+from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, step_dir
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import rank_parts, read_manifest, read_marker
 from tiercheck.tiers.base import Tier
@@ -158,3 +159,34 @@ def verify_replica_files(tier: Tier, step: int, files: dict[str, tuple[int, int]
         if len(data) != size or checksum(data) != crc:
             bad.append(f"step {step}: replica file {name}: size or CRC32C differs from its replica marker")
     return bad
+
+
+def short_packs(tier: Tier, step: int, manifest: Manifest, ranks: set[int]) -> list[str]:
+    """The packs of ``ranks`` (the saving ranks this tier holds) that end before their last chunk does, by the
+    manifest's offsets: one listing of the step's ``packs/``, no chunk read (``tiercheck ls`` shows such a step
+    as damaged; ``verify_step`` checks every byte). Empty for formats without packs, and for tiers that cannot
+    list sizes."""
+    ends: dict[int, int] = {}
+    for rec in manifest.arrays.values():
+        size = chunk_nbytes(rec) + CHECKSUM_BYTES
+        for key, offset in rec.offsets.items():
+            rank = rec.owner(key)
+            if rank in ranks:
+                ends[rank] = max(ends.get(rank, 0), offset + size)
+    if not ends:
+        return []
+    try:
+        sizes = tier.sizes(f"{step_dir(step)}/{PACKS_DIR}")
+    except OSError as e:
+        return [f"cannot list {PACKS_DIR}/: {e.strerror or e}"]
+    if not sizes:  # a tier that cannot tell (or no pack at all, which a listing of the step shows)
+        return []
+    short = []
+    for rank, end in sorted(ends.items()):
+        name = pack_file(rank)
+        have = sizes.get(name[len(PACKS_DIR) + 1 :])
+        if have is None:
+            short.append(f"{name} is missing")
+        elif have < end:
+            short.append(f"{name} holds {have:,} bytes, its chunks end at byte {end:,}")
+    return short
