@@ -24,9 +24,10 @@ rebuild ``Metadata`` from its JSON) -> ``set_up_storage_reader`` / ``prepare_*_p
 ``read_data`` (all: one collective ``Checkpointer.restore`` of the box each tensor's read items cover,
 every chunk from the fastest valid tier and verified first; then the regions go to the planner).
 
-One Checkpointer per local directory and process serves its writer and readers (tiercheck allows one
-writer per directory: a second Checkpointer would get ``DirectoryInUseError``). The writer keeps it, host
-pool and save plan with it, until ``close()``; a reader without a writer opens one for ``read_data``.
+One Checkpointer per local directory and process serves its writers and readers (tiercheck allows one
+writer per directory: a second Checkpointer would get ``DirectoryInUseError``). The writers, one for every
+save or a new one per call (DCP's idiom), share it, host pool and save plan with it, until one's ``close()``
+or interpreter exit; a reader without a writer opens one for ``read_data``.
 
 Modules: ``writer`` (:class:`TiercheckWriter`), ``reader`` (:class:`TiercheckReader`) and ``regions`` (what a
 read item covers), ``metadata`` (DCP's ``Metadata`` as JSON), ``shared`` (the Checkpointer per directory).
