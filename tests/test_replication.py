@@ -186,7 +186,7 @@ def test_ls_shows_replica_coverage_and_verify_checks_replicas(replicated_1: Path
     assert (entry["ranks"], entry["replica_ranks"]) == ([2, 3], [0, 1])
     assert entry["status"] == "committed (ranks 2-3) + replicas of ranks 0-1"
     ok = CliRunner().invoke(main, ["verify", str(node), "--all"])
-    assert ok.exit_code == 0 and "2 steps intact" in ok.output, ok.output
+    assert ok.exit_code == 0 and "steps 1, 2 intact" in ok.output, ok.output
 
     d = node / step_dir(2)
     pack = d / rank_files(0)[-1]  # node 0's rank 0 pack, as node 1 keeps it
