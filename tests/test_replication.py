@@ -199,3 +199,52 @@ def test_ls_shows_replica_coverage_and_verify_checks_replicas(replicated_1: Path
     assert bad.exit_code == 1, bad.output
     assert f"step 2: replica file {rank_files(1)[3]}: size or CRC32C differs from its replica marker" in bad.output
     assert "damaged: step 2: array 'model/embed' chunk c.0.0: checksum mismatch" in bad.output  # rank 0's first chunk
+
+
+def _save_two_trajectories(rank: int, world: int, root: str) -> bool:
+    """Steps 1 and 2 of one job with different bits (seeds 3 then 2), each replicated to one peer node."""
+    state = model_state(SAVED, rank, seed=3)
+    options = tiercheck.ReplicationOptions(replicas=1, piece_bytes=1 << 16, timeout_s=60)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, PER_NODE), replication=options) as ck:
+        first = ck.save(1)
+        first.wait()
+        ok = first.replicated.result(timeout=90)
+        later = model_state(SAVED, rank, seed=2)
+        for name, value in state["model"].items():  # the training moved on: new bits, same layout
+            new = later["model"][name]
+            (value.local if hasattr(value, "local") else value).copy_(new.local if hasattr(new, "local") else new)
+        second = ck.save(2)
+        return bool(ok and second.replicated.result(timeout=90)) or rank % PER_NODE != 0
+
+
+def _restore_any(rank: int, world: int, root: str) -> dict[str, Any]:
+    state = model_state(SAVED, rank, seed=2, fill=-1.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, PER_NODE)) as ck:
+        step = ck.restore()
+    return {"step": step, "tensors": check_model(state, {1: 3, 2: 2}[step])}
+
+
+@pytest.mark.parametrize("swapped", ["all", "manifest"])
+def test_a_replica_holding_an_earlier_steps_files_is_not_restored_as_the_newer_step(
+    tmp_path: Path, swapped: str
+) -> None:
+    """A replica is used only when its files match its marker: node 2 keeps node 1's replica of steps 1
+    and 2; its step-2 copy is replaced by the step-1 files (same names, same sizes). With node 1 wiped,
+    no tier holds step 2 of ranks 2-3 whole: the restore falls back to step 1, and never returns step 1's
+    bits as step 2. ``manifest``: only the parts/arrays/owners/refs swapped, the packs left as they were."""
+    root = tmp_path / "job"
+    assert all(run_ranks(_save_two_trajectories, 8, str(root), start_method="forkserver", timeout=240))
+    holder = root / "node2"
+    stale, fresh = holder / step_dir(1), holder / step_dir(2)
+    names = [n for r in (2, 3) for n in rank_files(r) if (stale / n).exists()]
+    assert any(n.endswith(".bin") for n in names)
+    for name in names:
+        if swapped == "all" or not name.endswith(".bin"):
+            shutil.copyfile(stale / name, fresh / name)
+    shutil.rmtree(root / "node1")
+    assert held_steps(LocalTier(holder))["2"] == [[4, 5], 8, [4, 5]]  # the replica of ranks 2-3 does not count
+    listing = CliRunner().invoke(main, ["ls", str(holder), "--json"])
+    (row,) = [r for r in json.loads(listing.stdout)["steps"] if r["step"] == 2]
+    assert next(iter(row["tiers"].values()))["replica_ranks"] == []
+    for r in run_ranks(_restore_any, 8, str(root), start_method="forkserver", timeout=240):
+        assert r["step"] == 1 and r["tensors"] > 0, r  # step 1, bit for bit (seed 3): not step 2

@@ -73,7 +73,7 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
                     row["tiers"][name] = {"status": "damaged", "error": f"step {s}: {'; '.join(short)}"}
                     continue
                 whole = set(marker.ranks) == set(range(marker.world_size))
-                copies = sorted({r for c in read_replicas(tier, s) for r in c.ranks} - set(marker.ranks))
+                copies = sorted({r for c in read_replicas(tier, s, checked=True) for r in c.ranks} - set(marker.ranks))
                 status = "committed" if whole else f"committed (ranks {ranges(sorted(marker.ranks))})"
                 if copies:  # peers' files this node keeps a replica of
                     status += f" + replicas of ranks {ranges(copies)}"

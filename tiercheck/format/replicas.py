@@ -15,8 +15,10 @@ import logging
 from dataclasses import dataclass
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.format.codec import checksum
 from tiercheck.format.paths import (
     is_replica_marker,
+    pack_owner,
     rank_files,
     step_dir,
 )
@@ -75,8 +77,13 @@ class Replica:
         return cls(step, ranks, int(world), files, doc["node"])  # type: ignore[arg-type]
 
 
-def read_replicas(tier: Tier, step: int) -> list[Replica]:
-    """The replicas a committed step directory holds; a damaged marker is reported and passed by."""
+def read_replicas(tier: Tier, step: int, *, checked: bool = False) -> list[Replica]:
+    """The replicas a committed step directory holds; a damaged marker is reported and passed by.
+
+    ``checked``: only those whose files are all here and match their marker (``replica_problems``);
+    a restore and ``ls`` count no other. A replica that does not match (another step's or another
+    save's files under the same names, a copy that left its packs behind) is reported and passed by:
+    the step is then not whole here, and a restore takes those ranks from another tier or an older step."""
     d = step_dir(step)
     out = []
     for name in tier.list_dir(d):
@@ -84,10 +91,45 @@ def read_replicas(tier: Tier, step: int) -> list[Replica]:
             continue
         where = f"{tier.url}: step {step}: {name}"
         try:
-            out.append(Replica.parse(read_small(tier, f"{d}/{name}", where=where), step=step, where=where))
+            replica = Replica.parse(read_small(tier, f"{d}/{name}", where=where), step=step, where=where)
         except (TiercheckError, OSError) as e:
             log.warning("ignoring a replica in %s: %s", tier.url, e)
+            continue
+        bad = replica_problems(tier, step, replica) if checked else []
+        if bad:
+            log.warning("ignoring the replica %s in %s: %s", name, tier.url, "; ".join(bad))
+            continue
+        out.append(replica)
     return out
+
+
+def replica_problems(tier: Tier, step: int, replica: Replica) -> list[str]:
+    """A replica's files against its marker; returns the problems found, one line each.
+
+    Every file must be there with the size the marker gives. The manifest files (parts, arrays,
+    owners, refs) are read and their CRC32C compared: the checksums of every chunk a replica's
+    rank wrote are in its part, so a pack of another step or save of the same size is caught by
+    the chunks' checksums when they are read (``verify``, a restore), not here by re-reading it.
+    Nothing is read past the size the marker gives plus one byte."""
+    # TODO(save_id): once markers carry the save id, compare it with COMMIT's here as well.
+    bad = []
+    d = step_dir(step)
+    for name, (size, crc) in sorted(replica.files.items()):
+        pack = pack_owner(name) is not None
+        try:
+            data = tier.read_range(f"{d}/{name}", max(0, size - 1) if pack else 0, 2 if pack else size + 1)
+        except FileNotFoundError:
+            bad.append(f"step {step}: replica file {name} is missing")
+            continue
+        except OSError as e:
+            bad.append(f"step {step}: replica file {name}: cannot read it: {e.strerror or e}")
+            continue
+        if pack:
+            if len(data) != min(size, 1):
+                bad.append(f"step {step}: replica file {name}: its size differs from its replica marker")
+        elif len(data) != size or checksum(data) != crc:
+            bad.append(f"step {step}: replica file {name}: size or CRC32C differs from its replica marker")
+    return bad
 
 
 def placement(index: int, count: int, options: ReplicationOptions) -> tuple[list[int], list[int]]:

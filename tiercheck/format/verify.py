@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
-from tiercheck.format.codec import CHECKSUM_BYTES, checksum, chunk_nbytes, verify_chunk, verify_parts
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
 from tiercheck.format.layout import grid_size
 from tiercheck.format.manifest import Manifest
 from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, step_dir
-from tiercheck.format.replicas import read_replicas
+from tiercheck.format.replicas import read_replicas, replica_problems
 from tiercheck.format.steps import rank_parts, read_manifest, read_marker
 from tiercheck.tiers.base import Tier
 
@@ -80,7 +80,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
         replicas = read_replicas(tier, step)
         held = sorted(set(marker.ranks) | {r for c in replicas for r in c.ranks})
         for c in replicas:
-            bad.extend(verify_replica_files(tier, step, c.files))
+            bad.extend(replica_problems(tier, step, c))
         jobs: list[_Job] = []
         whole = set(marker.ranks) == set(range(marker.world_size))
         if not marker.ranks:  # load refuses it: nothing here is anyone's
@@ -139,26 +139,6 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
 
 def _no_progress(done: int, total: int) -> None:
     pass
-
-
-def verify_replica_files(tier: Tier, step: int, files: dict[str, tuple[int, int]]) -> list[str]:
-    """A replica's files other than packs (whose chunks are checked one by one) against their
-    marker's (size, CRC32C); returns the problems found."""
-    bad = []
-    for name, (size, crc) in sorted(files.items()):
-        if name.endswith(".bin"):
-            continue
-        try:
-            data = tier.read_range(f"{step_dir(step)}/{name}", 0, size + 1)
-        except FileNotFoundError:
-            bad.append(f"step {step}: replica file {name} is missing")
-            continue
-        except OSError as e:
-            bad.append(f"step {step}: replica file {name}: cannot read it: {e.strerror or e}")
-            continue
-        if len(data) != size or checksum(data) != crc:
-            bad.append(f"step {step}: replica file {name}: size or CRC32C differs from its replica marker")
-    return bad
 
 
 def short_packs(tier: Tier, step: int, manifest: Manifest, ranks: set[int]) -> list[str]:

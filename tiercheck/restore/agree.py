@@ -34,7 +34,7 @@ def held_steps(tier: Tier) -> dict[str, JSON]:
             log.warning("ignoring step %d on %s: %s", s, tier.url, e)
             continue
         own = list(marker.ranks)
-        copies = {r for c in read_replicas(tier, s) if c.world_size == marker.world_size for r in c.ranks}
+        copies = {r for c in read_replicas(tier, s, checked=True) if c.world_size == marker.world_size for r in c.ranks}
         held[str(s)] = [own + sorted(copies - set(own)), marker.world_size, own]
     return held
 
