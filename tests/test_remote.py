@@ -310,3 +310,39 @@ def test_drain_options_set_the_multipart_part_size(tmp_path: Path) -> None:
     with Checkpointer({"w": torch.zeros(2)}, local=tmp_path, remote="s3://b/p", remote_options=opts, drain=drain) as ck:
         assert isinstance(ck.remote, tiercheck.tiers.remote.RemoteTier)
         assert ck.remote.part_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("damage", ["flip", "unreadable", "missing"])
+@pytest.mark.parametrize(
+    "name", ["manifest.json", "manifest/rank-000000.json", "manifest/arrays-000000.json", "manifest/owners-000000.json"]
+)
+def test_a_damaged_local_manifest_file_is_read_from_the_remote_not_an_older_step(
+    tmp_path: Path, name: str, damage: str
+) -> None:
+    """Per-tier fallback covers the manifest files as it covers chunks: the newest step is intact on
+    the remote tier, so it is restored from there, never the older step."""
+    remote = Remote(f"file://{tmp_path / 'remote'}", {})
+    state = make_state(1)
+    with checkpointer(state, tmp_path / "local", remote) as ck:
+        ck.save(1)
+        set_values(state, 2)
+        ck.save(2)
+        assert ck.drain()["failed"] == 0
+    f = tmp_path / "local" / step_dir(2) / name
+    if damage == "flip":
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x20
+        f.write_bytes(bytes(data))
+    elif damage == "unreadable":  # no permission, EIO: a directory in its place reads as neither
+        f.unlink()
+        f.mkdir()
+    else:
+        f.unlink()
+    fresh = make_state(0)
+    with checkpointer(fresh, tmp_path / "local", remote) as ck:
+        assert ck.restore() == 2
+    expected = make_state(2)
+    expected["meta"]["seed"] = 2
+    assert_identical(fresh, expected)
+    with checkpointer(make_state(0), tmp_path / "local", None) as ck:  # no other tier: the older step
+        assert ck.restore() == 1

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chunks
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
-from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.layout import chunk_at
-from tiercheck.format.legacy import has_packs, saving_world_size
+from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
 from tiercheck.format.manifest import (
     JSON,
     ArrayRecord,
@@ -93,17 +93,23 @@ def find_holders(
             if coord.decide(coord.key(root, "holder", w), members) == members:
                 claimed.append(coord.key(root, "holder", w))
 
+    usable_key = coord.key(root, "usable", nodes.leader)
     if here and coord.rank == nodes.leader:
         try:
-            _, _, index = read_index(tier, step)
-            if coord.decide(index_key, index.decode()) == index.decode():
-                claimed.append(index_key)
-            claim(sorted(set(here) & set(written)))
+            index = node_copy(tier, step, here, remote=remote if from_remote else None)
+            coord.set(usable_key, "1" if index is not None else "")
+            claimed.append(usable_key)
+            if index is not None:
+                if coord.decide(index_key, index.decode()) == index.decode():
+                    claimed.append(index_key)
+                claim(sorted(set(here) & set(written)))
         except TiercheckError as e:
             own = e
             coord.report(f"{root}/holders", e)
     yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
     coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
+    if here and not coord.get(usable_key):  # this node's copy is damaged: every file comes from the remote
+        here, written, copies = (), (), []
     if copies and coord.rank == nodes.leader:
         claim(copies)
     yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
@@ -118,6 +124,45 @@ def find_holders(
     world = saving_world_size(doc, index, where=where)
     save = save_id_of(doc, where=where)
     return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed), save)
+
+
+def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:
+    """The step's index as this node holds it, when this node's copy of the step's manifest files
+    can be used: its ``manifest.json`` (checked against its commit marker) and the sealed parts,
+    arrays and owners files of the saving ranks ``here`` all read and check. Else, when ``remote``
+    (the step is committed there) is given, None: the node restores the step from the remote tier
+    as a node holding none of it, as a damaged chunk is read from there; without a remote tier,
+    the node's damage is the step's (``CorruptCheckpointError``), and the restore falls back.
+
+    The one place a restore chooses between a node's own manifest files and the remote tier's:
+    a node either uses all of its copy or none of it, never one tier's index with another's parts."""
+    where = f"{tier.url}: step {step}"
+    d = step_dir(step)
+    try:
+        _, doc, index = read_index(tier, step)
+        version = doc["format_version"]
+        if not whole_manifest(version):
+            world = saving_world_size(doc, index, where=where)
+            coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
+            for w in sorted(set(here)):
+                at = f"{where}: {part_file(w)}"
+                part = parse_rank_part(unseal(_read(tier, d, ("rank", w)), where=at), where=at)
+                coordinated.update(shard_of(p, world) for p in part.checksums)
+            for w in sorted(set(here)):
+                for kind in ("arrays", "owners") if has_packs(version) else ("arrays",):
+                    raw, at = _read(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
+                    if raw:
+                        unseal(raw, where=at)
+                    elif w in coordinated:
+                        raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        if remote is None:
+            raise CorruptCheckpointError(str(e)) from None
+        log.warning("%s: this node's copy of the step is damaged, reading all of it from %s: %s", where, remote.url, e)
+        return None
+    # TODO(save_id): this node's files are used beside other nodes' and the remote tier's: check that
+    # this COMMIT names the same save as the index the restore goes by (and the remote's, from_remote).
+    return index
 
 
 def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
