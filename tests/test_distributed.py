@@ -558,6 +558,14 @@ def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remot
     assert [step for step, _ in results] == [1, 1, 1, 1]  # values checked against step 1 inside
     assert results[2][1] > 0 and results[3][1] > 0  # the replaced node's ranks read from the remote
 
+    # A node whose own manifest files are damaged (here its second rank's part) reads the whole step
+    # from the remote, as the replaced node did: the damage is one tier's, not the step's.
+    part = tmp_path / "node0" / "step-00000001" / "manifest" / "rank-000001.json"
+    part.write_bytes(part.read_bytes()[:-1])
+    results = run_ranks(_restore_remote, 4, str(tmp_path), remote, start_method="forkserver")
+    assert [step for step, _ in results] == [1, 1, 1, 1]
+    assert results[0][1] > 0 and results[1][1] > 0
+
 
 def _two_groups(rank: int, world: int, root: str) -> tuple[int, float]:
     """Ranks {0, 1} and {2, 3} are separate jobs in one world (e.g. two pipeline stages that
