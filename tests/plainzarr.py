@@ -6,6 +6,7 @@ Kept word for word as the README gives it, so the tests prove the recipe users c
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import fsspec
@@ -17,7 +18,10 @@ def open_step(url: str, protocol: str = "file", **options: Any) -> zarr.Group:
     fs = fsspec.filesystem(protocol, **options)
     refs: dict[str, Any] = {}
     for f in sorted(fs.glob(f"{url}/refs/*.json")):  # one map per saving rank
-        refs.update(json.loads(fs.cat_file(f))["refs"])
+        for key, ref in json.loads(fs.cat_file(f))["refs"].items():
+            if not isinstance(ref, str) and not re.fullmatch(r"\{\{u\}\}/packs/rank-[0-9]{6,}\.bin", str(ref[0])):
+                raise ValueError(f"{f}: {key} points outside the step: {ref[0]!r}")  # ranges: tiercheck verify
+            refs[key] = ref
     store = zarr.storage.FsspecStore.from_url(
         "reference://",
         storage_options={

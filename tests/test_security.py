@@ -295,3 +295,83 @@ def test_a_rotted_local_step_fails_the_background_and_the_cli_drain_loudly(
     result = CliRunner().invoke(main, ["drain", str(ckpt_dir), "--to", remote])
     assert result.exit_code == 1 and "checksum mismatch" in result.output, result.output
     assert list_steps(LocalTier(tmp_path / "remote")).committed == []
+
+
+def _verify(ckpt_dir: Path) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from tiercheck.cli import main
+
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    return result.exit_code, result.output
+
+
+def _edit_part(ckpt_dir: Path, edit: Any) -> None:
+    part = ckpt_dir / "step-00000003" / "manifest" / "rank-000000.json"
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    edit(doc)
+    part.write_bytes(seal(json.dumps(doc).encode()))
+
+
+@pytest.mark.parametrize("key", ["../../outside/c.0", "c.1", "c.00", "c.0.0", "c.\u0660"])
+def test_verify_refuses_a_chunk_key_that_load_refuses(ckpt_dir: Path, key: str) -> None:
+    """A rank part naming a chunk that is not one of its array's grid (a path out of the step, a key
+    beyond the grid, another spelling, another rank count): load refuses the step, so verify does."""
+    saved(ckpt_dir)
+
+    def rename(doc: dict[str, Any]) -> None:
+        for field in ("crc32c", "offset"):
+            doc[field]["model/b"][key] = doc[field]["model/b"].pop("c.0")
+
+    _edit_part(ckpt_dir, rename)
+    with pytest.raises(tiercheck.CorruptCheckpointError, match="model/b"):
+        tiercheck.load(ckpt_dir)
+    code, output = _verify(ckpt_dir)
+    assert code == 1 and f"rank 0's part names {key!r}, not its chunk" in output, output
+
+
+def test_verify_refuses_a_part_whose_chunk_sizes_disagree_with_the_arrays_file(ckpt_dir: Path) -> None:
+    saved(ckpt_dir)
+    _edit_part(ckpt_dir, lambda doc: doc["nbytes"].update({"model/b": doc["nbytes"]["model/b"] * 2}))
+    code, output = _verify(ckpt_dir)
+    assert code == 1 and "array 'model/b': rank 0's part gives chunks of 512 bytes, its record (float32" in output
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda ref, o, n: ["/etc/passwd", 0, n], "points at ['/etc/passwd'"),
+        (lambda ref, o, n: ["{{u}}/../../outside.bin", o, n], "points at ['{{u}}/../../outside.bin'"),
+        (lambda ref, o, n: ["{{u}}/packs/rank-000001.bin", o, n], "not at that chunk in packs/rank-000000.bin"),
+        (lambda ref, o, n: [ref[0], o + 10**9, n], "not at that chunk"),
+        (lambda ref, o, n: [ref[0], o, n + 4], "not at that chunk"),
+        (lambda ref, o, n: "inline bytes", "is inline data, and not a zarr.json document"),
+    ],
+)
+def test_verify_checks_reference_maps_point_only_at_their_ranks_chunks(
+    ckpt_dir: Path, edit: Any, message: str
+) -> None:
+    """Plain zarr reads a step through its reference maps, which tiercheck itself never reads: verify
+    checks every entry is one of the rank's chunks in its own pack, in range, or a zarr.json document."""
+    saved(ckpt_dir)
+    refs = ckpt_dir / "step-00000003" / "refs" / "rank-000000.json"
+    doc = json.loads(refs.read_bytes())
+    ref = doc["refs"]["model/b/c.0"]
+    doc["refs"]["model/b/c.0"] = edit(ref, ref[1], ref[2])
+    refs.write_text(json.dumps(doc))
+    code, output = _verify(ckpt_dir)
+    assert code == 1 and "refs/rank-000000.json" in output and message in output, output
+
+
+def test_the_readme_recipe_refuses_a_reference_out_of_the_step(ckpt_dir: Path) -> None:
+    from tests.plainzarr import open_step
+
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    assert open_step(str(step))["model/b"].shape == (64,)
+    refs = step / "refs" / "rank-000000.json"
+    doc = json.loads(refs.read_bytes())
+    doc["refs"]["model/b/c.0"][0] = "/etc/hostname"
+    refs.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"model/b/c\.0 points outside the step"):
+        open_step(str(step))

@@ -93,6 +93,18 @@ def chunk_key(coords: tuple[int, ...]) -> str:
     return ".".join(["c", *map(str, coords)])
 
 
+def is_chunk_key(key: str, shape: Sequence[int], chunk: Sequence[int]) -> bool:
+    """Whether ``key`` is the key of a chunk of this grid (``chunk_key`` of coordinates inside
+    it): any other string (``../../outside/c.0``, ``c.00``, another script's digits) is none."""
+    parts = key.split(".")
+    if parts[0] != "c" or len(parts) != len(shape) + 1:
+        return False
+    coords = parts[1:]
+    if not all(c.isascii() and c.isdigit() and (c == "0" or not c.startswith("0")) for c in coords):
+        return False
+    return all(int(c) < ceil_div(d, n) for c, d, n in zip(coords, shape, chunk, strict=True))
+
+
 def chunk_at(shape: Sequence[int], chunk: Sequence[int], coords: tuple[int, ...]) -> Chunk:
     """The chunk at grid position ``coords``."""
     starts = tuple(i * c for i, c in zip(coords, chunk, strict=True))

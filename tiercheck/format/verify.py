@@ -10,23 +10,30 @@ chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
 
 from __future__ import annotations
 
+import errno
+import itertools
+import json
 import re
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
-from tiercheck.format.layout import grid_size
-from tiercheck.format.manifest import Manifest
-from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, step_dir
+from tiercheck.format.layout import grid_size, is_chunk_key
+from tiercheck.format.legacy import has_packs
+from tiercheck.format.manifest import REFS_STAMP, ArrayRecord, Manifest, RankPart, check_save
+from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, pack_owner, refs_file, step_dir
 from tiercheck.format.replicas import read_replicas, replica_problems
-from tiercheck.format.steps import rank_parts, read_manifest, read_marker
+from tiercheck.format.steps import rank_parts, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 
 #: Given the bytes a check will read, a context (a progress bar) whose value is called with
 #: (bytes done, total) after each chunk.
 Progress = Callable[[int], AbstractContextManager[Callable[[int, int], None]]]
+
+CHUNK_KEY = re.compile(r"c(\.(0|[1-9][0-9]*))*", re.ASCII)
 
 # A chunk to check: array path, chunk key, CRC32C, data bytes (None: unknown, all of its file),
 # and where it is (chunk_location's file and offset).
@@ -86,7 +93,11 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
         if not marker.ranks:  # load refuses it: nothing here is anyone's
             bad.append(f"step {step}: the commit marker names no saving rank")
         if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
-            for rank, part in sorted(rank_parts(tier, step, held, save=manifest.save_id).items()):
+            parts = rank_parts(tier, step, held, save=manifest.save_id)
+            if has_packs(manifest.format_version):
+                for rank, part in sorted(parts.items()):
+                    bad.extend(check_refs(tier, step, rank, part, save=manifest.save_id))
+            for rank, part in sorted(parts.items()):
                 for path, crcs in sorted(part.checksums.items()):
                     rec = manifest.arrays.get(path)
                     if rec is None and whole:  # every shard is here: some record of the array must be
@@ -94,6 +105,14 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                             f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
                         )
                     size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
+                    if rec is not None and size != chunk_nbytes(rec):  # load reads the record's size
+                        bad.append(
+                            f"step {step}: array {path!r}: rank {rank}'s part gives chunks of {size:,} bytes, its "
+                            f"record ({rec.dtype}, chunks {list(rec.chunks)}) {chunk_nbytes(rec):,}"
+                        )
+                    for key in [k for k in crcs if not _is_key(k, rec)]:  # never a path to read
+                        bad.append(f"step {step}: array {path!r}: rank {rank}'s part names {key!r}, not its chunk")
+                        del crcs[key]
                     for key, crc in sorted(crcs.items()):
                         file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
                         jobs.append((path, key, crc, size, file, offset))
@@ -135,6 +154,109 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
             done += nbytes
             report(done, total)
     return sorted(bad)
+
+
+def _is_key(key: str, rec: ArrayRecord | None) -> bool:
+    if rec is not None:
+        return is_chunk_key(key, rec.shape, rec.chunks)
+    return CHUNK_KEY.fullmatch(key) is not None  # the record is on another node: the grammar at least
+
+
+def check_refs(tier: Tier, step: int, rank: int, part: RankPart, *, save: str | None) -> list[str]:
+    """A saving rank's reference map (``refs/rank-N.json``, read by plain zarr, never by tiercheck)
+    against its part: written by the step's save ``save`` (format 5), every entry is a
+    ``zarr.json`` document or a byte range of this rank's own pack in this step, exactly the range
+    of a chunk the part names (offset, and size with its CRC32C), inside the pack; no absolute
+    path, no ``..``, no other file. Returns the problems."""
+    name, where = refs_file(rank), f"step {step}: {refs_file(rank)}"
+    d = step_dir(step)
+    try:
+        doc = json.loads(read_small(tier, f"{d}/{name}", where=f"{tier.url}: step {step}"))
+        if not isinstance(doc, dict) or not isinstance(doc.get("refs"), dict):
+            raise ValueError("no refs")
+        templates, refs = doc.get("templates"), doc["refs"]
+    except FileNotFoundError:
+        return [f"{where} is missing"] if part.offsets else []
+    except (ValueError, RecursionError, TiercheckError) as e:
+        return [f"{where}: not a reference map ({e})"]
+    try:
+        check_save(doc.get(REFS_STAMP), save, where=where)
+    except CorruptCheckpointError as e:
+        return [str(e)]
+    if templates != {"u": "."}:
+        return [f"{where}: its templates {templates!r} are not this step's ({{'u': '.'}})"]
+    pack = "{{u}}/" + pack_file(rank)
+    bad: list[str] = []
+    end = 0
+    for key, ref in refs.items():
+        if isinstance(ref, str):
+            if not (key == "zarr.json" or key.endswith("/zarr.json")) or ".." in key.split("/"):
+                bad.append(f"{where}: {key!r} is inline data, and not a zarr.json document")
+            continue
+        path, _, chunk = str(key).rpartition("/")
+        offset = part.offsets.get(path, {}).get(chunk)
+        length = part.chunk_bytes.get(path, -1) + CHECKSUM_BYTES
+        expected = [pack, offset, length]
+        if not isinstance(ref, list) or offset is None or ref != expected:
+            bad.append(f"{where}: {key!r} points at {ref!r}, not at that chunk in {pack_file(rank)} ({expected!r})")
+            continue
+        end = max(end, offset + length)
+    named = {f"{p}/{k}" for p, by_key in part.offsets.items() for k in by_key}
+    if named - set(refs):
+        bad.append(f"{where}: names {len(named - set(refs)):,} of the rank's chunks nowhere")
+    if end:
+        try:
+            if len(tier.read_range(f"{d}/{pack_file(rank)}", end - 1, 1)) != 1:
+                bad.append(f"{where}: its ranges run past the end of {pack_file(rank)} ({end:,} bytes)")
+        except OSError as e:
+            bad.append(f"{where}: cannot read {pack_file(rank)}: {e.strerror or e}")
+    return [f"step {step}: {b}" if not b.startswith("step ") else b for b in bad]
+
+
+def check_extents(tier: Tier, step: int, arrays: Mapping[str, ArrayRecord], *, where: str) -> None:
+    """Every chunk of ``arrays`` is one of its grid's, each grid chunk is named, and each lies
+    inside the file holding it, no two overlapping in a pack: ``CorruptCheckpointError`` naming
+    the file and the field when not. A reader sizing buffers from these records (a fresh ``load``
+    allocates whole arrays) then allocates at most what the step's files hold: an arrays file
+    declaring 600 million elements beside a pack of 16 KiB is refused here, before any buffer.
+    One read of a byte per file (its last needed one), no listing."""
+    spans: dict[str, list[tuple[int, int, str, str]]] = defaultdict(list)
+    for rec in arrays.values():
+        n = chunk_nbytes(rec) + CHECKSUM_BYTES
+        grid = grid_size(rec.shape, rec.chunks)
+        if len(rec.checksums) != grid or not all(is_chunk_key(k, rec.shape, rec.chunks) for k in rec.checksums):
+            raise CorruptCheckpointError(
+                f"{where}: array {rec.path!r}: the manifest names {len(rec.checksums):,} chunks, not the "
+                f"{grid:,} of its shape {list(rec.shape)} and chunks {list(rec.chunks)}"
+            )
+        for key in rec.checksums:
+            file, offset = rec.location(key)
+            spans[file].append((offset or 0, n, rec.path, key))
+    d = step_dir(step)
+    for file, ss in sorted(spans.items()):
+        ss.sort()
+        for (o, n, p, k), (o2, _, p2, k2) in itertools.pairwise(ss):
+            if o + n > o2:
+                raise CorruptCheckpointError(
+                    f"{where}: {file}: array {p!r} chunk {k} (offset {o:,}, {n:,} bytes) overlaps "
+                    f"array {p2!r} chunk {k2} (offset {o2:,})"
+                )
+        o, n, p, k = ss[-1]
+        try:
+            there = len(tier.read_range(f"{d}/{file}", o + n - 1, 1)) == 1
+        except FileNotFoundError:
+            kind = "pack" if pack_owner(file) is not None else "chunk"
+            missing = f"{where}: array {p!r} chunk {k}: its {kind} file is missing ({file})"
+            raise CorruptCheckpointError(missing) from None
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOVERFLOW):  # an offset past any file a system can hold
+                raise CorruptCheckpointError(f"{where}: cannot read {file}: {e.strerror or e}") from None
+            there = False
+        if not there:
+            raise CorruptCheckpointError(
+                f"{where}: array {p!r} chunk {k}: its {n:,} bytes at offset {o:,} (the manifest's dtype, "
+                f"chunks and offset) run past the end of {file} (truncated or damaged)"
+            )
 
 
 def _no_progress(done: int, total: int) -> None:

@@ -11,6 +11,7 @@ from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
+from tiercheck.format.verify import check_extents
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
 from tiercheck.state.flatten import gc_paused
@@ -60,6 +61,7 @@ def load(
                 f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
                 f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
             )
+    check_extents(tier, step, manifest.arrays, where=where)  # before a buffer is sized from the records
     items, decoded = prepare(
         out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
     )
