@@ -189,8 +189,9 @@ def test_incompatible_shapes_or_dtypes_are_refused_before_anything_is_overwritte
         (np.arange(100, dtype=np.int16), np.zeros(100, dtype=np.int32), r"n/0: checkpoint has int16\[100\], .* numpy array of int32\[100\]"),
         (torch.arange(100, dtype=torch.int16), np.zeros(100, dtype=np.int32), r"n/0: checkpoint has int16\[100\], .* numpy array of int32\[100\]"),
         (np.arange(100, dtype=np.int16), torch.zeros(100, dtype=torch.int32), r"n/0: checkpoint has int16\[100\], the state to restore into has int32\[100\]"),
+        (np.arange(100, dtype=np.int16), np.zeros(100, dtype=">i2"), r"n/0: checkpoint has int16\[100\], .* numpy array of >i2\[100\]"),
     ],
-    ids=["object array", "str array", "shape", "dtype", "tensor saved", "array saved"],
+    ids=["object array", "str array", "shape", "dtype", "tensor saved", "array saved", "byte order"],
 )  # fmt: skip
 def test_a_numpy_array_or_tensor_that_does_not_fit_is_refused_before_anything_is_overwritten(
     ckpt_dir: Path, saved: Any, live: Any, message: str
@@ -203,6 +204,15 @@ def test_a_numpy_array_or_tensor_that_does_not_fit_is_refused_before_anything_is
         ck.restore()
     assert state["n"][0] is live and type(live) is type(before) and (live == before).all()
     assert torch.equal(state["w"], torch.zeros(8))
+
+
+def test_a_numpy_array_of_the_other_byte_order_is_saved_by_its_values(ckpt_dir: Path) -> None:
+    """Legal input, not a raw ValueError from torch: a big-endian array is stored as its values."""
+    values = np.arange(-50, 50, dtype=">i2").reshape(10, 10)[:, ::2]  # not contiguous either
+    with Checkpointer({"n": values}, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    loaded = tiercheck.load(ckpt_dir)["n"]
+    assert isinstance(loaded, np.ndarray) and loaded.dtype == np.int16 and (loaded == values).all()
 
 
 def test_missing_keys_and_tensors_are_named(ckpt_dir: Path) -> None:

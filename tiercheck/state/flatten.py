@@ -157,6 +157,8 @@ class _Encoder:
         if isinstance(obj, np.ndarray) and obj.dtype.name in STORAGE_DTYPES:
             path = self._path(parts)
             # Not np.ascontiguousarray alone: it makes a 0-d array 1-d, which then restores into nothing.
+            if not obj.dtype.isnative:  # torch views native byte order only: the values, swapped
+                obj = obj.astype(obj.dtype.newbyteorder("="))
             t = torch.from_numpy(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
             self.leaves.append(Leaf(path, t, "ndarray", False, tuple(t.shape), (0,) * t.dim()))
             return {"$ndarray": path}
