@@ -248,3 +248,26 @@ def test_a_replica_holding_an_earlier_steps_files_is_not_restored_as_the_newer_s
     assert next(iter(row["tiers"].values()))["replica_ranks"] == []
     for r in run_ranks(_restore_any, 8, str(root), start_method="forkserver", timeout=240):
         assert r["step"] == 1 and r["tensors"] > 0, r  # step 1, bit for bit (seed 3): not step 2
+
+
+def test_a_copy_of_a_nodes_ranks_takes_a_replica_only_with_its_files_and_ls_counts_only_whole_ones(
+    replicated_1: Path, tmp_path: Path
+) -> None:
+    """``restore --ranks`` of a node's own ranks leaves its peers' packs behind: it must leave their
+    replica marker too (it did not, and its own --verify then failed); ``ls`` counts a replica only
+    when its files are there."""
+    node = replicated_1 / "node1"  # ranks 2-3, and node 0's 0-1 as a replica
+    target = tmp_path / "copy"
+    result = CliRunner().invoke(main, ["restore", str(node), "--to", str(target), "--ranks", "2-3", "--verify"])
+    assert result.exit_code == 0, result.output
+    assert not list((target / step_dir(2)).glob("REPLICA-*"))
+    listing = CliRunner().invoke(main, ["ls", str(target), "--json"])
+    (row,) = [r for r in json.loads(listing.stdout)["steps"] if r["step"] == 2]
+    assert next(iter(row["tiers"].values()))["replica_ranks"] == []
+
+    lost = _copy(node, tmp_path / "node1")
+    (lost / step_dir(2) / rank_files(0)[-1]).unlink()  # the replica's pack of rank 0 is gone
+    listing = CliRunner().invoke(main, ["ls", str(lost), "--json"])
+    rows = {r["step"]: next(iter(r["tiers"].values())) for r in json.loads(listing.stdout)["steps"]}
+    assert (rows[2]["replica_ranks"], rows[1]["replica_ranks"]) == ([], [0, 1])
+    assert rows[2]["status"] == "committed (ranks 2-3)"

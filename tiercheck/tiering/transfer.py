@@ -33,11 +33,13 @@ from tiercheck.format.paths import (
     PARTS_DIR,
     REFS_DIR,
     copying_marker,
+    is_replica_marker,
     pack_file,
     pack_owner,
     shard_file,
     step_dir,
 )
+from tiercheck.format.replicas import Replica
 from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
@@ -94,6 +96,7 @@ def copy_step(
         and (f in chunk_records or not CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
     }
     files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
+    files = {f: n for f, n in files.items() if not is_replica_marker(f) or _with_its_files(src, step, f, files)}
     absent = sorted(
         f
         for f, (rec, key) in chunk_records.items()
@@ -145,6 +148,19 @@ def copy_step(
         report.seconds,
     )
     return report
+
+
+def _with_its_files(src: Tier, step: int, marker: str, files: dict[str, int]) -> bool:
+    """Whether a peer's replica marker goes with this copy: only with every file it names, of the
+    size it names (a copy of a node's own ranks leaves its peers' packs behind, and a marker without
+    them would claim ranks the target does not hold). A damaged marker never goes."""
+    where = f"{src.url}: step {step}: {marker}"
+    try:
+        replica = Replica.parse(read_small(src, f"{step_dir(step)}/{marker}", where=where), step=step, where=where)
+    except (CorruptCheckpointError, OSError) as e:
+        log.warning("not copying %s: %s", where, e)
+        return False
+    return all(files.get(name) == size for name, (size, _) in replica.files.items())
 
 
 def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[str, int]) -> dict[str, int]:
