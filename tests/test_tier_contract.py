@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,24 @@ def test_byte_ranges_read_back_exactly_and_stop_at_the_end(tier: Tier) -> None:
     assert (n, bytes(out[:n]), rest) == (20, data[2980:], b"")  # a truncated file: fewer bytes, no error
     with pytest.raises(FileNotFoundError):
         tier.read_range("packs/nope.bin", 0, 1)
+
+
+@pytest.mark.parametrize("offset", [0, 2990, 10**9])
+def test_a_length_far_beyond_the_file_allocates_only_what_is_stored(tier: Tier, offset: int) -> None:
+    """A length from a hostile manifest (a chunk of 2**40 bytes in a pack of 3000): what comes back,
+    and every buffer made on the way, is sized by the file, never by the length asked for."""
+    data = os.urandom(3000)
+    tier.write("packs/rank-000000.bin", [data])
+    out = bytearray(4096)
+    tracemalloc.start()
+    try:
+        n, rest = tier.read_into("packs/rank-000000.bin", memoryview(out), offset=offset, length=2**40)
+        short = tier.read_range("packs/rank-000000.bin", offset, 2**40)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (bytes(out[:n]), rest, bytes(short)) == (data[offset:], b"", data[offset:])
+    assert peak < 1 << 20, peak
 
 
 def test_a_stream_is_written_whole_or_not_at_all(tier: Tier) -> None:

@@ -136,11 +136,14 @@ class LocalTier(Tier):
 
     def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
         with open(self._abs(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             f.seek(offset)
             if length is not None and length < len(out):
                 out = out[:length]
             n = f.readinto(out)  # buffered: loops until ``out`` is full or the file ends
-            return n, f.read(-1 if length is None else max(length - n, 0))
+            # The rest, sized by the file, not by ``length`` (a hostile manifest's): read(n) sizes its buffer first.
+            rest = -1 if length is None else max(0, min(length - n, size - offset - n))
+            return n, f.read(rest)
 
     def read_vectored(
         self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False

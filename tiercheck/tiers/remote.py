@@ -102,6 +102,20 @@ def _error_code(e: BaseException) -> str | None:
     return str(code) if code else None
 
 
+def _past_the_end(e: BaseException) -> bool:
+    """Whether a ranged read failed only because it starts past the object's end (HTTP 416)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if _status(cur) == 416 or _error_code(cur) in ("InvalidRange", "InvalidRangeHeader"):
+            return True
+        if "range is not satisfiable" in str(cur).lower() or "range not satisfiable" in str(cur).lower():
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _status(e: BaseException) -> int | None:
     status = getattr(e, "status_code", None)
     if isinstance(status, int):
@@ -311,10 +325,17 @@ class RemoteTier(Tier):
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         target = self._p(path)
-        data: bytes = self._call(
-            f"reading {path} [{offset}, {offset + length})",
-            lambda: self.fs.cat_file(target, start=offset, end=offset + length),
-        )
+
+        def get() -> bytes:
+            try:
+                got: bytes = self.fs.cat_file(target, start=offset, end=offset + length)
+            except Exception as e:
+                if offset > 0 and _past_the_end(e):  # as a file ends early: nothing there, not an error
+                    return b""
+                raise
+            return got
+
+        data: bytes = self._call(f"reading {path} [{offset}, {offset + length})", get)
         with self._lock:
             self.counters["bytes_down"] += len(data)
         return data
