@@ -270,7 +270,12 @@ def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     arrays, trees = doc.pop("arrays"), doc.pop("trees")
     crcs = {path: rec.pop("crc32c") for path, rec in arrays.items()}
     save = {"save_id": part["save_id"]}  # the save's own id, as every file of the step names it
-    (d / part_file(0)).write_bytes(seal(json.dumps({**save, "tree": trees[0], "crc32c": crcs}).encode()))
+    new_part = {**save, "tree": trees[0], "crc32c": crcs}
+    offsets = part.get("offset") or {}
+    if offsets and all(k in offsets.get(p, {}) for p, by_key in crcs.items() for k in by_key):  # the chunks stay
+        new_part.update(offset={p: {k: offsets[p][k] for k in by_key} for p, by_key in crcs.items()})
+        new_part.update(nbytes={p: part["nbytes"][p] for p in crcs})
+    (d / part_file(0)).write_bytes(seal(json.dumps(new_part).encode()))
     (d / shard_file(0)).write_bytes(seal(json.dumps({**save, "arrays": arrays}).encode()))
     data = json.dumps(doc).encode()
     (d / "manifest.json").write_bytes(data)
@@ -757,3 +762,20 @@ def test_ranks_are_ascii_digits_only(ckpt_dir: Path, tmp_path: Path) -> None:
         ck.save(1).wait()
     result = CliRunner().invoke(main, ["restore", str(ckpt_dir), "--to", str(tmp_path / "t"), "--ranks", "\u0660-\u0661"])
     assert result.exit_code == 2 and "expected ranks like 0-7" in result.output, result.output
+
+
+def test_chunks_overlapping_in_a_pack_are_refused_by_load_and_verify(ckpt_dir: Path) -> None:
+    """Two chunks of one pack at the same offset (each checksum matching what is there): load would
+    size and fill two buffers from one stored chunk; both refuse the step, naming the pack."""
+    saved(ckpt_dir)
+    part = ckpt_dir / "step-00000003" / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    first, second = sorted(doc["offset"]["model/w"])[:2]
+    doc["offset"]["model/w"][second] = doc["offset"]["model/w"][first]
+    doc["crc32c"]["model/w"][second] = doc["crc32c"]["model/w"][first]
+    part.write_bytes(seal(json.dumps(doc).encode()))
+    message = r"packs/rank-000000\.bin: array 'model/w' chunk c\.[\d.]+ \(offset [\d,]+, [\d,]+ bytes\) overlaps"
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", "3"])
+    assert result.exit_code == 1 and re.search(message, result.output), result.output

@@ -125,12 +125,18 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
     except TiercheckError as e:  # its message names the tier and the step already
         return [*bad, f"step {step}: {re.sub(rf'^(.*?: )?step {step}: ', '', str(e), count=1)}"]
     if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
+        counted = len(bad)
         for rec in manifest.arrays.values():
             if len(rec.checksums) != grid_size(rec.shape, rec.chunks):
                 bad.append(
                     f"step {step}: array {rec.path!r}: the manifest names {len(rec.checksums):,} chunks "
                     f"of its {grid_size(rec.shape, rec.chunks):,}"
                 )
+        if len(bad) == counted:  # what load checks before it sizes a buffer: no chunk overlaps, each inside its file
+            try:
+                check_extents(tier, step, manifest.arrays, where=f"step {step}")
+            except CorruptCheckpointError as e:
+                bad.append(str(e))
     total = sum(job[3] or 0 for job in jobs)
 
     def check(job: _Job) -> int:
@@ -244,6 +250,8 @@ def check_extents(tier: Tier, step: int, arrays: Mapping[str, ArrayRecord], *, w
         o, n, p, k = ss[-1]
         try:
             there = len(tier.read_range(f"{d}/{file}", o + n - 1, 1)) == 1
+        except TiercheckError:  # a symbolic link in its place: refused as what it is
+            raise
         except FileNotFoundError:
             kind = "pack" if pack_owner(file) is not None else "chunk"
             missing = f"{where}: array {p!r} chunk {k}: its {kind} file is missing ({file})"

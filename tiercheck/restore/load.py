@@ -10,6 +10,7 @@ from tiercheck.dist.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.legacy import whole_manifest
+from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import check_extents
 from tiercheck.restore.match import apply, prepare
@@ -61,9 +62,23 @@ def load(
                 f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
                 f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
             )
-    check_extents(tier, step, manifest.arrays, where=where)  # before a buffer is sized from the records
+    checked: list[bool] = []
+
+    def backed_by_the_files(rec: ArrayRecord) -> None:
+        """Before the first array is allocated from its record: every record's sizes, against the files."""
+        if not checked:
+            check_extents(tier, step, manifest.arrays, where=where)
+            checked.append(True)
+
     items, decoded = prepare(
-        out, manifest, manifest.tree(0), strict=False, allow_pickle=allow_pickle, where=where, fresh=True
+        out,
+        manifest,
+        manifest.tree(0),
+        strict=False,
+        allow_pickle=allow_pickle,
+        where=where,
+        fresh=True,
+        before_allocating=backed_by_the_files,
     )
     plan = assign_all_reads(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
     move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)

@@ -102,8 +102,11 @@ def prepare(
     allow_pickle: bool,
     where: str,
     fresh: bool = False,
+    before_allocating: Callable[[ArrayRecord], None] | None = None,
 ) -> tuple[list[ReadItem], dict[str, Any]]:
     """Match the saved tree to the state: what to read into which tensor, and the decoded values.
+    ``before_allocating`` is called with the record of each new array before it is allocated (a
+    fresh load checks there that its size is backed by the step's files).
 
     Raises before anything is overwritten if a shape, dtype or key does not fit. With ``fresh``,
     ``state`` is an empty dict to take everything the tree holds, as new CPU tensors (``load``).
@@ -130,6 +133,8 @@ def prepare(
                 )
             items.append(ReadItem(rec, local, offsets, fresh=isinstance(live, FreshShard), borrowed=view is not None))
             return live
+        if before_allocating is not None:
+            before_allocating(rec)
         dest = _allocate(rec, where=here)
         items.append(ReadItem(rec, dest, (0,) * dest.dim(), fresh=True))
         return dest.numpy() if tag == "$ndarray" or isinstance(live, np.ndarray) else dest
