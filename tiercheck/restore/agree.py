@@ -23,9 +23,11 @@ log = logging.getLogger("tiercheck")
 
 
 
-def held_steps(tier: Tier) -> dict[str, JSON]:
+def held_steps(tier: Tier, *, check_replicas: bool = True) -> dict[str, JSON]:
     """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
-    of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``)."""
+    of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``),
+    counted only where their files match their markers (unless not ``check_replicas``: the node's other
+    ranks, which learn what their node holds of the chosen step from its leader, ``plan.find_holders``)."""
     held: dict[str, JSON] = {}
     for s in list_steps(tier).committed:
         try:
@@ -34,7 +36,8 @@ def held_steps(tier: Tier) -> dict[str, JSON]:
             log.warning("ignoring step %d on %s: %s", s, tier.url, e)
             continue
         own = list(marker.ranks)
-        copies = {r for c in read_replicas(tier, s, checked=True) if c.world_size == marker.world_size for r in c.ranks}
+        replicas = read_replicas(tier, s, checked=check_replicas)
+        copies = {r for c in replicas if c.world_size == marker.world_size for r in c.ranks}
         held[str(s)] = [own + sorted(copies - set(own)), marker.world_size, own]
     return held
 
@@ -80,7 +83,7 @@ def agree_on_step(
     if "error" in decision:
         raise CheckpointNotFoundError(decision["error"])
     if coord.rank != nodes.leader:
-        held = held_steps(tier)
+        held = held_steps(tier, check_replicas=False)
     return StepChoice(decision["step"], bool(decision.get("remote")), held)
 
 

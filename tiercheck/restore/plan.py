@@ -81,24 +81,30 @@ def find_holders(
 ) -> Exchange[Step]:
     """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
     claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
-    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files."""
+    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files.
+
+    The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
+    nothing when its manifest files are damaged and the remote tier has the step); the other ranks
+    of the node take ``here`` and ``written`` from it, so a node never disagrees with itself."""
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
     claimed: list[str] = []
     members = dumps(list(nodes.ranks))
-    copies = sorted(set(here) - set(written))
 
     def claim(ranks: Sequence[int]) -> None:
         for w in ranks:
             if coord.decide(coord.key(root, "holder", w), members) == members:
                 claimed.append(coord.key(root, "holder", w))
 
-    usable_key = coord.key(root, "usable", nodes.leader)
-    if here and coord.rank == nodes.leader:
+    node_key = coord.key(root, "node", nodes.leader)
+    if coord.rank == nodes.leader:
         try:
-            index = node_copy(tier, step, here, remote=remote if from_remote else None)
-            coord.set(usable_key, "1" if index is not None else "")
-            claimed.append(usable_key)
+            index = node_copy(tier, step, here, remote=remote if from_remote else None) if here else None
+            if index is None:
+                here, written = (), ()
+            if len(nodes.ranks) > 1:
+                coord.set(node_key, dumps({"here": sorted(here), "written": sorted(written)}))
+                claimed.append(node_key)
             if index is not None:
                 if coord.decide(index_key, index.decode()) == index.decode():
                     claimed.append(index_key)
@@ -108,8 +114,10 @@ def find_holders(
             coord.report(f"{root}/holders", e)
     yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
     coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
-    if here and not coord.get(usable_key):  # this node's copy is damaged: every file comes from the remote
-        here, written, copies = (), (), []
+    if coord.rank != nodes.leader:
+        mine = json.loads(coord.get(node_key))
+        here, written = mine["here"], mine["written"]
+    copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
         claim(copies)
     yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")

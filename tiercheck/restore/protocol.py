@@ -308,7 +308,7 @@ def _restore_step(
         staged_on_device=on_device,
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
-        held_here=list(here),
+        held_here=sorted(st.here),
     )
 
 
