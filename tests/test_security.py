@@ -313,15 +313,24 @@ def _edit_part(ckpt_dir: Path, edit: Any) -> None:
     part.write_bytes(seal(json.dumps(doc).encode()))
 
 
+@pytest.mark.parametrize("version", [4, 3])
 @pytest.mark.parametrize("key", ["../../outside/c.0", "c.1", "c.00", "c.0.0", "c.\u0660"])
-def test_verify_refuses_a_chunk_key_that_load_refuses(ckpt_dir: Path, key: str) -> None:
+def test_verify_refuses_a_chunk_key_that_load_refuses(ckpt_dir: Path, key: str, version: int) -> None:
     """A rank part naming a chunk that is not one of its array's grid (a path out of the step, a key
-    beyond the grid, another spelling, another rank count): load refuses the step, so verify does."""
+    beyond the grid, another spelling, another rank count): load refuses the step, so verify does.
+    In format 3 each chunk is a file named by its key: verify never opens such a name."""
     saved(ckpt_dir)
+    if version == 3:
+        as_format3(ckpt_dir / "step-00000003")
+        outside = ckpt_dir / "step-00000003" / "model" / "b" / key
+        if outside.resolve().is_relative_to(ckpt_dir) and ".." in key:  # a chunk file where the key points
+            outside.parent.mkdir(parents=True, exist_ok=True)
+            (ckpt_dir / "step-00000003" / "model" / "b" / "c.0").rename(outside)
 
     def rename(doc: dict[str, Any]) -> None:
         for field in ("crc32c", "offset"):
-            doc[field]["model/b"][key] = doc[field]["model/b"].pop("c.0")
+            if doc.get(field):
+                doc[field]["model/b"][key] = doc[field]["model/b"].pop("c.0")
 
     _edit_part(ckpt_dir, rename)
     with pytest.raises(tiercheck.CorruptCheckpointError, match="model/b"):

@@ -120,7 +120,9 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
             ranks = set(marker.ranks)
             for rec in manifest.arrays.values():
                 for key, crc in sorted(rec.checksums.items()):
-                    if rec.owner(key) in ranks:
+                    if not _is_key(key, rec):  # a chunk's own file: never a path out of its array
+                        bad.append(f"step {step}: array {rec.path!r}: the manifest names {key!r}, not its chunk")
+                    elif rec.owner(key) in ranks:
                         jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
     except TiercheckError as e:  # its message names the tier and the step already
         return [*bad, f"step {step}: {re.sub(rf'^(.*?: )?step {step}: ', '', str(e), count=1)}"]
