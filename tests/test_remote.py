@@ -314,7 +314,8 @@ def test_drain_options_set_the_multipart_part_size(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["flip", "unreadable", "missing"])
 @pytest.mark.parametrize(
-    "name", ["manifest.json", "manifest/rank-000000.json", "manifest/arrays-000000.json", "manifest/owners-000000.json"]
+    "name",
+    ["COMMIT", "manifest.json", "manifest/rank-000000.json", "manifest/arrays-000000.json", "manifest/owners-000000.json"],
 )
 def test_a_damaged_local_manifest_file_is_read_from_the_remote_not_an_older_step(
     tmp_path: Path, name: str, damage: str
