@@ -121,6 +121,9 @@ def find_holders(
     if copies and coord.rank == nodes.leader:
         claim(copies)
     yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
+    # The step's index: a node's (node_copy chose to use that node's files), else the remote's.
+    # TODO(save_id): with from_remote, nodes' files and the remote's are read side by side: check here
+    # that the remote COMMIT names the same save as this index (else use only one tier's files).
     if coord.has(index_key):
         index = coord.get(index_key)
     elif from_remote and remote is not None:  # no node holds any of it
