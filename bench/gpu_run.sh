@@ -4,7 +4,9 @@
 #     bash bench/gpu_run.sh            # OUT=$OUT if set, else bench/results
 #
 # 1. installs the wheels carried in .whl/ (zarr and its deps, awscrt, tenacity, torch_checkpointing,
-#    pytest-timeout: see bench/README.md, "GPU benchmark") into /tmp/site;
+#    pytest-timeout: see bench/README.md, "GPU benchmark") into /tmp/site, byte-compiled as pip
+#    installs them, and byte-compiles the checkout's tiercheck the same way: a fresh-process restore
+#    then pays no library a compile that an installed one never pays;
 # 2. prints the GPU, Python and torch versions, /dev/shm and the disk;
 # 3. runs the CUDA tests (tests/test_cuda.py) -> $OUT/test_cuda.log;
 # 4. runs bench/gpu_bench.py --out $OUT -> $OUT/gpu-<device>.json and $OUT/gpu_bench.log,
@@ -21,7 +23,7 @@ wheels=(.whl/*.whl)
 if ((${#wheels[@]} == 0)); then
     echo "no wheels in .whl/: nothing installed (zarr, awscrt, ... must already be importable)" >&2
 elif python3 -m pip --version >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" \
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" \
         || echo "pip install of the wheels FAILED" >&2
 else  # no pip: a wheel is a zip of its site-packages files
     python3 - "$SITE" "${wheels[@]}" <<'EOF'
@@ -31,6 +33,7 @@ for w in sys.argv[2:]:
 EOF
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m compileall -q tiercheck "$SITE" >/dev/null || echo "compileall failed" >&2
 
 {
     nvidia-smi -L || echo "nvidia-smi failed"

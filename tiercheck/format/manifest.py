@@ -382,6 +382,20 @@ def check_save(doc: JSON, save: str | None, *, where: str) -> None:
         )
 
 
+def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
+    """A manifest file's document (or a reference map's, whose save is under ``key``) must name
+    the step's save ``save`` (none before format 5): ``check_save`` on the bytes as stored."""
+    if save is None:
+        return
+    try:
+        parsed = json.loads(doc)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    if key is not None:
+        parsed = parsed.get(key) if isinstance(parsed, dict) else None
+    check_save(parsed, save, where=where)
+
+
 @dataclass(frozen=True, slots=True)
 class RankPart:
     """A saving rank's part of a format-3/4 manifest: its state tree, and the checksum (and in

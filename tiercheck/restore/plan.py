@@ -38,6 +38,7 @@ from tiercheck.format.manifest import (
     ArrayRecord,
     ManifestIndex,
     RankPart,
+    check_file_save,
     parse_manifest_doc,
     parse_owners,
     parse_rank_part,
@@ -152,18 +153,19 @@ def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None
     try:
         _, doc, index = read_index(tier, step)
         version = doc["format_version"]
+        save = save_id_of(doc, where=where)
         if not whole_manifest(version):
             world = saving_world_size(doc, index, where=where)
             coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
             for w in sorted(set(here)):
                 at = f"{where}: {part_file(w)}"
-                part = parse_rank_part(unseal(_read(tier, d, ("rank", w)), where=at), where=at)
+                part = parse_rank_part(unseal(_read(tier, d, ("rank", w)), where=at), where=at, save=save)
                 coordinated.update(shard_of(p, world) for p in part.checksums)
             for w in sorted(set(here)):
                 for kind in ("arrays", "owners") if has_packs(version) else ("arrays",):
                     raw, at = _read(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
                     if raw:
-                        unseal(raw, where=at)
+                        check_file_save(unseal(raw, where=at), save, where=at)
                     elif w in coordinated:
                         raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
@@ -171,8 +173,9 @@ def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None
             raise CorruptCheckpointError(str(e)) from None
         log.warning("%s: this node's copy of the step is damaged, reading all of it from %s: %s", where, remote.url, e)
         return None
-    # TODO(save_id): this node's files are used beside other nodes' and the remote tier's: check that
-    # this COMMIT names the same save as the index the restore goes by (and the remote's, from_remote).
+    # This node's files are used beside other nodes' and the remote tier's: every manifest file read
+    # in the restore is checked against the save of the index it goes by (``Step.save_id``), so a
+    # node or tier holding another save of the step number fails the step (and the restore falls back).
     return index
 
 

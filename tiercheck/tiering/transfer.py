@@ -25,7 +25,7 @@ from tiercheck.dist.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs
-from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_save
+from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_file_save
 from tiercheck.format.paths import (
     CHUNK_FILE,
     COMMIT_FILE,
@@ -303,16 +303,3 @@ def copy_chunk_file(
     dst.write(f"{d}/{f}", [data])
     return len(data)
 
-
-def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
-    """A manifest file's document (or a reference map's, whose save is under ``key``) must name
-    the step's save ``save`` (none before format 5)."""
-    if save is None:
-        return
-    try:
-        parsed = json.loads(doc)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    if key is not None:
-        parsed = parsed.get(key) if isinstance(parsed, dict) else None
-    check_save(parsed, save, where=where)
