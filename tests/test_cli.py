@@ -174,6 +174,24 @@ def test_gc_deletes_only_steps_under_their_own_name(saved: Path) -> None:
     assert_identical(tiercheck.load(saved), make_state(30))
 
 
+@pytest.mark.parametrize("damage", ["garbage COMMIT", "rotted pack"])
+def test_gc_keeps_the_newest_whole_step_when_the_newest_step_is_damaged(saved: Path, damage: str) -> None:
+    """``--keep-last 1`` with step 30 damaged once deleted steps 10 and 20 and kept 30: nothing
+    was left to restore. A damaged step does not count toward keep-last, and is kept."""
+    if damage == "garbage COMMIT":
+        (saved / step_dir(30) / "COMMIT").write_bytes(b"{not json")
+    else:
+        flip_chunk_byte(saved / step_dir(30), "model/layer3", "c.0.0", 100)
+    proc = run("gc", str(saved), "--keep-last", "1")
+    assert "removed committed step 10" in proc.stdout and "step 20" not in proc.stdout
+    assert "damaged: step 30: " in proc.stderr and "not counted toward --keep-last" in proc.stderr
+    assert sorted(p.name for p in saved.glob("step-*")) == [step_dir(20), step_dir(30)]
+    state = make_state(0)
+    with tiercheck.Checkpointer(state, local=saved) as ck:
+        assert ck.restore() == 20
+    assert_identical(state, make_state(20))
+
+
 def test_a_committed_copy_under_another_name_is_no_step(saved: Path, caplog: pytest.LogCaptureFixture) -> None:
     alias = saved / "step-000000040"
     shutil.copytree(saved / step_dir(20), alias)

@@ -13,6 +13,8 @@ import math
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,12 @@ import tiercheck
 from tiercheck import Shard
 from tiercheck.format.codec import unseal
 from tiercheck.format.manifest import parse_rank_part
-from tiercheck.format.paths import part_file
+from tiercheck.format.paths import pack_file, part_file
 from tiercheck.format.steps import read_manifest
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
-from .ondisk import flip_chunk_byte, step_parts
+from .ondisk import flip_chunk_byte, resign_index, step_parts
 
 LAYERS = 4
 HIDDEN = 8
@@ -691,3 +693,82 @@ def test_a_node_whose_drain_fails_tells_the_others_at_once(tmp_path: Path) -> No
     for rank in (0, 1, 3):  # rank 0 waited for the commit; 1 and 3 follow their node's uploader
         assert "access denied to the bucket" in errors[rank], (rank, errors[rank])
     assert not (tmp_path / "remote" / "step-00000001" / "COMMIT").exists()
+
+
+def _restore_timed(rank: int, world: int, root: str, timeout_s: float) -> tuple[str, str, float]:
+    state = model_state(SMALL, rank, seed=1, fill=0.0)
+    opts = tiercheck.DistributedOptions(timeout_s=timeout_s)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), distributed=opts) as ck:
+        t0 = time.monotonic()
+        try:
+            step = ck.restore()
+        except tiercheck.TiercheckError as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+        return "restored", str(step), time.monotonic() - t0
+
+
+def _swap(step: Path, *names: Callable[[int], str]) -> None:
+    for name in names:
+        a, b = step / name(0), step / name(1)
+        data = a.read_bytes()
+        a.write_bytes(b.read_bytes())
+        b.write_bytes(data)
+
+
+@pytest.mark.parametrize("swapped", ["parts", "packs"])
+def test_two_ranks_files_swapped_in_a_node_directory_fail_every_rank_at_once(tmp_path: Path, swapped: str) -> None:
+    """Ranks 0 and 1 of node 0 once failed at once ("no checksum") and ranks 2-3 waited out the
+    whole timeout. Now every rank learns of it at once: they fall back together, or, with no
+    older step, all fail with the damage, well within a timeout of 120 s."""
+    names = {"parts": part_file, "packs": pack_file}[swapped]
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    _swap(tmp_path / "node0" / "step-00000002", names)
+    fell_back = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    assert [(kind, text) for kind, text, _ in fell_back] == [("restored", "1")] * 4, fell_back
+    assert all(took < 30 for _, _, took in fell_back), fell_back
+    _swap(tmp_path / "node0" / "step-00000001", names)
+    failed = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    assert {kind for kind, _, _ in failed} == {"CorruptCheckpointError"}, failed
+    assert all("no older committed step is whole to restore; step(s) 1 are damaged too" in t for _, t, _ in failed)
+    assert all(took < 30 for _, _, took in failed), failed
+
+
+def test_an_index_naming_another_world_size_is_refused_at_once_on_every_rank(tmp_path: Path) -> None:
+    """Step 2's manifest.json says 8 ranks saved it, in a 4-rank job whose COMMITs say 4: every
+    rank once blocked in the store instead of falling back."""
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    for node in ("node0", "node1"):
+        step = tmp_path / node / "step-00000002"
+        index = json.loads((step / "manifest.json").read_bytes())
+        index["world_size"] = index["topology"]["world_size"] = 8
+        resign_index(step, json.dumps(index).encode())
+    results = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    assert [(kind, text) for kind, text, _ in results] == [("restored", "1")] * 4, results
+    assert all(took < 30 for _, _, took in results), results
+
+
+def _fall_back_then_save_again(rank: int, world: int, root: str) -> tuple[int | None, int | None, int]:
+    state = model_state(SMALL, rank, seed=1, fill=0.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
+        fell_back = ck.restore()
+        check_model(state, 1)
+        ck.save(2).wait()
+    fresh = model_state(SMALL, rank, seed=7, fill=0.0)
+    with tiercheck.Checkpointer(fresh, local=node_dir(root, rank, 2)) as ck:
+        again = ck.restore()
+        return fell_back, again, check_model(fresh, 1)
+
+
+def test_a_step_passed_over_on_every_node_is_set_aside_when_the_run_saves_its_number_again(tmp_path: Path) -> None:
+    """One chunk of step 2 rotted on node 1: every rank falls back to step 1, and saving step 2
+    again (on both nodes: node 0's copy is no whole step either) once raised StepExistsError."""
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [2], 2, start_method="forkserver")
+    step2 = tmp_path / "node1" / "step-00000002"
+    written = step_parts(step2)[0].checksums
+    path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)
+    flip_chunk_byte(step2, path, key, 0)
+    results = run_ranks(_fall_back_then_save_again, 4, str(tmp_path), start_method="forkserver")
+    assert [(fell_back, again) for fell_back, again, _ in results] == [(1, 2)] * 4  # values checked inside
+    for node in ("node0", "node1"):
+        assert [p.name.split(".")[0] for p in (tmp_path / node / "set-aside").iterdir()] == ["step-00000002"]

@@ -134,6 +134,31 @@ def test_remote_retention_is_its_own_policy(tmp_path: Path, remote: Remote) -> N
     assert list_steps(remote.tier()).committed == [3, 5]
 
 
+def test_remote_retention_counts_only_steps_whose_index_reads_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 2's remote commit marker is garbage: with keep_last=2 the drain of step 3 once deleted
+    step 1, the only older step the remote could restore."""
+    remote = Remote(f"file://{tmp_path / 'remote'}", {})
+    state = make_state(1)
+    every = DrainOptions(retention=RetentionOptions(keep_last=None), retry=FAST_RETRY)
+    with checkpointer(state, tmp_path / "local", remote, drain=every) as ck:
+        for step in (1, 2):
+            set_values(state, step)
+            ck.save(step).drained.result(timeout=60)
+    (tmp_path / "remote" / step_dir(2) / "COMMIT").write_bytes(b"{garbage")
+    two = DrainOptions(retention=RetentionOptions(keep_last=2), retry=FAST_RETRY)
+    with checkpointer(state, tmp_path / "local", remote, drain=two) as ck:
+        set_values(state, 3)
+        assert ck.save(3).drained.result(timeout=60)
+    assert list_steps(remote.tier()).committed == [1, 2, 3]
+    assert any(
+        r.levelname == "WARNING" and "step 2 on" in r.getMessage() and "does not count toward keep_last" in r.getMessage()
+        for r in caplog.records
+    )
+    assert_identical(tiercheck.load(remote.url, step=1), make_state(1))
+
+
 def test_a_fresh_node_restores_from_the_remote(tmp_path: Path, remote: Remote) -> None:
     state = make_state(7)
     with checkpointer(state, tmp_path / "old-node", remote) as ck:

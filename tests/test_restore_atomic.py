@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
 import threading
 from pathlib import Path
@@ -13,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import Checkpointer, CorruptCheckpointError, Shard, WriteOptions
+from tiercheck import Checkpointer, CorruptCheckpointError, IncompatibleStateError, Shard, WriteOptions
 from tiercheck.format.paths import part_file
 
 from .conftest import assert_identical
 from .distributed import run_ranks
-from .ondisk import chunk_span, chunks_of, flip_chunk_byte
+from .ondisk import chunk_span, chunks_of, flip_chunk_byte, resign_index
 
 CHUNK = 4096  # small chunks: one bad chunk among many good ones
 
@@ -316,3 +317,113 @@ def test_two_ranks_agree_to_fall_back_when_one_ranks_manifest_part_is_damaged(tm
     part.write_bytes(part.read_bytes()[:-9] + b"garbage!!")
 
     _refused_as_asked_then_fell_back_together(roots)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "garbage COMMIT"])
+def test_a_damaged_newest_step_is_set_aside_after_the_fallback_so_its_number_saves_again(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """The README's loop: save 1 and 2; step 2 rots; restore falls back to 1; the run goes on and
+    saves 2 again. The damaged step 2 once still counted as committed, and that save raised
+    ``StepExistsError``."""
+    one, _ = _saved_steps(ckpt_dir)
+    step2 = ckpt_dir / "step-00000002"
+    if damage == "flipped byte":
+        _damage_last_chunk(step2)
+    else:
+        (step2 / "COMMIT").write_bytes(b"\x00garbage")
+    live = _trained(7)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore() == 1
+        assert_identical(_snapshot(live), one)
+        assert step2.exists()  # left for verify to report until its number is saved again
+        live["model"](torch.randn(4, 64)).sum().backward()
+        live["optimizer"].step()
+        ckpt.save(2).wait()
+        again = _snapshot(live)
+        assert ckpt.steps() == [1, 2]
+    aside = sorted((ckpt_dir / "set-aside").iterdir())
+    assert [p.name.split(".")[0] for p in aside] == ["step-00000002"]
+    assert (aside[0] / "manifest.json").exists()  # set aside whole, not deleted
+    moved = [r for r in caplog.records if r.levelno == logging.WARNING and "set step 2 aside" in r.message]
+    assert len(moved) == 1 and str(aside[0].relative_to(ckpt_dir)) in moved[0].message
+    fresh = _trained(8)
+    with Checkpointer(fresh, local=ckpt_dir) as ckpt:
+        assert ckpt.restore() == 2
+    assert_identical(_snapshot(fresh), again)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("change", ["added parameter", "removed parameter"])
+def test_a_module_that_would_refuse_the_saved_state_is_refused_before_anything_is_overwritten(
+    ckpt_dir: Path, strict: bool, change: str
+) -> None:
+    """``strict=False`` with a module whose checkpoint lacks a parameter once raised torch's raw
+    ``RuntimeError: Missing key(s)`` from ``load_state_dict``, after the other entries had been
+    overwritten. The keys ``load_state_dict`` insists on are checked with the rest, first."""
+    torch.manual_seed(0)
+    with Checkpointer({"progress": torch.arange(8.0), "model": torch.nn.Linear(4, 4)}, local=ckpt_dir) as ckpt:
+        ckpt.save(1).wait()
+    model = torch.nn.Linear(4, 4)
+    if change == "added parameter":
+        model.register_parameter("scale", torch.nn.Parameter(torch.ones(4)))
+        named = "missing from the checkpoint: 'scale'" if not strict else "missing from the checkpoint: model/scale"
+    else:
+        model.bias = None  # type: ignore[assignment]
+        named = "in the checkpoint, not in the module: 'bias'"
+    live = {"progress": torch.zeros(8), "model": model}
+    before = copy.deepcopy(model.state_dict())
+    with Checkpointer(live, local=ckpt_dir) as ckpt, pytest.raises(IncompatibleStateError) as e:
+        ckpt.restore(step=1, strict=strict)
+    assert "model" in str(e.value) and named in str(e.value), e.value
+    assert torch.equal(live["progress"], torch.zeros(8))
+    assert_identical(model.state_dict(), before)
+
+
+def test_an_in_place_fallback_to_a_step_without_a_tensor_says_that_tensor_may_hold_the_damaged_step(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 2 has a tensor step 1 lacks: read in place from step 2 before its damage showed, it
+    keeps step 2's bytes after the fallback to step 1. Only the fallback WARNING was logged."""
+    with Checkpointer({"a": torch.arange(4096.0)}, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        ckpt.save(1).wait()
+    two = {"a": torch.arange(4096.0) + 1, "extra": torch.full((4096,), 2.0)}
+    with Checkpointer(two, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as ckpt:
+        ckpt.save(2).wait()
+    step2 = ckpt_dir / "step-00000002"
+    flip_chunk_byte(step2, "a", chunks_of(step2, "a")[-1], 5)
+    live = {"a": torch.zeros(4096), "extra": torch.zeros(4096)}
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore(in_place=True, strict=False) == 1
+    assert torch.equal(live["a"], torch.arange(4096.0))
+    errors = [r.message for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "fell back to step 1" in errors[0] and "extra" in errors[0] and "parts of step(s) 2" in errors[0]
+    assert "tensor(s) a," not in errors[0]  # step 1 overwrote all of "a"
+
+
+def _claim_world_size(step: Path, world_size: int) -> None:
+    """Make ``step``'s manifest.json say it was saved by ``world_size`` ranks, signed in its COMMIT
+    (whose own world size is left as saved)."""
+    index = json.loads((step / "manifest.json").read_bytes())
+    index["world_size"] = index["topology"]["world_size"] = world_size
+    resign_index(step, json.dumps(index).encode())
+
+
+def test_an_index_naming_another_world_size_is_refused_at_once_and_falls_back(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest.json saying 2 ranks saved the step, in a one-process job whose COMMIT says 1,
+    once blocked in the store for its 300 s timeout (not DistributedOptions.timeout_s) and then
+    raised torch's raw DistStoreError."""
+    one, _ = _saved_steps(ckpt_dir)
+    _claim_world_size(ckpt_dir / "step-00000002", 2)
+    live = _trained(7)
+    before = _snapshot(live)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match=r"saved by 2 rank\(s\), its commit marker by 1"):
+            ckpt.restore(step=2)
+        assert_identical(_snapshot(live), before)
+        assert ckpt.restore() == 1
+    assert_identical(_snapshot(live), one)
+    assert any("cannot restore step 2" in r.message and "saved by 2 rank(s)" in r.message for r in caplog.records)

@@ -26,6 +26,15 @@ def test_policy() -> None:
     assert steps_to_delete([7], RetentionOptions(keep_last=1)) == []
     assert steps_to_delete([], RetentionOptions(keep_last=1)) == []
     assert steps_to_delete([1, 2, 3], RetentionOptions(keep_last=None)) == []
+    judged: list[int] = []
+
+    def damage(step: int) -> str | None:
+        judged.append(step)
+        return "rotted" if step in (5, 3) else None
+
+    # 5 and 3 do not count: 4 and 2 are the two kept, 5 and 3 kept beside them, 1 goes, unjudged
+    assert steps_to_delete([1, 2, 3, 4, 5], RetentionOptions(keep_last=2), damage=damage) == [1]
+    assert judged == [5, 4, 3, 2]
 
 
 def test_keep_last_and_keep_every_on_disk(ckpt_dir: Path) -> None:
@@ -203,3 +212,28 @@ def test_asking_whether_a_step_exists_does_not_wait_for_retention_to_delete(ckpt
         tier.release.set()
         deleting.join()
     assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-00000003"]
+
+
+def test_keep_last_counts_only_restorable_steps_and_keeps_a_damaged_one(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 2's manifest part rotted: with keep_last=2 the save of step 3 once deleted step 1,
+    leaving one restorable step where two were asked for."""
+    state = {"x": torch.arange(64.0)}
+    with Checkpointer(state, local=ckpt_dir, retention=RetentionOptions(keep_last=None)) as ck:
+        ck.save(1).wait()
+        state["x"] += 1
+        ck.save(2).wait()
+    part = ckpt_dir / step_dir(2) / "manifest" / "rank-000000.json"
+    part.write_bytes(part.read_bytes()[:-9] + b"garbage!!")
+    with Checkpointer(state, local=ckpt_dir, retention=RetentionOptions(keep_last=2)) as ck:
+        state["x"] += 1
+        ck.save(3).wait()
+        ck.wait()
+        assert ck.steps() == [1, 2, 3]
+        ck.save(4).wait()
+        ck.wait()
+        assert ck.steps() == [3, 4]  # two whole steps newer than the damaged one: it goes as any older step
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "step 2 in" in r.getMessage()]
+    assert len(warned) == 1 and "does not count toward keep_last" in warned[0] and "rank-000000.json" in warned[0]
+    assert_identical(tiercheck.load(ckpt_dir, step=3), {"x": torch.arange(64.0) + 2})

@@ -166,6 +166,7 @@ class Checkpointer:
         self._plans_made = 0
         self._attempts: dict[int, int] = defaultdict(int)
         self._restores = 0
+        self._passed_over: dict[int, str] = {}  # newer local steps the last restore passed over: why
         self._pool: HostPool | None = None
         self._pipeline: Pipeline | None = None
         self._last: SaveHandle | None = None
@@ -231,6 +232,8 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         metadata = encode_metadata(metadata)  # refused here, before anything is written
         with self._lock:
+            if step in self._passed_over and step in self._local:
+                self._set_aside(step, self._passed_over.pop(step))
             if step in self._local:
                 raise StepExistsError(
                     f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
@@ -274,6 +277,27 @@ class Checkpointer:
                 wait_staged(handle)
             handle.timings["blocked_s"] = time.perf_counter() - t_call
             return handle
+
+    def _set_aside(self, step: int, why: str) -> None:
+        """Before saving ``step`` again: move the committed step of that number, which the last
+        restore passed over (damaged, or not whole across the nodes), out of the way
+        (``LocalSteps.set_aside``) instead of refusing the save or overwriting it. The node's
+        leader moves it; its other ranks wait for its word before they write into that name."""
+        moved = self._coord.key("aside", self._restores, step, self._nodes.leader)
+        outcome = "ok"
+        try:
+            self._local.set_aside([step], {step: why})
+        except OSError as e:  # the save then refuses the number, as for any committed step
+            log.error("could not set aside step %d in %s: %s", step, self.tier.url, e)
+            outcome = "failed"
+        if len(self.node_ranks) > 1:
+            if self._leader:
+                self._coord.set(moved, outcome)
+            else:
+                self._coord.wait([moved], what=f"rank {self._nodes.leader} to set aside step {step}")
+                outcome = self._coord.get(moved).decode()
+        if outcome != "ok":
+            self._local.add(step)
 
     def wait_staged(self) -> None:
         """Block until the latest save's host copy is complete (the state may then change)."""
@@ -432,6 +456,7 @@ class Checkpointer:
             if done is None:
                 return None
             self._counters.update(done.counters())
+            self._passed_over = dict(done.passed_over)
             self._local.add(*self.steps())
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._tiers.populate(done.step)

@@ -37,7 +37,7 @@ from tiercheck.dist.lock import DirectoryLock
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
-from tiercheck.format.verify import verify_step
+from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.options import RetentionOptions
 from tiercheck.tiering.drain import upload_step
 from tiercheck.tiering.retention import steps_to_delete
@@ -240,15 +240,29 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
     help="Remove partial steps only when older than the newest committed step and this old.",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Judge the steps kept by --keep-last from their manifest files alone, without re-reading their chunks.",
+)
 @remote_options
 @pass_context
 def gc_command(
-    ctx: Context, location: str, keep_last: int | None, keep_every: int | None, grace_hours: float, dry_run: bool
+    ctx: Context,
+    location: str,
+    keep_last: int | None,
+    keep_every: int | None,
+    grace_hours: float,
+    dry_run: bool,
+    quick: bool,
 ) -> None:
     """Apply retention: delete committed steps the policy lets go, and abandoned partial steps.
 
-    Never removes the newest committed step. A partial step counts as abandoned when it is older
-    than the newest committed step and older than the grace period (a drain may still be writing it).
+    Never removes the newest committed step. --keep-last counts restorable steps only: the
+    newest steps are verified (every chunk re-read, as `verify` does, unless --quick) until that
+    many are whole; a damaged one among them is reported and kept, and never costs an older whole
+    step its place. A partial step counts as abandoned when it is older than the newest committed
+    step and older than the grace period (a drain may still be writing it).
     """
     with errors_as_one_line():
         if keep_last is None and keep_every is None:
@@ -256,7 +270,14 @@ def gc_command(
         tier = ctx.tier(location)
         listing = list_steps(tier)
         policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
-        doomed = steps_to_delete(listing.committed, policy)
+
+        def damage(s: int) -> str | None:
+            why = step_damage(tier, s, depth="manifest" if quick else "chunks")
+            if why is not None:
+                err.print(f"damaged: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
+            return why
+
+        doomed = steps_to_delete(listing.committed, policy, damage=damage)
         newest = listing.committed[-1] if listing.committed else None
         abandoned = [
             s for s in listing.partial

@@ -73,7 +73,9 @@ class Coordinator:
     def single(cls, timeout_s: float) -> Coordinator:
         import torch.distributed as dist  # commands that only list or inspect never load torch
 
-        return cls(dist.HashStore(), rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=timeout_s))  # a read of a key never set waits this long, not 300 s
+        return cls(store, rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
 
     def key(self, *parts: object) -> str:
         return "/".join(["tiercheck", self.namespace, *map(str, parts)])
@@ -128,14 +130,26 @@ class Coordinator:
         return got
 
     def get(self, key: str) -> bytes:
-        value = bytes(self.store.get(key))
+        """A key's value; the protocols ask only for keys set before a barrier they passed. One
+        that is not there waits the store's own timeout (not ``timeout_s``): where a key may be
+        missing, ``wait`` for it first."""
+        try:
+            value = bytes(self.store.get(key))
+        except RuntimeError as e:  # torch's DistStoreError is one: the store's timeout, or it is gone
+            raise CoordinationError(f"rank {self.rank}: could not read {key} from the store: {e}") from None
         self._count(out=len(key), into=len(value))
         return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Several keys' values at once (see ``get``)."""
         if not keys:
             return []
-        values = [bytes(v) for v in self.store.multi_get(keys)]
+        try:
+            values = [bytes(v) for v in self.store.multi_get(keys)]
+        except RuntimeError as e:
+            raise CoordinationError(
+                f"rank {self.rank}: could not read {len(keys)} key(s) from the store, e.g. {keys[0]}: {e}"
+            ) from None
         self._count(out=sum(map(len, keys)), into=sum(map(len, values)))
         return values
 

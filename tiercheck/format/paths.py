@@ -87,6 +87,15 @@ def step_of(name: str) -> int | None:
 
 _STEP = re.compile(r"step-([0-9]+)")  # ASCII digits: int() also reads other scripts' digits
 
+SET_ASIDE_DIR = "set-aside"  # steps a restore passed over as damaged, moved out of the way of a new save
+
+
+def set_aside_dir(step: int, stamp: str) -> str:
+    """Where a damaged step is moved (``stamp``: when, UTC) so that its number can be saved again.
+    Not a step's name at the top level, so nothing counts, restores, drains or deletes it."""
+    return f"{SET_ASIDE_DIR}/{step_dir(step)}.{stamp}"
+
+
 LOCK_FILE = ".tiercheck-lock"
 
 NODE_FILE = ".tiercheck-node"

@@ -11,14 +11,17 @@ deletion leaves a partial step (cleaned up later), never a damaged committed one
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from tiercheck.format.codec import checksum, unseal
+from tiercheck.format.legacy import saving_world_size
 from tiercheck.format.manifest import (
     JSON,
     ArrayRecord,
@@ -39,11 +42,13 @@ from tiercheck.format.paths import (
     STEP_PREFIX,
     owners_file,
     part_file,
+    set_aside_dir,
     shard_file,
     step_dir,
     step_of,
 )
 from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
 
@@ -127,6 +132,21 @@ def withdraw_step(tier: Tier, step: int) -> None:
     tier.delete_tree(d)
 
 
+def set_aside_step(tier: LocalTier, step: int) -> str:
+    """Move a committed step that cannot be restored out of the way, whole, so that a save may
+    write its number again; returns where it went (``paths.set_aside_dir``). Only the directory's
+    writer (the holder of its lock) may call it. The rename is atomic: the step is either still
+    committed under its name or no step at all, never half moved."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    to = set_aside_dir(step, stamp)
+    for n in itertools.count(1):  # set aside twice in one second (saved again, damaged again)
+        if not tier.exists(to):
+            break
+        to = set_aside_dir(step, f"{stamp}-{n}")
+    tier.move(step_dir(step), to)
+    return to
+
+
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest file, part or marker; 16,384 ranks commit 2.75 MiB in all
 
 
@@ -176,6 +196,12 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
     doc = parse_manifest_doc(data, where=where, step=step)
     if save_id_of(doc, where=where) != marker.save_id:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} and {COMMIT_FILE} name different saves")
+    saved_by = saving_world_size(doc, data, where=where)
+    if saved_by != marker.world_size:  # which ranks' files to look for: a reader must not guess
+        raise CorruptCheckpointError(
+            f"{where}: {MANIFEST_FILE} says the step was saved by {saved_by} rank(s), its commit marker "
+            f"by {marker.world_size}"
+        )
     return marker, doc, data
 
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
@@ -26,7 +27,7 @@ from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import REFS_STAMP, ArrayRecord, Manifest, RankPart, check_save
 from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, pack_owner, refs_file, step_dir
 from tiercheck.format.replicas import read_replicas, replica_problems
-from tiercheck.format.steps import rank_parts, read_manifest, read_marker, read_small
+from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 
 #: Given the bytes a check will read, a context (a progress bar) whose value is called with
@@ -304,3 +305,31 @@ def short_packs(tier: Tier, step: int, manifest: Manifest, ranks: set[int]) -> l
         elif have < end:
             short.append(f"{name} holds {have:,} bytes, its chunks end at byte {end:,}")
     return short
+
+
+def step_damage(tier: Tier, step: int, *, depth: Literal["index", "manifest", "chunks"] = "manifest") -> str | None:
+    """Why the committed ``step`` on this tier cannot be restored, or None when it looks whole.
+
+    ``depth`` says how far to look. ``"index"``: the commit marker and ``manifest.json``, each
+    against the other (two small reads, whatever the job's size: what the remote tier's retention
+    affords after every drain). ``"manifest"``: also every manifest file this tier holds (each
+    read whole, its seal checked, the marker's saving ranks' parts present): a few small reads per
+    saving rank here, none of the data (what a node's retention affords). ``"chunks"``: also every
+    chunk re-read (``verify_step``), which catches rot inside a pack (what ``tiercheck gc`` does)."""
+    if depth == "chunks":
+        bad = verify_step(tier, step)
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        return "; ".join(line.removeprefix(f"step {step}: ") for line in bad[:3]) + more if bad else None
+    try:
+        if depth == "index":
+            read_index(tier, step)
+            return None
+        marker = read_marker(tier, step)
+        manifest = read_manifest(tier, step)  # the index, and every part file here unsealed
+        if manifest.format_version >= 3:
+            rank_parts(tier, step, sorted(marker.ranks), save=manifest.save_id)  # its saving ranks': none missing
+    except TiercheckError as e:
+        return str(e)
+    except OSError as e:  # a directory in a file's place, no permission, EIO
+        return f"cannot read it: {e.strerror or e}"
+    return None

@@ -9,7 +9,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
@@ -23,17 +23,20 @@ log = logging.getLogger("tiercheck")
 
 
 
-def held_steps(tier: Tier, *, check_replicas: bool = True) -> dict[str, JSON]:
+def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_replicas: bool = True) -> dict[str, JSON]:
     """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
     of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``),
     counted only where their files match their markers (unless not ``check_replicas``: the node's other
-    ranks, which learn what their node holds of the chosen step from its leader, ``plan.find_holders``)."""
+    ranks, which learn what their node holds of the chosen step from its leader, ``plan.find_holders``).
+    Steps whose commit marker cannot be read are left out, and put in ``damaged`` with why."""
     held: dict[str, JSON] = {}
     for s in list_steps(tier).committed:
         try:
             marker = read_marker(tier, s)
         except TiercheckError as e:
             log.warning("ignoring step %d on %s: %s", s, tier.url, e)
+            if damaged is not None:
+                damaged[s] = str(e)
             continue
         own = list(marker.ranks)
         replicas = read_replicas(tier, s, checked=check_replicas)
@@ -47,6 +50,7 @@ class StepChoice:
     step: int | None
     from_remote: bool  # committed on the remote tier: read what no node holds from there
     held: dict[str, JSON]  # this node's committed steps (see held_steps)
+    damaged: dict[int, str] = field(default_factory=dict)  # this node's steps left out of held: why
 
 
 def agree_on_step(
@@ -61,7 +65,8 @@ def agree_on_step(
 ) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
     when given. ``remote_steps`` is called on rank 0 only."""
-    held = held_steps(tier) if coord.rank == nodes.leader else {}
+    damaged: dict[int, str] = {}
+    held = held_steps(tier, damaged) if coord.rank == nodes.leader else {}
     if coord.rank == nodes.leader:
         coord.post(f"{name}/held", dumps({"ranks": list(nodes.ranks), "held": held}))
     yield coord.arrive(f"{name}/held", what="every node to list its committed steps")
@@ -83,8 +88,8 @@ def agree_on_step(
     if "error" in decision:
         raise CheckpointNotFoundError(decision["error"])
     if coord.rank != nodes.leader:
-        held = held_steps(tier, check_replicas=False)
-    return StepChoice(decision["step"], bool(decision.get("remote")), held)
+        held = held_steps(tier, damaged, check_replicas=False)
+    return StepChoice(decision["step"], bool(decision.get("remote")), held, damaged)
 
 
 def choose_step(

@@ -151,20 +151,51 @@ def prepare(
         if key not in tree:
             continue
         live = None if fresh else state[key]
+        module = live if isinstance(live, torch.nn.Module) else None
         if is_stateful(live):
             live = live.state_dict()
         if strict and live is not None:
             _check_no_missing_tensors(live, tree[key], key, where)
+        if module is not None:
+            _check_module_keys(module, tree[key], key, where)
         decoded[key] = decode(tree[key], source, allow_pickle=allow_pickle, where=f"{where}: {key}", live=live)
     return items, decoded
 
 
+def _check_module_keys(module: torch.nn.Module, saved: JSON, key: str, where: str) -> None:
+    """Refuse, before anything is read or overwritten, a saved state that ``module.load_state_dict``
+    would refuse (it insists on its own keys exactly, whatever ``strict`` says for the rest)."""
+    if not _plain_dict(saved):
+        raise IncompatibleStateError(f"{where}: {key}: the checkpoint holds no module state for it")
+    assert isinstance(saved, dict)
+    own = set(module.state_dict())
+    missing, unexpected = sorted(own - set(saved)), sorted(set(saved) - own)
+    if missing or unexpected:
+
+        def shown(names: list[str]) -> str:
+            return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+        why = "; ".join(
+            ([f"missing from the checkpoint: {shown(missing)}"] if missing else [])
+            + ([f"in the checkpoint, not in the module: {shown(unexpected)}"] if unexpected else [])
+        )
+        raise IncompatibleStateError(
+            f"{where}: {key}: {type(module).__name__}.load_state_dict would refuse the saved state ({why})"
+        )
+
+
 def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> None:
-    """Hand the decoded values (their tensors now filled) to the state."""
+    """Hand the decoded values (their tensors now filled) to the state. A Stateful that refuses
+    its value (``prepare`` checks what it can beforehand) is the library's error, naming it."""
     for key, value in decoded.items():
         live = state.get(key)
         if is_stateful(live):
-            live.load_state_dict(value)
+            try:
+                live.load_state_dict(value)
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                raise IncompatibleStateError(
+                    f"{where}: {key}: {type(live).__name__}.load_state_dict refused the saved state: {e}"
+                ) from e
         elif not _update_in_place(live, value):
             if not isinstance(state, MutableMapping):
                 raise IncompatibleStateError(

@@ -241,7 +241,10 @@ def fetch(
                     served += [want, file_key]
     yield coord.arrive(f"{name}/served", what="the nodes holding the step to share manifest files")
     coord.check(name, own, shared=(CorruptCheckpointError,))
-    for f, value in zip(away, coord.multi_get([coord.key(name, "file", *f) for f in away]), strict=True):
+    files = [coord.key(name, "file", *f) for f in away]
+    if files:  # served before the barrier; a file no node served fails within timeout_s, not the store's
+        coord.wait(files, what="the manifest files this rank asked other nodes for")
+    for f, value in zip(away, coord.multi_get(files), strict=True):
         got[f] = value
     yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
     coord.delete(*served)
@@ -302,7 +305,34 @@ def plan_restore(
     yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
     coord.check(name, shared=(IncompatibleStateError, CorruptCheckpointError))
 
-    # My work: what to read (with each chunk's checksum from its writer's part), send, receive.
+    # My work: what to read (with each chunk's checksum from its writer's part), send, receive. A
+    # rank that cannot make it out (a part that lacks a checksum it should hold) still arrives at
+    # the barrier below and says why, or the others would wait there out the whole timeout.
+    plan: RestorePlan | None = None
+    failure: TiercheckError | None = None
+    try:
+        plan = _my_work(coord, name, tier, st, remote, records, parts or {})
+    except TiercheckError as e:
+        failure = e
+        coord.report(f"{name}/done", e)
+    yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
+    coord.check(f"{name}/done", failure, shared=(IncompatibleStateError, CorruptCheckpointError))
+    assert plan is not None
+    return plan
+
+
+def _my_work(
+    coord: Coordinator,
+    name: str,
+    tier: Tier,
+    st: Step,
+    remote: Tier | None,
+    records: Mapping[str, ArrayRecord],
+    parts: Mapping[int, RankPart],
+) -> RestorePlan:
+    """This rank's reads, sends and receives, as its coordinators posted them, with the checksum
+    of every chunk it reads."""
+    rank = coord.rank
     out_reads: list[Read] = []
     out_moves: dict[int, Transfer] = {}
     recs: dict[str, ArrayRecord] = {}
@@ -320,7 +350,7 @@ def plan_restore(
             out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
-    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts or {}).items():
+    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts).items():
         by_path[path][key] = crc
         if offset is not None:
             offsets[path][key] = offset
@@ -336,7 +366,6 @@ def plan_restore(
     out_reads.sort(key=lambda x: (x.path, x.chunk.coords))
     transfers = sorted(out_moves.values(), key=lambda t: t.tag)
     nbytes = sum(chunk_nbytes(recs[x.path]) for x in out_reads)
-    yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
     return RestorePlan(out_reads, transfers, recs, nbytes)
 
 

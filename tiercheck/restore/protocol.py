@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, drive, shard_of
@@ -34,7 +34,7 @@ from tiercheck.fmt import fmt_steps, plural
 from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
-from tiercheck.restore.agree import agree_on_step, remote_steps, settle
+from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
 from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_restore
 from tiercheck.restore.read import move_chunks
@@ -62,6 +62,7 @@ class Restored:
     read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
+    passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
 
     def counters(self) -> dict[str, int]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
@@ -104,7 +105,9 @@ def restore_state(
     missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
     step instead, with a warning; a requested step is never swapped for another."""
     requested = request.step
-    touched: list[int] = []  # steps read into the state's own memory (in place) so far
+    # Steps read into the state's own memory (in place) so far: each tensor read into (by its
+    # memory), and its array.
+    touched: dict[int, dict[int, str]] = {}
     try:
         below: int | None = None
         attempt = name
@@ -126,10 +129,14 @@ def restore_state(
                     f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
                 )
                 raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
+            if done is not None and set(touched) - {done.step}:
+                _say_mixed(touched, done.step)
+            if done is not None and damaged:
+                done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
             return done
     except BaseException as e:
         if touched:
-            _say_partly_restored(e, touched)
+            _say_partly_restored(e, sorted(touched))
         raise
     raise AssertionError("unreachable")
 
@@ -138,6 +145,29 @@ def _in_place(item: ReadItem) -> bool:
     """Whether an in-place restore reads ``item`` into the state's own memory: a tensor of the
     state on the CPU (a GPU one is staged in host memory either way)."""
     return not item.fresh and item.dest.device.type == "cpu"
+
+
+def _say_mixed(touched: dict[int, dict[int, str]], step: int) -> None:
+    """An in-place restore fell back to ``step``, which overwrote every tensor it holds: a tensor
+    the damaged newer steps were read into and ``step`` does not hold keeps parts of those."""
+    final = touched.get(step, {})
+    left: dict[str, list[int]] = {}
+    for s, dests in touched.items():
+        for memory, path in dests.items():
+            if s != step and memory not in final:
+                left.setdefault(path, []).append(s)
+    if left:
+        shown = sorted(left)
+        names = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        steps = sorted({s for ss in left.values() for s in ss})
+        log.error(
+            "restore(in_place=True) fell back to step %d after it began to read into the state: tensor(s) "
+            "%s, which step %d does not hold, may hold parts of step(s) %s; restore again before using them",
+            step,
+            names,
+            step,
+            fmt_steps(steps),
+        )
 
 
 def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
@@ -177,10 +207,10 @@ def _restore_step(
     name: str,
     below: int | None,
     pool: HostPool | None,
-    touched: list[int] | None,
+    touched: dict[int, dict[int, str]] | None,
 ) -> Restored | None:
-    """One attempt at one step. With ``touched`` (a list), CPU tensors of the state are read into
-    in place, and ``step`` is added to it before the first byte is."""
+    """One attempt at one step. With ``touched`` (a dict), CPU tensors of the state are read into
+    in place, and ``step`` is added to it, with those tensors, before the first byte is."""
     coord, tier, nodes, remote, group = job.coord, job.tier, job.nodes, job.remote, job.group
     requested, others = request.step, request.others
     choice = drive(
@@ -254,8 +284,8 @@ def _restore_step(
     moved: dict[str, int] = {}
     nbytes = 0
     if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
+        touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
-        touched.append(step)
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         reads, live = staged(items, arena)
@@ -309,7 +339,16 @@ def _restore_step(
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
         held_here=sorted(st.here),
+        passed_over=_passed_over(choice, step) if requested is None else {},
     )
+
+
+def _passed_over(choice: StepChoice, step: int) -> dict[int, str]:
+    """This node's committed steps newer than the newest one every rank could get, ``step``: the
+    choice passed them over, as damaged here (a garbage commit marker) or elsewhere (another
+    node's files of the step are missing or damaged)."""
+    newer = {int(s) for s in choice.held if int(s) > step} | {s for s in choice.damaged if s > step}
+    return {s: choice.damaged.get(s, "not whole across the nodes' directories") for s in sorted(newer)}
 
 
 def manifest_for(

@@ -42,6 +42,7 @@ from tiercheck.format.paths import (
     step_dir,
 )
 from tiercheck.format.steps import commit_step, list_steps, read_marker, read_small, withdraw_step
+from tiercheck.format.verify import step_damage
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack, finish_copy, resumable
@@ -315,8 +316,24 @@ class Drainer:
                 raise CoordinationError(f"step {step} was not committed on {self.remote.url}: {verdict}")
 
     def _retain(self) -> None:
+        """Remote retention. ``keep_last`` counts the steps whose index reads back whole (the
+        cheap check: two small reads a step, whatever the job's size); one that does not is
+        reported and kept, and never costs an older whole step its place."""
+
+        def damage(step: int) -> str | None:
+            why = step_damage(self.remote, step, depth="index")
+            if why is not None:
+                log.warning(
+                    "remote retention: step %d on %s cannot be restored (%s); it does not count toward "
+                    "keep_last, and is kept",
+                    step,
+                    self.remote.url,
+                    why,
+                )
+            return why
+
         committed = list_steps(self.remote).committed
-        for old in steps_to_delete(committed, self.options.retention):
+        for old in steps_to_delete(committed, self.options.retention, damage=damage):
             withdraw_step(self.remote, old)
             log.info("remote retention: deleted step %d from %s", old, self.remote.url)
 

@@ -255,6 +255,17 @@ class LocalTier(Tier):
             return
         self._sync_dir(target.parent)
 
+    def move(self, path: str, to: str) -> None:
+        """Rename ``path`` (a file or a directory) to ``to`` inside this tier, atomically; the
+        directories above ``to`` are created. Fails if ``to`` exists."""
+        source, target = self._abs(path, link_at_end=True), self._abs(to)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            raise FileExistsError(errno.EEXIST, "cannot move there: it exists", str(target))
+        os.rename(source, target)
+        self._sync_dir(target.parent)
+        self._sync_dir(source.parent)
+
     def delete_tree(self, path: str) -> None:
         target = self._abs(path, link_at_end=True)
         with contextlib.suppress(FileNotFoundError):
