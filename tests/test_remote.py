@@ -305,7 +305,8 @@ def test_a_missing_bucket_fails_the_drain_fast_and_keeps_training(
     server = request.getfixturevalue("s3_server" if kind == "s3" else "azurite_server")
     wrong = Remote(f"{'s3' if kind == 's3' else 'az'}://no-such-bucket/ckpt", server.storage_options())
     state = make_state(2)
-    with checkpointer(state, tmp_path / "local", wrong) as ck:
+    retention = RetentionOptions(keep_last=1)
+    with checkpointer(state, tmp_path / "local", wrong, retention=retention) as ck:
         for step in (1, 2):
             handle = ck.save(step)
             handle.wait()  # committed locally regardless, and training goes on
@@ -316,6 +317,7 @@ def test_a_missing_bucket_fails_the_drain_fast_and_keeps_training(
         assert status["retries"] == 0, "a missing bucket is not worth retrying"
         with pytest.raises(tiercheck.RemoteStorageError, match="no-such-bucket"):
             ck.drain()
+        assert ck.steps() == [1, 2], "a step whose drain failed is the only copy: retention keeps it"
     assert_identical(tiercheck.load(tmp_path / "local"), make_state(2))
 
 

@@ -388,3 +388,21 @@ def test_a_tensor_and_a_numpy_array_of_one_shape_and_dtype_restore_into_each_oth
         assert ck.restore() == 1
     assert live["t"] is as_array and as_array.dtype == np.float32 and np.array_equal(as_array, saved["t"].numpy())
     assert live["a"] is as_tensor and torch.equal(as_tensor, torch.from_numpy(saved["a"]))
+
+
+def test_a_forked_child_exits_without_closing_its_parents_checkpointer(tmp_path: Path) -> None:
+    """A child forked while a Checkpointer is open (Megatron's async saves fork their caller) exits at
+    once: the exit hook closes only the Checkpointers of the process that made them, whose threads the
+    child does not have (it waited DistributedOptions.timeout_s for them)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with Checkpointer({"w": torch.ones(4)}, local=tmp_path / "ckpt") as ck:
+        ck.save(1)
+        child = ctx.Process(target=print, args=("child",))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and child.exitcode == 0, "the forked child hung at exit"

@@ -72,6 +72,8 @@ def _close_at_exit() -> None:
     to themselves, a commit waiting for a rank that failed, and the commits queued behind it, each waited
     ``timeout_s`` while the interpreter joined their threads."""
     for ckpt in list(_unclosed):
+        if ckpt._pid != os.getpid():  # the parent's, inherited by a fork: its threads are not here
+            continue
         try:
             ckpt._close_at_exit()
         except Exception:
@@ -195,6 +197,7 @@ class Checkpointer:
         self._prefaulter = Prefaulter()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
             self._prefault()
+        self._pid = os.getpid()  # a forked child (Megatron's async saves fork their caller) never closes it
         _unclosed.add(self)
 
     def _prefault(self) -> None:

@@ -29,6 +29,7 @@ from tiercheck.format.manifest import (
     Manifest,
     ManifestIndex,
     RankPart,
+    check_file_save,
     parse_manifest_doc,
     parse_owners,
     parse_rank_part,
@@ -211,7 +212,9 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
     A format-3 step's manifest is in parts: each saving rank's (its tree and chunk checksums) and
     each coordinating rank's (its arrays). A node-local tier holds its own ranks' parts only, so
     what is returned describes those (the other ranks' trees are absent, see ``Manifest.tree``);
-    the remote tier, or a copy of the whole step, holds all of them.
+    the remote tier, or a copy of the whole step, holds all of them. A peer's replica file here
+    (of a saving rank the commit marker does not list) that is damaged or names another save is
+    left out with a WARNING: it never makes this node's own step unreadable (``verify`` reports it).
     """
     where = f"{tier.url}: step {step}"
     marker, doc, data = read_index(tier, step)
@@ -227,9 +230,15 @@ def read_manifest(tier: Tier, step: int) -> Manifest:
         for name in names:
             m = _PART.match(name)
             if m and int(m.group(2)) < index.world_size:
-                files[m.group(1), int(m.group(2))] = read_small(
-                    tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where
-                )
+                raw = read_small(tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where)
+                if int(m.group(2)) not in marker.ranks:  # a peer's replica: used only if it is this save's
+                    here = f"{where}: {PARTS_DIR}/{name}"
+                    try:
+                        check_file_save(unseal(raw, where=here), index.save_id, where=here)
+                    except CorruptCheckpointError as e:
+                        log.warning("ignoring a peer's replica file: %s", e)
+                        continue
+                files[m.group(1), int(m.group(2))] = raw
         manifest = assemble(index, files, where=where)
     if manifest.step != step or manifest.world_size != marker.world_size:
         raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")

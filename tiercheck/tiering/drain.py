@@ -136,9 +136,11 @@ class Drainer:
         self._resumer.start()
 
     def pinned(self) -> set[int]:
-        """Steps local retention must keep: waiting to be drained, or being drained."""
+        """Steps local retention must keep: waiting to be drained, being drained, or whose drain
+        failed in this run (the remote holds no copy verified as the same save: the local one is
+        the only one)."""
         with self._cond:
-            return set(self._queue) | ({self._current} if self._current is not None else set())
+            return set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._resumer is not None:
