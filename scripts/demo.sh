@@ -26,11 +26,11 @@ pip_install() {
     fi
 }
 # torch is pinned to 2.13.0, the CPU build this project is tested with. On Linux, PyPI's torch==2.13.0
-# is the CUDA build (~2.5 GB with its nvidia-* wheels): take a CPU build already there or a local wheel,
-# else PyTorch's CPU index.
+# is the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name (2.13.0+cpu), from
+# pip's configured indexes first (a local one, offline), else with PyTorch's CPU index added.
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-index torch==2.13.0 >>"$log" 2>&1 \
-        || pip_install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" >>"$log" 2>&1 \
+        || pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 pip_install -e .
 

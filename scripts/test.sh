@@ -8,12 +8,12 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 # torch is pinned to 2.13.0, the CPU build this project tests against. On Linux, PyPI's torch==2.13.0 is
-# the CUDA build (~2.5 GB with its nvidia-* wheels): take a CPU build already there or offered by the
-# configured index without downloading (a local wheel), else PyTorch's CPU index.
+# the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name (2.13.0+cpu), from
+# pip's configured indexes first (a local one, offline), else with PyTorch's CPU index added.
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-index torch==2.13.0 2>/dev/null \
-        || .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
-            --index-url https://download.pytorch.org/whl/cpu
+    .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
+        || .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
+            --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # DeepSpeed builds from source against that torch: no build isolation (it would fetch another torch)
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
