@@ -77,7 +77,8 @@ def restore_command(
         dst = ctx.tier(target, must_exist=False)
         n = pick_step(src, step)
         spans = _parse_ranks(ranks) if ranks else None
-        world = read_marker(src, n).world_size
+        source_marker = read_marker(src, n)
+        world = source_marker.world_size
         wanted = None
         if spans is not None:
             if any(b >= world for _, b in spans):  # checked before a set is built: 0-999999999 is one line
@@ -92,7 +93,7 @@ def restore_command(
             lock.acquire()  # a job's Checkpointer would delete the copy in flight as a partial step
         try:
             if n in list_steps(dst).committed:
-                have, want = read_marker(dst, n).save_id, read_marker(src, n).save_id
+                have, want = read_marker(dst, n).save_id, source_marker.save_id
                 if have != want:
                     fail(
                         f"{dst.url} holds another save of step {n} (save {have}; {src.url} has save {want}): "

@@ -111,7 +111,7 @@ def copy_step(
     if lost:
         raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
     if has_packs(manifest.format_version):
-        check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), files, wanted)
+        check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
     there = resumable(dst, step, save, min(wanted), files)
     todo = sorted(f for f, n in files.items() if there.get(f) != n)
     total = sum(files[f] for f in todo)
@@ -200,12 +200,10 @@ def finish_copy(dst: Tier, step: int, first: int) -> None:
         log.debug("%s: could not remove the copy marker of step %d: %s", dst.url, step, e)
 
 
-def check_complete(
-    src: Tier, step: int, manifest: Manifest, parts: dict[int, RankPart], files: dict[str, int], wanted: set[int]
-) -> None:
-    """Every manifest file a restore of the ``wanted`` ranks' share needs is among ``files``: each
-    array their chunks belong to has its record (arrays file) and chunk owners (owners file,
-    format 4 on) where the step keeps them, so no copy commits what ``load`` would refuse."""
+def check_complete(src: Tier, step: int, manifest: Manifest, parts: dict[int, RankPart], wanted: set[int]) -> None:
+    """Every manifest file a restore of the ``wanted`` ranks' share of a format 4+ step needs is
+    there: each array their chunks belong to has its record (arrays file) and chunk owners
+    (owners file) where the step keeps them, so no copy commits what ``load`` would refuse."""
     world = manifest.world_size
     for rank, part in parts.items():
         for path, crcs in part.checksums.items():
@@ -219,7 +217,7 @@ def check_complete(
                     f"{where}: holds no record of array {path!r} (saving rank {rank} wrote chunks of it): "
                     "the file is missing or damaged"
                 )
-            if has_packs(manifest.format_version) and any(k not in rec.owners for k in crcs):
+            if any(k not in rec.owners for k in crcs):
                 raise CorruptCheckpointError(
                     f"{where}: the owners file of array {path!r} is missing or does not name its chunks' writers"
                 )
