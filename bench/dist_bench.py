@@ -9,8 +9,10 @@ Usage::
     .venv/bin/python bench/dist_bench.py --size-mib 512 --ranks 2 4 --n 3
 
 1. Save: data and tensor parallel layouts, tiercheck vs ``dcp.save`` vs ``dcp.async_save``.
-2. Restore: same layout and resharding (TP=4 -> TP=2, TP=2 -> TP=4), tiercheck with ``read_once``
-   False and True vs ``dcp.load``; every restore checked bit for bit.
+2. Restore: same layout and resharding (TP=4 -> TP=2, TP=2 -> TP=4), tiercheck (its defaults: each
+   node reads a chunk once, ranks of one host pass chunks through shared memory), with
+   ``read_once=True``, and with ``share_memory=False`` (every chunk over gloo) vs ``dcp.load``;
+   every restore checked bit for bit.
 3. Limits: memcpy, fsync'd sequential write, gloo send/recv over loopback.
 
 Method and columns: bench/README.md.
@@ -39,7 +41,7 @@ from harness import GiB, MiB
 # dimension divides by 4, so DTensor.from_local(..., [Shard(dim)]) holds exactly the rank's slice.
 D_MODEL, VOCAB, SEED = 1024, 32768, 1234
 SAVE_METHODS = ("tiercheck", "dcp.save", "dcp.async_save")
-RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "dcp.load")
+RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "tiercheck.gloo", "dcp.load")
 RANKS = (1, 2, 4)
 Pieces = dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]]  # name -> (local tensor, offsets, spec)
 
@@ -297,7 +299,9 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return {"open_s": 0.0, "restore_s": time.perf_counter() - t0}
         t0 = time.perf_counter()
         node = Path(case["tc_root"]) / f"node{rank // case['per_node']}"
-        opts = tiercheck.DistributedOptions(read_once=method.endswith("read_once"), timeout_s=cfg["pg_timeout"])
+        opts = tiercheck.DistributedOptions(
+            read_once=method.endswith("read_once"), share_memory=not method.endswith("gloo"), timeout_s=cfg["pg_timeout"]
+        )
         ck = tiercheck.Checkpointer(tiercheck_state(pieces), local=node, distributed=opts)
         t1 = time.perf_counter()
         step = ck.restore()
@@ -307,7 +311,8 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if step != case["step"]:
             raise AssertionError(f"rank {rank}: {case['name']}: restored step {step}, expected {case['step']}")
         rec = {"open_s": t1 - t0, "restore_s": t2 - t1, "bytes_read": int(stats.get("restore_bytes_read", 0))}
-        return rec | {"chunks_received": int(stats.get("restore_chunks_received", 0))}
+        received, shared = (int(stats.get(f"restore_chunks_{k}", 0)) for k in ("received", "shared"))
+        return rec | {"chunks_received": received, "chunks_shared": shared}
 
     pieces, layout = None, None
     for case in cfg["cases"]:
@@ -470,7 +475,7 @@ def run_restores(ranks: list[int], cfg_base: dict[str, Any], root: Path, args: a
                 times = [max(x["restore_s"] for x in t) for t in trials]
                 pm = per_method[m] = {"restore_s": h.median(times), "restore_all_s": times}
                 pm["open_s"] = h.median([max(x["open_s"] for x in t) for t in trials])
-                for k in ("bytes_read", "chunks_received", "verified_tensors"):
+                for k in ("bytes_read", "chunks_received", "chunks_shared", "verified_tensors"):
                     pm[k] = sum(x.get(k, 0) for x in trials[-1])
                 h.log(f"  {case['name']} {m}: {pm['restore_s']:.2f}s")
             target = sum(4 * math.prod(piece(sp, case["layout"], world, r)[1]) for sp in specs for r in range(world))
@@ -549,8 +554,8 @@ SAVE_HEAD = (
 )
 RESTORE_HEAD = (
     _cols(
-        "ranks|case|tiercheck node dirs|tc s (read_once=F)|read GiB / recv|tc s (read_once=T)|read GiB / recv|"
-        "dcp.load s|tc/dcp (F)|tc/dcp (T)|verified tensors"
+        "ranks|case|tiercheck node dirs|tc s|read GiB / recv (shm)|tc read_once s|read GiB / recv (shm)|tc gloo s|"
+        "dcp.load s|tc/dcp|tc read_once/dcp|tc gloo/dcp|verified tensors"
     )
     + LOAD_HEAD
 )
@@ -583,13 +588,16 @@ def _save_row(s: dict[str, Any], unique: int, raw_gib_s: float) -> list[Any]:
 
 def _restore_row(r: dict[str, Any]) -> list[Any]:
     mm = r["methods"]
-    a, b, c = mm.get("tiercheck", {}), mm.get("tiercheck.read_once"), mm.get("dcp.load", {})
-    row = [r["world"], r["case"]["name"], r["case"]["nodes"]]
-    for x in (a, b or {}):
-        row += [h.fmt(x.get("restore_s")), f"{x.get('bytes_read', 0) / GiB:.2f} / {x.get('chunks_received', 0)}"]
-    row[5:7] = row[5:7] if b else ["(= F)", "-"]
-    row += [h.fmt(c.get("restore_s")), h.fmt(h.ratio(a.get("restore_s"), c.get("restore_s")))]
-    row.append(h.fmt(h.ratio(b.get("restore_s"), c.get("restore_s"))) if b else "-")
+    a, b, g, c = mm.get("tiercheck", {}), mm.get("tiercheck.read_once"), mm.get("tiercheck.gloo"), mm.get("dcp.load", {})
+
+    def moved(x: dict[str, Any]) -> str:
+        shm = f" ({x['chunks_shared']})" if x.get("chunks_shared") else ""
+        return f"{x.get('bytes_read', 0) / GiB:.2f} / {x.get('chunks_received', 0)}{shm}"
+
+    row = [r["world"], r["case"]["name"], r["case"]["nodes"], h.fmt(a.get("restore_s")), moved(a)]
+    row += [h.fmt(b.get("restore_s")), moved(b)] if b else ["-", "-"]
+    row += [h.fmt(g.get("restore_s")) if g else "-", h.fmt(c.get("restore_s"))]
+    row += [h.fmt(h.ratio(x.get("restore_s"), c.get("restore_s"))) if x else "-" for x in (a, b, g)]
     row.append(f"{sum(x.get('verified_tensors', 0) for x in mm.values())} ok")
     return row + _load_cols(r["load"])
 

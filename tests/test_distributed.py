@@ -129,14 +129,16 @@ def _restore(
     seed: int,
     read_once: bool = False,
     in_place: bool = False,
-) -> tuple[int | None, int, dict[str, Any], int, int]:
+    share_memory: bool = True,
+) -> tuple[int | None, int, dict[str, Any], int, int, int]:
     state = model_state(layout, rank, seed=seed, fill=-1.0)
-    opts = tiercheck.DistributedOptions(read_once=read_once)
+    opts = tiercheck.DistributedOptions(read_once=read_once, share_memory=share_memory)
     with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node), distributed=opts) as ck:
         step = ck.restore(in_place=in_place)
         n = check_model(state, seed) if step is not None else 0
         stats = ck.stats()
-        return step, n, state["rank_info"], stats["restore_bytes_read"], stats["restore_chunks_received"]
+        received, shared = stats["restore_chunks_received"], stats["restore_chunks_shared"]
+        return step, n, state["rank_info"], stats["restore_bytes_read"], received, shared
 
 
 SAVED = Layout(tp=2, pp=2, dp=2)
@@ -151,19 +153,20 @@ def saved_8(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize(
-    ("layout", "per_node", "read_once", "in_place"),
+    ("layout", "per_node", "read_once", "in_place", "share_memory"),
     [
-        (Layout(tp=4, pp=1, dp=1), 2, False, False),
-        (Layout(tp=4, pp=1, dp=1), 2, True, False),
-        (Layout(tp=4, pp=1, dp=1), 2, True, True),  # chunks read and received into the live shards
-        (Layout(tp=3, pp=1, dp=1), 1, False, False),  # uneven splits, 3 nodes
-        (Layout(tp=1, pp=1, dp=1), 1, False, False),
-        (Layout(tp=2, pp=2, dp=2), 2, False, False),  # the same layout
+        (Layout(tp=4, pp=1, dp=1), 2, False, False, True),
+        (Layout(tp=4, pp=1, dp=1), 2, False, False, False),  # every chunk received over gloo
+        (Layout(tp=4, pp=1, dp=1), 2, True, False, True),
+        (Layout(tp=4, pp=1, dp=1), 2, True, True, True),  # chunks read and received into the live shards
+        (Layout(tp=3, pp=1, dp=1), 1, False, False, True),  # uneven splits, 3 nodes
+        (Layout(tp=1, pp=1, dp=1), 1, False, False, True),
+        (Layout(tp=2, pp=2, dp=2), 2, False, False, False),  # the same layout
     ],
-    ids=["tp4", "tp4-read-once", "tp4-read-once-in-place", "tp3-uneven", "single", "same"],
+    ids=["tp4", "tp4-gloo", "tp4-read-once", "tp4-read-once-in-place", "tp3-uneven", "single", "same-gloo"],
 )
 def test_restore_onto_another_layout_is_bit_identical(
-    saved_8: str, tmp_path: Path, layout: Layout, per_node: int, read_once: bool, in_place: bool
+    saved_8: str, tmp_path: Path, layout: Layout, per_node: int, read_once: bool, in_place: bool, share_memory: bool
 ) -> None:
     # The new job has fewer nodes; each was given the files of some of the old nodes (as a pre-staging
     # copy would), so that together they hold every chunk, but no node holds all of them.
@@ -172,9 +175,9 @@ def test_restore_onto_another_layout_is_bit_identical(
     for j in range(4):
         _merge_into(Path(saved_8) / f"node{j}", tmp_path / f"node{j % n_nodes}")
     results = run_ranks(
-        _restore, layout.world, layout, root, per_node, 2, read_once, in_place, start_method="forkserver"
+        _restore, layout.world, layout, root, per_node, 2, read_once, in_place, share_memory, start_method="forkserver"
     )
-    for rank, (step, n, info, _, _) in enumerate(results):
+    for rank, (step, n, info, _, _, _) in enumerate(results):
         assert step == 2
         assert n > 0
         if layout.world == SAVED.world:
@@ -183,13 +186,15 @@ def test_restore_onto_another_layout_is_bit_identical(
             assert info["rank"] == rank  # rank r's plain values come from saving rank r
     read = sum(r[3] for r in results)
     received = sum(r[4] for r in results)
+    shared = sum(r[5] for r in results)
     unique = sum(t.nbytes for t in global_tensors(2).values())
     if layout.world == 1:
         assert (read, received) == (unique, 0)
-    elif read_once:
-        assert read == unique and received > 0  # every chunk read by exactly one rank, the rest sent
     else:
-        assert read >= unique and received > 0  # chunks on the other node arrive over the process group
+        # Each chunk is on one node here: read there once (read_once or not), the rest sent. All
+        # ranks share this host: every chunk received comes through shared memory unless told not to.
+        assert read == unique and received > 0
+        assert shared == (received if share_memory else 0)
 
 
 def test_each_chunk_is_written_once_and_replicas_share_the_writing(saved_8: str) -> None:

@@ -110,6 +110,34 @@ def test_read_once_reads_every_chunk_once() -> None:
     assert all(len(r) == 4 for r in every.reads) and not every.transfers
 
 
+def test_each_node_reads_a_chunk_once_and_passes_it_to_its_ranks() -> None:
+    per_rank = [descs("w", (128,), [((0,), (128,))]) for _ in range(2)]  # replicated, 8 chunks of 16
+    records = assign_writes(per_rank, target_chunk_bytes=64).records
+    needs = [[Need("w", (0,), (128,))] for _ in range(4)]  # 4 data-parallel ranks, 2 per node
+    nodes = [0, 0, 2, 2]
+    keys = sorted(c.key for c in chunks((128,), (16,)))
+    # Each node holds one saving rank's files: every chunk is read once in the job, by the node
+    # holding it, half by each of its ranks; its other rank and the other node's receive it.
+    split = assign_all_reads(records, needs, [frozenset({0})] * 2 + [frozenset({1})] * 2, read_once=False, nodes=nodes)
+    assert sorted(x.chunk.key for r in split.reads for x in r) == keys
+    assert [len(r) for r in split.reads] == [2, 2, 2, 2]
+    assert len(split.transfers) == 8 * 3 and not any(t.shared for t in split.transfers)
+    # Both nodes hold every file: each node reads each chunk once and passes it only to its other rank.
+    both = assign_all_reads(records, needs, [frozenset({0, 1})] * 4, read_once=False, nodes=nodes)
+    assert sorted(x.chunk.key for r in both.reads for x in r) == sorted(keys * 2)
+    assert [len(r) for r in both.reads] == [4, 4, 4, 4]
+    assert all(nodes[t.src] == nodes[t.dst] for t in both.transfers) and len(both.transfers) == 8 * 2
+    # Ranks with one host key pass chunks through shared memory; a rank with none, or another, never.
+    hosts = ["h1", "h1", "h1", None]
+    shared = assign_all_reads(records, needs, [frozenset({0, 1})] * 4, read_once=False, nodes=nodes, hosts=hosts)
+    assert {(t.src, t.dst): t.shared for t in shared.transfers} == {
+        (0, 1): True,
+        (1, 0): True,
+        (2, 3): False,
+        (3, 2): False,
+    }
+
+
 # ------------------------------------------------------------------ the plan made through the store
 
 

@@ -451,6 +451,7 @@ class Checkpointer:
                     extra=extra,
                     in_place=in_place,
                     read_once=self.distributed.read_once,
+                    share_memory=self.distributed.share_memory,
                     io_threads=self.write.io_threads,
                 )
                 done = restore_state(self.state, self._job, request, name=f"restore{n}", pool=self._pool)

@@ -116,9 +116,14 @@ class DistributedOptions:
     timeout_s: how long a rank waits for the others (to agree on a save plan, to finish writing
         a step, to agree on a restore) before it gives the step up with ``CoordinationError``.
         A rank that died mid-save is noticed after this long: no step it was part of commits.
-    read_once: on restore, each needed chunk is read from storage by one rank and sent to every
-        other rank needing it over the process group, instead of every rank on a node that holds
-        it reading it; less storage traffic, more network traffic.
+    read_once: on restore, each needed chunk is read from storage by one rank in the whole job
+        and sent to every other rank needing it, instead of once by each node that needs it and
+        holds it (the default): less storage traffic, more network traffic. Either way the ranks
+        of one node never read a chunk twice.
+    share_memory: on restore, ranks of one host pass chunks to each other through shared memory
+        (an anonymous memory file each reading rank maps its chunks into, once) instead of
+        through the process group; only a small header crosses the group. Used with CPU process
+        groups (gloo); a NCCL group passes chunks between a host's GPUs itself.
     enabled: None (default): cooperate with the other ranks whenever torch.distributed is
         initialized. False: this process checkpoints alone even then (say, rank 0 saving a
         consolidated copy); its tensors are then all its own.
@@ -126,6 +131,7 @@ class DistributedOptions:
 
     timeout_s: float = 900.0
     read_once: bool = False
+    share_memory: bool = True
     enabled: bool | None = None
 
     def __post_init__(self) -> None:

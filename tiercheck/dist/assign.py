@@ -22,7 +22,7 @@ import heapq
 import math
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.errors import IncompatibleStateError, UnsupportedValueError
@@ -227,6 +227,7 @@ class Transfer:
     src: int  # the restoring rank that reads it from storage
     dst: int  # the restoring rank that receives it
     tag: int  # unique within the restore; pairs the send with its receive
+    shared: bool = False  # src and dst share a host: the bytes pass through shared memory, a header is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,14 +251,18 @@ def assign_all_reads(
     *,
     read_once: bool,
     remote: bool = False,
+    nodes: Sequence[Hashable] | None = None,
+    hosts: Sequence[str | None] | None = None,
 ) -> ReadAssignment:
     """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
     place (a job plans per array on coordinators, ``restore.plan``, with ``assign_reads``).
 
     ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
     on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
-    needing it; otherwise every rank that needs a chunk and can read it reads it itself. A chunk
+    needing it; otherwise each node needing it reads it once (every rank is a node of its own
+    unless ``nodes`` says otherwise). A chunk
     no node holds is read from the remote tier (when ``remote``) by the ranks needing it.
+    ``nodes[r]`` and ``hosts[r]``: restoring rank ``r``'s node and host key (``assign_reads``).
     """
     readers: dict[int, list[int]] = defaultdict(list)
     for r, owners in enumerate(readable):
@@ -265,7 +270,14 @@ def assign_all_reads(
             readers[o].append(r)
     wanted = needed_chunks(records, dict(enumerate(needs)))
     reads, transfers, load = assign_reads(
-        records, wanted, lambda o: readers.get(o, []), read_once=read_once, remote=remote, tag=lambda i: i
+        records,
+        wanted,
+        lambda o: readers.get(o, []),
+        read_once=read_once,
+        remote=remote,
+        tag=lambda i: i,
+        node_of=None if nodes is None else nodes.__getitem__,
+        host_of=None if hosts is None else hosts.__getitem__,
     )
     return ReadAssignment(
         reads=[reads.get(r, []) for r in range(len(needs))],
@@ -296,10 +308,20 @@ def assign_reads(
     read_once: bool,
     remote: bool,
     tag: Callable[[int], int],
+    node_of: Callable[[int], Hashable] | None = None,
+    host_of: Callable[[int], str | None] | None = None,
 ) -> tuple[dict[int, list[Read]], list[Transfer], dict[int, int]]:
     """Readers and transfers of the needed chunks. ``readers_of(owner)`` lists the restoring
     ranks that can read the files of saving rank ``owner``; ``tag(i)`` numbers the i-th transfer
-    (unique in the whole restore). Returns reads per rank, transfers, and bytes read per rank."""
+    (unique in the whole restore). Returns reads per rank, transfers, and bytes read per rank.
+
+    Each node (``node_of(rank)``; by default every rank is a node of its own) that needs a chunk
+    and holds it reads it once, by its least loaded rank needing it, and passes it to its other
+    ranks needing it; a node that does not hold it receives it from a reader elsewhere, one on
+    the same node first. With ``read_once``, one rank in the whole job reads each chunk. A transfer
+    between two ranks of one host (equal, non-None ``host_of``) is ``shared``."""
+    node = node_of or (lambda r: r)
+    host = host_of or (lambda r: None)
     reads: dict[int, list[Read]] = defaultdict(list)
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
@@ -316,11 +338,20 @@ def assign_reads(
             able = sorted(who)
         nbytes = chunk_nbytes(rec)
         local = sorted(who.intersection(able))
-        chosen = [min(local or able, key=lambda r: (load[r], r))] if read_once or not local else local
-        for r in chosen:
+        chosen: dict[Hashable, int] = {}  # node: the rank reading the chunk there
+        if read_once or not local:
+            r = min(local or able, key=lambda r: (load[r], r))
+            chosen[node(r)] = r
+        else:
+            for r in local:
+                if node(r) not in chosen or (load[r], r) < (load[chosen[node(r)]], chosen[node(r)]):
+                    chosen[node(r)] = r
+        for r in chosen.values():
             reads[r].append(Read(path, c, from_remote))
             load[r] += nbytes
-        src = min(chosen, key=lambda r: (load[r], r))
-        for dst in sorted(who.difference(chosen)):
-            transfers.append(Transfer(path, c, src, dst, tag(len(transfers))))
+        anywhere = min(chosen.values(), key=lambda r: (load[r], r))
+        for dst in sorted(who.difference(chosen.values())):
+            src = chosen.get(node(dst), anywhere)
+            shared = host(src) is not None and host(src) == host(dst)
+            transfers.append(Transfer(path, c, src, dst, tag(len(transfers)), shared))
     return dict(reads), transfers, dict(load)

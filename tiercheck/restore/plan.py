@@ -283,9 +283,13 @@ def plan_restore(
     *,
     read_once: bool,
     parts: Mapping[int, RankPart] | None = None,
+    node: int | None = None,
+    host: str | None = None,
 ) -> Exchange[RestorePlan]:
     """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work.
-    ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there)."""
+    ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there).
+    ``node``: this rank's node (its first rank; default: a node of its own), whose ranks read each
+    chunk once; ``host``: its host key (``restore.share.host_key``), None to share no memory."""
     rank, world = coord.rank, coord.world_size
     shards = sorted({shard_of(n.path, st.world_size) for n in needs})
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
@@ -294,7 +298,8 @@ def plan_restore(
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append([n.path, list(n.offsets), list(n.shape)])
     for c, items in sorted(by_coord.items()):
-        coord.post(f"{name}/needs/{c}", dumps({"rank": rank, "needs": items}))
+        doc = {"rank": rank, "node": rank if node is None else node, "host": host, "needs": items}
+        coord.post(f"{name}/needs/{c}", dumps(doc))
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
 
     # As a coordinator: plan the reads of my arrays, post each rank its work.
@@ -346,8 +351,9 @@ def _my_work(
             chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
             out_reads.append(Read(path, chunk, bool(from_remote)))
             owners_of[path, chunk.key] = int(owner)
-        for path, cc, src, dst, tag in w["moves"]:
-            out_moves[tag] = Transfer(path, chunk_at(recs[path].shape, recs[path].chunks, tuple(cc)), src, dst, tag)
+        for path, cc, src, dst, tag, shared in w["moves"]:
+            chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
+            out_moves[tag] = Transfer(path, chunk, src, dst, tag, bool(shared))
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
     for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts).items():
@@ -389,8 +395,13 @@ def _coordinate_reads(
     failure: TiercheckError | None = None
     d = step_dir(st.step)
     wanted: dict[int, list[Need]] = defaultdict(list)
+    node_of: dict[int, int] = {}
+    host_of: dict[int, str | None] = {}  # a rank that needs none of these arrays: None (shares no memory)
     for doc in posted:
-        wanted[int(doc["rank"])].extend(Need(p, tuple(o), tuple(s)) for p, o, s in doc["needs"])
+        r = int(doc["rank"])
+        wanted[r].extend(Need(p, tuple(o), tuple(s)) for p, o, s in doc["needs"])
+        node_of[r], host = int(doc.get("node", r)), doc.get("host")
+        host_of[r] = host if isinstance(host, str) else None
     try:
         mine: dict[str, ArrayRecord] = {}
         by_shard: dict[int, set[str]] = defaultdict(set)
@@ -432,6 +443,8 @@ def _coordinate_reads(
             read_once=read_once,
             remote=st.from_remote,
             tag=lambda i: i * world + rank,
+            node_of=lambda r: node_of.get(r, r),
+            host_of=host_of.get,
         )
     except TiercheckError as e:
         failure = e
@@ -443,7 +456,7 @@ def _coordinate_reads(
             work[r]["reads"].append([x.path, list(x.chunk.coords), x.remote, mine[x.path].owner(x.chunk.key)])
             used[r].add(x.path)
     for t in transfers:
-        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag]
+        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag, t.shared]
         for r in (t.src, t.dst):
             work[r]["moves"].append(move)
             used[r].add(t.path)

@@ -37,7 +37,8 @@ from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
 from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_restore
-from tiercheck.restore.read import move_chunks
+from tiercheck.restore.read import move_chunks, share_key
+from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused, tensor_paths
 from tiercheck.state.staging import HostPool
@@ -55,6 +56,7 @@ class Restored:
     arrays: int
     bytes_read: int
     chunks_received: int
+    chunks_shared: int  # of those, received through shared memory from a rank on this host
     remote_reads: int
     fallbacks: int
     staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
@@ -69,6 +71,7 @@ class Restored:
         return {
             "restore_bytes_read": self.bytes_read,
             "restore_chunks_received": self.chunks_received,
+            "restore_chunks_shared": self.chunks_shared,
             "restore_remote_reads": self.remote_reads,
             "restore_fallbacks": self.fallbacks,
             "restore_staged_in_pool": self.staged_in_pool,
@@ -87,7 +90,8 @@ class RestoreRequest:
     others: bool | Callable[[list[str]], Iterable[str]] = False
     extra: bool = True
     in_place: bool = False
-    read_once: bool = True  # ranks that need the same chunk: one reads, the others receive it
+    read_once: bool = True  # one rank in the job reads each chunk (else one per node needing it)
+    share_memory: bool = True  # ranks of one host pass chunks through shared memory, where the group is CPU's
     io_threads: int = 4
 
 
@@ -276,6 +280,8 @@ def _restore_step(
                 manifest.arrays,
                 read_once=request.read_once,
                 parts=parts,
+                node=job.nodes.leader,
+                host=share_key(group) if request.share_memory else None,
             ),
         )
     except CorruptCheckpointError as e:
@@ -288,6 +294,7 @@ def _restore_step(
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
+        sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
         reads, live = staged(items, arena)
         pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
         in_pool = sum(b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory)
@@ -305,6 +312,7 @@ def _restore_step(
                 io_threads=request.io_threads,
                 remote=remote if choice.from_remote else None,
                 counters=moved,
+                sharing=sharing,
             )
         except TiercheckError as e:
             failure = e
@@ -332,6 +340,7 @@ def _restore_step(
         arrays=len(items),
         bytes_read=nbytes,
         chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
+        chunks_shared=sum(t.dst == coord.rank and t.shared for t in plan.transfers),
         remote_reads=moved.get("remote_reads", 0),
         fallbacks=moved.get("fallbacks", 0),
         staged_in_pool=in_pool,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from tiercheck.format.layout import Chunk, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
+from tiercheck.restore.share import HEADER, Sharing, host_key, unshared
 from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
 from tiercheck.state.flatten import torch_dtype
 from tiercheck.state.staging import aligned_empty
@@ -130,11 +132,14 @@ def move_chunks(
     io_threads: int = 4,
     remote: Tier | None = None,
     counters: dict[str, int] | None = None,
+    sharing: Sharing | None = None,
 ) -> int:
     """Carry out this rank's part of a read plan: ``reads`` (its own) and the ``transfers`` it
     sends or receives: read, send, receive, fill. Returns the bytes read.
 
     A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
+    ``shared`` transfers pass through ``sharing``'s memory (``restore.share``), which the caller
+    closes only once every rank is done moving chunks.
     """
     counts = counters if counters is not None else {}
     for k in ("remote_reads", "fallbacks", "direct_bytes"):
@@ -142,20 +147,29 @@ def move_chunks(
     by_path: dict[str, list[ReadItem]] = defaultdict(list)
     for item in items:
         by_path[item.record.path].append(item)
-    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = defaultdict(list)
-    recvs: list[tuple[str, Chunk, torch.Tensor, Any]] = []
+    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, bool]]] = defaultdict(list)
+    recvs: list[tuple[Transfer, torch.Tensor, Any]] = []
     ops: list[Any] = []  # sends
     device = _comm_device(group) if transfers else torch.device("cpu")
+    if any(t.shared for t in transfers) and sharing is None:
+        raise AssertionError("transfers through shared memory, and no sharing to pass them through")
     for t in transfers:
         if t.dst == rank:
-            buf = torch.empty(chunk_nbytes(records[t.path]), dtype=torch.uint8, device=device)
-            op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
-            recvs.append((t.path, t.chunk, buf, op))
+            n = HEADER if t.shared else chunk_nbytes(records[t.path])
+            buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=device)
+            recvs.append((t, buf, dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)))
         elif t.src == rank:
-            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag))
-
+            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag, t.shared))
     keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
     errors: list[BaseException] = []
+    shared_out = {k for k, to in sends.items() if any(shared for _, _, shared in to)}
+    outbox = None
+    if shared_out:
+        assert sharing is not None
+        try:
+            outbox = sharing.open_outbox({k: chunk_nbytes(records[k[0]]) for k in sorted(shared_out)})
+        except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
+            errors.append(e)
 
     def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
         path, c = job.path, job.chunk
@@ -202,10 +216,13 @@ def move_chunks(
             rec = records[job.path]
             _, offset = rec.location(job.chunk.key)
             assert offset is not None
-            target = direct_target(
-                rec, job.chunk, by_path.get(job.path, ()), whole=(job.path, job.chunk.coords) in sends
-            )
-            slots.append(_Slot(job, offset, chunk_nbytes(rec), target))
+            key = (job.path, job.chunk.coords)
+            target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in sends)
+            if target is None and outbox is not None and key in shared_out:
+                # Read straight into the memory the ranks of this host take it from, then filled from there.
+                slots.append(_Slot(job, offset, chunk_nbytes(rec), outbox.slot(key), filled=False))
+            else:
+                slots.append(_Slot(job, offset, chunk_nbytes(rec), target))
         file, _ = records[run[0].path].location(run[0].chunk.key)
         layout = (_RunLayout.unbuffered(slots) if tier.direct_io else None) or _RunLayout.buffered(slots)
         try:
@@ -227,6 +244,8 @@ def move_chunks(
                 out.append(read_and_fill(job))
                 continue
             if slot.target is not None:
+                if not slot.filled:
+                    fill(rec, c, slot.target, by_path.get(job.path, ()))
                 out.append((job.path, c, slot.target))
                 continue
             assert chunk is not None
@@ -276,21 +295,53 @@ def move_chunks(
     nbytes = sum(chunk_nbytes(records[r.path]) for r in reads)
     threads = max(1, min(io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
     bounce = Bounce.for_runs(tier, records, items, runs, threads)
+
+    def receive_all() -> None:
+        """Fill each chunk as it arrives, in posting order, beside the reads."""
+        try:
+            for t, buf, op in recvs:
+                op.wait()
+                if errors:
+                    continue  # every message is still taken in: no sender waits on this rank
+                data = buf  # on the GPU for NCCL: filled there, never through host memory
+                if t.shared:
+                    assert sharing is not None
+                    where = f"{tier.url}: step {step}: array {t.path!r} chunk {t.chunk.key}"
+                    data = sharing.inbox.view(buf.cpu(), where=where)
+                fill(records[t.path], t.chunk, data, by_path[t.path])
+        except BaseException as e:  # raised on the calling thread; the receives posted still land
+            errors.append(e)
+
+    def read_and_share(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
+        """A run read, and its chunks for ranks on this host copied out, on the reading thread."""
+        done, direct_bytes = read_run(run)
+        if outbox is not None:
+            for path, c, data in done:
+                if (path, c.coords) in shared_out:
+                    outbox.put((path, c.coords), data)
+        return done, direct_bytes
+
+    # A thread of its own, not a pool's: when this rank fails for another reason, it is left
+    # waiting (within the process group's timeout) and never holds up the process's exit.
+    receiver = threading.Thread(target=receive_all, name="tiercheck-receive", daemon=True)
+    if recvs:
+        receiver.start()
     with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
-        for done, direct_bytes in pool.map(read_run, runs):
+        for done, direct_bytes in pool.map(read_and_share, runs):
             counts["direct_bytes"] += direct_bytes
             for path, c, data in done:
                 total += data.numel()
-                for dst, tag in sends.get((path, c.coords), ()):
-                    out = data if device.type == "cpu" else data.to(device)
+                for dst, tag, shared in sends.get((path, c.coords), ()):
+                    if shared:
+                        out = (outbox.header((path, c.coords)) if outbox else unshared()).to(device)
+                    else:
+                        out = data if device.type == "cpu" else data.to(device)
                     keep.append(out)
                     ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
     if bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
         torch.cuda.current_stream(bounce.device).wait_stream(bounce.stream)
-    for path, c, buf, op in recvs:  # fill each chunk as it arrives (in posting order)
-        op.wait()
-        if not errors:
-            fill(records[path], c, buf.cpu() if buf.device.type != "cpu" else buf, by_path[path])
+    if recvs:
+        receiver.join()
     for op in ops:
         op.wait()
     if errors:
@@ -307,6 +358,7 @@ class _Slot:
     offset: int
     nbytes: int  # the full chunk's data, padding included, without its checksum
     target: torch.Tensor | None
+    filled: bool = True  # the target is the destination (else shared memory, the destination filled from it)
 
 
 @dataclass(slots=True)
@@ -442,6 +494,14 @@ def read_runs(tier: Tier, records: dict[str, ArrayRecord], reads: Sequence[Read]
     if cur:
         runs.append(cur)
     return runs + alone
+
+
+def share_key(group: Any) -> str | None:
+    """This rank's host key for passing chunks through shared memory (``restore.share``), or None
+    where the process group moves them in GPU memory (NCCL passes them between a host's GPUs itself)."""
+    if dist.is_available() and dist.is_initialized() and _comm_device(group).type != "cpu":
+        return None
+    return host_key()
 
 
 def _comm_device(group: Any) -> torch.device:
