@@ -777,3 +777,52 @@ def test_a_step_passed_over_on_every_node_is_set_aside_when_the_run_saves_its_nu
     assert [(fell_back, again) for fell_back, again, _ in results] == [(1, 2)] * 4  # values checked inside
     for node in ("node0", "node1"):
         assert [p.name.split(".")[0] for p in (tmp_path / node / "set-aside").iterdir()] == ["step-00000002"]
+
+
+DP4 = Layout(tp=1, pp=1, dp=4)
+
+
+def _save_dp4(rank: int, world: int, root: str) -> None:
+    for step in (1, 2):  # each step's values are its own seed's
+        with tiercheck.Checkpointer(model_state(DP4, rank, seed=step), local=node_dir(root, rank, 1)) as ck:
+            ck.save(step).wait()
+
+
+def _restore_dp4(rank: int, world: int, root: str, seed: int) -> tuple[int | None, int, int, int]:
+    state = model_state(DP4, rank, seed=seed, fill=-1.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
+        step = ck.restore()
+        check_model(state, seed)
+        stats = ck.stats()
+    held = sum(v.local.nbytes if isinstance(v, Shard) else v.nbytes for v in state["model"].values())
+    return step, stats["restore_unstaged_bytes"], held, stats["restore_chunks_shared"]
+
+
+def test_data_parallel_replicas_of_one_host_restore_from_shared_memory_all_or_nothing(tmp_path: Path) -> None:
+    """Four replicas, a node each, on this one host: each node holds a quarter of the chunks, and
+    every rank needs all of them. Each chunk is read once, into its reader's shared memory, and
+    every rank copies it from there into its live tensors, with no staging memory; only once every
+    chunk is verified. A damaged chunk fails the step on every rank before any tensor changes, and
+    the older step restores whole."""
+    root = str(tmp_path)
+    run_ranks(_save_dp4, 4, root, start_method="forkserver")
+    results = run_ranks(_restore_dp4, 4, root, 2, start_method="forkserver")
+    for step, unstaged, held, shared in results:
+        assert (step, unstaged) == (2, held) and shared > 0
+    written = _written(tmp_path / "node1", 1)
+    path = sorted(written)[0]
+    flip_chunk_byte(tmp_path / "node1" / "step-00000002", path, sorted(written[path])[0], 0)
+    assert run_ranks(_restore_dp4_damaged, 4, root, start_method="forkserver") == [True] * 4
+    fallback = run_ranks(_restore_dp4, 4, root, 1, start_method="forkserver")  # step 1's values, bit for bit
+    assert [r[0] for r in fallback] == [1, 1, 1, 1]
+
+
+def _restore_dp4_damaged(rank: int, world: int, root: str) -> bool:
+    """Step 2 asked for, and damaged: every rank fails, and no live tensor has changed."""
+    state = model_state(DP4, rank, seed=2, fill=-1.0)
+    with (
+        tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck,
+        pytest.raises(tiercheck.CorruptCheckpointError, match="checksum mismatch"),
+    ):
+        ck.restore(step=2)
+    return all(bool(((v.local if isinstance(v, Shard) else v) == -1).all()) for v in state["model"].values())

@@ -121,9 +121,11 @@ class DistributedOptions:
         holds it (the default): less storage traffic, more network traffic. Either way the ranks
         of one node never read a chunk twice.
     share_memory: on restore, ranks of one host pass chunks to each other through shared memory
-        (an anonymous memory file each reading rank maps its chunks into, once) instead of
-        through the process group; only a small header crosses the group. Used with CPU process
-        groups (gloo); a NCCL group passes chunks between a host's GPUs itself.
+        (an anonymous memory file each reading rank reads its chunks into, once) instead of
+        through the process group; only a small header crosses the group, and a live tensor whose
+        every chunk is in such memory is copied into from there, with no staging memory of its
+        own. Used with CPU process groups (gloo); a NCCL group passes chunks between a host's GPUs
+        itself. Ranks of one host must share a PID namespace and user.
     enabled: None (default): cooperate with the other ranks whenever torch.distributed is
         initialized. False: this process checkpoints alone even then (say, rank 0 saving a
         consolidated copy); its tensors are then all its own.

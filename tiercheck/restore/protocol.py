@@ -37,7 +37,7 @@ from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
 from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_restore
-from tiercheck.restore.read import move_chunks, share_key
+from tiercheck.restore.read import deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused, tensor_paths
@@ -57,6 +57,7 @@ class Restored:
     bytes_read: int
     chunks_received: int
     chunks_shared: int  # of those, received through shared memory from a rank on this host
+    unstaged: int  # chunk bytes copied from shared memory straight into live tensors, with no staging
     remote_reads: int
     fallbacks: int
     staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
@@ -72,6 +73,7 @@ class Restored:
             "restore_bytes_read": self.bytes_read,
             "restore_chunks_received": self.chunks_received,
             "restore_chunks_shared": self.chunks_shared,
+            "restore_unstaged_bytes": self.unstaged,
             "restore_remote_reads": self.remote_reads,
             "restore_fallbacks": self.fallbacks,
             "restore_staged_in_pool": self.staged_in_pool,
@@ -292,6 +294,9 @@ def _restore_step(
     if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
         touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
+    defer = deferrable(items, plan.transfers, coord.rank)
+    items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
+    unstaged = 0
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
@@ -325,6 +330,7 @@ def _restore_step(
             raise _Damaged(step, e) from None
         finally:
             _leave(coord, name, claimed)
+        unstaged = fill_deferred(sharing)
         copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
     apply(state, decoded, where=where)
     log.info(
@@ -341,6 +347,7 @@ def _restore_step(
         bytes_read=nbytes,
         chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
         chunks_shared=sum(t.dst == coord.rank and t.shared for t in plan.transfers),
+        unstaged=unstaged,
         remote_reads=moved.get("remote_reads", 0),
         fallbacks=moved.get("fallbacks", 0),
         staged_in_pool=in_pool,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tiercheck.dist.assign import Read, Transfer
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_parts
-from tiercheck.format.layout import Chunk, overlap
+from tiercheck.format.layout import Chunk, chunks_in_box, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
@@ -86,6 +86,41 @@ def fill(
         item.dest[dst_idx].copy_(src[src_idx], non_blocking=non_blocking)
 
 
+def deferrable(items: Sequence[ReadItem], transfers: Sequence[Transfer], rank: int) -> list[bool]:
+    """Which of a rank's destinations can be filled straight from shared memory once every chunk is
+    verified, with no staging memory of their own: live CPU tensors whose every chunk this rank
+    receives through shared memory, or reads into its own shared memory to pass on. Data-parallel
+    replicas of one host then hold the checkpoint's bytes once between them, as a page cache would."""
+    shared = {(t.path, t.chunk.coords) for t in transfers if t.shared and rank in (t.src, t.dst)}
+    if not shared:
+        return [False] * len(items)
+    out = []
+    for item in items:
+        rec = item.record
+        out.append(
+            not item.fresh
+            and item.dest.device.type == "cpu"
+            and item.dest.numel() > 0
+            and all(
+                (rec.path, c.coords) in shared
+                for c in chunks_in_box(rec.shape, rec.chunks, item.offsets, tuple(item.dest.shape))
+            )
+        )
+    return out
+
+
+def fill_deferred(sharing: Sharing) -> int:
+    """Fill the live tensors ``deferrable`` kept out of staging, from shared memory: once every
+    rank has verified every chunk. Returns the bytes copied."""
+    n = 0
+    with torch.no_grad():
+        for rec, c, data, items in sharing.later:
+            fill(rec, c, data, items)
+            n += data.numel()
+    sharing.later.clear()
+    return n
+
+
 def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whole: bool) -> torch.Tensor | None:
     """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
     single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
@@ -106,7 +141,7 @@ def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whol
         if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
             return None
     dest = item.dest.detach()
-    if dest.device.type != "cpu" or dest.dtype != torch_dtype(rec.dtype):
+    if item.deferred or dest.device.type != "cpu" or dest.dtype != torch_dtype(rec.dtype):
         return None
     if c.stops != dest.shape or any(c.starts) or any(item.offsets):  # a part of the destination
         dest = dest[tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))]
@@ -171,6 +206,16 @@ def move_chunks(
         except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
             errors.append(e)
 
+    def place(rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], **kw: bool) -> None:
+        """``fill`` the destinations, but those ``deferrable`` found only once all is verified
+        (``fill_deferred``): ``data`` is then shared memory, or kept until then."""
+        now = [i for i in dests if not i.deferred]
+        if now:
+            fill(rec, c, data, now, **kw)
+        if len(now) < len(dests):
+            assert sharing is not None
+            sharing.later.append((rec, c, data, [i for i in dests if i.deferred]))
+
     def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
         path, c = job.path, job.chunk
         rec = records[path]
@@ -199,7 +244,7 @@ def move_chunks(
         if target is not None:
             return path, c, target  # read in place: nothing to copy
         data = torch.frombuffer(raw, dtype=torch.uint8)
-        fill(rec, c, data, by_path.get(path, ()))
+        place(rec, c, data, by_path.get(path, ()))
         return path, c, data
 
     def read_run(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
@@ -245,11 +290,11 @@ def move_chunks(
                 continue
             if slot.target is not None:
                 if not slot.filled:
-                    fill(rec, c, slot.target, by_path.get(job.path, ()))
+                    place(rec, c, slot.target, by_path.get(job.path, ()))
                 out.append((job.path, c, slot.target))
                 continue
             assert chunk is not None
-            fill(rec, c, chunk, by_path.get(job.path, ()))
+            place(rec, c, chunk, by_path.get(job.path, ()))
             out.append((job.path, c, chunk))
         return out, n if direct else 0
 
@@ -283,7 +328,7 @@ def move_chunks(
                     except CorruptCheckpointError:  # read again alone, which names the chunk in its error
                         out.append(read_and_fill(job))
                         continue
-                    fill(rec, c, data, by_path.get(job.path, ()), non_blocking=True)
+                    place(rec, c, data, by_path.get(job.path, ()), non_blocking=True)
                     out.append((job.path, c, data.clone() if (job.path, c.coords) in sends else data))
         return out, n if direct else 0
 
@@ -308,7 +353,7 @@ def move_chunks(
                     assert sharing is not None
                     where = f"{tier.url}: step {step}: array {t.path!r} chunk {t.chunk.key}"
                     data = sharing.inbox.view(buf.cpu(), where=where)
-                fill(records[t.path], t.chunk, data, by_path[t.path])
+                place(records[t.path], t.chunk, data, by_path[t.path])
         except BaseException as e:  # raised on the calling thread; the receives posted still land
             errors.append(e)
 

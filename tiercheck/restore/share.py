@@ -27,6 +27,7 @@ import functools
 import mmap
 import os
 from collections.abc import Hashable, Mapping
+from typing import Any
 
 import torch
 
@@ -107,7 +108,8 @@ class Outbox:
         if self._map is None:
             return
         del self._memory
-        self._map.close()
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped with it
+            self._map.close()
         self._map = None
         os.close(self._fd)
 
@@ -156,6 +158,9 @@ class Sharing:
     def __init__(self) -> None:
         self.inbox = Inbox()
         self.outbox: Outbox | None = None
+        # Chunks in shared memory (this rank's outbox or another's) for live tensors, filled in
+        # only once every rank has verified every chunk: (chunk's record, chunk, its bytes, items).
+        self.later: list[tuple[Any, Any, torch.Tensor, list[Any]]] = []
 
     def open_outbox(self, sizes: Mapping[Hashable, int]) -> Outbox:
         assert self.outbox is None
@@ -166,6 +171,7 @@ class Sharing:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.later.clear()
         self.inbox.close()
         if self.outbox is not None:
             self.outbox.close()

@@ -30,6 +30,7 @@ class ReadItem:
     offsets: tuple[int, ...]  # where dest sits in the global array
     fresh: bool = False  # dest is a new tensor, not (part of) the live state
     borrowed: bool = False  # dest views memory another library owns (a numpy array's): copied into, never swapped
+    deferred: bool = False  # dest is live, every chunk of it in shared memory: filled from there once all verified
 
     @property
     def need(self) -> Need:
@@ -53,7 +54,7 @@ def staged(items: Sequence[ReadItem], arena: torch.Tensor | None = None) -> tupl
     pos = 0
     on_device = device_room(items) if arena is None or not arena.is_pinned() else set()
     for item in items:
-        if item.fresh:
+        if item.fresh or item.deferred:
             out.append(item)
             continue
         live = item.dest
@@ -104,7 +105,7 @@ def staging_bytes(items: Sequence[ReadItem]) -> int:
     """The arena ``staged`` needs for ``items``."""
     pos = 0
     for i in items:
-        if not i.fresh:
+        if not (i.fresh or i.deferred):
             n = i.dest.numel() * i.dest.element_size()
             pos = _arena_align(pos, n) + n
     return pos
