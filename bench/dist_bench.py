@@ -11,8 +11,9 @@ Usage::
 1. Save: data and tensor parallel layouts, tiercheck vs ``dcp.save`` vs ``dcp.async_save``.
 2. Restore: same layout and resharding (TP=4 -> TP=2, TP=2 -> TP=4), tiercheck (its defaults: each
    node reads a chunk once, ranks of one host pass chunks through shared memory), with
-   ``read_once=True``, and with ``share_memory=False`` (every chunk over gloo) vs ``dcp.load``;
-   every restore checked bit for bit.
+   ``read_once=True``, with ``share_memory=False`` (every chunk over gloo), and with
+   ``restore(in_place=True)`` (read into the live tensors, not all or nothing, as ``dcp.load``
+   does) vs ``dcp.load``; every restore checked bit for bit.
 3. Limits: memcpy, fsync'd sequential write, gloo send/recv over loopback.
 
 Method and columns: bench/README.md.
@@ -41,7 +42,7 @@ from harness import GiB, MiB
 # dimension divides by 4, so DTensor.from_local(..., [Shard(dim)]) holds exactly the rank's slice.
 D_MODEL, VOCAB, SEED = 1024, 32768, 1234
 SAVE_METHODS = ("tiercheck", "dcp.save", "dcp.async_save")
-RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "tiercheck.gloo", "dcp.load")
+RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "tiercheck.gloo", "tiercheck.in_place", "dcp.load")
 RANKS = (1, 2, 4)
 Pieces = dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]]  # name -> (local tensor, offsets, spec)
 
@@ -304,7 +305,7 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         )
         ck = tiercheck.Checkpointer(tiercheck_state(pieces), local=node, distributed=opts)
         t1 = time.perf_counter()
-        step = ck.restore()
+        step = ck.restore(in_place=method.endswith("in_place"))
         t2 = time.perf_counter()
         stats = ck.stats()
         ck.close()
@@ -312,7 +313,8 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             raise AssertionError(f"rank {rank}: {case['name']}: restored step {step}, expected {case['step']}")
         rec = {"open_s": t1 - t0, "restore_s": t2 - t1, "bytes_read": int(stats.get("restore_bytes_read", 0))}
         received, shared = (int(stats.get(f"restore_chunks_{k}", 0)) for k in ("received", "shared"))
-        return rec | {"chunks_received": received, "chunks_shared": shared}
+        unstaged = int(stats.get("restore_unstaged_bytes", 0))
+        return rec | {"chunks_received": received, "chunks_shared": shared, "unstaged_bytes": unstaged}
 
     pieces, layout = None, None
     for case in cfg["cases"]:
@@ -386,7 +388,7 @@ def merge_nodes(srcs: Sequence[Path], dst: Path) -> None:
 
 def restore_cases(world: int, saved: dict[str, dict[str, Any]], root: Path, step: int) -> list[dict[str, Any]]:
     """The restore cases of a ``world``-rank job from the checkpoints part 1 kept (``saved[key]``)."""
-    methods = list(RESTORE_METHODS) if world > 1 else ["tiercheck", "dcp.load"]
+    methods = list(RESTORE_METHODS) if world > 1 else ["tiercheck", "tiercheck.in_place", "dcp.load"]
     same = f"the {world} saving nodes"
     # (name, saved key, layout, node directories, ranks per node, description)
     plan: list[tuple[str, str, str, Path | None, int, str]] = [
@@ -475,7 +477,7 @@ def run_restores(ranks: list[int], cfg_base: dict[str, Any], root: Path, args: a
                 times = [max(x["restore_s"] for x in t) for t in trials]
                 pm = per_method[m] = {"restore_s": h.median(times), "restore_all_s": times}
                 pm["open_s"] = h.median([max(x["open_s"] for x in t) for t in trials])
-                for k in ("bytes_read", "chunks_received", "chunks_shared", "verified_tensors"):
+                for k in ("bytes_read", "chunks_received", "chunks_shared", "unstaged_bytes", "verified_tensors"):
                     pm[k] = sum(x.get(k, 0) for x in trials[-1])
                 h.log(f"  {case['name']} {m}: {pm['restore_s']:.2f}s")
             target = sum(4 * math.prod(piece(sp, case["layout"], world, r)[1]) for sp in specs for r in range(world))
@@ -554,8 +556,8 @@ SAVE_HEAD = (
 )
 RESTORE_HEAD = (
     _cols(
-        "ranks|case|tiercheck node dirs|tc s|read GiB / recv (shm)|tc read_once s|read GiB / recv (shm)|tc gloo s|"
-        "dcp.load s|tc/dcp|tc read_once/dcp|tc gloo/dcp|verified tensors"
+        "ranks|case|tiercheck node dirs|tc s|read GiB / recv (shm)|unstaged GiB|tc read_once s|read GiB / recv (shm)|"
+        "tc gloo s|tc in_place s|dcp.load s|tc/dcp|tc read_once/dcp|tc gloo/dcp|tc in_place/dcp|verified tensors"
     )
     + LOAD_HEAD
 )
@@ -588,16 +590,18 @@ def _save_row(s: dict[str, Any], unique: int, raw_gib_s: float) -> list[Any]:
 
 def _restore_row(r: dict[str, Any]) -> list[Any]:
     mm = r["methods"]
-    a, b, g, c = mm.get("tiercheck", {}), mm.get("tiercheck.read_once"), mm.get("tiercheck.gloo"), mm.get("dcp.load", {})
+    a, b, c = mm.get("tiercheck", {}), mm.get("tiercheck.read_once"), mm.get("dcp.load", {})
+    g, p = mm.get("tiercheck.gloo"), mm.get("tiercheck.in_place")
 
     def moved(x: dict[str, Any]) -> str:
         shm = f" ({x['chunks_shared']})" if x.get("chunks_shared") else ""
         return f"{x.get('bytes_read', 0) / GiB:.2f} / {x.get('chunks_received', 0)}{shm}"
 
     row = [r["world"], r["case"]["name"], r["case"]["nodes"], h.fmt(a.get("restore_s")), moved(a)]
+    row.append(f"{a.get('unstaged_bytes', 0) / GiB:.2f}")
     row += [h.fmt(b.get("restore_s")), moved(b)] if b else ["-", "-"]
-    row += [h.fmt(g.get("restore_s")) if g else "-", h.fmt(c.get("restore_s"))]
-    row += [h.fmt(h.ratio(x.get("restore_s"), c.get("restore_s"))) if x else "-" for x in (a, b, g)]
+    row += [h.fmt(x.get("restore_s")) if x else "-" for x in (g, p)] + [h.fmt(c.get("restore_s"))]
+    row += [h.fmt(h.ratio(x.get("restore_s"), c.get("restore_s"))) if x else "-" for x in (a, b, g, p)]
     row.append(f"{sum(x.get('verified_tensors', 0) for x in mm.values())} ok")
     return row + _load_cols(r["load"])
 

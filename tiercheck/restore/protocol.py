@@ -57,7 +57,7 @@ class Restored:
     bytes_read: int
     chunks_received: int
     chunks_shared: int  # of those, received through shared memory from a rank on this host
-    unstaged: int  # chunk bytes copied from shared memory straight into live tensors, with no staging
+    unstaged: int  # bytes of live tensors filled straight from shared memory, with no staging
     remote_reads: int
     fallbacks: int
     staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
@@ -296,7 +296,7 @@ def _restore_step(
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
     defer = deferrable(items, plan.transfers, coord.rank)
     items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
-    unstaged = 0
+    unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
     with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
         arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
         sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
@@ -330,7 +330,7 @@ def _restore_step(
             raise _Damaged(step, e) from None
         finally:
             _leave(coord, name, claimed)
-        unstaged = fill_deferred(sharing)
+        fill_deferred(sharing)
         copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
     apply(state, decoded, where=where)
     log.info(

@@ -109,16 +109,13 @@ def deferrable(items: Sequence[ReadItem], transfers: Sequence[Transfer], rank: i
     return out
 
 
-def fill_deferred(sharing: Sharing) -> int:
+def fill_deferred(sharing: Sharing) -> None:
     """Fill the live tensors ``deferrable`` kept out of staging, from shared memory: once every
-    rank has verified every chunk. Returns the bytes copied."""
-    n = 0
+    rank has verified every chunk."""
     with torch.no_grad():
         for rec, c, data, items in sharing.later:
             fill(rec, c, data, items)
-            n += data.numel()
     sharing.later.clear()
-    return n
 
 
 def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whole: bool) -> torch.Tensor | None:
