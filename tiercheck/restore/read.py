@@ -203,15 +203,18 @@ def move_chunks(
         except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
             errors.append(e)
 
-    def place(rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], **kw: bool) -> None:
-        """``fill`` the destinations, but those ``deferrable`` found only once all is verified
-        (``fill_deferred``): ``data`` is then shared memory, or kept until then."""
+    def place(
+        rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], *, reused: bool = False
+    ) -> None:
+        """``fill`` the destinations, but those ``deferrable`` only once all is verified
+        (``fill_deferred``): ``data`` is then shared memory, or kept until then (a copy, where it
+        is memory that is ``reused``: a bounce buffer, ``non_blocking`` copies to the GPU)."""
         now = [i for i in dests if not i.deferred]
         if now:
-            fill(rec, c, data, now, **kw)
+            fill(rec, c, data, now, non_blocking=reused)
         if len(now) < len(dests):
             assert sharing is not None
-            sharing.later.append((rec, c, data, [i for i in dests if i.deferred]))
+            sharing.later.append((rec, c, data.clone() if reused else data, [i for i in dests if i.deferred]))
 
     def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
         path, c = job.path, job.chunk
@@ -325,7 +328,7 @@ def move_chunks(
                     except CorruptCheckpointError:  # read again alone, which names the chunk in its error
                         out.append(read_and_fill(job))
                         continue
-                    place(rec, c, data, by_path.get(job.path, ()), non_blocking=True)
+                    place(rec, c, data, by_path.get(job.path, ()), reused=True)
                     out.append((job.path, c, data.clone() if (job.path, c.coords) in sends else data))
         return out, n if direct else 0
 
@@ -341,6 +344,8 @@ def move_chunks(
     def receive_all() -> None:
         """Fill each chunk as it arrives, in posting order, beside the reads."""
         try:
+            if device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(device)
             for t, buf, op in recvs:
                 op.wait()
                 if errors:
