@@ -298,7 +298,11 @@ def plan_restore(
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append([n.path, list(n.offsets), list(n.shape)])
     for c, items in sorted(by_coord.items()):
-        doc = {"rank": rank, "node": rank if node is None else node, "host": host, "needs": items}
+        doc: dict[str, object] = {"rank": rank, "needs": items}
+        if node is not None and node != rank:  # left out where they say nothing: posted to every coordinator
+            doc["node"] = node
+        if host is not None:
+            doc["host"] = host
         coord.post(f"{name}/needs/{c}", dumps(doc))
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
 
@@ -351,7 +355,7 @@ def _my_work(
             chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
             out_reads.append(Read(path, chunk, bool(from_remote)))
             owners_of[path, chunk.key] = int(owner)
-        for path, cc, src, dst, tag, shared in w["moves"]:
+        for path, cc, src, dst, tag, *shared in w["moves"]:  # shared: [1], or left out
             chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
             out_moves[tag] = Transfer(path, chunk, src, dst, tag, bool(shared))
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
@@ -456,7 +460,7 @@ def _coordinate_reads(
             work[r]["reads"].append([x.path, list(x.chunk.coords), x.remote, mine[x.path].owner(x.chunk.key)])
             used[r].add(x.path)
     for t in transfers:
-        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag, t.shared]
+        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag, *([1] if t.shared else [])]
         for r in (t.src, t.dst):
             work[r]["moves"].append(move)
             used[r].add(t.path)
