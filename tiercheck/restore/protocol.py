@@ -12,9 +12,9 @@ ranks meet in the store, never in the training's collectives:
    each rank reads the parts its own directory lacks.
 3. **Match** the saved tree to the live state (``prepare``): shapes, dtypes and keys are checked
    on every rank, and any rank's mismatch fails all of them, before anything is overwritten.
-4. **Move the bytes** (``restore.read.move_chunks``): each chunk is read where its file is, verified
-   against its checksum, and sent to the ranks that need it; then the decoded values are handed
-   to the state (``apply``).
+4. **Move the bytes** (``restore.read.move_chunks``): each chunk is read where its file is, once per
+   node, verified against its checksum, and passed to the ranks that need it (through shared
+   memory on one host); then the decoded values are handed to the state (``apply``).
 """
 
 

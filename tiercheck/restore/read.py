@@ -4,8 +4,11 @@ Callers plan first (match every stored array to a destination and check shapes a
 the read plan, ``restore.plan.plan_restore``, says who reads and who sends each chunk) and move bytes
 second, so an incompatible state is refused before a single byte is overwritten. A destination is
 any box of a global array: a whole tensor, a tensor-parallel shard, a ZeRO partition. Each chunk
-read is copied into the part of every destination it overlaps; a chunk some rank needs but cannot
-read (its file is on another node) arrives point-to-point over the process group.
+read is copied into the part of every destination it overlaps; a chunk some rank needs but does
+not read (its file is on another node, or another rank of its node reads it) arrives from the rank
+that reads it: through shared memory from a rank of the same host (``restore.share``), else
+point-to-point over the process group. A live CPU tensor whose every chunk is in shared memory is
+filled from there only once every rank has verified every chunk (``deferrable``, ``fill_deferred``).
 """
 
 
