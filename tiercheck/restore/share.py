@@ -4,8 +4,8 @@ A chunk read by one rank and needed by others on the same host (data-parallel re
 tensor-parallel ranks of a node after a reshard) would otherwise cross the process group: over
 gloo that is a TCP loopback, several copies and a kernel round trip per chunk. Here the reading
 rank copies each such chunk once into a memory file (``Outbox``, a ``memfd``), whatever the number
-of ranks on its host that need it, and sends each of them only where it lies: a small message
-(``Header``) over the process group, with the same tag the bytes would have had. A receiving rank
+of ranks on its host that need it, and sends each of them only where it lies: ``HEADER`` int64s
+over the process group, with the same tag the bytes would have had. A receiving rank
 maps the sender's file once (``Inbox``, through ``/proc/<pid>/fd/<fd>``) and copies from it.
 
 Ranks use this path with each other only when they share a host key (``host_key``): the same
@@ -15,8 +15,8 @@ of it, so a killed restore leaves nothing behind in ``/dev/shm``.
 
 Call order, per restore attempt: the sender creates its ``Outbox`` with a place for every chunk it
 shares, ``put``s each chunk there once and sends each receiver its ``header``; receivers ``view``
-the chunk by that header. The sender closes its outbox only after every rank has finished moving its chunks
-(the restore's next meeting point), so no receiver opens a file that is gone.
+the chunk by that header. The sender closes its outbox only after every rank has finished moving
+its chunks (the restore's next meeting point), so no receiver opens a file that is gone.
 """
 
 
@@ -28,13 +28,14 @@ import hashlib
 import mmap
 import os
 from collections.abc import Hashable, Mapping
-from typing import Any
 
 import torch
 
 from tiercheck.errors import TiercheckError
-
-SLOT_ALIGN = 4096  # each chunk starts on a page of the memory file: its dtype view is aligned
+from tiercheck.format.layout import Chunk
+from tiercheck.format.manifest import ArrayRecord
+from tiercheck.restore.stage import ReadItem
+from tiercheck.state.staging import align_up
 
 
 @functools.cache
@@ -71,7 +72,7 @@ class Outbox:
         pos = 0
         for key, n in sizes.items():
             self._slots[key] = (pos, n)
-            pos += -(-n // SLOT_ALIGN) * SLOT_ALIGN
+            pos += align_up(n)  # each chunk starts on a page of the file: its dtype view is aligned
         self.nbytes = max(pos, 1)
         self._fd = os.memfd_create("tiercheck-restore", os.MFD_CLOEXEC)
         try:
@@ -162,7 +163,7 @@ class Sharing:
         self.outbox: Outbox | None = None
         # Chunks in shared memory (this rank's outbox or another's) for live tensors, filled in
         # only once every rank has verified every chunk: (chunk's record, chunk, its bytes, items).
-        self.later: list[tuple[Any, Any, torch.Tensor, list[Any]]] = []
+        self.later: list[tuple[ArrayRecord, Chunk, torch.Tensor, list[ReadItem]]] = []
 
     def open_outbox(self, sizes: Mapping[Hashable, int]) -> Outbox:
         assert self.outbox is None
