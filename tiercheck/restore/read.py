@@ -303,14 +303,17 @@ def move_chunks(
 
     def read_run_to_device(run: list[Read], bounce: Bounce) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
         """A run bound for GPU memory: read whole (around the page cache where it can) into a
-        page-locked buffer, each chunk verified, then copied up on the bounce stream while the
-        next runs are read. The buffer is reused once those copies are done."""
+        page-locked buffer, its last checksum's block into the buffer's tail, each chunk verified,
+        then copied up on the bounce stream while the next runs are read. The buffer is reused
+        once those copies are done."""
         span = run_span(records, run)
         assert span is not None
         file, start, end = span
-        with bounce.lend(whole_blocks(end - start)) as buf:
+        body = whole_blocks(end - CHECKSUM_BYTES - start)  # every chunk's data lies in here
+        with bounce.lend() as (buf, tail):
+            views = [buf[:body].numpy().data, tail[: whole_blocks(end - start) - body].numpy().data]
             try:
-                n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", start, [buf.numpy().data], direct=True)
+                n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", start, views, direct=True)
             except OSError:
                 n, direct = 0, False
             if n < end - start:  # cut short: each chunk alone, which reports it
@@ -323,11 +326,14 @@ def move_chunks(
                     c, nbytes = job.chunk, chunk_nbytes(rec)
                     _, offset = rec.location(c.key)
                     assert offset is not None
-                    data = buf[offset - start : offset - start + nbytes]
-                    rest = buf[offset - start + nbytes : offset - start + nbytes + CHECKSUM_BYTES]
+                    lo = offset - start
+                    data = buf[lo : lo + nbytes]
+                    rest: memoryview | bytes = views[0][lo + nbytes : lo + nbytes + CHECKSUM_BYTES]
+                    if len(rest) < CHECKSUM_BYTES:  # the last checksum, past the body
+                        rest = bytes(rest) + bytes(views[1][: lo + nbytes + CHECKSUM_BYTES - body])
                     try:
                         crc = rec.checksums[c.key]
-                        verify_parts(data.numpy().data, rest.numpy().data, expected_crc=crc, nbytes=nbytes, where=where)
+                        verify_parts(data.numpy().data, rest, expected_crc=crc, nbytes=nbytes, where=where)
                     except CorruptCheckpointError:  # read again alone, which names the chunk in its error
                         out.append(read_and_fill(job))
                         continue
