@@ -14,7 +14,8 @@ Usage::
    MiB), each from a dropped cache, bit-checked, with the restore's phases timed by wrapping its
    functions: the time to the first read, the reads' busy time and overlap, what follows the last.
 
-Writes ``<out>/restore-probe-<device>.json`` and prints a table.
+Writes ``<out>/restore-probe-<device>.json`` (``-dry-run`` added for ``--dry-run``) and logs a line per
+read and per restore on stderr. Exits 1 unless every restore was bit-identical.
 """
 
 from __future__ import annotations

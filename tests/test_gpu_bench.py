@@ -64,3 +64,20 @@ def test_gpu_bench_dry_run(tmp_path: Path) -> None:
     assert report["methods"]["dcp.async_save+pinned"]["skipped"]  # needs CUDA
     assert "tiercheck.lazy" in report["table"]
     assert "| tiercheck.lazy | ok |" in proc.stdout
+
+
+def test_restore_probe_dry_run(tmp_path: Path) -> None:
+    """bench/restore_probe.py times a fresh-process restore's phases; on CPU with tiny sizes too."""
+    cmd = [sys.executable, str(REPO / "bench" / "restore_probe.py"), "--dry-run", "--device", "cpu"]
+    cmd += ["--out", str(tmp_path), "--dir", str(tmp_path), "--disk", "buffered:2:1", "--variants", "2:64"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    report = json.loads((tmp_path / "restore-probe-cpu-dry-run.json").read_text())
+    (disk,) = report["disk"]
+    assert disk["bytes"] > 0 and disk["threads"] == 2
+    (restore,) = report["restores"]
+    assert restore["bit_identical"] is True
+    phases = restore["phases"]
+    assert phases["read_vectored"]["bytes"] >= restore["stats"]["restore_bytes_read"] > 0
+    assert phases["move_chunks"]["calls"] == phases["copy_in"]["calls"] == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("probe-scratch")] == []
