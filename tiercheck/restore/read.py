@@ -387,11 +387,12 @@ def move_chunks(
             counts["direct_bytes"] += direct_bytes
             for path, c, data in done:
                 total += data.numel()
+                up = data if device.type == "cpu" else None  # on the group's GPU: copied up once, sent to all
                 for dst, tag, shared in sends.get((path, c.coords), ()):
                     if shared:
                         out = (outbox.header((path, c.coords)) if outbox else unshared()).to(device)
                     else:
-                        out = data if device.type == "cpu" else data.to(device)
+                        out = up = data.to(device) if up is None else up
                     keep.append(out)
                     ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
     if bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
