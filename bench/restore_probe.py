@@ -10,8 +10,9 @@ Usage::
 1. Builds the benchmark's state (``gpu_bench.build_state``) and saves it once with tiercheck.
 2. Reads the step's files from a dropped page cache each way in ``--disk`` (buffered or
    ``O_DIRECT``, threads, block size; into page-locked memory on CUDA): what the disk gives.
-3. Restores the step in a fresh process per variant in ``--variants`` (``io_threads`` x read run
-   MiB), each from a dropped cache, bit-checked, with the restore's phases timed by wrapping its
+3. Restores the step in a fresh process per variant in ``--variants`` (``io_threads:run MiB``, and
+   optionally ``:host`` for a GPU without room to stage anything, or ``:pinned`` for that with the
+   host staging memory page-locked, as restores did before), each from a dropped cache, bit-checked, with the restore's phases timed by wrapping its
    functions: the time to the first read, the reads' busy time and overlap, what follows the last.
 
 Writes ``<out>/restore-probe-<device>.json`` (``-dry-run`` added for ``--dry-run``) and logs a line per
@@ -115,12 +116,14 @@ class Trace:
 
 
 def fresh_restore(device: str, width: int, layers: int, batch: int, root: str, step: int,
-                  want: dict[str, list[int]], io_threads: int, run_mib: int, drop: bool) -> dict[str, Any]:  # fmt: skip
+                  want: dict[str, list[int]], io_threads: int, run_mib: int, drop: bool, room: str = "gpu") -> dict[str, Any]:  # fmt: skip
     """A restarted job's restore of ``step``, its phases timed (see ``Trace``)."""
     g.quiet_warnings()
     model, opt, step_fn = g.build_state(device, width, layers, batch, seed=1)
     step_fn()
     g.sync(device)
+    import torch
+
     import tiercheck
     import tiercheck.restore.protocol as protocol
     import tiercheck.restore.read as read
@@ -128,6 +131,10 @@ def fresh_restore(device: str, width: int, layers: int, batch: int, root: str, s
     from tiercheck.tiers.local import LocalTier
 
     read.READ_RUN_BYTES = run_mib * MiB
+    if room != "gpu":  # no room on the GPU: everything staged in host memory
+        stage.device_room = lambda items: {}
+    if room == "pinned":
+        stage.host_read_buffer = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True)
     trace = Trace()
     for attr in ("staged", "move_chunks", "copy_in", "fill_deferred"):
         trace.wrap(protocol, attr)
@@ -155,6 +162,7 @@ def fresh_restore(device: str, width: int, layers: int, batch: int, root: str, s
     return {
         "io_threads": io_threads,
         "run_mib": run_mib,
+        "room": room,
         "cache": cache,
         "construct_s": t1 - t0,
         "restore_s": t2 - t0,
@@ -218,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
             h.log(f"disk {spec}: {r['gb_s']:.2f} GB/s ({r['s']:.2f} s)")
         report["restores"] = []
         for spec in args.variants:
-            threads, run_mib = (int(x) for x in spec.split(":"))
+            threads, run_mib, room = ([*spec.split(":"), "gpu"])[:3]
             r = h.run_worker(
                 __file__, "fresh_restore",
-                {**kw, "step": 1, "want": saved["want"], "io_threads": threads, "run_mib": run_mib, "drop": drop},
+                {**kw, "step": 1, "want": saved["want"], "io_threads": int(threads), "run_mib": int(run_mib),
+                 "drop": drop, "room": room},
             )  # fmt: skip
             report["restores"].append(r)
             if "error" in r:

@@ -16,6 +16,7 @@ from tests.conftest import assert_identical
 from tests.ondisk import evict_packs, flip_chunk_byte
 from tiercheck import Checkpointer, CorruptCheckpointError, StagingOptions, WriteOptions
 from tiercheck.format.paths import step_dir
+from tiercheck.restore import stage
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,3 +100,35 @@ def test_a_damaged_chunk_leaves_gpu_tensors_as_they_were(ckpt_dir: Path) -> None
     with Checkpointer({"s": live}, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match="c.2.0"):
         ck.restore()
     assert_identical(before, {k: v.cpu() for k, v in live.items()})
+
+
+@pytest.mark.parametrize("room", [4 << 20, 0], ids=["room-for-one", "no-room"])
+def test_a_gpu_without_room_stages_the_rest_in_host_memory(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """A GPU too full to stage the whole state stages what fits there; the other tensors are
+    staged in ordinary host memory (pinning it would cost more than the one copy up it speeds)
+    and copied up once every chunk is verified."""
+    saved = _cuda_state(3)
+    expected = {k: v.cpu() for k, v in saved.items()}
+    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+    evict_packs(ckpt_dir / step_dir(1))
+    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    pinned: list[object] = []
+    real_empty = torch.empty
+
+    def empty(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        if pin_memory and args and isinstance(args[0], tuple):
+            pinned.append(args[0])  # page-locked memory shaped as a tensor: staging (a bounce buffer is bytes)
+        return real_empty(*args, pin_memory=pin_memory, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stage, "device_room", lambda items: {torch.device("cuda", torch.cuda.current_device()): room})
+    monkeypatch.setattr(torch, "empty", empty)
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck:
+        assert ck.restore() == 1
+        stats = ck.stats()
+    assert_identical(expected, {k: v.cpu() for k, v in live.items()})
+    assert all(v.is_cuda for v in live.values())
+    assert stats["restore_staged_on_device"] == (4 << 20 if room else 0)  # "big" fits, nothing else then
+    assert pinned == []
