@@ -62,18 +62,23 @@ def _cuda_state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _saved_cold(ckpt_dir: Path, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Step 1 of ``_cuda_state(seed)`` saved and out of the page cache: its tensors on the CPU, and
+    zeroed live tensors like them on the GPU to restore into."""
+    saved = _cuda_state(seed)
+    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+    evict_packs(ckpt_dir / step_dir(1))
+    return {k: v.cpu() for k, v in saved.items()}, {k: torch.zeros_like(v) for k, v in saved.items()}
+
+
 def test_a_fresh_restore_stages_gpu_tensors_on_the_gpu_and_reads_around_the_cache(
     ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A restarted job: a new Checkpointer restores CUDA tensors through a few page-locked bounce
     buffers into spare GPU memory (not a page-locked copy of the whole state), with O_DIRECT reads
     of a cold pack, and waits for its own copies only, never the whole device."""
-    saved = _cuda_state(0)
-    expected = {k: v.cpu() for k, v in saved.items()}
-    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
-        ck.save(1).wait()
-    evict_packs(ckpt_dir / step_dir(1))
-    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    expected, live = _saved_cold(ckpt_dir, seed=0)
     pointers = {k: v.data_ptr() for k, v in live.items()}
 
     def no_device_sync(*args: object, **kwargs: object) -> None:
@@ -86,7 +91,7 @@ def test_a_fresh_restore_stages_gpu_tensors_on_the_gpu_and_reads_around_the_cach
         stats = ck.stats()
     assert_identical(expected, {k: v.cpu() for k, v in live.items()})
     assert {k: v.data_ptr() for k, v in live.items()} == pointers  # copied into, memory kept
-    assert stats["restore_staged_on_device"] == sum(v.numel() * v.element_size() for v in saved.values())
+    assert stats["restore_staged_on_device"] == sum(v.numel() * v.element_size() for v in expected.values())
     assert stats["restore_read_direct_bytes"] >= 4 << 20
 
 
@@ -109,12 +114,7 @@ def test_a_gpu_without_room_stages_the_rest_in_host_memory(
     """A GPU too full to stage the whole state stages what fits there; the other tensors are
     staged in ordinary host memory (pinning it would cost more than the one copy up it speeds)
     and copied up once every chunk is verified."""
-    saved = _cuda_state(3)
-    expected = {k: v.cpu() for k, v in saved.items()}
-    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
-        ck.save(1).wait()
-    evict_packs(ckpt_dir / step_dir(1))
-    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    expected, live = _saved_cold(ckpt_dir, seed=3)
     pinned: list[object] = []
     real_empty = torch.empty
 
