@@ -54,9 +54,9 @@ class StopsServerMidway(RemoteTier):
         self._one_more()
         super().write(path, parts)
 
-    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]], *, size: int | None = None) -> None:
         self._one_more()
-        super().write_stream(path, pieces)
+        super().write_stream(path, pieces, size=size)
 
 
 def test_an_s3_outage_mid_drain_blocks_nothing_and_the_drain_completes(

@@ -470,7 +470,7 @@ class Checkpointer:
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, for logs and dashboards."""
-        out: dict[str, Any] = dict(self._counters)
+        out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:
             out.update(self._pipeline.counters)
         out["inflight"] = sorted(self._pipeline.inflight_steps()) if self._pipeline else []

@@ -17,7 +17,7 @@ import json
 import re
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from awscrt import checksums as _crc
 
@@ -201,14 +201,74 @@ def verify_parts(
     if len(tail) > CHECKSUM_BYTES:
         actual = checksum(tail[:-CHECKSUM_BYTES], actual)
     (stored,) = struct.unpack("<I", tail[-CHECKSUM_BYTES:])
-    if actual != stored or (expected_crc is not None and actual != expected_crc):
+    _check_crc(actual, stored, expected_crc, where)
+    return data
+
+
+def _check_crc(actual: int, stored: int, expected: int | None, where: str) -> None:
+    if actual != stored or (expected is not None and actual != expected):
         raise CorruptCheckpointError(
             f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x}, "
-            f"manifest says {expected_crc:#010x})"
-            if expected_crc is not None
+            f"manifest says {expected:#010x})"
+            if expected is not None
             else f"{where}: checksum mismatch (computed {actual:#010x}, chunk says {stored:#010x})"
         )
-    return data
+
+
+#: A chunk's place in a pack: (offset, data bytes, array path, chunk key, CRC32C from the manifest).
+Span = tuple[int, int, str, str, int]
+
+
+class PackCheck:
+    """Verifies the chunks of a pack as its bytes pass by in order, in pieces of any size (a copy
+    reads a pack in pieces of its destination's part size, not chunk by chunk): each chunk's
+    CRC32C is folded piece by piece and checked, with its trailer, once its last byte has passed.
+    The alignment gaps between chunks are zeroed in the pieces, as a pack's writer leaves them.
+    ``spans`` come sorted and disjoint (``transfer.copy_pack`` checks)."""
+
+    def __init__(self, spans: Sequence[Span], where: str) -> None:
+        self._spans = spans
+        self._where = where
+        self._i = 0
+        self._pos = 0
+        self._crc = 0
+        self._tail = bytearray()
+
+    def feed(self, view: memoryview) -> None:
+        """The pack's next ``len(view)`` bytes (writable, for the gaps); raises
+        ``CorruptCheckpointError`` on the first chunk among them that does not check out."""
+        at, end = self._pos, self._pos + len(view)
+        while self._i < len(self._spans) and self._spans[self._i][0] < end:
+            offset, nbytes, path, key, crc = self._spans[self._i]
+            lo = self._pos
+            if offset > lo:
+                view[lo - at : offset - at] = bytes(offset - lo)
+                lo = offset
+            if lo < offset + nbytes:
+                hi = min(offset + nbytes, end)
+                self._crc = checksum(view[lo - at : hi - at], self._crc)
+                lo = hi
+            if lo >= offset + nbytes:
+                hi = min(offset + nbytes + CHECKSUM_BYTES, end)
+                self._tail += view[lo - at : hi - at]
+                lo = hi
+            self._pos = lo
+            if lo < offset + nbytes + CHECKSUM_BYTES:
+                return  # the chunk goes on in the next piece
+            (stored,) = struct.unpack("<I", self._tail)
+            _check_crc(self._crc, stored, crc, f"{self._where}: array {path!r} chunk {key}")
+            self._i, self._crc, self._tail = self._i + 1, 0, bytearray()
+        if self._pos < end:
+            view[self._pos - at :] = bytes(end - self._pos)
+            self._pos = end
+
+    def close(self) -> None:
+        """Every chunk passed and checked out (else the pack was cut short)."""
+        if self._i < len(self._spans):
+            offset, _, path, key, _ = self._spans[self._i]
+            raise CorruptCheckpointError(
+                f"{self._where}: ends at {self._pos} bytes, within array {path!r} chunk {key} at {offset} (truncated)"
+            )
 
 
 def seal(doc: bytes) -> bytes:

@@ -54,7 +54,13 @@ class TierManager:
             self.remote = (
                 remote
                 if isinstance(remote, Tier)
-                else open_tier(remote, storage_options=remote_options, retry=drain.retry, part_bytes=drain.part_bytes)
+                else open_tier(
+                    remote,
+                    storage_options=remote_options,
+                    retry=drain.retry,
+                    part_bytes=drain.part_bytes,
+                    part_concurrency=drain.part_concurrency,
+                )
             )
             self.drainer = Drainer(
                 tier,
@@ -105,6 +111,14 @@ class TierManager:
             log.error("could not copy step %d from %s to %s: %s", step, self.remote.url, self.tier.url, e)
             return
         self.local.add(step)
+
+    def part_stats(self) -> dict[str, int]:
+        """The remote tier's bound on memory held in parts (uploads, ranged reads) and its peak."""
+        bound = getattr(self.remote, "part_buffer_bytes", None)
+        if bound is None:  # no remote tier, or one that does not move objects in parts
+            return {}
+        peak = getattr(self.remote, "counters", {}).get("part_bytes_peak", 0)
+        return {"drain_part_buffer_bytes": bound, "drain_part_bytes_peak": peak}
 
     def wait_drained(self, timeout: float | None) -> dict[str, Any]:
         """See ``Checkpointer.drain``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from tiercheck.dist.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, unseal, verify_chunk
+from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, chunk_nbytes, unseal, verify_chunk
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs
 from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_file_save
 from tiercheck.format.paths import (
@@ -167,9 +168,11 @@ def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[st
     """Before a copy of ``files`` of save ``save`` into ``dst``'s directory of ``step`` (a node's
     share: ``first`` is its first saving rank): the sizes of those files a copy of the same save
     left there, which it need not copy again. Any other file of ``files`` there (another save's,
-    or of a format naming none) is deleted, then the directory is marked as receiving ``save``'s
-    files, before the copy writes any."""
+    or of a format naming none) is deleted, and so are unfinished uploads of any of ``files``,
+    then the directory is marked as receiving ``save``'s files, before the copy writes any."""
     d = step_dir(step)
+    # An upload of these files a crash cut short left parts no listing shows: drop them first.
+    dst.discard_unfinished(d, set(files))
     there = dst.sizes(d)
     marker = copying_marker(first)
     if save is not None and marker in there:
@@ -244,18 +247,30 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str |
     if end > size:
         raise CorruptCheckpointError(f"{where}: has {size} bytes, its chunks end at {end} (truncated)")
 
-    def pieces() -> Iterator[bytes | bytearray]:
-        pos = 0
-        for offset, nbytes, path, key, crc in spans:
-            if offset > pos:
-                yield bytes(offset - pos)  # the alignment gap before a big chunk: a hole of zeros
-            raw = src.read_range(f"{d}/{f}", offset, nbytes + CHECKSUM_BYTES)
-            verify_chunk(raw, expected_crc=crc, nbytes=nbytes, where=f"{where}: array {path!r} chunk {key}")
-            yield raw
-            pos = offset + nbytes + CHECKSUM_BYTES
+    piece = dst.piece_bytes(end)
 
-    dst.write_stream(f"{d}/{f}", pieces)
+    def pieces() -> Iterator[memoryview]:
+        return pack_pieces(src, f"{d}/{f}", spans, end, piece, where)
+
+    dst.write_stream(f"{d}/{f}", pieces, size=end)
     return end
+
+
+def pack_pieces(src: Tier, path: str, spans: list[Span], end: int, piece: int, where: str) -> Iterator[memoryview]:
+    """The first ``end`` bytes of the pack ``path`` in pieces of ``piece`` bytes, each read in one
+    request (around the page cache where ``src`` can: whole blocks into page-aligned memory) and
+    its chunks checked as they pass (``PackCheck``): a chunk that rotted on ``src`` stops the
+    stream before the copy completes. Each piece is new memory, held by the writer until sent."""
+    check = PackCheck(spans, where)
+    for at in range(0, end, piece):
+        n = min(piece, end - at)
+        view = memoryview(mmap.mmap(-1, -(-n // BLOCK) * BLOCK))  # page-aligned, as O_DIRECT wants
+        got, _ = src.read_vectored(path, at, [view], direct=True)
+        if got < n:
+            raise CorruptCheckpointError(f"{where}: has {at + got} bytes, its chunks end at {end} (truncated)")
+        check.feed(view[:n])
+        yield view[:n]
+    check.close()
 
 
 def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | None:

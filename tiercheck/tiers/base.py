@@ -106,11 +106,23 @@ class Tier(ABC):
         save writes to (the local tier) have one."""
         raise NotImplementedError(f"{type(self).__name__} ({self.url}) does not take writes at offsets")
 
-    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
-        """Create or replace ``path`` with the buffers ``pieces()`` yields, in order; durable on
-        return. Copies of pack files go this way, one chunk in memory at a time; a tier that
-        retries calls ``pieces`` again. The default gathers them and writes once."""
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]], *, size: int | None = None) -> None:
+        """Create or replace ``path`` with the buffers ``pieces()`` yields, in order (``size``
+        bytes in all, where the caller knows); durable on return, and never visible in part.
+        Copies of pack files go this way, pieces of ``piece_bytes(size)`` read and verified
+        ahead of the writes; a tier that retries the whole object calls ``pieces`` again. The
+        default gathers them and writes once."""
         self.write(path, list(pieces()))
+
+    def piece_bytes(self, size: int) -> int:
+        """The size of the pieces ``write_stream`` of a ``size``-byte object takes best (whole
+        blocks): one part of an upload, one write of a copy."""
+        return 16 << 20
+
+    def discard_unfinished(self, path: str, names: set[str] | None = None) -> int:
+        """Drop what writes cut short left under ``path`` that no listing shows (an object
+        store's unfinished uploads): of the files ``names``, or all. Returns how many."""
+        return 0
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...

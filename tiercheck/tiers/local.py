@@ -11,7 +11,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,8 @@ from tiercheck.errors import UnsafeCheckpointError
 from tiercheck.libc import MAP_FAILED, libc
 from tiercheck.tiers.base import Buffer, Tier
 
+STREAM_WRITERS = 4  # pieces a copy writes at once (``write_stream``)
+STREAM_PIECE_BYTES = 16 << 20  # and their size
 BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
 DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct write
 
@@ -187,27 +189,43 @@ class LocalTier(Tier):
         os.close(fd)
         return direct, True
 
-    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]], *, size: int | None = None) -> None:
         """Written under a temporary name and renamed when whole, as an object store completes
-        an upload: a failed stream leaves nothing under ``path``."""
+        an upload: a failed stream leaves nothing under ``path``. Up to ``STREAM_WRITERS`` pieces
+        are written at once, at their offsets (a parallel filesystem's clients write faster so),
+        while the source reads the next."""
         target = self._abs(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        slots = threading.BoundedSemaphore(STREAM_WRITERS)
+        writes: list[Future[None]] = []
         try:
-            offset = 0
-            for piece in pieces():
-                view = memoryview(piece).cast("B")
-                _write_all(fd, [view], offset)
-                offset += len(view)
+            with ThreadPoolExecutor(STREAM_WRITERS, thread_name_prefix="tiercheck-write") as pool:
+                offset = 0
+                for piece in pieces():
+                    view = memoryview(piece).cast("B")
+                    slots.acquire()
+                    writes.append(pool.submit(_write_all, fd, [view], offset))
+                    writes[-1].add_done_callback(lambda _: slots.release())
+                    offset += len(view)
+                    if writes[0].done():  # a failed write stops the stream early
+                        writes.pop(0).result()
+            for w in writes:
+                w.result()
             if self._fsync:
                 os.fsync(fd)
         except BaseException:
+            for w in writes:
+                w.cancel()
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
         os.replace(tmp, target)
+
+    def piece_bytes(self, size: int) -> int:
+        return STREAM_PIECE_BYTES
 
     def open_pack(self, path: str) -> PackWriter:
         """A file the I/O threads fill at given offsets, concurrently (a rank's pack)."""

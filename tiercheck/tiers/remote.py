@@ -12,14 +12,13 @@ renames atomically; fsspec's local filesystem does neither.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import errno
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import fsspec
 from tenacity import (
@@ -36,28 +35,12 @@ from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.parts import MIN_PART_BYTES, PartUpload, part_size, part_upload, parts_of, unfinished
+from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of
 
 log = logging.getLogger("tiercheck")
 
 T = TypeVar("T")
-
-# Error codes object stores use for "slow down / try again" and for their own failures.
-_TRANSIENT_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "ServerBusy",
-    "OperationTimedOut", "InternalServerError", "BadGateway", "GatewayTimeout",
-    "500", "502", "503", "504", "429", "408",
-}  # fmt: skip
-_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-                     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EBUSY}  # fmt: skip
-_TRANSIENT_NAMES = {
-    # botocore, aiohttp and azure-core connection-level failures
-    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-    "ClientConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-    "ClientPayloadError", "ServerTimeoutError", "ServiceRequestError", "ServiceResponseError",
-    "IncompleteReadError", "ResponseStreamingError",
-}  # fmt: skip
-
 
 # The optional backends, by URL scheme: the package and the extra of ours that installs it.
 _EXTRAS = {
@@ -66,82 +49,13 @@ _EXTRAS = {
 }  # fmt: skip
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, FileNotFoundError | PermissionError | FileExistsError | IsADirectoryError):
-            return False  # no such bucket / key, access denied: the same answer next time
-        if isinstance(e, ConnectionError | TimeoutError | asyncio.TimeoutError):
-            return True
-        if type(e).__name__ in _TRANSIENT_NAMES or any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
-            return True
-        code = _error_code(e)
-        if code is not None:
-            return code in _TRANSIENT_CODES
-        status = getattr(e, "status_code", None) or getattr(e, "status", None)
-        if isinstance(status, int):
-            return status in (408, 429) or status >= 500
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _error_code(e: BaseException) -> str | None:
-    response = getattr(e, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        code = response.get("Error", {}).get("Code")
-        if code:
-            return str(code)
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return str(status) if status else None
-    code = getattr(e, "error_code", None)  # azure-core HttpResponseError
-    return str(code) if code else None
-
-
-def _past_the_end(e: BaseException) -> bool:
-    """Whether a ranged read failed only because it starts past the object's end (HTTP 416)."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if _status(cur) == 416 or _error_code(cur) in ("InvalidRange", "InvalidRangeHeader"):
-            return True
-        if "range is not satisfiable" in str(cur).lower() or "range not satisfiable" in str(cur).lower():
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
-def _status(e: BaseException) -> int | None:
-    status = getattr(e, "status_code", None)
-    if isinstance(status, int):
-        return status
-    response = getattr(e.__cause__, "response", None) or getattr(e, "response", None)
-    if isinstance(response, dict):
-        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return int(code) if code else None
-    return None
-
-
-def redact(url: str) -> str:
-    """The URL without any user or password part (what we log and put in messages)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-
-
 def open_tier(
     url: str,
     *,
     storage_options: dict[str, Any] | None = None,
     retry: RetryOptions | None = None,
     part_bytes: int = 16 * 2**20,
+    part_concurrency: int = 16,
 ) -> Tier:
     """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
     parts = urlsplit(url)
@@ -150,7 +64,9 @@ def open_tier(
         return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
     if scheme in _EXTRAS and not parts.netloc:  # s3:/bucket or s3:bucket: fsspec would list nothing, silently
         raise ValueError(f"{redact(url)}: not a URL fsspec can list; write {scheme}://bucket/prefix (two slashes)")
-    return RemoteTier(url, storage_options=storage_options, retry=retry, part_bytes=part_bytes)
+    return RemoteTier(
+        url, storage_options=storage_options, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency
+    )
 
 
 class RemoteTier(Tier):
@@ -165,7 +81,7 @@ class RemoteTier(Tier):
         storage_options: dict[str, Any] | None = None,
         retry: RetryOptions | None = None,
         part_bytes: int = 16 * 2**20,
-        part_concurrency: int = 4,
+        part_concurrency: int = 16,
     ) -> None:
         self.url = redact(url).rstrip("/")
         self.retry = retry or RetryOptions()
@@ -177,6 +93,9 @@ class RemoteTier(Tier):
             # with our limits and jitter. Set them in storage_options to have it otherwise.
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("retries", {"total_max_attempts": 1})
+            # Parts go out as views of the memory they were read into, uncopied: botocore's checks
+            # of parameters take only bytes or bytearray (aiohttp sends any buffer).
+            config.setdefault("parameter_validation", False)
             options["config_kwargs"] = config
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
@@ -194,9 +113,19 @@ class RemoteTier(Tier):
         self.root = root.rstrip("/")
         if urlsplit(url).scheme in ("s3", "s3a") and hasattr(self.fs, "retries"):
             self.fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
-        self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0}
+        self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0, "parts": 0,
+                         "part_bytes_in_flight": 0, "part_bytes_peak": 0}  # fmt: skip
+        # Every upload of this tier shares one bound: parts in flight, and parts read ahead of them.
+        self._slots = threading.BoundedSemaphore(part_concurrency)
+        self._part_pool = ThreadPoolExecutor(part_concurrency, thread_name_prefix="tiercheck-part")
+        self._get_pool = ThreadPoolExecutor(part_concurrency, thread_name_prefix="tiercheck-get")
         self._lock = threading.Lock()
         self._aborted = threading.Event()
+
+    @property
+    def part_buffer_bytes(self) -> int:
+        """The most memory uploads hold in parts at once: parts in flight and read ahead of them."""
+        return self.part_concurrency * self.part_bytes
 
     def abort(self) -> None:
         self._aborted.set()
@@ -221,7 +150,7 @@ class RemoteTier(Tier):
                 state.attempt_number,
                 r.attempts,
                 state.seconds_since_start or 0.0,
-                _brief(exc),
+                brief(exc),
                 state.upcoming_sleep,
                 r.deadline_s,
             )
@@ -246,14 +175,14 @@ class RemoteTier(Tier):
                 raise RemoteStorageError(
                     f"{self.url}: {what}: gave up after {stats.get('attempt_number', 1)} attempt(s) in "
                     f"{stats.get('delay_since_first_attempt', 0.0):.0f} s ({why}: {r.attempts} attempts / "
-                    f"{r.deadline_s:.0f} s): {_brief(e)}"
+                    f"{r.deadline_s:.0f} s): {brief(e)}"
                 ) from e
-            status = _status(e)
+            status = status_of(e)
             if isinstance(e, PermissionError) or status in (401, 403):
-                raise RemoteStorageError(f"{self.url}: {what}: access denied ({_brief(e)})") from e
+                raise RemoteStorageError(f"{self.url}: {what}: access denied ({brief(e)})") from e
             if status == 404:  # azure: a missing container on write comes back as a bare 404
-                raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({_brief(e)})") from e
-            raise RemoteStorageError(f"{self.url}: {what}: {_brief(e)}") from e
+                raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({brief(e)})") from e
+            raise RemoteStorageError(f"{self.url}: {what}: {brief(e)}") from e
 
     # ------------------------------------------------------------------------------ Tier API
 
@@ -270,21 +199,124 @@ class RemoteTier(Tier):
         try:
             self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data, **kwargs))
         except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
-            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({_brief(e)})") from e
+            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
         with self._lock:
             self.counters["bytes_up"] += len(data)
 
-    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
-        """Stream into one object: a multipart upload (S3) or staged blocks (Azure) of
-        ``part_bytes`` each, committed when the last piece is in. A transient failure starts the
-        object over (an unfinished upload is never visible)."""
+    def piece_bytes(self, size: int) -> int:
+        """Pieces of the part size: each goes out as one part, uncopied."""
+        return part_size(self.part_bytes, size)
+
+    def write_stream(self, path: str, pieces: Callable[[], Iterable[Buffer]], *, size: int | None = None) -> None:
+        """Stream into one object with up to ``part_concurrency`` parts in flight: a multipart
+        upload (S3) or staged blocks and a block list (Azure), each part retried on its own and
+        the upload completed when the last part is in. ``pieces`` is called once and runs ahead
+        of the uploads by at most the free slots of the tier's bound (``part_buffer_bytes``), all
+        uploads of the tier sharing it. A failure aborts the upload: nothing becomes visible,
+        no parts are left behind. Objects under two parts, and filesystems without parts, go as
+        one request or one stream."""
         target = self._p(path)
+        upload = part_upload(self.fs, target)
+        if upload is None:
+            self._write_stream_file(path, target, pieces)
+        elif size is not None and size < 2 * self.part_bytes:
+            self.write(path, list(pieces()))
+        else:
+            self._write_parts(path, upload, pieces, part_size(self.part_bytes, size))
+
+    def _write_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
+        what = f"writing {path}"
+        self._call(f"{what}: starting its {upload.kind}", upload.start)
+        futures: list[Future[Any]] = []
+        failed = threading.Event()
+
+        def release(f: Future[Any]) -> None:
+            self._slots.release()
+            if f.cancelled() or f.exception() is not None:
+                failed.set()
+
+        try:
+            parts = parts_of(pieces(), part)
+            while not failed.is_set():
+                self._slots.acquire()  # before the part is read: the reader runs ahead by the free slots only
+                try:
+                    data = next(parts, None)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                if data is None:
+                    self._slots.release()
+                    break
+                number = len(futures) + 1
+                fut = self._part_pool.submit(self._put_part, upload, f"{what}: part {number}", number, data)
+                futures.append(fut)
+                fut.add_done_callback(release)
+            tokens = [f.result() for f in futures]  # the first failure, as raised
+            if not tokens:  # nothing to send: an empty object, which a multipart upload cannot be
+                self._abort_upload(upload, what)
+                self.write(path, [])
+                return
+            self._call(f"{what}: completing its {upload.kind} of {len(tokens)} parts", lambda: upload.complete(tokens))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            for f in futures:  # the parts in flight end (or fail) before the upload is aborted
+                with contextlib.suppress(BaseException):
+                    f.exception()
+            self._abort_upload(upload, what)
+            raise
+
+    def _put_part(self, upload: PartUpload, what: str, number: int, data: Buffer) -> Any:
+        n = len(data)
+        with self._lock:
+            c = self.counters
+            c["part_bytes_in_flight"] += n
+            c["part_bytes_peak"] = max(c["part_bytes_peak"], c["part_bytes_in_flight"])
+        try:
+            token = self._call(what, lambda: upload.put(number, data))
+        finally:
+            with self._lock:
+                self.counters["part_bytes_in_flight"] -= n
+        with self._lock:
+            self.counters["bytes_up"] += n
+            self.counters["parts"] += 1
+        return token
+
+    def _abort_upload(self, upload: PartUpload, what: str) -> bool:
+        """Drop an upload's parts; False (logged) where that failed too: ``discard_unfinished``
+        finds it again when the copy resumes or its step is deleted."""
+        try:
+            self._call(f"{what}: aborting its {upload.kind}", upload.abort)
+            return True
+        except Exception as e:
+            log.warning("%s: %s: could not abort the %s (%s); it is dropped when the copy resumes", self.url, what,
+                        upload.kind, e)  # fmt: skip
+            return False
+
+    def discard_unfinished(self, path: str, names: set[str] | None = None) -> int:
+        """Abort the uploads under ``path`` that were started and never completed (a crash, a
+        killed job): of the objects ``names`` (relative to ``path``), or all of them. Returns
+        how many there were."""
+        prefix = self._p(path)
+        what = f"listing unfinished uploads under {path}"
+        try:
+            found = self._call(what, lambda: list(unfinished(self.fs, prefix, names)))
+        except FileNotFoundError as e:
+            raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({brief(e)})") from e
+        for upload in found:
+            self._abort_upload(upload, f"an unfinished upload under {path}")
+        if found:
+            log.info("%s: dropped %d unfinished upload(s) under %s", self.url, len(found), path)
+        return len(found)
+
+    def _write_stream_file(self, path: str, target: str, pieces: Callable[[], Iterable[Buffer]]) -> None:
+        """A filesystem without parts: one stream, started over on a transient failure."""
         sent = 0
 
         def upload() -> None:
             nonlocal sent
             sent = 0
-            f = self.fs.open(target, "wb", block_size=max(self.part_bytes, 5 * 2**20))
+            f = self.fs.open(target, "wb", block_size=max(self.part_bytes, MIN_PART_BYTES))
             try:
                 source = iter(pieces())
                 while True:
@@ -299,7 +331,7 @@ class RemoteTier(Tier):
             except BaseException:
                 # Not close(): that would complete the upload with what was sent so far.
                 with contextlib.suppress(Exception):
-                    f.discard()  # s3fs aborts the multipart upload; Azure drops uncommitted blocks
+                    f.discard()
                 f.closed = True  # and not on garbage collection either (fsspec's __del__ closes)
                 raise
             f.close()
@@ -309,7 +341,7 @@ class RemoteTier(Tier):
         except _SourceError as e:
             raise e.args[0] from None
         except FileNotFoundError as e:
-            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({_brief(e)})") from e
+            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
         with self._lock:
             self.counters["bytes_up"] += sent
 
@@ -323,14 +355,16 @@ class RemoteTier(Tier):
     def read(self, path: str) -> bytearray:
         return bytearray(self.read_bytes(path))  # writable, as tensors made from it must be
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        target = self._p(path)
+    def _get(self, path: str, target: str, offset: int, length: int) -> bytes:
+        """One ranged GET, retried: fewer bytes (none) where the object ends first."""
+        if length <= 0:
+            return b""
 
         def get() -> bytes:
             try:
                 got: bytes = self.fs.cat_file(target, start=offset, end=offset + length)
             except Exception as e:
-                if offset > 0 and _past_the_end(e):  # as a file ends early: nothing there, not an error
+                if offset > 0 and past_the_end(e):  # as a file ends early: nothing there, not an error
                     return b""
                 raise
             return got
@@ -340,13 +374,55 @@ class RemoteTier(Tier):
             self.counters["bytes_down"] += len(data)
         return data
 
+    def read_range(self, path: str, offset: int, length: int) -> bytes | bytearray:
+        if length < 2 * self.part_bytes:
+            return self._get(path, self._p(path), offset, length)
+        length = min(length, self._size_after(path, offset))  # a hostile length allocates nothing
+        out = bytearray(length)
+        with memoryview(out) as view:
+            n, _ = self.read_into(path, view, offset=offset, length=length)
+        del out[n:]
+        return out
+
+    def _size_after(self, path: str, offset: int) -> int:
+        target = self._p(path)
+        info = self._call(f"looking up {path}", lambda: self.fs.info(target))
+        return max(0, int(info.get("size") or 0) - offset)
+
     def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
-        data = self.read_bytes(path) if length is None else self.read_range(path, offset, length)
-        if length is None and offset:
-            data = data[offset:]
-        n = min(len(data), len(out))
-        out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
-        return n, data[n:]
+        """Large ranges are read as ``part_bytes`` ranged GETs, ``part_concurrency`` in flight,
+        each copied into ``out`` as it lands (the bytes past ``len(out)`` are returned, as many
+        as the object holds)."""
+        if length is None or length < 2 * self.part_bytes:
+            data = self.read_bytes(path) if length is None else self._get(path, self._p(path), offset, length)
+            if length is None and offset:
+                data = data[offset:]
+            n = min(len(data), len(out))
+            out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
+            return n, data[n:]
+        if length > len(out):
+            length = min(length, self._size_after(path, offset))
+        target = self._p(path)
+        rest = bytearray(max(0, length - len(out)))
+        step = self.part_bytes
+
+        def get(at: int) -> int:
+            data = memoryview(self._get(path, target, offset + at, min(step, length - at)))
+            k = max(0, min(len(data), len(out) - at))
+            out[at : at + k] = data[:k]
+            if len(data) > k:  # past the end of ``out``: the caller's rest (a chunk's checksum)
+                lo = max(at, len(out)) - len(out)
+                rest[lo : lo + len(data) - k] = data[k:]
+            return len(data)
+
+        starts = list(range(0, length, step))
+        got = list(self._get_pool.map(get, starts))
+        n = length
+        for at, k in zip(starts, got, strict=True):
+            if k < min(step, length - at):  # the object ends here: what follows is nothing
+                n = at + k
+                break
+        return min(n, len(out)), bytes(rest[: max(0, n - len(out))])
 
     def exists(self, path: str) -> bool:
         target = self._p(path)
@@ -398,6 +474,10 @@ class RemoteTier(Tier):
                 self.fs.rm(target, recursive=True)
 
         self._call(f"deleting {path}/", rm)
+        try:  # and what uploads cut short left there, which no listing of objects shows
+            self.discard_unfinished(path)
+        except RemoteStorageError as e:
+            log.warning("%s: could not look for unfinished uploads under %s: %s", self.url, path, e)
 
     def sync_dirs(self, path: str) -> None:
         """Object stores have no directories; an acknowledged PUT is durable."""
@@ -407,9 +487,3 @@ class _SourceError(Exception):
     """What ``write_stream``'s source raised, carried past the retries unchanged."""
 
 
-def _brief(exc: BaseException | None) -> str:
-    if exc is None:
-        return "no error"
-    code = _error_code(exc) or (exc.__cause__ is not None and _error_code(exc.__cause__))
-    text = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return f"{type(exc).__name__}{f' {code}' if code else ''}: {text}"
