@@ -235,20 +235,20 @@ class AzureUpload(PartUpload):
 
     @classmethod
     def unfinished(cls, fs: Any, prefix: str, names: set[str] | None) -> Iterator[AzureUpload]:
-        """Blobs under ``prefix`` with uncommitted blocks: listed with ``uncommittedblobs`` (blobs
-        that have nothing else), then each blob of ``names`` asked (a blob of an earlier save
-        with a newer upload's blocks beside it)."""
+        """Blobs under ``prefix`` with uncommitted blocks only (listed with ``uncommittedblobs``
+        and not without). A committed blob holding an unfinished upload's blocks beside its own
+        is left: the copy that resumes replaces or deletes it, which drops them too."""
         from fsspec.asyn import sync
 
         container, path, _ = fs.split_path(prefix)
         blob_prefix = f"{path}/" if path else ""
 
-        async def listed() -> list[str]:
+        async def listed() -> set[str]:
             async with fs.service_client.get_container_client(container) as cc:
-                return [
-                    b.name
-                    async for b in cc.list_blobs(name_starts_with=blob_prefix, include=["uncommittedblobs"])
-                ]
+                every = {
+                    b.name async for b in cc.list_blobs(name_starts_with=blob_prefix, include=["uncommittedblobs"])
+                }
+                return every - {b.name async for b in cc.list_blobs(name_starts_with=blob_prefix)}
 
         for name in sorted(sync(fs.loop, listed)):
             if names is None or name[len(blob_prefix) :] in names:

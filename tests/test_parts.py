@@ -1,0 +1,226 @@
+"""Objects moved in parts, many in flight (invariant 12), against the real servers.
+
+A pack goes up as a multipart upload (SeaweedFS) or staged blocks and a block list (Azurite), its
+chunks checked piece by piece on the way; a part that fails is sent again alone; a failure aborts
+the upload and a crash's leftovers are dropped when the copy resumes, so no parts stay behind.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tests.faultproxy import FaultProxy
+from tests.ondisk import step_parts
+from tests.servers import Azurite, SeaweedS3
+from tiercheck import Checkpointer, DrainOptions, RetryOptions
+from tiercheck.errors import CorruptCheckpointError
+from tiercheck.format.paths import pack_file, step_dir
+from tiercheck.format.steps import list_steps
+from tiercheck.tiering.transfer import pack_pieces
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.parts import part_upload, unfinished
+from tiercheck.tiers.remote import RemoteTier
+
+MiB = 1 << 20
+PATIENT = RetryOptions(attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2, deadline_s=120)
+# Small parts, few in flight: a 36 MiB pack is eight parts, more than the slots, so the reader waits.
+SMALL_PARTS = DrainOptions(part_bytes=5 * MiB, part_concurrency=3, retry=PATIENT)
+
+
+def big_state(seed: int) -> dict[str, Any]:
+    """36 MiB: six 4 MiB chunks, one of 12 MiB (read back as ranged GETs in parts), a small one."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(6)} | {
+        "big": torch.randn(3 * MiB, generator=g),
+        "b": torch.randn(77, generator=g),
+    }
+
+
+def parts_of_pack(local: Path, step: int = 1) -> int:
+    """How many 5 MiB parts the pack of rank 0 goes up in."""
+    return -(-(local / step_dir(step) / pack_file(0)).stat().st_size // (5 * MiB))
+
+
+class Store:
+    """A bucket or container on a real server, and what an operator would ask of it."""
+
+    def __init__(self, kind: str, server: SeaweedS3 | Azurite, name: str, endpoint: str | None = None) -> None:
+        self.kind = kind
+        self.server = server
+        self.name = name
+        self.url = f"{'s3' if kind == 's3' else 'az'}://{name}/ckpt"
+        self.options = server.storage_options(endpoint) if endpoint else server.storage_options()
+        self.fs, _ = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **server.storage_options())
+
+    def unfinished(self) -> list[str]:
+        """Every upload under the prefix started and never completed, by key."""
+        return sorted(u.key if hasattr(u, "key") else u.blob for u in unfinished(self.fs, f"{self.name}/ckpt", None))
+
+    def tier(self, **kwargs: Any) -> RemoteTier:
+        return RemoteTier(self.url, storage_options=self.options, retry=PATIENT, **kwargs)
+
+
+@pytest.fixture(params=["s3", "azure"])
+def store(request: pytest.FixtureRequest) -> Store:
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        return Store("s3", server, request.getfixturevalue("s3_bucket"))
+    server = request.getfixturevalue("azurite_server")
+    return Store("azure", server, request.getfixturevalue("azure_container"))
+
+
+def saved_locally(tmp_path: Path, state: dict[str, Any], step: int = 1) -> Path:
+    local = tmp_path / "local"
+    with Checkpointer(state, local=local) as ck:
+        ck.save(step).wait()
+    return local
+
+
+def test_a_pack_goes_up_in_parts_and_comes_back_bit_identical(tmp_path: Path, store: Store) -> None:
+    state = big_state(1)
+    with Checkpointer(state, local=tmp_path / "local", remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        ck.save(1)
+        ck.drain()
+        stats = ck.stats()
+        counters = dict(ck.remote.counters)  # type: ignore[union-attr]
+    assert stats["drain_part_buffer_bytes"] == 3 * 5 * MiB
+    assert 0 < stats["drain_part_bytes_peak"] <= stats["drain_part_buffer_bytes"]
+    assert counters["parts"] == parts_of_pack(tmp_path / "local") == 8
+    assert store.unfinished() == []
+    if store.kind == "s3":  # each part carried its CRC32C, which the store checked and kept
+        bucket_key = f"{store.name}/ckpt/{step_dir(1)}/{pack_file(0)}"
+        head = store.fs.call_s3("head_object", Bucket=store.name, Key=bucket_key.split("/", 1)[1], ChecksumMode="ENABLED")
+        assert head["ChecksumCRC32C"].endswith("-8"), head
+    # From the remote alone: each chunk as concurrent ranged GETs into the restore's buffers.
+    fresh = big_state(2)
+    with Checkpointer(fresh, local=tmp_path / "empty", remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        assert ck.restore() == 1
+        assert_identical(ck.state, state)
+    assert_identical(tiercheck.load(store.url, storage_options=store.options), state)
+
+
+def test_ranged_reads_in_parts_return_what_is_stored_and_no_more(store: Store) -> None:
+    tier = store.tier(part_bytes=5 * MiB, part_concurrency=4)
+    data = os.urandom(17 * MiB + 123)
+    tier.write("x/blob.bin", [data])
+    out = bytearray(12 * MiB)
+    n, rest = tier.read_into("x/blob.bin", memoryview(out), offset=1000, length=12 * MiB + 4)
+    assert (n, bytes(out), rest) == (12 * MiB, data[1000 : 1000 + 12 * MiB], data[1000 + 12 * MiB : 1004 + 12 * MiB])
+    out = bytearray(12 * MiB)  # the object ends before the range does: fewer bytes, as a file ends early
+    n, rest = tier.read_into("x/blob.bin", memoryview(out), offset=6 * MiB, length=20 * MiB)
+    assert (n, bytes(out[:n]), rest) == (11 * MiB + 123, data[6 * MiB :], b"")
+    assert bytes(tier.read_range("x/blob.bin", 7, 2**40)) == data[7:]  # a hostile length, bounded by the object
+
+
+def test_a_part_that_fails_is_sent_again_alone(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
+    local = saved_locally(tmp_path, big_state(3))
+    with FaultProxy(s3_server.endpoint_url, throttle=0.2, reset=0.1, methods=("PUT",), seed=5) as proxy:
+        store = Store("s3", s3_server, s3_bucket, endpoint=proxy.url)
+        with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                          drain=SMALL_PARTS) as ck:  # fmt: skip
+            ck.drain()
+        history = list(proxy.history)
+    parts = [r for r in history if "partNumber=" in r.target]
+    sent = Counter(urllib.parse.parse_qs(urllib.parse.urlsplit(r.target).query)["partNumber"][0]
+                   for r in parts if r.outcome == "forwarded")  # fmt: skip
+    failed = [r for r in parts if r.outcome in ("throttled", "reset")]
+    assert failed, "the proxy failed no part: the test proves nothing"
+    # Every part went through once: no upload started over.
+    assert sent == {str(i): 1 for i in range(1, parts_of_pack(local) + 1)}
+    assert sum(1 for r in history if r.method == "POST" and r.target.endswith("?uploads")) == 1
+    direct = Store("s3", s3_server, s3_bucket)
+    assert direct.unfinished() == []
+    assert list_steps(direct.tier()).committed == [1]
+    assert_identical(tiercheck.load(direct.url, storage_options=direct.options), big_state(3))
+
+
+def test_a_rotten_chunk_aborts_the_upload_and_leaves_no_parts(tmp_path: Path, store: Store) -> None:
+    local = saved_locally(tmp_path, big_state(4))
+    spans = step_parts(local / step_dir(1))[0].spans()
+    offset, nbytes, *_ = spans[-1]  # the last chunk: its parts before it are up when it is read
+    pack = local / step_dir(1) / pack_file(0)
+    raw = bytearray(pack.read_bytes())
+    raw[offset + nbytes - 1] ^= 0x01
+    pack.write_bytes(bytes(raw))
+    with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        with pytest.raises(tiercheck.RemoteStorageError):
+            ck.drain()
+        assert "checksum mismatch" in ck.status()["remote"]["last_error"]
+        assert ck.steps() == [1]  # the local copy is kept
+    assert store.unfinished() == []
+    assert not store.tier().exists(f"{step_dir(1)}/{pack_file(0)}")
+
+
+def test_a_crash_mid_upload_leaves_nothing_once_the_drain_resumes(tmp_path: Path, store: Store) -> None:
+    local = saved_locally(tmp_path, big_state(5))
+    # What a drain killed mid-upload leaves on the server: an upload begun, parts sent, never completed.
+    crashed = part_upload(store.fs, f"{store.name}/ckpt/{step_dir(1)}/{pack_file(0)}")
+    assert crashed is not None
+    crashed.start()
+    crashed.put(1, os.urandom(5 * MiB))
+    assert len(store.unfinished()) == 1
+    with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        ck.drain()  # the drain the crash cut short resumes
+    assert store.unfinished() == []
+    assert list_steps(store.tier()).committed == [1]
+    assert_identical(tiercheck.load(store.url, storage_options=store.options), big_state(5))
+
+
+def test_deleting_a_step_drops_the_uploads_it_cut_short(store: Store) -> None:
+    tier = store.tier()
+    for name in ("a.bin", "b/c.bin"):
+        up = part_upload(store.fs, f"{store.name}/ckpt/{step_dir(7)}/{name}")
+        assert up is not None
+        up.start()
+        up.put(1, os.urandom(5 * MiB))
+    other = part_upload(store.fs, f"{store.name}/ckpt/{step_dir(8)}/a.bin")
+    assert other is not None
+    other.start()
+    other.put(1, b"x" * (5 * MiB))
+    assert len(store.unfinished()) == 3
+    tier.delete_tree(step_dir(7))
+    assert store.unfinished() == [f"ckpt/{step_dir(8)}/a.bin"]
+    other.abort()
+
+
+@pytest.mark.parametrize("piece", [4096, 5000, 3 * MiB])
+def test_a_pack_read_in_pieces_checks_every_chunk(tmp_path: Path, piece: int) -> None:
+    """``pack_pieces`` in pieces that cut chunks anywhere: the bytes are the pack's, a flipped bit
+    in any chunk stops it naming the chunk, and a pack cut short says so."""
+    state = {f"v{i}": torch.randn(1000 + 37 * i) for i in range(20)} | big_state(6)
+    local = saved_locally(tmp_path, state)
+    tier = LocalTier(local)
+    spans = step_parts(local / step_dir(1))[0].spans()
+    end = spans[-1][0] + spans[-1][1] + 4
+    path = f"{step_dir(1)}/{pack_file(0)}"
+    whole = (local / path).read_bytes()
+    got = b"".join(bytes(p) for p in pack_pieces(tier, path, spans, end, piece, "here"))
+    assert got == whole[:end]
+    offset, nbytes, array, key, _ = spans[7]
+    rotten = bytearray(whole)
+    rotten[offset + nbytes // 2] ^= 0x10
+    (local / path).write_bytes(bytes(rotten))
+    with pytest.raises(CorruptCheckpointError, match=f"array {array!r} chunk {key}: checksum mismatch"):
+        list(pack_pieces(tier, path, spans, end, piece, "here"))
+    (local / path).write_bytes(whole[: end - 10])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        list(pack_pieces(tier, path, spans, end, piece, "here"))
+
+
+def test_part_concurrency_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="part_concurrency must be at least 1"):
+        DrainOptions(part_concurrency=0)
