@@ -20,8 +20,8 @@ from tiercheck.errors import UnsafeCheckpointError
 from tiercheck.libc import MAP_FAILED, libc
 from tiercheck.tiers.base import Buffer, Tier
 
-STREAM_WRITERS = 4  # pieces a copy writes at once (``write_stream``)
-STREAM_PIECE_BYTES = 16 << 20  # and their size
+STREAM_WRITERS = 2  # pieces a copy writes at once (``write_stream``), beside the one being read
+STREAM_PIECE_BYTES = 64 << 20  # and their size: from a remote tier, each read as ranged GETs in parallel
 BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
 DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct write
 

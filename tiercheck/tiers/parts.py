@@ -102,6 +102,71 @@ def parts_of(pieces: Iterable[Buffer], size: int) -> Iterator[Buffer]:
         yield pending
 
 
+def get_into(fs: Any, target: str, offset: int, view: memoryview) -> int | None:
+    """One ranged GET of ``len(view)`` bytes of ``target`` from ``offset``, copied into ``view``
+    as they arrive from the network (no bytes object of the range in between); the bytes read,
+    fewer where the object ends first. None where the filesystem has no such call."""
+    from fsspec.asyn import sync
+
+    if not len(view):
+        return 0
+    if callable(getattr(fs, "call_s3", None)):
+        bucket, key, _ = fs.split_path(target)
+        rng = f"bytes={offset}-{offset + len(view) - 1}"
+
+        async def s3() -> int:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=rng)
+            body = resp["Body"]
+            try:
+                pos = 0
+                while pos < len(view):
+                    n = await body.readinto(view[pos:])
+                    if not n:
+                        break
+                    pos += n
+                return pos
+            finally:
+                body.close()
+
+        return int(sync(fs.loop, s3))
+    if getattr(fs, "service_client", None) is not None and hasattr(fs, "loop"):
+        container, blob, _ = fs.split_path(target)
+
+        async def azure() -> int:
+            from azure.core.exceptions import ResourceNotFoundError
+
+            async with fs.service_client.get_blob_client(container, blob) as bc:
+                try:
+                    stream = await bc.download_blob(offset=offset, length=len(view), max_concurrency=1)
+                except ResourceNotFoundError as e:
+                    raise FileNotFoundError(target) from e
+                into = _Into(view)
+                await stream.readinto(into)
+                return into.pos
+
+        return int(sync(fs.loop, azure))
+    return None
+
+
+class _Into:
+    """A writable stream over a buffer, for clients that write what they download into one."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def write(self, data: Buffer) -> int:
+        n = len(data)
+        if self.pos + n > len(self.view):
+            raise ValueError(f"the store sent more than the {len(self.view)} bytes asked for")
+        self.view[self.pos : self.pos + n] = data
+        self.pos += n
+        return n
+
+    def seekable(self) -> bool:
+        return False
+
+
 def crc32c_b64(data: Buffer) -> str:
     """A part's CRC32C as S3 takes it: big-endian, base64 (awscrt: the GIL released)."""
     return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()

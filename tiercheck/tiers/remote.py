@@ -16,7 +16,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -34,8 +33,16 @@ from tenacity.wait import wait_random_exponential
 from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.inflight import Inflight
 from tiercheck.tiers.local import LocalTier
-from tiercheck.tiers.parts import MIN_PART_BYTES, PartUpload, part_size, part_upload, parts_of, unfinished
+from tiercheck.tiers.parts import (
+    MIN_PART_BYTES,
+    PartUpload,
+    get_into,
+    part_size,
+    part_upload,
+    unfinished,
+)
 from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of
 
 log = logging.getLogger("tiercheck")
@@ -96,6 +103,10 @@ class RemoteTier(Tier):
             # Parts go out as views of the memory they were read into, uncopied: botocore's checks
             # of parameters take only bytes or bytearray (aiohttp sends any buffer).
             config.setdefault("parameter_validation", False)
+            # No SHA-256 of every body (botocore signs payloads over plain HTTP, and over HTTPS
+            # unless it added the checksum itself): 0.8 s of CPU per GiB. Parts carry their CRC32C
+            # in a signed header, which the store checks; other PUTs botocore's own checksum.
+            config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
             options["config_kwargs"] = config
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
@@ -115,12 +126,10 @@ class RemoteTier(Tier):
             self.fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
         self.counters = {"requests": 0, "retries": 0, "bytes_up": 0, "bytes_down": 0, "parts": 0,
                          "part_bytes_in_flight": 0, "part_bytes_peak": 0}  # fmt: skip
-        # Every upload of this tier shares one bound: parts in flight, and parts read ahead of them.
-        self._slots = threading.BoundedSemaphore(part_concurrency)
-        self._part_pool = ThreadPoolExecutor(part_concurrency, thread_name_prefix="tiercheck-part")
-        self._get_pool = ThreadPoolExecutor(part_concurrency, thread_name_prefix="tiercheck-get")
         self._lock = threading.Lock()
         self._aborted = threading.Event()
+        # Every upload of this tier shares one bound: parts in flight, and parts read ahead of them.
+        self.inflight = Inflight(part_concurrency, self.counters, self._lock)
 
     @property
     def part_buffer_bytes(self) -> int:
@@ -227,60 +236,20 @@ class RemoteTier(Tier):
     def _write_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
         what = f"writing {path}"
         self._call(f"{what}: starting its {upload.kind}", upload.start)
-        futures: list[Future[Any]] = []
-        failed = threading.Event()
 
-        def release(f: Future[Any]) -> None:
-            self._slots.release()
-            if f.cancelled() or f.exception() is not None:
-                failed.set()
+        def put(number: int, data: Buffer) -> Any:
+            return self._call(f"{what}: part {number}", lambda: upload.put(number, data))
 
         try:
-            parts = parts_of(pieces(), part)
-            while not failed.is_set():
-                self._slots.acquire()  # before the part is read: the reader runs ahead by the free slots only
-                try:
-                    data = next(parts, None)
-                except BaseException:
-                    self._slots.release()
-                    raise
-                if data is None:
-                    self._slots.release()
-                    break
-                number = len(futures) + 1
-                fut = self._part_pool.submit(self._put_part, upload, f"{what}: part {number}", number, data)
-                futures.append(fut)
-                fut.add_done_callback(release)
-            tokens = [f.result() for f in futures]  # the first failure, as raised
+            tokens = self.inflight.send(pieces(), part, put)
             if not tokens:  # nothing to send: an empty object, which a multipart upload cannot be
                 self._abort_upload(upload, what)
                 self.write(path, [])
                 return
             self._call(f"{what}: completing its {upload.kind} of {len(tokens)} parts", lambda: upload.complete(tokens))
         except BaseException:
-            for f in futures:
-                f.cancel()
-            for f in futures:  # the parts in flight end (or fail) before the upload is aborted
-                with contextlib.suppress(BaseException):
-                    f.exception()
             self._abort_upload(upload, what)
             raise
-
-    def _put_part(self, upload: PartUpload, what: str, number: int, data: Buffer) -> Any:
-        n = len(data)
-        with self._lock:
-            c = self.counters
-            c["part_bytes_in_flight"] += n
-            c["part_bytes_peak"] = max(c["part_bytes_peak"], c["part_bytes_in_flight"])
-        try:
-            token = self._call(what, lambda: upload.put(number, data))
-        finally:
-            with self._lock:
-                self.counters["part_bytes_in_flight"] -= n
-        with self._lock:
-            self.counters["bytes_up"] += n
-            self.counters["parts"] += 1
-        return token
 
     def _abort_upload(self, upload: PartUpload, what: str) -> bool:
         """Drop an upload's parts; False (logged) where that failed too: ``discard_unfinished``
@@ -374,6 +343,27 @@ class RemoteTier(Tier):
             self.counters["bytes_down"] += len(data)
         return data
 
+    def _get_into(self, path: str, target: str, offset: int, view: memoryview) -> int:
+        """``_get`` into ``view``, copied there as the bytes arrive."""
+
+        def get() -> int:
+            try:
+                n = get_into(self.fs, target, offset, view)
+            except Exception as e:
+                if offset > 0 and past_the_end(e):
+                    return 0
+                raise
+            if n is None:  # a filesystem without ranged reads into buffers
+                data = self.fs.cat_file(target, start=offset, end=offset + len(view))
+                n = len(data)
+                view[:n] = data
+            return n
+
+        n: int = self._call(f"reading {path} [{offset}, {offset + len(view)})", get)
+        with self._lock:
+            self.counters["bytes_down"] += n
+        return n
+
     def read_range(self, path: str, offset: int, length: int) -> bytes | bytearray:
         if length < 2 * self.part_bytes:
             return self._get(path, self._p(path), offset, length)
@@ -407,7 +397,10 @@ class RemoteTier(Tier):
         step = self.part_bytes
 
         def get(at: int) -> int:
-            data = memoryview(self._get(path, target, offset + at, min(step, length - at)))
+            want = min(step, length - at)
+            if at + want <= len(out):  # straight into the caller's buffer
+                return self._get_into(path, target, offset + at, out[at : at + want])
+            data = memoryview(self._get(path, target, offset + at, want))
             k = max(0, min(len(data), len(out) - at))
             out[at : at + k] = data[:k]
             if len(data) > k:  # past the end of ``out``: the caller's rest (a chunk's checksum)
@@ -416,7 +409,7 @@ class RemoteTier(Tier):
             return len(data)
 
         starts = list(range(0, length, step))
-        got = list(self._get_pool.map(get, starts))
+        got = self.inflight.gather(get, starts)
         n = length
         for at, k in zip(starts, got, strict=True):
             if k < min(step, length - at):  # the object ends here: what follows is nothing
