@@ -39,7 +39,7 @@ from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.options import RetentionOptions
-from tiercheck.tiering.drain import upload_step
+from tiercheck.tiering.drain import pending_steps, upload_step
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.base import Tier
@@ -148,7 +148,7 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
     "--step",
     default=None,
     callback=step_value,
-    help="Drain this step (default: every committed step newer than the remote's).",
+    help="Drain this step (default: every committed step whose save the remote does not hold).",
 )
 @click.option("--threads", default=8, show_default=True, type=THREADS, help="Files uploaded at once.")
 @remote_options
@@ -164,14 +164,10 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
         src = ctx.tier(local)
         assert src.local_path is not None
         dst = ctx.tier(remote, must_exist=False)
-        if step is not None:
-            steps = [pick_step(src, step)]
-        else:
-            remote_steps = list_steps(dst).committed
-            newest = remote_steps[-1] if remote_steps else -1
-            steps = [s for s in list_steps(src).committed if s > newest]
+        # By save: a step of the same number there from another save (a rollback's) is replaced.
+        steps = [pick_step(src, step)] if step is not None else pending_steps(src, list_steps(src).committed, dst)
         if not steps:
-            out.print(f"nothing to drain: {dst.url} has every step of {src.url}")
+            out.print(f"nothing to drain: {dst.url} holds the save of every step of {src.url}")
             return
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for n in steps:

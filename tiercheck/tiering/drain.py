@@ -77,6 +77,7 @@ class Drainer:
         self._queue: dict[int, list[Future[bool]]] = {}
         self._current: int | None = None
         self._failed: set[int] = set()  # drains that failed in this run (the local copy is kept)
+        self._checking: set[int] = set()  # local steps whose save the resume is looking for on the remote
         self._settling = False
         self._stop = False
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
@@ -120,17 +121,23 @@ class Drainer:
 
     def resume(self, local_steps: list[int]) -> None:
         """In the background: queue the local steps a previous run committed but did not finish
-        draining (those newer than the remote's newest)."""
+        draining (those whose save the remote does not hold). Until that is known, local
+        retention keeps them all (``pinned``)."""
+        with self._cond:
+            self._checking = set(local_steps)
 
         def run() -> None:
             try:
-                steps = pending_steps(local_steps, self.remote, self.options)
-            except Exception as e:  # an unreachable remote must not stop training: drains retry later
-                log.error("could not check %s for unfinished drains: %s", self.remote.url, e)
-                return
+                steps = pending_steps(self.local, local_steps, self.remote, self.options.every)
+            except Exception as e:  # an unreachable remote must not stop training: the drains find out
+                log.error("could not check %s for unfinished drains (%s): queueing every local step",
+                          self.remote.url, e)  # fmt: skip
+                steps = [s for s in local_steps if s % self.options.every == 0]
             if steps:
                 log.info("resuming the drain of step(s) %s to %s", fmt_steps(steps), self.remote.url)
-                self.submit_many(steps)
+                self.submit_many(steps)  # queued: pinned from here on
+            with self._cond:
+                self._checking = set()
 
         self._resumer = threading.Thread(target=run, name="tiercheck-resume", daemon=True)
         self._resumer.start()
@@ -140,7 +147,8 @@ class Drainer:
         failed in this run (the remote holds no copy verified as the same save: the local one is
         the only one)."""
         with self._cond:
-            return set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
+            current = {self._current} if self._current is not None else set()
+            return set(self._queue) | self._failed | current | self._checking
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._resumer is not None:
@@ -340,12 +348,32 @@ class Drainer:
             log.info("remote retention: deleted step %d from %s", old, self.remote.url)
 
 
-def pending_steps(local_steps: list[int], remote: Tier, options: DrainOptions) -> list[int]:
-    """Of the steps a previous run committed locally, those newer than the remote's newest: the
-    drains that run did not finish."""
-    remote_steps = list_steps(remote).committed
-    newest = remote_steps[-1] if remote_steps else -1
-    return [s for s in local_steps if s > newest and s % options.every == 0]
+def pending_steps(local: Tier, local_steps: list[int], remote: Tier, every: int = 1) -> list[int]:
+    """Of ``local_steps`` (committed on ``local``, drained every ``every``), those whose save the
+    remote does not hold: by save, never by step number. A remote step of the same number
+    committed by another save (another run's, or this run's before a rollback) does not count,
+    nor does one whose marker is damaged; a local step whose marker cannot be read is left out
+    (logged: there is nothing to drain it from)."""
+    out = []
+    for step in local_steps:
+        if step % every:
+            continue
+        try:
+            save = read_marker(local, step).save_id
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            log.warning("not draining step %d: %s", step, e)
+            continue
+        try:
+            there = read_marker(remote, step)
+        except CheckpointNotFoundError:
+            out.append(step)
+            continue
+        except CorruptCheckpointError:
+            out.append(step)
+            continue
+        if save is not None and there.save_id != save:
+            out.append(step)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,86 @@
+"""A drain resumes by save, never by step number (invariant 11), on a real S3 server.
+
+Step numbers repeat: after a rollback a job saves steps 2 and 3 again while the remote still holds
+the abandoned run's steps 2 and 3. Those local steps are not drained until the remote holds their
+own saves, whichever tool resumes the drain.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tiercheck
+from tests.conftest import assert_identical
+from tests.test_cli import s3_args
+from tests.servers import SeaweedS3
+from tiercheck import Checkpointer, RetentionOptions
+from tiercheck.format.paths import step_dir
+from tiercheck.format.steps import read_marker
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import open_tier
+
+
+def state_of(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g), "seed": seed}
+
+
+def set_to(state: dict[str, Any], seed: int) -> None:
+    fresh = state_of(seed)
+    state["w"].copy_(fresh["w"])
+    state["b"].copy_(fresh["b"])
+    state["seed"] = seed
+
+
+def rolled_back(tmp_path: Path, url: str, options: dict[str, Any]) -> Path:
+    """Job A saves and drains steps 1-3 (seeds 11-13); the operator rolls back to step 1 and job B
+    saves steps 2 and 3 again (seeds 22, 23), killed before it drained either. Returns the local dir."""
+    local = tmp_path / "local"
+    state = state_of(0)
+    with Checkpointer(state, local=local, remote=url, remote_options=options) as ck:
+        for step in (1, 2, 3):
+            set_to(state, 10 + step)
+            ck.save(step)
+        ck.drain()
+    shutil.rmtree(local / step_dir(2))
+    shutil.rmtree(local / step_dir(3))
+    with Checkpointer(state, local=local) as ck:  # job B (its drains never ran)
+        assert ck.restore() == 1
+        for step in (2, 3):
+            set_to(state, 20 + step)
+            ck.save(step)
+    return local
+
+
+def test_a_job_drains_the_steps_whose_save_the_remote_lacks(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
+    url, options = f"s3://{s3_bucket}/ckpt", s3_server.storage_options()
+    local = rolled_back(tmp_path, url, options)
+    b3 = read_marker(LocalTier(local), 3).save_id
+    remote = open_tier(url, storage_options=options)
+    assert read_marker(remote, 3).save_id != b3  # the remote still holds A's step 3
+    state = state_of(0)
+    with Checkpointer(state, local=local, remote=url, remote_options=options,
+                      retention=RetentionOptions(keep_last=1)) as ck:  # fmt: skip  # job C
+        assert ck.restore() == 3
+        ck.drain()  # B's step 3 goes up though the remote "has" a step 3
+        assert ck.steps() == [3]
+    assert read_marker(remote, 3).save_id == b3
+    assert_identical(tiercheck.load(url, storage_options=options), state_of(23))
+
+
+def test_the_drain_command_drains_by_save(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
+    url, options = f"s3://{s3_bucket}/ckpt", s3_server.storage_options()
+    local = rolled_back(tmp_path, url, options)
+    cli = [sys.executable, "-m", "tiercheck", *s3_args(s3_server), "drain", str(local), "--to", url]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for step, seed in ((2, 22), (3, 23)):
+        assert_identical(tiercheck.load(url, step=step, storage_options=options), state_of(seed))
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert "nothing to drain" in again.stdout, again.stdout + again.stderr
