@@ -5,7 +5,8 @@ was written once, on one node), then leaves a ``__drained.<first rank>.json`` ob
 saving ranks whose files it uploaded. The node that finds every rank accounted for uploads the
 manifest and writes the remote ``COMMIT`` last, then applies remote retention. The remote tier
 is thus its own record: a drain cut short by a crash resumes from what the remote already holds,
-in this job or the next. It resumes by content: a node's files there are kept only under its
+in this job or the next. A local step is pending until the remote holds its save (``pending_steps``:
+by save, never by step number). It resumes by content: a node's files there are kept only under its
 marker naming the same save (``transfer.resumable``), its drained object counts only for the save
 it names, and a remote step committed by another save of the step number (saved again after a
 rollback) is replaced, never taken for this one.
