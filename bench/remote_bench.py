@@ -7,17 +7,21 @@ Usage::
     .venv/bin/python bench/remote_bench.py            # 512 MiB of fp32 tensors, 2 rounds
     .venv/bin/python bench/remote_bench.py --quick    # 128 MiB, one round
     .venv/bin/python bench/remote_bench.py --size-mib 256 --remotes s3 file
+    .venv/bin/python bench/remote_bench.py --peers only --remotes s3 azure   # tiercheck vs the peers only
 
 Upload: drain (``handle.wait()`` -> ``handle.drained.result()``) at several
 ``DrainOptions(concurrency=)`` vs ``fs.put`` recursive, a sequential ``pipe_file`` loop and one big
 object. Restore (page cache dropped, fresh client, checked bit for bit): local dir, empty local dir,
-``tiercheck.load(URL)`` vs ``fs.get`` and ``fs.cat``. Method and columns: bench/README.md.
+``tiercheck.load(URL)`` vs ``fs.get`` and ``fs.cat``. Peers, in the same rounds (``--peers``,
+bench/remote_peers.py): on S3 awscrt's S3Client (the raw limit) and s3torchconnector's DCP writer and
+reader, on Azure one blob by adlfs with ``max_concurrency``. Method and columns: bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -34,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
-from harness import MiB
+from harness import GiB, MiB
+from remote_peers import Peers, failure, render_peers
 
 REMOTES = ("s3", "azure", "file")
 REMOTE_NAMES = {"s3": "S3 (SeaweedFS)", "azure": "Azure (Azurite)", "file": "file:// (same disk)"}
@@ -135,7 +140,9 @@ class Meter:
         self.rec["other_cpu_share"] = self._foreign.stop()["foreign_cpu_share"]
 
     def record(self, nbytes: int, **extra: Any) -> dict[str, Any]:
-        return self.rec | {"bytes": nbytes, "mib_s": nbytes / MiB / self.s if self.s > 0 else None, **extra}
+        per_gib = self.rec["client_cpu_s"] / (nbytes / GiB) if nbytes else None
+        out = {"bytes": nbytes, "mib_s": nbytes / MiB / self.s if self.s > 0 else None}
+        return self.rec | out | {"client_cpu_s_per_gib": per_gib, **extra}
 
 
 class LogTap(logging.Handler):
@@ -429,8 +436,12 @@ def small_request_latency(rm: Remote, n: int = 20) -> dict[str, float]:
 # Restores
 
 
-def run_restores(rm: Remote, state: dict[str, Any], local: Path, prefix: str) -> dict[str, list[dict[str, Any]]]:
-    """Each read method ``--n`` times, the order reversed every other round, each checked bit for bit."""
+Method = tuple[str, Callable[[], dict[str, Any]]]
+
+
+def read_methods(rm: Remote, state: dict[str, Any], local: Path, prefix: str) -> tuple[list[Method], list[str]]:
+    """tiercheck's restores and the plain client's reads of the step drained to ``prefix`` (each
+    checked bit for bit), and the paths of the step's objects."""
     import tiercheck
 
     nbytes = sum(t.nbytes for t in tensors(state))
@@ -499,21 +510,82 @@ def run_restores(rm: Remote, state: dict[str, Any], local: Path, prefix: str) ->
             total += len(data)
         return m.record(total, files=len(want), cache_dropped=dropped)
 
-    methods: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+    methods: list[Method] = [
         ("restore_local", lambda: restore(False)),
         ("restore_remote", lambda: restore(True)),
         ("load", load),
         ("fs_get", lambda: plain("get")),
         ("fs_cat", lambda: plain("cat")),
     ]
+    return methods, paths
+
+
+def run_restores(
+    rm: Remote, state: dict[str, Any], keep: tuple[Path, str] | None, peers: Peers
+) -> dict[str, list[dict[str, Any]]]:
+    """Each read method ``--n`` times, the order reversed every other round, each checked bit for bit;
+    with ``--peers only`` tiercheck's restore into an empty local dir and the peers' downloads only.
+    A method that raises is recorded with its error (a tiercheck restore that reads wrong data stops all)."""
+    methods, paths = read_methods(rm, state, *keep) if keep is not None else ([], [])
+    if rm.args.peers == "only":
+        methods = [m for m in methods if m[0] == "restore_remote"]
+    methods += [(k, functools.partial(peers.run, k)) for k in peers.downloads()]
     with rm.fresh_fs() as fs:  # untimed: a server's first reads after a burst of uploads cost it more
-        fs.cat(paths)
+        if paths:
+            fs.cat(paths)
+    peers.warm()
     out: dict[str, list[dict[str, Any]]] = {k: [] for k, _ in methods}
     for r in range(rm.args.n):
         for key, fn in methods if r % 2 == 0 else methods[::-1]:
-            out[key].append(fn())
-            h.log(f"{rm.kind}: {key}: {out[key][-1]['s']:.2f} s")
+            out[key].append(attempt(rm.kind, key, fn))
     return out
+
+
+def attempt(kind: str, key: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``'s record, or the record of its failure (``Mismatch`` still stops the run); logged."""
+    try:
+        rec = fn()
+    except Mismatch:
+        raise
+    except Exception as e:
+        h.log(f"{kind}: {key} FAILED: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        rec = failure(e)
+    if "error" not in rec:
+        h.log(f"{kind}: {key}: {rec['s']:.2f} s, {rec['mib_s'] or 0:.0f} MiB/s, client CPU {rec['client_cpu_s']:.2f} s")
+    return rec
+
+
+def run_uploads(
+    rm: Remote, state: dict[str, Any], tap: LogTap, peers: Peers
+) -> tuple[dict[str, list[dict[str, Any]]], tuple[Path, str] | None]:
+    """The default drain, the plain uploads and the peers' uploads alternate (--n rounds); then the
+    other concurrencies (not with ``--peers only``, which runs no plain uploads either). The first
+    good drain's local step directory and prefix are returned for the plain uploads and restores."""
+    args = rm.args
+    per_round = ("drain",) if args.peers == "only" else ("drain", "put", "pipe")
+    plan = [(w, 8) for _ in range(args.n) for w in (*per_round, *peers.uploads())]
+    plan += [("drain", c) for c in args.concurrency if c != 8 and args.peers != "only"]
+    ups: dict[str, list[dict[str, Any]]] = {}
+    keep: tuple[Path, str] | None = None
+    for i, (what, c) in enumerate(plan):
+        prefix, key = f"{what}-{i}", f"drain c={c}" if what == "drain" else what
+
+        def one(what: str = what, c: int = c, prefix: str = prefix) -> dict[str, Any]:
+            nonlocal keep
+            if what == "drain":
+                local = rm.dir / f"local-{prefix}"
+                rec = run_drain(rm, state, local, prefix, c, tap)
+                keep = keep or (local, prefix)
+                return rec
+            if what in UPLOAD_LABELS:
+                if keep is None:
+                    raise RuntimeError("no drained step to upload: every drain so far failed")
+                return run_plain_upload(rm, what, keep[0] / STEP_REL, prefix)
+            return peers.run(what, prefix)
+
+        ups.setdefault(key, []).append(attempt(rm.kind, key, one))
+    return ups, keep
 
 
 def run_remote(
@@ -525,33 +597,19 @@ def run_remote(
     try:
         rm.start()
         res["server_start_s"] = rm.server.start_seconds if rm.server is not None else None
-        lim = res["limits"] = measure_remote_limits(rm, args.limit_mib * MiB)
-        h.log(
-            f"{kind}: big put {lim['put_big']['mib_s']:.0f} MiB/s, get {lim['get_big']['mib_s']:.0f} MiB/s; "
-            + ", ".join(f"{k} {v:.1f} ms" for k, v in lim["requests"].items())
-        )
-        # The default drain and the plain uploads alternate (--n rounds); then the other concurrencies.
-        # The first drain's local step directory and prefix are kept for the plain uploads and restores.
-        plan = [(w, 8) for _ in range(args.n) for w in ("drain", "put", "pipe")]
-        plan += [("drain", c) for c in args.concurrency if c != 8]
-        ups: dict[str, list[dict[str, Any]]] = {}
-        keep: tuple[Path, str] | None = None
-        for i, (what, c) in enumerate(plan):
-            prefix = f"{what}-{i}"
-            if what == "drain":
-                key, local = f"drain c={c}", rm.dir / f"local-{i}"
-                rec = run_drain(rm, state, local, prefix, c, tap)
-                keep = keep or (local, prefix)
-            else:
-                assert keep is not None
-                key, rec = what, run_plain_upload(rm, what, keep[0] / STEP_REL, prefix)
-            ups.setdefault(key, []).append(rec)
-            h.log(f"{kind}: {key}: {rec['s']:.2f} s, {rec['mib_s']:.0f} MiB/s")
-        assert keep is not None
-        res["uploads"] = ups
-        files = local_files(keep[0] / STEP_REL)
-        res["step_files"], res["step_bytes"] = len(files), sum(files.values())
-        res["restores"] = run_restores(rm, state, *keep)
+        peers = Peers(rm, state, tensors, verify, zeros_like_state)
+        if args.peers != "only":
+            lim = res["limits"] = measure_remote_limits(rm, args.limit_mib * MiB)
+            h.log(
+                f"{kind}: big put {lim['put_big']['mib_s']:.0f} MiB/s, get {lim['get_big']['mib_s']:.0f} MiB/s; "
+                + ", ".join(f"{k} {v:.1f} ms" for k, v in lim["requests"].items())
+            )
+        res["uploads"], keep = run_uploads(rm, state, tap, peers)
+        if keep is not None:
+            files = local_files(keep[0] / STEP_REL)
+            res["step_files"], res["step_bytes"] = len(files), sum(files.values())
+        res["restores"] = run_restores(rm, state, keep, peers)
+        peers.close()
     finally:
         rm.stop()
     res["foreign_load"] = load.stop()
@@ -576,7 +634,7 @@ def _cols(spec: str) -> list[str]:
     return spec.split("|")
 
 
-CPU_HEAD = _cols("client CPU s|server CPU s|CPU ms/MiB|ours %|other %")
+CPU_HEAD = _cols("client CPU s|client CPU s/GiB|server CPU s|CPU ms/MiB|ours %|other %")
 UPLOAD_HEAD = _cols("remote|method|MiB|s|MiB/s|x put|x big object") + CPU_HEAD + ["runs"]
 PHASE_HEAD = _cols(
     "remote|drain s|before uploads s|uploads s|marker + COMMIT s|retention s|files|requests|"
@@ -593,8 +651,20 @@ def _cpu_cols(recs: list[dict[str, Any]], s: float | None, ncpu: int) -> list[st
         for r in recs
         if r.get("client_cpu_s") is not None and r.get("bytes")
     ]
+    per_gib = [
+        r["client_cpu_s"] / (r["bytes"] / GiB) for r in recs if r.get("client_cpu_s") is not None and r.get("bytes")
+    ]
     pct = [h.fmt(100 * x if x is not None else None, ".0f") for x in (ours, other)]
-    return [h.fmt(cli, ".1f"), h.fmt(srv, ".1f"), h.fmt(h.median(per_mib), ".1f"), *pct]
+    return [h.fmt(cli, ".1f"), h.fmt(h.median(per_gib)), h.fmt(srv, ".1f"), h.fmt(h.median(per_mib), ".1f"), *pct]
+
+
+def _good(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in recs if "error" not in r]
+
+
+def _runs(recs: list[dict[str, Any]]) -> str:
+    bad = len(recs) - len(_good(recs))
+    return f"{len(recs) - bad} ({bad} failed)" if bad else str(len(recs))
 
 
 UPLOAD_LABELS = {"put": "fs.put (recursive)", "pipe": "pipe_file loop (sequential)"}
@@ -607,77 +677,114 @@ RESTORE_LABELS = {
 }
 
 
+def _upload_rows(kind: str, res: dict[str, Any], ncpu: int) -> list[list[Any]]:
+    name, ups, big = res["name"], res["uploads"], res["limits"]["put_big"]
+    put_s, limit = _med(_good(ups.get("put", [])), "s"), big["mib_s"]
+    order = [k for k in ("drain c=8", "drain c=4", "drain c=1", "put", "pipe") if k in ups]
+    rows = []
+    for key in order + [k for k in ups if k not in order and k.startswith("drain")]:
+        recs, label = (
+            _good(ups[key]),
+            UPLOAD_LABELS.get(key, f"tiercheck {key}") + (" (default)" * (key == "drain c=8")),
+        )
+        if not recs:
+            rows.append([name, label, "FAILED: " + ups[key][-1]["error"][:100], *["-"] * 10, _runs(ups[key])])
+            continue
+        s, nbytes = _med(recs, "s"), _med(recs, "bytes")
+        limit_s = nbytes / MiB / limit if nbytes and limit else None
+        row = [name, label, h.fmt(nbytes and nbytes / MiB, ".0f"), h.fmt(s), h.fmt(_med(recs, "mib_s"), ".0f")]
+        rows.append(
+            [*row, h.fmt(h.ratio(s, put_s)), h.fmt(h.ratio(s, limit_s)), *_cpu_cols(recs, s, ncpu), _runs(ups[key])]
+        )
+    what = f"one big pipe_file ({big['bytes'] / MiB:.0f} MiB)" if kind != "file" else "fsync'd write, one file"
+    row = [name, what, f"{big['bytes'] / MiB:.0f}", h.fmt(big["s"]), h.fmt(limit, ".0f"), "-", "1.00"]
+    return [*rows, [*row, *_cpu_cols([big], big["s"], ncpu), 1]]
+
+
+def _phase_row(res: dict[str, Any]) -> list[Any]:
+    d = _good(res["uploads"].get("drain c=8", []))
+    ph = [r["phases"] for r in d if r.get("phases")]
+    req, one = res["limits"]["requests"], res["limits"].get("one_chunk")
+    row = [res["name"], h.fmt(_med(d, "s"))]
+    row += [h.fmt(_med(ph, k)) for k in ("before_upload_s", "upload_s", "marker_and_commit_s", "after_commit_s")]
+    row += [res.get("step_files", "-"), h.fmt(_med(d, "requests"), ".0f")]
+    row += [" / ".join(f"{req[k]:.1f}" for k in ("put_1k", "get_1k", "exists", "sizes_40"))]
+    return [*row, f"{one['tiercheck_write']['s']:.2f} / {one['pipe_file']['s']:.2f}" if one else "-"]
+
+
+def _restore_rows(res: dict[str, Any], ncpu: int) -> list[list[Any]]:
+    name, rs, rows = res["name"], res["restores"], []
+    get_s, cat_s = _med(_good(rs.get("fs_get", [])), "s"), _med(_good(rs.get("fs_cat", [])), "s")
+    for key, label in RESTORE_LABELS.items():
+        if key not in rs:
+            continue
+        recs = _good(rs[key])
+        if not recs:
+            rows.append([name, label, "FAILED: " + rs[key][-1]["error"][:100], *["-"] * 11, _runs(rs[key])])
+            continue
+        s = _med(recs, "s")
+        row = [name, label, h.fmt(s), h.fmt(_med(recs, "mib_s"), ".0f"), h.fmt(h.ratio(s, get_s))]
+        row += [h.fmt(h.ratio(s, cat_s)), recs[0].get("remote_reads", "-"), *_cpu_cols(recs, s, ncpu)]
+        rows.append([*row, recs[0].get("verified_tensors", "bytes"), _runs(rs[key])])
+    g = res["limits"]["get_big"]
+    row = [name, "one big cat_file", h.fmt(g["s"]), h.fmt(g["mib_s"], ".0f"), "-", "-", "-"]
+    return [*rows, [*row, *_cpu_cols([g], g["s"], ncpu), "-", 1]]
+
+
+ROUND_WHAT = {
+    "off": "drain c=8 / fs.put / pipe_file loop",
+    "on": "drain c=8 / fs.put / pipe_file loop / peers",
+    "only": "drain c=8 / peers",
+}
+
+
 def render(report: dict[str, Any]) -> str:
     cfg, m, lim = report["config"], report["machine"], report["limits"]
     ncpu = m["cpu_count"] or 1
-    ok = {k: r for k, r in report["remotes"].items() if "error" not in r}
     up_rows, phase_rows, rs_rows = [], [], []
     for kind, res in report["remotes"].items():
-        if kind not in ok:
-            up_rows.append([res.get("name", kind), "FAILED: " + res["error"][:100]] + ["-"] * 11)
-            continue
-        name, ups, big = res["name"], res["uploads"], res["limits"]["put_big"]
-        put_s, limit = _med(ups.get("put", []), "s"), big["mib_s"]
-        order = [k for k in ("drain c=8", "drain c=4", "drain c=1", "put", "pipe") if k in ups]
-        for key in order + [k for k in ups if k not in order]:
-            recs = ups[key]
-            s, nbytes = _med(recs, "s"), _med(recs, "bytes")
-            label = UPLOAD_LABELS.get(key, f"tiercheck {key}") + (" (default)" if key == "drain c=8" else "")
-            limit_s = nbytes / MiB / limit if nbytes and limit else None
-            row = [name, label, h.fmt(nbytes and nbytes / MiB, ".0f"), h.fmt(s), h.fmt(_med(recs, "mib_s"), ".0f")]
-            row += [h.fmt(h.ratio(s, put_s)), h.fmt(h.ratio(s, limit_s)), *_cpu_cols(recs, s, ncpu), len(recs)]
-            up_rows.append(row)
-        what = f"one big pipe_file ({big['bytes'] / MiB:.0f} MiB)" if kind != "file" else "fsync'd write, one file"
-        row = [name, what, f"{big['bytes'] / MiB:.0f}", h.fmt(big["s"]), h.fmt(limit, ".0f"), "-", "1.00"]
-        up_rows.append([*row, *_cpu_cols([big], big["s"], ncpu), 1])
-
-        d = ups.get("drain c=8", [])
-        ph = [r["phases"] for r in d if r.get("phases")]
-        req, one = res["limits"]["requests"], res["limits"].get("one_chunk")
-        row = [name, h.fmt(_med(d, "s"))]
-        row += [h.fmt(_med(ph, k)) for k in ("before_upload_s", "upload_s", "marker_and_commit_s", "after_commit_s")]
-        row += [res["step_files"], h.fmt(_med(d, "requests"), ".0f")]
-        row += [" / ".join(f"{req[k]:.1f}" for k in ("put_1k", "get_1k", "exists", "sizes_40"))]
-        phase_rows.append([*row, f"{one['tiercheck_write']['s']:.2f} / {one['pipe_file']['s']:.2f}" if one else "-"])
-
-        rs = res["restores"]
-        get_s, cat_s = _med(rs["fs_get"], "s"), _med(rs["fs_cat"], "s")
-        for key, label in RESTORE_LABELS.items():
-            recs = rs[key]
-            s = _med(recs, "s")
-            row = [name, label, h.fmt(s), h.fmt(_med(recs, "mib_s"), ".0f"), h.fmt(h.ratio(s, get_s))]
-            row += [h.fmt(h.ratio(s, cat_s)), recs[0].get("remote_reads", "-"), *_cpu_cols(recs, s, ncpu)]
-            rs_rows.append([*row, recs[0].get("verified_tensors", "bytes"), len(recs)])
-        g = res["limits"]["get_big"]
-        rs_rows.append([name, "one big cat_file", h.fmt(g["s"]), h.fmt(g["mib_s"], ".0f"), "-", "-", "-"])
-        rs_rows[-1] += [*_cpu_cols([g], g["s"], ncpu), "-", 1]
-
+        if "error" in res:
+            up_rows.append([res.get("name", kind), "FAILED: " + res["error"][:100]] + ["-"] * (len(UPLOAD_HEAD) - 2))
+        elif "limits" in res:  # not with --peers only: its rows are in the peers table
+            up_rows += _upload_rows(kind, res, ncpu)
+            phase_rows.append(_phase_row(res))
+            rs_rows += _restore_rows(res, ncpu)
     out = [
         f"State: {cfg['state_bytes'] / MiB:.0f} MiB in {cfg['n_tensors']} tensors ({cfg['big_tensors']} of <= 64 MiB, "
-        f"the rest 16 KiB vectors and scalars); {cfg['n']} round(s) of drain c=8 / fs.put / pipe_file loop, median "
+        f"the rest 16 KiB vectors and scalars); {cfg['n']} round(s) of {ROUND_WHAT[cfg.get('peers', 'off')]}, median "
         f"shown. {h.machine_line(m)}. Page cache dropped before each timed read: {cfg['drop_caches'] or 'NO'}.",
         f"Machine limits: TCP loopback {lim['tcp_loopback']['mib_s']:.0f} MiB/s, cold sequential read of the step "
         f"{lim['cold_read']['gib_s'] * 1024:.0f} MiB/s, fsync'd write {lim['disk_write']['gib_s'] * 1024:.0f} MiB/s.",
         "",
-        "**Upload** (drain: `handle.wait()` -> `handle.drained.result()`; x put, x big object: time ratios at the "
-        "same bytes, > 1 slower)",
-        "",
-        h.table(UPLOAD_HEAD, up_rows),
-        "",
-        "**Where the default drain's time goes** (drainer's log lines; requests = RemoteTier calls; small "
-        "requests through RemoteTier, median ms; one chunk file of 64 MiB + 4 B uploaded by `RemoteTier.write` "
-        "vs one `pipe_file` with the client's defaults)",
-        "",
-        h.table(PHASE_HEAD, phase_rows),
-        "",
-        "**Restore** (page cache dropped before each; a fresh client each time; every result compared bit for bit)",
-        "",
-        h.table(RESTORE_HEAD, rs_rows),
-        "",
+    ]
+    if up_rows:
+        out += [
+            "**Upload** (drain: `handle.wait()` -> `handle.drained.result()`; x put, x big object: time ratios at "
+            "the same bytes, > 1 slower)",
+            "",
+            h.table(UPLOAD_HEAD, up_rows),
+            "",
+        ]
+    if phase_rows:
+        out += [
+            "**Where the default drain's time goes** (drainer's log lines; requests = RemoteTier calls; small "
+            "requests through RemoteTier, median ms; one chunk file of 64 MiB + 4 B uploaded by "
+            "`RemoteTier.write` vs one `pipe_file` with the client's defaults)",
+            "",
+            h.table(PHASE_HEAD, phase_rows),
+            "",
+            "**Restore** (page cache dropped before each; a fresh client each time; every result compared bit for bit)",
+            "",
+            h.table(RESTORE_HEAD, rs_rows),
+            "",
+        ]
+    peers = render_peers(report)
+    out += [peers, ""] if peers else []
+    out.append(
         f"Run took {report['elapsed_s']:.0f} s; load average at start {report['loadavg_start']}, at end "
         f"{report['loadavg_end']}. ours % = (client + server CPU) / (wall x CPUs); other % = processes "
-        "outside this benchmark.",
-    ]
+        "outside this benchmark; client CPU s/GiB = this process's CPU per GiB moved."
+    )
     for res in report["remotes"].values():
         if "foreign_load" in res:
             out += h.noise_warnings(res["name"], res["foreign_load"])
@@ -695,8 +802,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=0, help="rounds of drain / fs.put / pipe loop (default 2; quick 1)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 4, 1], help="DrainOptions(concurrency=) values")
     p.add_argument("--limit-mib", type=int, default=0, help="size of the big-object probe (default 256; quick 128)")
-    p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one drain may take")
+    p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one drain or awscrt request may take")
     p.add_argument("--from-json", metavar="PATH", help="only re-print the tables from a saved JSON")
+    g = p.add_argument_group("peers (bench/remote_peers.py)")
+    g.add_argument(
+        "--peers",
+        choices=("on", "off", "only"),
+        default="on",
+        help="on: also run the peers (S3: raw awscrt, s3torchconnector DCP; Azure: raw adlfs), interleaved\n"
+        "with the drain and restore; off: not; only: tiercheck's drain c=8 and empty-dir restore and the peers",
+    )
+    g.add_argument("--peer-concurrency", type=int, default=8, help="adlfs max_concurrency of the raw Azure rows")
+    g.add_argument("--peer-part-mib", type=int, default=8, help="awscrt / s3torchconnector part size (their default 8)")
+    g.add_argument("--peer-gbps", type=float, default=10.0, help="awscrt / s3torchconnector throughput target")
+    g.add_argument("--s3tc-threads", type=int, default=1, help="S3StorageWriter(thread_count=) (DCP's default 1)")
     h.common_args(p, settle_s=3.0)  # --quick: 128 MiB, one round, smaller probes
     args = p.parse_args(argv)
     args.size_mib = args.size_mib or (128.0 if args.quick else 512.0)
@@ -756,6 +875,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             h.log(f"VERIFICATION FAILED: {e}")
             return 3
         config = {k: getattr(args, k) for k in ("size_mib", "quick", "n", "concurrency", "limit_mib", "settle_max_s")}
+        config |= {
+            k: getattr(args, k) for k in ("peers", "peer_concurrency", "peer_part_mib", "peer_gbps", "s3tc_threads")
+        }
         config |= {"state_bytes": nbytes, "n_tensors": len(ts), "drop_caches": h.drop_caches(not args.no_drop_caches)}
         config["big_tensors"] = sum(1 for k in state["model"] if k.endswith("mlp.weight"))
         report = {"machine": h.machine_info(scratch), "config": config, "limits": limits, "remotes": remotes}
@@ -765,7 +887,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = h.write_json(args.json or h.RESULTS_DIR / "remote_bench.json", report)
     print(report["table"])
     h.log(f"JSON: {path}")
-    return 1 if failed else 0
+    methods_failed = [
+        f"{kind} {key}"
+        for kind, res in report["remotes"].items()
+        for part in ("uploads", "restores")
+        for key, recs in res.get(part, {}).items()
+        if any("error" in r for r in recs)
+    ]
+    if methods_failed:
+        h.log(f"FAILED methods (recorded with their errors): {', '.join(methods_failed)}")
+    return 1 if failed or methods_failed else 0
 
 
 if __name__ == "__main__":
