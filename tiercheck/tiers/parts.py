@@ -66,22 +66,30 @@ class PartUpload(ABC):
         """Drop every part sent (no error when there is nothing to drop)."""
 
 
+def _store(fs: Any) -> str | None:
+    """Which store's protocol ``fs`` speaks, by what it has: s3fs's ``call_s3``, adlfs's
+    ``service_client`` (both on fsspec's event loop)."""
+    if callable(getattr(fs, "call_s3", None)):
+        return "s3"
+    if getattr(fs, "service_client", None) is not None and hasattr(fs, "loop"):
+        return "azure"
+    return None
+
+
 def part_upload(fs: Any, target: str) -> PartUpload | None:
     """The upload in parts of ``target`` (``bucket/key``) through ``fs``; None where the
     filesystem has no such protocol."""
-    if callable(getattr(fs, "call_s3", None)):
-        return S3Upload(fs, target)
-    if getattr(fs, "service_client", None) is not None and hasattr(fs, "loop"):
-        return AzureUpload(fs, target)
-    return None
+    store = _store(fs)
+    return S3Upload(fs, target) if store == "s3" else AzureUpload(fs, target) if store == "azure" else None
 
 
 def unfinished(fs: Any, prefix: str, names: set[str] | None) -> Iterator[PartUpload]:
     """Uploads under ``prefix`` (``bucket/path``) started and never completed (a crash, a killed
     job): those of the objects ``names`` (relative to ``prefix``), or all with None."""
-    if callable(getattr(fs, "call_s3", None)):
+    store = _store(fs)
+    if store == "s3":
         yield from S3Upload.unfinished(fs, prefix, names)
-    elif getattr(fs, "service_client", None) is not None and hasattr(fs, "loop"):
+    elif store == "azure":
         yield from AzureUpload.unfinished(fs, prefix, names)
 
 
@@ -108,9 +116,10 @@ def get_into(fs: Any, target: str, offset: int, view: memoryview) -> int | None:
     fewer where the object ends first. None where the filesystem has no such call."""
     from fsspec.asyn import sync
 
+    store = _store(fs)
     if not len(view):
         return 0
-    if callable(getattr(fs, "call_s3", None)):
+    if store == "s3":
         bucket, key, _ = fs.split_path(target)
         rng = f"bytes={offset}-{offset + len(view) - 1}"
 
@@ -129,7 +138,7 @@ def get_into(fs: Any, target: str, offset: int, view: memoryview) -> int | None:
                 body.close()
 
         return int(sync(fs.loop, s3))
-    if getattr(fs, "service_client", None) is not None and hasattr(fs, "loop"):
+    if store == "azure":
         container, blob, _ = fs.split_path(target)
 
         async def azure() -> int:

@@ -265,13 +265,23 @@ class RemoteTier(Tier):
     def discard_unfinished(self, path: str, names: set[str] | None = None) -> int:
         """Abort the uploads under ``path`` that were started and never completed (a crash, a
         killed job): of the objects ``names`` (relative to ``path``), or all of them. Returns
-        how many there were."""
+        how many there were. Credentials that may not list uploads (S3's
+        ``s3:ListBucketMultipartUploads``) leave them, with a warning: the store's lifecycle rules
+        (``AbortIncompleteMultipartUpload``) or Azure's one-week expiry of uncommitted blocks
+        drop them then."""
         prefix = self._p(path)
         what = f"listing unfinished uploads under {path}"
         try:
             found = self._call(what, lambda: list(unfinished(self.fs, prefix, names)))
         except FileNotFoundError as e:
             raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({brief(e)})") from e
+        except RemoteStorageError as e:
+            cause = e.__cause__
+            if not (isinstance(cause, PermissionError) or (cause is not None and status_of(cause) in (401, 403))):
+                raise
+            log.warning("%s: %s: not allowed (%s); unfinished uploads there stay until the store expires them",
+                        self.url, what, brief(cause))  # fmt: skip
+            return 0
         for upload in found:
             self._abort_upload(upload, f"an unfinished upload under {path}")
         if found:
