@@ -34,7 +34,7 @@ DOWNLOADS = {"s3": ("crt_get", "s3tc_load"), "azure": ("az_get",), "file": ()}
 SOURCE = {"crt_get": "crt_put", "s3tc_load": "s3tc_save", "az_get": "az_put"}  # what each download reads
 TIERCHECK_UP, TIERCHECK_DOWN = "drain c=8", "restore_remote"
 LABELS = {
-    TIERCHECK_UP: "tiercheck drain (concurrency=8)",
+    TIERCHECK_UP: "tiercheck drain (concurrency=8, part_concurrency as configured)",
     TIERCHECK_DOWN: "tiercheck restore(), empty local dir",
     "crt_put": "raw: awscrt S3Client PUT (multipart)",
     "crt_get": "raw: awscrt S3Client GET (ranged parts)",
@@ -43,6 +43,13 @@ LABELS = {
     "az_put": "raw: adlfs pipe_file, one blob",
     "az_get": "raw: adlfs cat_file, one blob",
 }
+
+
+def label(key: str) -> str:
+    """A row's method: the peers' by name, tiercheck's variants (``drain c=8 pc=8``) by their options."""
+    if key in LABELS:
+        return LABELS[key]
+    return f"tiercheck {'drain' if key.startswith('drain') else 'restore(), empty local dir'}, {key.split()[-1]}"
 
 
 def failure(exc: BaseException) -> dict[str, Any]:
@@ -325,11 +332,11 @@ def _rows(name: str, way: str, recs_by_key: dict[str, list[dict[str, Any]]], key
         recs = recs_by_key[key]
         ok = [r for r in recs if "error" not in r]
         if not ok:
-            rows.append([name, way, LABELS[key], "FAILED: " + recs[-1]["error"][:160], *["-"] * 6, len(recs)])
+            rows.append([name, way, label(key), "FAILED: " + recs[-1]["error"][:160], *["-"] * 6, len(recs)])
             continue
         s, nbytes = _med(ok, "s"), _med(ok, "bytes")
         per_gib = [r["client_cpu_s"] / (r["bytes"] / GiB) for r in ok if r.get("bytes")]
-        row = [name, way, LABELS[key], h.fmt(nbytes and nbytes / MiB, ".0f"), h.fmt(s), h.fmt(_med(ok, "mib_s"), ".0f")]
+        row = [name, way, label(key), h.fmt(nbytes and nbytes / MiB, ".0f"), h.fmt(s), h.fmt(_med(ok, "mib_s"), ".0f")]
         row += [h.fmt(h.ratio(ours_s, s)), h.fmt(_med(ok, "client_cpu_s")), h.fmt(h.median(per_gib))]
         fails = f" ({len(recs) - len(ok)} failed)" if len(ok) < len(recs) else ""
         rows.append([*row, h.fmt(_med(ok, "server_cpu_s"), ".1f"), f"{len(ok)}{fails}"])
@@ -342,8 +349,11 @@ def render_peers(report: dict[str, Any]) -> str:
     for kind, res in report["remotes"].items():
         if "error" in res or not (UPLOADS.get(kind) and any(k in res.get("uploads", {}) for k in UPLOADS[kind])):
             continue
-        rows += _rows(res["name"], "up", res.get("uploads", {}), (TIERCHECK_UP, *UPLOADS[kind]))
-        rows += _rows(res["name"], "down", res.get("restores", {}), (TIERCHECK_DOWN, *DOWNLOADS[kind]))
+        ups, downs = res.get("uploads", {}), res.get("restores", {})
+        ours_up = sorted(k for k in ups if k.startswith(f"{TIERCHECK_UP} pc="))
+        ours_down = sorted(k for k in downs if k.startswith(f"{TIERCHECK_DOWN} pc="))
+        rows += _rows(res["name"], "up", ups, (TIERCHECK_UP, *ours_up, *UPLOADS[kind]))
+        rows += _rows(res["name"], "down", downs, (TIERCHECK_DOWN, *ours_down, *DOWNLOADS[kind]))
     if not rows:
         return ""
     cfg = report["config"]
