@@ -17,8 +17,8 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
-from tests.test_cli import s3_args
 from tests.servers import SeaweedS3
+from tests.test_cli import s3_args
 from tiercheck import Checkpointer, RetentionOptions
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import read_marker

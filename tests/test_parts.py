@@ -224,3 +224,44 @@ def test_a_pack_read_in_pieces_checks_every_chunk(tmp_path: Path, piece: int) ->
 def test_part_concurrency_must_be_positive() -> None:
     with pytest.raises(ValueError, match="part_concurrency must be at least 1"):
         DrainOptions(part_concurrency=0)
+
+
+def small_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"v{i}": torch.randn(500 + i, generator=g) for i in range(40)} | {"big": torch.randn(3 * MiB, generator=g)}
+
+
+def test_small_chunks_come_from_the_remote_in_runs_and_a_rotten_one_falls_back(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restore from the remote alone reads the small chunks that lie together in a pack with a few
+    ranged GETs (not one each), straight into their tensors; a damaged chunk among them is read again
+    alone, which finds it damaged, and the restore takes the older step, whole."""
+    state = small_state(1)
+    with Checkpointer(state, local=tmp_path / "local", remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        ck.save(1)
+        for name, t in small_state(2).items():
+            state[name].copy_(t)
+        ck.save(2)
+        ck.drain()
+    fresh = small_state(0)
+    with Checkpointer(fresh, local=tmp_path / "empty", remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        before = ck.remote.counters["requests"]  # type: ignore[union-attr]
+        assert ck.restore() == 2
+        requests = ck.remote.counters["requests"] - before  # type: ignore[union-attr]
+        assert ck.stats()["restore_remote_reads"] == 41
+    assert_identical(fresh, small_state(2))
+    assert requests < 30, requests  # 41 chunks, the manifest's files and the 12 MiB one in parts
+    spans = step_parts(tmp_path / "local" / step_dir(2))[0].spans()
+    offset, nbytes, array, key, _ = spans[len(spans) // 2]
+    path = f"{store.name}/ckpt/{step_dir(2)}/{pack_file(0)}"
+    raw = bytearray(store.fs.cat_file(path))
+    raw[offset + nbytes // 2] ^= 0x01
+    store.fs.pipe_file(path, bytes(raw))
+    fresh = small_state(0)
+    with Checkpointer(fresh, local=tmp_path / "empty2", remote=store.url, remote_options=store.options) as ck:
+        assert ck.restore() == 1
+    assert_identical(fresh, small_state(1))
+    assert any(f"array {array!r} chunk {key}: checksum mismatch" in r.getMessage() for r in caplog.records)

@@ -7,6 +7,7 @@ Every test runs against each remote: a parallel-filesystem directory (file://), 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import weakref
 from collections.abc import Sequence
@@ -147,6 +148,8 @@ def test_remote_retention_counts_only_steps_whose_index_reads_back(
             set_values(state, step)
             ck.save(step).drained.result(timeout=60)
     (tmp_path / "remote" / step_dir(2) / "COMMIT").write_bytes(b"{garbage")
+    # Nothing to repair it from: a drain resumes by save, and would upload the local step 2 again.
+    shutil.rmtree(tmp_path / "local" / step_dir(2))
     two = DrainOptions(retention=RetentionOptions(keep_last=2), retry=FAST_RETRY)
     with checkpointer(state, tmp_path / "local", remote, drain=two) as ck:
         set_values(state, 3)

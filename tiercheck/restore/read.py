@@ -16,13 +16,11 @@ filled from there only once every rank has verified every chunk (``deferrable``,
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,12 +33,11 @@ from tiercheck.format.layout import Chunk, chunks_in_box, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
+from tiercheck.restore.runs import RunLayout, Slot, read_runs
 from tiercheck.restore.share import HEADER, Sharing, host_key, unshared
 from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
 from tiercheck.state.flatten import torch_dtype
-from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import BLOCK
 
 log = logging.getLogger("tiercheck")
 
@@ -252,12 +249,15 @@ def move_chunks(
 
     def read_run(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
         """Chunks that lie together in one pack, read with one vectored read straight into their
-        destinations (``_RunLayout``), then each verified; and the bytes read around the page
+        destinations (``RunLayout``), then each verified; and the bytes read around the page
         cache. A chunk that fails, or a run the file cuts short, is read again on its own: that
-        path falls back to the remote tier or reports the chunk."""
+        path falls back to the remote tier or reports the chunk. A run planned from the remote
+        tier is read from there (ranged GETs in parallel), into host memory."""
         if len(run) == 1 and (run[0].remote or records[run[0].path].location(run[0].chunk.key)[1] is None):
-            return [read_and_fill(run[0])], 0  # not in a pack on the local tier
-        if bounce is not None and any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ())):
+            return [read_and_fill(run[0])], 0  # one chunk, or not in a pack
+        src = remote if run[0].remote else tier
+        assert src is not None
+        if src is tier and bounce is not None and any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ())):
             return read_run_to_device(run, bounce)
         slots = []
         for job in run:
@@ -268,26 +268,28 @@ def move_chunks(
             target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in sends)
             if target is None and outbox is not None and key in shared_out:
                 # Read straight into the memory the ranks of this host take it from, then filled from there.
-                slots.append(_Slot(job, offset, chunk_nbytes(rec), outbox.slot(key), filled=False))
+                slots.append(Slot(job, offset, chunk_nbytes(rec), outbox.slot(key), filled=False))
             else:
-                slots.append(_Slot(job, offset, chunk_nbytes(rec), target))
+                slots.append(Slot(job, offset, chunk_nbytes(rec), target))
         file, _ = records[run[0].path].location(run[0].chunk.key)
-        layout = (_RunLayout.unbuffered(slots) if tier.direct_io else None) or _RunLayout.buffered(slots)
+        layout = (RunLayout.unbuffered(slots) if src.direct_io else None) or RunLayout.buffered(slots)
         try:
-            n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", layout.start, layout.views, direct=layout.direct)
+            n, direct = src.read_vectored(f"{step_dir(step)}/{file}", layout.start, layout.views, direct=layout.direct)
             whole = n >= layout.end - layout.start
         except OSError:
             whole = False
         if not whole:
             return [read_and_fill(job) for job in run], 0
-        for into, src in layout.copies:
-            into[:] = src
+        if src is remote:
+            counts["remote_reads"] += len(run)
+        for into, scratch in layout.copies:
+            into[:] = scratch
         out = []
         for slot, (data, rest, chunk) in zip(slots, layout.parts, strict=True):
             job, c = slot.job, slot.job.chunk
             rec = records[job.path]
             try:
-                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes, where=tier.url)
+                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes, where=src.url)
             except CorruptCheckpointError:  # read again alone, which names the chunk in its error
                 out.append(read_and_fill(job))
                 continue
@@ -342,7 +344,7 @@ def move_chunks(
         return out, n if direct else 0
 
     total = 0
-    runs = read_runs(tier, records, reads)
+    runs = read_runs(tier, records, reads, remote=remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
     # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
     # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
     # (20,000 chunks of 1 KiB: 0.6 s on 4 threads, 0.3 s on one). A thread per run's worth of bytes.
@@ -406,151 +408,8 @@ def move_chunks(
     return total
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """One chunk of a run: where it lies in the pack, and the memory its data is read straight
-    into (``direct_target``), or None (read into scratch, then copied or sent)."""
-
-    job: Read
-    offset: int
-    nbytes: int  # the full chunk's data, padding included, without its checksum
-    target: torch.Tensor | None
-    filled: bool = True  # the target is the destination (else shared memory, the destination filled from it)
-
-
-@dataclass(slots=True)
-class _RunLayout:
-    """How one vectored read of a run lands: the file from ``start`` on into ``views`` in order;
-    then ``copies`` (into, from) move bytes that landed in scratch to where they belong, and each
-    chunk's ``parts`` (its data, the rest of it with the checksum, and its bytes as a tensor where
-    it has no target) are verified."""
-
-    start: int
-    end: int  # the bytes up to here must be read
-    views: list[memoryview] = field(default_factory=list)
-    parts: list[tuple[memoryview, memoryview, torch.Tensor | None]] = field(default_factory=list)
-    copies: list[tuple[memoryview, memoryview]] = field(default_factory=list)
-    direct: bool = False
-
-    @classmethod
-    def buffered(cls, slots: Sequence[_Slot]) -> _RunLayout:
-        """Each target as its own buffer; a chunk without one, alignment gaps and checksums in
-        buffers of their own."""
-        last = slots[-1]
-        layout = cls(slots[0].offset, last.offset + last.nbytes + CHECKSUM_BYTES)
-        pos = layout.start
-        for s in slots:
-            if s.offset > pos:
-                layout.views.append(memoryview(bytearray(s.offset - pos)))  # an alignment gap
-            whole = s.nbytes + CHECKSUM_BYTES
-            if s.target is None:  # copied into place afterwards, or sent: read whole into scratch
-                raw = bytearray(whole)
-                data, rest = memoryview(raw)[: s.nbytes], memoryview(raw)[s.nbytes :]
-                layout.parts.append((data, rest, torch.frombuffer(raw, dtype=torch.uint8)[: s.nbytes]))
-            else:  # straight into the destination; an edge chunk's padding and the checksum apart
-                data = s.target.numpy().data
-                rest = memoryview(bytearray(whole - len(data)))
-                layout.parts.append((data, rest, None))
-            layout.views += [data, rest]
-            pos = s.offset + whole
-        return layout
-
-    @classmethod
-    def unbuffered(cls, slots: Sequence[_Slot]) -> _RunLayout | None:
-        """Whole blocks, for a read that bypasses the page cache: the block-aligned body of each
-        target that starts on a block in memory and in the pack (big chunks do in the pack;
-        ``staged`` places big arrays on pages), everything between in one page-aligned scratch
-        buffer. None when targets would take less than half of the blocks read."""
-        last = slots[-1]
-        end = last.offset + last.nbytes + CHECKSUM_BYTES
-        layout = cls(slots[0].offset // BLOCK * BLOCK, end, direct=True)
-        hi = whole_blocks(end)
-        bodies = [
-            0
-            if s.target is None or s.offset % BLOCK or s.target.data_ptr() % BLOCK
-            else s.target.numel() // BLOCK * BLOCK
-            for s in slots
-        ]
-        if 2 * sum(bodies) < hi - layout.start:
-            return None
-        scratch = aligned_empty(hi - layout.start - sum(bodies))
-        raw = scratch.numpy().data
-        gaps: list[tuple[int, int]] = []  # (file offset, scratch offset) where each scratch span starts
-        pos, used = layout.start, 0
-        for s, body in zip(slots, bodies, strict=True):
-            if not body:
-                continue
-            if s.offset > pos:
-                gaps.append((pos, used))
-                layout.views.append(raw[used : used + s.offset - pos])
-                used += s.offset - pos
-            assert s.target is not None
-            layout.views.append(s.target.numpy().data[:body])
-            pos = s.offset + body
-        if hi > pos:
-            gaps.append((pos, used))
-            layout.views.append(raw[used : used + hi - pos])
-
-        def at(offset: int, n: int) -> torch.Tensor:  # the file's bytes [offset, offset + n) in scratch
-            i = bisect.bisect_right(gaps, (offset, len(raw))) - 1
-            start = gaps[i][1] + offset - gaps[i][0]
-            return scratch[start : start + n]
-
-        for s, body in zip(slots, bodies, strict=True):
-            whole = s.nbytes + CHECKSUM_BYTES
-            if s.target is None:
-                chunk = at(s.offset, whole)
-                layout.parts.append((chunk[: s.nbytes].numpy().data, chunk[s.nbytes :].numpy().data, chunk[: s.nbytes]))
-                continue
-            data = s.target.numpy().data
-            if len(data) > body:  # the part of the target short of a block, read into scratch
-                layout.copies.append((data[body:], at(s.offset + body, len(data) - body).numpy().data))
-            layout.parts.append((data, at(s.offset + len(data), whole - len(data)).numpy().data, None))
-        return layout
-
-
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes
 READ_RUN_CHUNKS = 256  # and this many chunks (each its data and checksum buffers, and a gap: < 1024)
-
-
-def read_runs(tier: Tier, records: dict[str, ArrayRecord], reads: Sequence[Read]) -> list[list[Read]]:
-    """``reads`` in runs to read at once: chunks of one pack on the local tier, in file order, each
-    starting where the one before ends (or after its alignment gap). Everything else (remote
-    reads, a chunk's own file, overlapping offsets a damaged manifest names) is read alone."""
-    if not tier.vectored_reads:
-        return [[r] for r in reads]
-    alone: list[list[Read]] = []
-    placed: list[tuple[str, int, int, Read]] = []
-    for r in reads:
-        rec = records[r.path]
-        try:
-            file, offset = rec.location(r.chunk.key)
-        except TiercheckError:  # read alone, which reports it with the chunk's name
-            offset = None
-        if r.remote or r.chunk.key not in rec.checksums or offset is None:
-            alone.append([r])
-            continue
-        placed.append((file, offset, chunk_nbytes(rec) + CHECKSUM_BYTES, r))
-    placed.sort(key=lambda p: (p[0], p[1]))
-    runs: list[list[Read]] = []
-    cur: list[Read] = []
-    file0, start, end = "", 0, 0
-    for file, offset, n, r in placed:
-        if cur and (
-            file != file0
-            or not end <= offset < end + BLOCK
-            or offset + n - start > READ_RUN_BYTES
-            or len(cur) >= READ_RUN_CHUNKS
-        ):
-            runs.append(cur)
-            cur = []
-        if not cur:
-            file0, start = file, offset
-        cur.append(r)
-        end = offset + n
-    if cur:
-        runs.append(cur)
-    return runs + alone
 
 
 def share_key(group: Any) -> str | None:

@@ -9,10 +9,12 @@ pool of their own of the same width.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from tiercheck.tiers.base import Buffer
@@ -87,7 +89,57 @@ class Inflight:
             c["parts"] += 1
         return token
 
-    def gather(self, get: Callable[[int], T], starts: Iterable[int]) -> list[T]:
-        """``get(start)`` for each of ``starts``, up to ``concurrency`` at once; results in order.
-        Never called from one of these threads (it would wait on itself)."""
-        return list(self._gets.map(get, starts))
+    def fill(self, views: Sequence[memoryview], part: int, get: Callable[[int, memoryview], int]) -> int:
+        """Fill ``views``, laid end to end, with ``get(at, view)`` (read the bytes from ``at`` on
+        into ``view``; returns how many there were) over ranges of about ``part`` bytes, up to
+        ``concurrency`` at once: a range within one view straight into it, one across several
+        small views (small chunks, their checksums) into scratch, then copied out. Returns the
+        bytes read up to the first range cut short (the source ends there). Never called from
+        one of these threads (it would wait on itself)."""
+        spans = [memoryview(v).cast("B") for v in views if len(v)]
+        starts = list(itertools.accumulate((len(v) for v in spans), initial=0))
+        ranges = _ranges([len(v) for v in spans], part)
+
+        def one(rng: tuple[int, int]) -> int:
+            at, n = rng
+            i = bisect.bisect_right(starts, at) - 1
+            if at + n <= starts[i + 1]:
+                return get(at, spans[i][at - starts[i] : at - starts[i] + n])
+            scratch = bytearray(n)
+            got = get(at, memoryview(scratch))
+            pos = at
+            while pos < at + got:
+                k = min(starts[i + 1], at + got) - pos
+                spans[i][pos - starts[i] : pos - starts[i] + k] = scratch[pos - at : pos - at + k]
+                pos += k
+                i += 1
+            return got
+
+        futures = [self._gets.submit(one, r) for r in ranges]
+        wait(futures)  # all of them: none may write into ``views`` once this returns or raises
+        for (at, n), f in zip(ranges, futures, strict=True):
+            if (got := f.result()) < n:
+                return at + got
+        return starts[-1]
+
+
+def _ranges(sizes: Sequence[int], part: int) -> list[tuple[int, int]]:
+    """(start, length) ranges covering buffers of ``sizes`` laid end to end: each buffer of a
+    part or more alone, cut into parts; smaller neighbours together, up to about a part."""
+    out: list[tuple[int, int]] = []
+    pos, run = 0, 0  # run: bytes of small buffers gathered so far, ending at pos
+    for n in sizes:
+        if n >= part:
+            if run:
+                out.append((pos - run, run))
+                run = 0
+            out += [(pos + k, min(part, n - k)) for k in range(0, n, part)]
+        else:
+            run += n
+            if run >= part:
+                out.append((pos + n - run, run))
+                run = 0
+        pos += n
+    if run:
+        out.append((pos - run, run))
+    return out

@@ -80,6 +80,7 @@ class RemoteTier(Tier):
     """An fsspec filesystem under a root prefix, with retries. Thread-safe."""
 
     durable = True
+    vectored_reads = True  # a run of chunks: a few ranged GETs in parallel, straight into its buffers
 
     def __init__(
         self,
@@ -400,32 +401,25 @@ class RemoteTier(Tier):
             n = min(len(data), len(out))
             out[:n] = memoryview(data)[:n]  # one copy, not two (read() copies into a writable bytearray)
             return n, data[n:]
-        if length > len(out):
+        if length - len(out) > self.part_bytes:  # a hostile length: bounded by the object, not allocated
             length = min(length, self._size_after(path, offset))
-        target = self._p(path)
-        rest = bytearray(max(0, length - len(out)))
-        step = self.part_bytes
-
-        def get(at: int) -> int:
-            want = min(step, length - at)
-            if at + want <= len(out):  # straight into the caller's buffer
-                return self._get_into(path, target, offset + at, out[at : at + want])
-            data = memoryview(self._get(path, target, offset + at, want))
-            k = max(0, min(len(data), len(out) - at))
-            out[at : at + k] = data[:k]
-            if len(data) > k:  # past the end of ``out``: the caller's rest (a chunk's checksum)
-                lo = max(at, len(out)) - len(out)
-                rest[lo : lo + len(data) - k] = data[k:]
-            return len(data)
-
-        starts = list(range(0, length, step))
-        got = self.inflight.gather(get, starts)
-        n = length
-        for at, k in zip(starts, got, strict=True):
-            if k < min(step, length - at):  # the object ends here: what follows is nothing
-                n = at + k
-                break
+        rest = bytearray(max(0, length - len(out)))  # past the end of ``out``: a chunk's checksum
+        n, _ = self.read_vectored(path, offset, [out[:length], memoryview(rest)])
         return min(n, len(out)), bytes(rest[: max(0, n - len(out))])
+
+    def read_vectored(
+        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+    ) -> tuple[int, bool]:
+        """Fill ``views`` from ``path`` at ``offset`` on with ranged GETs of about ``part_bytes``,
+        ``part_concurrency`` in flight (``Inflight.fill``: a restore's run of chunks, a large
+        chunk). Returns the bytes read (fewer where the object ends first) and False: there is
+        no page cache to bypass."""
+        target = self._p(path)
+
+        def get(at: int, view: memoryview) -> int:
+            return self._get_into(path, target, offset + at, view)
+
+        return self.inflight.fill(views, self.part_bytes, get), False
 
     def exists(self, path: str) -> bool:
         target = self._p(path)
