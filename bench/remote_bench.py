@@ -458,7 +458,7 @@ def read_methods(rm: Remote, state: dict[str, Any], local: Path, prefix: str) ->
     paths = [f"{src}/{rel}" for rel in sorted(rm.sizes(src))]
     counter = [0]
 
-    def restore(empty: bool, pc: int | None = None) -> dict[str, Any]:
+    def restore(empty: bool, pc: int | None = None, in_place: bool = False) -> dict[str, Any]:
         counter[0] += 1
         where, label = (rm.dir / f"empty-local-{counter[0]}", "empty local dir") if empty else (local, "local dir")
         for t in tensors(target):
@@ -472,7 +472,7 @@ def read_methods(rm: Remote, state: dict[str, Any], local: Path, prefix: str) ->
                     target, local=where, remote=url, remote_options=rm.options, drain=drain_options(8, pc)
                 )
                 open_s = time.perf_counter() - m.t0
-                got = ck.restore()
+                got = ck.restore(in_place=in_place)
             stats = ck.stats()
         finally:
             if ck is not None:
@@ -523,6 +523,7 @@ def read_methods(rm: Remote, state: dict[str, Any], local: Path, prefix: str) ->
         ("restore_local", lambda: restore(False)),
         ("restore_remote", lambda: restore(True, main_pc(rm.args))),
         *((f"restore_remote pc={pc}", functools.partial(restore, True, pc)) for pc in rm.args.part_concurrency[1:]),
+        ("restore_remote in_place=True", functools.partial(restore, True, main_pc(rm.args), True)),
         ("load", load),
         ("fs_get", lambda: plain("get")),
         ("fs_cat", lambda: plain("cat")),

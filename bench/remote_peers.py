@@ -351,7 +351,7 @@ def render_peers(report: dict[str, Any]) -> str:
             continue
         ups, downs = res.get("uploads", {}), res.get("restores", {})
         ours_up = sorted(k for k in ups if k.startswith(f"{TIERCHECK_UP} pc="))
-        ours_down = sorted(k for k in downs if k.startswith(f"{TIERCHECK_DOWN} pc="))
+        ours_down = sorted(k for k in downs if k.startswith(f"{TIERCHECK_DOWN} "))
         rows += _rows(res["name"], "up", ups, (TIERCHECK_UP, *ours_up, *UPLOADS[kind]))
         rows += _rows(res["name"], "down", downs, (TIERCHECK_DOWN, *ours_down, *DOWNLOADS[kind]))
     if not rows:
