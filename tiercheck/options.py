@@ -176,11 +176,13 @@ class DrainOptions:
     part_concurrency: parts in flight at once per node, all its files together: each large file
         goes as a multipart upload (S3) or staged blocks (Azure), each part retried on its own, and
         a reader runs ahead of the uploads by the free slots. The node's upload memory is bounded
-        by ``part_concurrency x part_bytes`` (256 MiB by default; ``stats()["drain_part_buffer_bytes"]``).
-        16 parts of 16 MiB keep a node's link busy at 100-300 MB/s per stream (3-5 GB/s in all)
-        as object stores serve it; remote restores read with as many ranged GETs in flight.
+        by ``part_concurrency x part_bytes`` (128 MiB by default; ``stats()["drain_part_buffer_bytes"]``).
+        16 parts keep a node's link busy at 100-300 MB/s per stream (2-5 GB/s in all) as object
+        stores serve it; remote restores read with as many ranged GETs in flight.
     part_bytes: multipart part size for large files (larger where an object needs more than
-        10,000 parts, S3's limit).
+        10,000 parts, S3's limit), and the size of a remote restore's ranged GETs. 8 MiB is the
+        AWS CRT's and boto3's default; on SeaweedFS it cost the client 24% and the server 9% less
+        CPU per GiB uploaded than 16 MiB.
     retention: which remote steps to keep; the newest committed one is never deleted.
     retry: retries of each request.
     """
@@ -189,7 +191,7 @@ class DrainOptions:
     backlog: Literal["newest", "all"] = "newest"
     concurrency: int = 8
     part_concurrency: int = 16
-    part_bytes: int = 16 * MiB
+    part_bytes: int = 8 * MiB
     retention: RetentionOptions = RetentionOptions(keep_last=None)
     retry: RetryOptions = RetryOptions()
 

@@ -61,7 +61,7 @@ def open_tier(
     *,
     storage_options: dict[str, Any] | None = None,
     retry: RetryOptions | None = None,
-    part_bytes: int = 16 * 2**20,
+    part_bytes: int = 8 * 2**20,
     part_concurrency: int = 16,
 ) -> Tier:
     """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
@@ -88,7 +88,7 @@ class RemoteTier(Tier):
         *,
         storage_options: dict[str, Any] | None = None,
         retry: RetryOptions | None = None,
-        part_bytes: int = 16 * 2**20,
+        part_bytes: int = 8 * 2**20,
         part_concurrency: int = 16,
     ) -> None:
         self.url = redact(url).rstrip("/")
