@@ -265,3 +265,20 @@ def test_small_chunks_come_from_the_remote_in_runs_and_a_rotten_one_falls_back(
         assert ck.restore() == 1
     assert_identical(fresh, small_state(1))
     assert any(f"array {array!r} chunk {key}: checksum mismatch" in r.getMessage() for r in caplog.records)
+
+
+def test_a_missing_bucket_is_named_and_a_failing_source_is_raised_as_it_is(store: Store) -> None:
+    pieces = [os.urandom(5 * MiB) for _ in range(3)]
+    gone = RemoteTier(store.url.replace(store.name, f"{store.name}-nope"), storage_options=store.options, retry=PATIENT)
+    with pytest.raises(tiercheck.RemoteStorageError, match="no such bucket or container"):
+        gone.write_stream("s/pack.bin", lambda: iter(pieces), size=15 * MiB)
+
+    def vanishes() -> Any:
+        yield pieces[0]
+        raise FileNotFoundError("the local pack went away")
+
+    tier = store.tier(part_bytes=5 * MiB)
+    with pytest.raises(FileNotFoundError, match="the local pack went away"):
+        tier.write_stream("s/pack.bin", vanishes, size=15 * MiB)
+    assert not tier.exists("s/pack.bin")
+    assert store.unfinished() == []

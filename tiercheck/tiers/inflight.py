@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
@@ -143,3 +143,24 @@ def _ranges(sizes: Sequence[int], part: int) -> list[tuple[int, int]]:
     if run:
         out.append((pos - run, run))
     return out
+
+
+class SourceError(Exception):
+    """What ``write_stream``'s source raised, carried past the retries unchanged."""
+
+
+def sourced(pieces: Callable[[], Iterable[Buffer]]) -> Callable[[], Iterator[Buffer]]:
+    """``pieces`` whose failures are ``SourceError``s: never taken for the store's."""
+
+    def wrapped() -> Iterator[Buffer]:
+        source = iter(pieces())
+        while True:
+            try:
+                piece = next(source)
+            except StopIteration:
+                return
+            except BaseException as e:
+                raise SourceError(e) from None
+            yield piece
+
+    return wrapped

@@ -33,7 +33,7 @@ from tenacity.wait import wait_random_exponential
 from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
-from tiercheck.tiers.inflight import Inflight
+from tiercheck.tiers.inflight import Inflight, SourceError, sourced
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.parts import (
     MIN_PART_BYTES,
@@ -176,7 +176,7 @@ class RemoteTier(Tier):
             self.counters["requests"] += 1
         try:
             return retrying(fn)
-        except (FileNotFoundError, UnsafeCheckpointError, RemoteStorageError, _SourceError):
+        except (FileNotFoundError, UnsafeCheckpointError, RemoteStorageError, SourceError):
             raise
         except Exception as e:  # botocore / azure-core errors are not all OSErrors: one type for callers
             if is_transient(e):
@@ -232,7 +232,12 @@ class RemoteTier(Tier):
         elif size is not None and size < 2 * self.part_bytes:
             self.write(path, list(pieces()))
         else:
-            self._write_parts(path, upload, pieces, part_size(self.part_bytes, size))
+            try:
+                self._write_parts(path, upload, sourced(pieces), part_size(self.part_bytes, size))
+            except SourceError as e:  # the source's own failure (a rotten chunk, a file gone), as raised
+                raise e.args[0] from None
+            except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
+                raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
 
     def _write_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
         what = f"writing {path}"
@@ -298,14 +303,7 @@ class RemoteTier(Tier):
             sent = 0
             f = self.fs.open(target, "wb", block_size=max(self.part_bytes, MIN_PART_BYTES))
             try:
-                source = iter(pieces())
-                while True:
-                    try:
-                        piece = next(source)
-                    except StopIteration:
-                        break
-                    except BaseException as e:  # the source failed (a rotten chunk): not ours to retry
-                        raise _SourceError(e) from None
+                for piece in sourced(pieces)():  # a failed source (a rotten chunk) is not ours to retry
                     f.write(piece)
                     sent += len(piece)
             except BaseException:
@@ -318,7 +316,7 @@ class RemoteTier(Tier):
 
         try:
             self._call(f"writing {path}", upload)
-        except _SourceError as e:
+        except SourceError as e:
             raise e.args[0] from None
         except FileNotFoundError as e:
             raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
@@ -478,9 +476,3 @@ class RemoteTier(Tier):
 
     def sync_dirs(self, path: str) -> None:
         """Object stores have no directories; an acknowledged PUT is durable."""
-
-
-class _SourceError(Exception):
-    """What ``write_stream``'s source raised, carried past the retries unchanged."""
-
-
