@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import tiercheck
@@ -84,3 +85,18 @@ def test_the_drain_command_drains_by_save(tmp_path: Path, s3_server: SeaweedS3, 
         assert_identical(tiercheck.load(url, step=step, storage_options=options), state_of(seed))
     again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert "nothing to drain" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_drain_failing_on_a_file_remote_reports_the_librarys_error(tmp_path: Path) -> None:
+    """A parallel-filesystem remote fails with the filesystem's own ``OSError`` (here a file where
+    its directory should be): ``handle.drained`` gets ``RemoteStorageError`` naming the remote, the
+    cause kept, and the local step stays."""
+    blocked = tmp_path / "remote"
+    blocked.write_bytes(b"not a directory")
+    state = state_of(1)
+    with Checkpointer(state, local=tmp_path / "local", remote=f"file://{blocked}") as ck:
+        handle = ck.save(1)
+        with pytest.raises(tiercheck.RemoteStorageError, match=f"{blocked}: draining step 1") as info:
+            handle.drained.result(timeout=60)
+        assert isinstance(info.value.__cause__, OSError)
+        assert ck.steps() == [1]

@@ -44,8 +44,8 @@ from tiercheck.format.paths import (
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.format.verify import verify_step
 from tiercheck.tiering import transfer
-from tiercheck.tiering.drain import upload_step
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
 

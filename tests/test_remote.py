@@ -33,7 +33,7 @@ from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.paths import copying_marker, step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions, WriteOptions
-from tiercheck.tiering.drain import upload_step
+from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier

@@ -20,8 +20,8 @@ from tiercheck import Checkpointer
 from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
 from tiercheck.format.codec import seal, unseal
 from tiercheck.format.paths import owners_file
-from tiercheck.tiering.drain import upload_step
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.local import LocalTier
 
 

@@ -39,9 +39,10 @@ from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.options import RetentionOptions
-from tiercheck.tiering.drain import pending_steps, upload_step
+from tiercheck.tiering.drain import pending_steps
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.base import Tier
 
 # ------------------------------------------------------------------------------------ restore

@@ -1,0 +1,152 @@
+"""Uploading one committed step of a node's local tier to the remote tier (``Drainer`` and
+``tiercheck drain`` both call ``upload_step``).
+
+Each node uploads its own files of the step, then leaves a ``__drained.<first rank>.json`` object
+naming the saving ranks whose files it uploaded and the save; the node that finds every rank
+accounted for (for that save) uploads the manifest and writes the remote ``COMMIT`` last. Resumable
+by content (``transfer.resumable``), and a remote step of the same number from another save is
+withdrawn first (``same_save_committed``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tiercheck.format.paths import (
+    COMMIT_FILE,
+    DRAINED_PREFIX,
+    MANIFEST_FILE,
+    drained_marker,
+    file_rank,
+    is_replica_marker,
+    pack_owner,
+    step_dir,
+)
+from tiercheck.format.steps import commit_step, read_marker, read_small
+from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack, finish_copy, resumable
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    files_uploaded: int
+    files_already_there: int
+    bytes_uploaded: int
+    committed: bool  # this call wrote the remote commit marker
+    was_committed: bool  # the remote already had the step
+
+
+def upload_step(
+    local: Tier,
+    remote: Tier,
+    step: int,
+    *,
+    pool: ThreadPoolExecutor,
+    on_file: Callable[[int], None] = lambda n: None,
+) -> UploadResult:
+    """Upload this node's files of a locally committed step, mark them drained, and commit the
+    step on the remote if every saving rank's files are now there. Resumable."""
+    d = step_dir(step)
+    marker = read_marker(local, step)
+    save = marker.save_id
+    if same_save_committed(remote, step, save):
+        log.info("drain: step %d is already committed on %s", step, remote.url)
+        return UploadResult(0, 0, 0, committed=False, was_committed=True)
+    files = local.sizes(d)
+    own = set(marker.ranks)
+    files = {
+        f: n
+        for f, n in files.items()
+        if f not in (COMMIT_FILE, MANIFEST_FILE)
+        and not f.rsplit("/", 1)[-1].startswith(".")  # temporaries (a replica being received, say)
+        and not is_replica_marker(f)
+        and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
+    }
+    there = resumable(remote, step, save, marker.ranks[0], files)
+    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    crcs = chunk_file_crcs(local, step, list(marker.ranks))
+    t0 = time.perf_counter()
+
+    def copy(f: str) -> int:
+        if pack_owner(f) is not None:  # every chunk checked as it is read: rot is never uploaded
+            n = copy_pack(local, remote, step, f, files[f], save=save)
+            on_file(n)
+            return n
+        n = copy_chunk_file(local, remote, step, f, crcs, save=save)  # format 3: each chunk file checked as read
+        on_file(n)
+        return n
+
+    nbytes = sum(pool.map(copy, todo))
+    log.info(
+        "drain: step %d: %d files (%d already on %s) in %.2f s",
+        step,
+        len(todo),
+        len(files) - len(todo),
+        remote.url,
+        time.perf_counter() - t0,
+    )
+    mine = drained_marker(marker.ranks[0])
+    remote.write(f"{d}/{mine}", [json.dumps({"ranks": list(marker.ranks), "save_id": save}).encode()])
+    have = drained_ranks(remote, step, save)
+    if have != set(range(marker.world_size)):
+        log.info("drain: step %d: the files of ranks %s are up; the other nodes' follow", step, list(marker.ranks))
+        return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=False, was_committed=False)
+    manifest = bytes(local.read(f"{d}/{MANIFEST_FILE}"))
+    ranks = tuple(range(marker.world_size))
+    commit_step(remote, step, manifest, save_id=save, ranks=ranks, world_size=marker.world_size)
+    finish_copy(remote, step, marker.ranks[0])
+    log.info("drain: step %d committed on %s", step, remote.url)
+    return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=True, was_committed=False)
+
+
+def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
+    """Whether ``remote`` has ``step`` committed by the save ``save`` (the local step's). A remote
+    step of that number committed by another save (the number saved again after a rollback, by
+    this job or one before) is withdrawn: its commit marker and index first, so no restore takes it
+    while this save's files replace its own (each node replaces its files, see ``resumable``)."""
+    d = step_dir(step)
+    try:
+        there = read_marker(remote, step)
+    except CheckpointNotFoundError:
+        return False
+    except CorruptCheckpointError as e:
+        log.warning("drain: %s; replacing it with the local copy of step %d", e, step)
+        there = None
+    if there is not None and (save is None or there.save_id == save):
+        return True
+    if there is not None:
+        log.warning(
+            "drain: %s holds step %d of another save (%s, this one is %s): replacing it",
+            remote.url, step, there.save_id, save,
+        )  # fmt: skip
+    remote.delete(f"{d}/{COMMIT_FILE}")
+    remote.delete(f"{d}/{MANIFEST_FILE}")
+    return False
+
+
+def drained_ranks(remote: Tier, step: int, save: str | None) -> set[int]:
+    """The saving ranks whose files of save ``save`` the nodes have uploaded, by their drained
+    objects: one naming another save (an earlier drain of the same step number) counts for none."""
+    d = step_dir(step)
+    have: set[int] = set()
+    for name in remote.list_dir(d):
+        if not name.startswith(DRAINED_PREFIX):
+            continue
+        where = f"{remote.url}: {d}/{name}"
+        try:
+            doc = json.loads(read_small(remote, f"{d}/{name}", where=where))
+            if doc.get("save_id") == save:
+                have.update(int(r) for r in doc["ranks"])
+        except FileNotFoundError:
+            continue
+        except (CorruptCheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            log.warning("drain: ignoring %s: %s", where, e)
+    return have
