@@ -282,3 +282,23 @@ def test_a_missing_bucket_is_named_and_a_failing_source_is_raised_as_it_is(store
         tier.write_stream("s/pack.bin", vanishes, size=15 * MiB)
     assert not tier.exists("s/pack.bin")
     assert store.unfinished() == []
+
+
+def test_a_killed_copys_temporaries_are_dropped_and_never_copied(tmp_path: Path) -> None:
+    """``restore --to`` killed mid-pack leaves ``packs/.rank-000000.bin.tmp-PID-TID`` behind: the
+    copy run again removes it, and a temporary in the source is no part of the step it copies."""
+    from tiercheck.tiering.transfer import copy_step
+
+    local = saved_locally(tmp_path, big_state(7))
+    stray = local / step_dir(1) / "packs" / ".rank-000000.bin.tmp-1-2"
+    stray.write_bytes(b"half a pack")
+    dst = tmp_path / "node"
+    left = dst / step_dir(1) / "packs" / ".rank-000000.bin.tmp-3-4"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"what a killed copy wrote")
+    copy_step(LocalTier(local), LocalTier(dst), 1)
+    assert sorted(p.name for p in (dst / step_dir(1) / "packs").iterdir()) == ["rank-000000.bin"]
+    restored = big_state(0)
+    with Checkpointer(restored, local=dst) as ck:
+        assert ck.restore() == 1
+    assert_identical(restored, big_state(7))

@@ -97,6 +97,7 @@ def copy_step(
         for f, n in src.sizes(d).items()
         if f not in (COMMIT_FILE, MANIFEST_FILE)
         and not f.startswith("__")
+        and not is_temporary(f)
         and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
         and (f in chunk_records or not CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
     }
@@ -175,9 +176,13 @@ def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[st
     or of a format naming none) is deleted, and so are unfinished uploads of any of ``files``,
     then the directory is marked as receiving ``save``'s files, before the copy writes any."""
     d = step_dir(step)
-    # An upload of these files a crash cut short left parts no listing shows: drop them first.
+    # An upload of these files a crash cut short left parts no listing shows: drop them first,
+    # and the temporaries of a killed copy into a directory (never part of a step).
     dst.discard_unfinished(d, set(files))
     there = dst.sizes(d)
+    for f in sorted(f for f in there if temporary_of(f) in files):  # not another node's, in flight
+        dst.delete(f"{d}/{f}")
+    there = {f: n for f, n in there.items() if not is_temporary(f)}
     marker = copying_marker(first)
     if save is not None and marker in there:
         try:
@@ -197,6 +202,22 @@ def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[st
     if save is not None:
         dst.write(f"{d}/{marker}", [json.dumps({"save_id": save}).encode()])
     return {}
+
+
+def is_temporary(f: str) -> bool:
+    """Whether ``f`` (a path in a step) is a file being written (``LocalTier.write_stream``'s
+    ``.name.tmp-PID-TID``, a replica being received): a dot-name, never part of a step."""
+    return f.rsplit("/", 1)[-1].startswith(".")
+
+
+def temporary_of(f: str) -> str | None:
+    """The file the temporary ``f`` (``dir/.name.tmp-PID-TID``) was being written as; None for
+    a path that is no such temporary."""
+    head, _, name = f.rpartition("/")
+    if not name.startswith(".") or ".tmp-" not in name:
+        return None
+    final = name[1:].rsplit(".tmp-", 1)[0]
+    return f"{head}/{final}" if head else final
 
 
 def finish_copy(dst: Tier, step: int, first: int) -> None:

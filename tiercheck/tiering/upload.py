@@ -29,7 +29,14 @@ from tiercheck.format.paths import (
     step_dir,
 )
 from tiercheck.format.steps import commit_step, read_marker, read_small
-from tiercheck.tiering.transfer import chunk_file_crcs, copy_chunk_file, copy_pack, finish_copy, resumable
+from tiercheck.tiering.transfer import (
+    chunk_file_crcs,
+    copy_chunk_file,
+    copy_pack,
+    finish_copy,
+    is_temporary,
+    resumable,
+)
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -66,7 +73,7 @@ def upload_step(
         f: n
         for f, n in files.items()
         if f not in (COMMIT_FILE, MANIFEST_FILE)
-        and not f.rsplit("/", 1)[-1].startswith(".")  # temporaries (a replica being received, say)
+        and not is_temporary(f)  # a replica being received, say
         and not is_replica_marker(f)
         and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
     }
