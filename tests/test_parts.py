@@ -7,6 +7,7 @@ the upload and a crash's leftovers are dropped when the copy resumes, so no part
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.parse
 from collections import Counter
@@ -24,8 +25,8 @@ from tests.ondisk import step_parts
 from tests.servers import Azurite, SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, RetryOptions
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.format.paths import pack_file, step_dir
-from tiercheck.format.steps import list_steps
+from tiercheck.format.paths import copying_marker, pack_file, step_dir
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.tiering.transfer import pack_pieces
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.parts import part_upload, unfinished
@@ -302,3 +303,69 @@ def test_a_killed_copys_temporaries_are_dropped_and_never_copied(tmp_path: Path)
     with Checkpointer(restored, local=dst) as ck:
         assert ck.restore() == 1
     assert_identical(restored, big_state(7))
+
+
+def test_a_resumed_drain_keeps_a_pack_only_when_its_parts_checksums_match(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str
+) -> None:
+    """A drain cut short after the pack was up resumes without sending it again: S3 kept its
+    parts' CRC32Cs, and they match the local pack's. Another pack of the same size there (another
+    run's, copied in by hand) does not: it is sent again, never committed by its size."""
+    store = Store("s3", s3_server, s3_bucket)
+    local = saved_locally(tmp_path, big_state(8))
+    remote = store.tier(part_bytes=5 * MiB)
+    pack = f"{step_dir(1)}/{pack_file(0)}"
+
+    def cut_short() -> None:
+        """What a drain killed after the pack's upload leaves: its files, no drained marker, no COMMIT."""
+        for name in remote.list_dir(step_dir(1)):
+            if name.startswith("__drained") or name in ("COMMIT", "manifest.json"):
+                remote.delete(f"{step_dir(1)}/{name}")
+
+    with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        ck.drain()
+    cut_short()
+    save_id = read_marker(LocalTier(local), 1).save_id
+    remote.write(f"{step_dir(1)}/{copying_marker(0)}", [json.dumps({"save_id": save_id}).encode()])
+    with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        assert ck.drain()["files_already_there"] == 1  # the pack, by its parts' checksums
+    cut_short()
+    remote.write(f"{step_dir(1)}/{copying_marker(0)}", [json.dumps({"save_id": save_id}).encode()])
+    size = (local / pack).stat().st_size
+    other = os.urandom(size)
+    remote.write_stream(pack, lambda: iter([other[i : i + 5 * MiB] for i in range(0, size, 5 * MiB)]), size=size)
+    with Checkpointer(big_state(0), local=local, remote=store.url, remote_options=store.options,
+                      drain=SMALL_PARTS) as ck:  # fmt: skip
+        assert ck.drain()["files_already_there"] == 0  # same size, other bytes: sent again
+    assert_identical(tiercheck.load(store.url, storage_options=store.options), big_state(8))
+
+
+def test_a_resumed_copy_into_a_directory_reads_back_what_it_keeps(tmp_path: Path) -> None:
+    """``restore --to`` run again after a cut: the pack left there is read back and checked against
+    the manifest; one with a flipped bit (same size) is copied again, never committed."""
+    from tiercheck.format.paths import COMMIT_FILE
+    from tiercheck.tiering.transfer import copy_step
+
+    local = saved_locally(tmp_path, big_state(9))
+    save_id = read_marker(LocalTier(local), 1).save_id
+    dst = tmp_path / "node"
+
+    def cut_short() -> None:
+        (dst / step_dir(1) / COMMIT_FILE).unlink()
+        (dst / step_dir(1) / copying_marker(0)).write_text(json.dumps({"save_id": save_id}))
+
+    copy_step(LocalTier(local), LocalTier(dst), 1)
+    cut_short()
+    assert copy_step(LocalTier(local), LocalTier(dst), 1).files_already_there == 1  # the pack, checked
+    cut_short()
+    spans = step_parts(local / step_dir(1))[0].spans()
+    raw = bytearray((dst / step_dir(1) / pack_file(0)).read_bytes())
+    raw[spans[3][0] + 5] ^= 0x04
+    (dst / step_dir(1) / pack_file(0)).write_bytes(bytes(raw))
+    assert copy_step(LocalTier(local), LocalTier(dst), 1).files_already_there == 0  # sent again
+    restored = big_state(0)
+    with Checkpointer(restored, local=dst) as ck:
+        assert ck.restore() == 1
+    assert_identical(restored, big_state(9))

@@ -228,7 +228,10 @@ def test_an_interrupted_drain_resumes_without_sending_complete_files_again(tmp_p
     with checkpointer(dict(state), local, remote) as ck:
         status = ck.drain()
     assert status["last_drained"] == 2  # the newest; step 1 is older than what the remote will have
-    assert status["files_already_there"] == 3
+    # Only the pack counts, once its content checks out (never its size): read back on a directory;
+    # an object store keeps no part checksums of a pack this small (one PUT), so it goes again.
+    # The small files always go again. (test_parts: a large pack kept on S3 by its parts' CRC32Cs.)
+    assert status["files_already_there"] == (1 if remote.url.startswith("file://") else 0)
     assert list_steps(remote.tier()).committed == [2]
     assert_identical(tiercheck.load(remote.url, storage_options=remote.options), state)
 

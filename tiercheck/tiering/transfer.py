@@ -28,7 +28,7 @@ import numpy as np
 
 from tiercheck.dist.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, chunk_nbytes, unseal, verify_chunk
+from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs
 from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_file_save
 from tiercheck.format.paths import (
@@ -48,6 +48,7 @@ from tiercheck.format.replicas import Replica
 from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
+from tiercheck.tiers.parts import composite_of
 
 log = logging.getLogger("tiercheck")
 
@@ -118,8 +119,8 @@ def copy_step(
         raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
     if has_packs(manifest.format_version):
         check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
-    there = resumable(dst, step, save, min(wanted), files)
-    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    there = resumable(src, dst, step, save, min(wanted), files)
+    todo = sorted(f for f in files if f not in there)
     total = sum(files[f] for f in todo)
     done = 0
 
@@ -169,12 +170,16 @@ def _with_its_files(src: Tier, step: int, marker: str, files: dict[str, int]) ->
     return all(files.get(name) == size for name, (size, _) in replica.files.items())
 
 
-def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[str, int]) -> dict[str, int]:
-    """Before a copy of ``files`` of save ``save`` into ``dst``'s directory of ``step`` (a node's
-    share: ``first`` is its first saving rank): the sizes of those files a copy of the same save
-    left there, which it need not copy again. Any other file of ``files`` there (another save's,
-    or of a format naming none) is deleted, and so are unfinished uploads of any of ``files``,
-    then the directory is marked as receiving ``save``'s files, before the copy writes any."""
+def resumable(
+    src: Tier, dst: Tier, step: int, save: str | None, first: int, files: dict[str, int]
+) -> dict[str, int]:
+    """Before a copy of ``files`` of save ``save`` from ``src`` into ``dst``'s directory of
+    ``step`` (a node's share: ``first`` is its first saving rank): the packs a copy of the same
+    save left there whose content checks out (``copy_holds``: never by size), with their sizes
+    there, which it need not copy again (every other file is small, and copied again). Any
+    file of ``files`` there under another save's marker (or of a format naming none) is deleted,
+    and so are unfinished uploads of any of ``files``, then the directory is marked as receiving
+    ``save``'s files, before the copy writes any."""
     d = step_dir(step)
     # An upload of these files a crash cut short left parts no listing shows: drop them first,
     # and the temporaries of a killed copy into a directory (never part of a step).
@@ -188,7 +193,11 @@ def resumable(dst: Tier, step: int, save: str | None, first: int, files: dict[st
         try:
             doc = json.loads(read_small(dst, f"{d}/{marker}", where=f"{dst.url}: step {step}"))
             if isinstance(doc, dict) and doc.get("save_id") == save:
-                return {f: n for f, n in there.items() if f in files}
+                return {
+                    f: n
+                    for f, n in there.items()
+                    if f in files and pack_owner(f) is not None and copy_holds(src, dst, step, f, files[f], save=save)
+                }
         except (FileNotFoundError, CorruptCheckpointError, ValueError, RecursionError):
             pass  # unreadable: trust nothing
     stale = sorted(f for f in files if f in there)
@@ -251,17 +260,14 @@ def check_complete(src: Tier, step: int, manifest: Manifest, parts: dict[int, Ra
                 )
 
 
-def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> int:
-    """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming one chunk at a
-    time and checking each against its writer's part of the manifest as it is read: a chunk that
-    rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
-    bytes copied."""
+def pack_spans(src: Tier, step: int, f: str, size: int, *, save: str | None) -> tuple[list[Span], int]:
+    """The chunks of the pack file ``f`` of ``step`` (``size`` bytes at ``src``) in file order, from
+    its writer's part of the manifest, each checked to follow the one before; and where the last
+    one's checksum ends (what a copy of the pack holds)."""
     rank = pack_owner(f)
     assert rank is not None
-    d = step_dir(step)
-    where = f"{src.url}: {d}/{f}"
-    part = rank_parts(src, step, [rank], save=save)[rank]
-    spans = part.spans()
+    where = f"{src.url}: {step_dir(step)}/{f}"
+    spans = rank_parts(src, step, [rank], save=save)[rank].spans()
     end = 0
     for offset, nbytes, path, key, _ in spans:
         if offset < end or offset - end >= BLOCK:
@@ -271,14 +277,50 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str |
         end = offset + nbytes + CHECKSUM_BYTES
     if end > size:
         raise CorruptCheckpointError(f"{where}: has {size} bytes, its chunks end at {end} (truncated)")
+    return spans, end
 
+
+def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> int:
+    """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming it in pieces and
+    checking each chunk against its writer's part of the manifest as it is read: a chunk that
+    rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
+    bytes copied."""
+    spans, end = pack_spans(src, step, f, size, save=save)
+    path = f"{step_dir(step)}/{f}"
     piece = dst.piece_bytes(end)
 
     def pieces() -> Iterator[memoryview]:
-        return pack_pieces(src, f"{d}/{f}", spans, end, piece, where)
+        return pack_pieces(src, path, spans, end, piece, f"{src.url}: {path}")
 
-    dst.write_stream(f"{d}/{f}", pieces, size=end)
+    dst.write_stream(path, pieces, size=end)
     return end
+
+
+def copy_holds(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> bool:
+    """Whether ``dst``'s copy of the pack file ``f`` (left by a copy of the same save, resumed now)
+    holds ``src``'s bytes, never judged by its size: read back and every chunk checked against the
+    manifest where ``dst`` is a directory; its parts' checksums, as the store kept them, compared
+    with ``src``'s where it is an object store that keeps them (S3). False (logged where it does
+    not check out): copy it again."""
+    path = f"{step_dir(step)}/{f}"
+    try:
+        spans, end = pack_spans(src, step, f, size, save=save)
+        if dst.local_path is not None:
+            for _ in pack_pieces(dst, path, spans, end, 64 << 20, f"{dst.url}: {path}"):
+                pass
+            return True
+        kept = dst.part_checksums(path)
+        if kept is None:
+            return False
+        composite, part = kept
+        crcs = [checksum(p) for p in pack_pieces(src, path, spans, end, part, f"{src.url}: {path}")]
+        if composite_of(crcs) == composite:
+            return True
+        why = f"its parts' checksums are {composite}, the local pack's {composite_of(crcs)}"
+    except (CorruptCheckpointError, OSError) as e:
+        why = str(e)
+    log.warning("%s: %s: the copy there does not check out (%s); copying it again", dst.url, path, why)
+    return False
 
 
 def pack_pieces(src: Tier, path: str, spans: list[Span], end: int, piece: int, where: str) -> Iterator[memoryview]:

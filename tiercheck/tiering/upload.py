@@ -77,8 +77,8 @@ def upload_step(
         and not is_replica_marker(f)
         and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
     }
-    there = resumable(remote, step, save, marker.ranks[0], files)
-    todo = sorted(f for f, n in files.items() if there.get(f) != n)
+    there = resumable(local, remote, step, save, marker.ranks[0], files)
+    todo = sorted(f for f in files if f not in there)
     crcs = chunk_file_crcs(local, step, list(marker.ranks))
     t0 = time.perf_counter()
 

@@ -119,6 +119,12 @@ class Tier(ABC):
         blocks): one part of an upload, one write of a copy."""
         return 16 << 20
 
+    def part_checksums(self, path: str) -> tuple[str, int] | None:
+        """What the store kept of ``path``'s parts' checksums, and the parts' size: S3's
+        composite CRC32C of a multipart upload (``parts.composite_of``). None where it keeps
+        none: a resumed copy of the file is then read back, or copied again."""
+        return None
+
     def discard_unfinished(self, path: str, names: set[str] | None = None) -> int:
         """Drop what writes cut short left under ``path`` that no listing shows (an object
         store's unfinished uploads): of the files ``names``, or all. Returns how many."""

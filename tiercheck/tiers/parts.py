@@ -176,6 +176,27 @@ class _Into:
         return False
 
 
+def composite_crc32c(fs: Any, target: str) -> tuple[str, int] | None:
+    """What S3 kept of a multipart object's checksums (``x-amz-checksum-crc32c`` of type
+    COMPOSITE: ``base64-N``, the CRC32C of the parts' CRC32Cs) and the size of its first part
+    (the parts are cut the same but the last); None where the store kept none, or no parts."""
+    if _store(fs) != "s3":
+        return None
+    bucket, key, _ = fs.split_path(target)
+    head = fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    crc = head.get("ChecksumCRC32C")
+    if not isinstance(crc, str) or "-" not in crc:
+        return None
+    first = fs.call_s3("head_object", Bucket=bucket, Key=key, PartNumber=1)
+    return crc, int(first["ContentLength"])
+
+
+def composite_of(crcs: list[int]) -> str:
+    """The composite checksum S3 keeps for parts with these CRC32Cs (``composite_crc32c``)."""
+    folded = checksums.crc32c(b"".join(c.to_bytes(4, "big") for c in crcs))
+    return f"{base64.b64encode(folded.to_bytes(4, 'big')).decode()}-{len(crcs)}"
+
+
 def crc32c_b64(data: Buffer) -> str:
     """A part's CRC32C as S3 takes it: big-endian, base64 (awscrt: the GIL released)."""
     return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()

@@ -38,6 +38,7 @@ from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.parts import (
     MIN_PART_BYTES,
     PartUpload,
+    composite_crc32c,
     get_into,
     part_size,
     part_upload,
@@ -267,6 +268,10 @@ class RemoteTier(Tier):
             log.warning("%s: %s: could not abort the %s (%s); it is dropped when the copy resumes", self.url, what,
                         upload.kind, e)  # fmt: skip
             return False
+
+    def part_checksums(self, path: str) -> tuple[str, int] | None:
+        target = self._p(path)
+        return self._call(f"looking up {path}'s checksums", lambda: composite_crc32c(self.fs, target))
 
     def discard_unfinished(self, path: str, names: set[str] | None = None) -> int:
         """Abort the uploads under ``path`` that were started and never completed (a crash, a
