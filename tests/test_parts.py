@@ -369,3 +369,22 @@ def test_a_resumed_copy_into_a_directory_reads_back_what_it_keeps(tmp_path: Path
     with Checkpointer(restored, local=dst) as ck:
         assert ck.restore() == 1
     assert_identical(restored, big_state(9))
+
+
+def test_restore_to_with_verify_replaces_a_damaged_committed_copy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    local = saved_locally(tmp_path, big_state(10))
+    dst = tmp_path / "node"
+    cli = [sys.executable, "-m", "tiercheck", "restore", str(local), "--to", str(dst), "--verify"]
+    assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0
+    spans = step_parts(local / step_dir(1))[0].spans()
+    raw = bytearray((dst / step_dir(1) / pack_file(0)).read_bytes())
+    raw[spans[2][0] + 9] ^= 0x20
+    (dst / step_dir(1) / pack_file(0)).write_bytes(bytes(raw))
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "damaged" in again.stderr and "copying it again" in again.stderr
+    assert f"ok: step 1 intact in {dst}" in again.stdout
+    assert_identical(tiercheck.load(str(dst)), big_state(10))

@@ -35,7 +35,7 @@ from tiercheck.cli.common import (
 )
 from tiercheck.dist.lock import DirectoryLock
 from tiercheck.fmt import fmt_steps
-from tiercheck.format.paths import step_dir
+from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.options import RetentionOptions
@@ -100,8 +100,15 @@ def restore_command(
                         f"{dst.url} holds another save of step {n} (save {have}; {src.url} has save {want}): "
                         f"delete {step_dir(n)} there to restore this one"
                     )
-                out.print(f"step {n} is already committed in {dst.url}; nothing to do")
-                return
+                if not verify_after:
+                    out.print(f"step {n} is already committed in {dst.url}; nothing to do (--verify checks it)")
+                    return
+                bad = verify_step(dst, n, threads=threads, progress=step_progress(ctx, n))
+                if not bad:
+                    out.print(f"ok: step {n} is already committed in {dst.url}, intact")
+                    return
+                err.print(f"step {n} in {dst.url} is damaged ({bad[0]}); copying it again", markup=False)
+                dst.delete(f"{step_dir(n)}/{COMMIT_FILE}")  # never kept: the copy below replaces it whole
             with progress(ctx, f"step {n}", total_hint) as report:
                 result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
         finally:
