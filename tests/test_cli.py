@@ -241,7 +241,7 @@ def test_an_interrupted_restore_resumes(tmp_path: Path, s3_server: SeaweedS3, s3
     url = f"s3://{s3_bucket}/run"
     save_steps(tmp_path / "old-node", [1], remote=url, remote_options=s3_server.storage_options())
     new_node = tmp_path / "new-node"
-    # Killed while copying: SIGKILL once the first file has landed.
+    # Killed while copying: SIGKILL once the pack has landed (a resumed copy keeps only packs, checked).
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -261,7 +261,7 @@ def test_an_interrupted_restore_resumes(tmp_path: Path, s3_server: SeaweedS3, s3
     try:
         deadline = 60.0
         t0 = time.monotonic()
-        while not any(new_node.glob("step-*/packs/*")) and proc.poll() is None:
+        while not any(new_node.glob("step-*/packs/rank-*.bin")) and proc.poll() is None:
             assert time.monotonic() - t0 < deadline, "no file was copied"
             time.sleep(0.01)  # polling for a file to appear, not standing in for synchronisation
         os.kill(proc.pid, signal.SIGKILL)
