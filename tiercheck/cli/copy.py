@@ -69,8 +69,9 @@ def restore_command(
 
     Copies in parallel, verifies every chunk's checksum on the way, and commits the step in DIR
     only when every file is there, so the job's restore() then reads locally. Interrupted, it
-    resumes: files a copy of the same save left in DIR are not copied again (any other file of
-    the step there is replaced). It holds DIR's writer lock, as a job does: it refuses a directory
+    resumes: packs a copy of the same save left in DIR are kept once read back and checked (any
+    other file of the step there is copied again). With --verify, a step already committed in DIR
+    is verified, and copied again if damaged. It holds DIR's writer lock, as a job does: it refuses a directory
     a job is writing, and a job cannot start there while it copies.
     """  # fmt: skip
     with errors_as_one_line():
@@ -164,9 +165,10 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
 def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:
     """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
 
-    Uploads what is missing (files already there with the right size are skipped) and commits
-    the step on the remote once every saving rank's files are there; with several nodes, run it
-    on each.
+    Uploads what is missing (a pack already there is skipped when its parts' checksums match)
+    and commits the step on the remote once every saving rank's files are there; with several
+    nodes, run it on each. Steps go by save: one the remote holds another save of (a rollback's)
+    is drained.
     """
     with errors_as_one_line():
         src = ctx.tier(local)
