@@ -37,7 +37,8 @@ from tiercheck.dist.job import Job
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
 from tiercheck.format.manifest import Manifest, RankPart, new_save_id, owners_bytes, shard_bytes
 from tiercheck.restore.agree import agree_on_step, settle
-from tiercheck.restore.plan import find_holders, plan_restore
+from tiercheck.restore.holders import find_holders
+from tiercheck.restore.plan import plan_restore
 from tiercheck.restore.protocol import manifest_for
 from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save

@@ -24,7 +24,8 @@ from tiercheck.format.manifest import RankPart, new_save_id, owners_bytes, shard
 from tiercheck.format.paths import part_file
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
-from tiercheck.restore.plan import find_holders, plan_restore
+from tiercheck.restore.holders import find_holders
+from tiercheck.restore.plan import plan_restore
 from tiercheck.restore.protocol import manifest_for
 from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save

@@ -20,7 +20,7 @@ import tiercheck
 from tests.conftest import assert_identical
 from tests.servers import SeaweedS3
 from tests.test_cli import s3_args
-from tiercheck import Checkpointer, RetentionOptions
+from tiercheck import Checkpointer, DrainOptions, RetentionOptions
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import read_marker
 from tiercheck.tiers.local import LocalTier
@@ -100,3 +100,21 @@ def test_a_drain_failing_on_a_file_remote_reports_the_librarys_error(tmp_path: P
             handle.drained.result(timeout=60)
         assert isinstance(info.value.__cause__, OSError)
         assert ck.steps() == [1]
+
+
+def test_a_damaged_local_step_is_never_read_from_a_remote_holding_another_save(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the rollback, B's step 3 has a truncated rank part; the remote's step 3 is A's (the
+    abandoned trajectory). The restore must not take A's step 3 for B's: it falls back to B's step 2."""
+    url, options = f"s3://{s3_bucket}/ckpt", s3_server.storage_options()
+    local = rolled_back(tmp_path, url, options)
+    part = local / step_dir(3) / "manifest" / "rank-000000.json"
+    part.write_bytes(part.read_bytes()[:20])
+    state = state_of(0)
+    # every=1000: the job's resumed drain leaves steps 2 and 3 alone while it restores.
+    with Checkpointer(state, local=local, remote=url, remote_options=options,
+                      drain=DrainOptions(every=1000)) as ck:  # fmt: skip
+        assert ck.restore() == 2
+    assert_identical(state, state_of(22))
+    assert any("holds another save of step 3" in r.getMessage() for r in caplog.records)

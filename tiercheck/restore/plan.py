@@ -2,9 +2,9 @@
 
 The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds closed by barriers:
 
-1. **Holders.** The first node holding each saving rank's files (its commit marker lists the rank)
-   claims it in the store, naming the node's ranks: they can read that rank's chunks and parts of
-   the manifest. The step's index goes into the store once.
+1. **Holders** (``restore.holders.find_holders``). The first node holding each saving rank's files
+   (its commit marker lists the rank) claims it in the store, naming the node's ranks: they can read
+   that rank's chunks and parts of the manifest. The step's index goes into the store once.
 2. **Fetch** (``fetch``): each rank gets the manifest files it needs, and no others: its saving
    rank's part (its state tree), then, only if the live state has entries that tree lacks (a
    pipeline stage moved), the other ranks' parts, then the array shards of the arrays its tree
@@ -24,171 +24,31 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chunks
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.layout import chunk_at
-from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
+from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import (
     JSON,
     ArrayRecord,
     ManifestIndex,
     RankPart,
-    check_file_save,
     parse_manifest_doc,
     parse_owners,
     parse_rank_part,
     parse_shard,
-    save_id_of,
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
-from tiercheck.format.steps import manifest_file, read_index, read_small
+from tiercheck.restore.holders import FileId, Step, holders_of, read_manifest_file
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
 
-FileId = tuple[str, int]  # ("rank" | "arrays" | "owners", saving rank)
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """What every rank knows of the chosen step once holders are known."""
-
-    step: int
-    index: bytes  # manifest.json as stored
-    format_version: int
-    world_size: int  # of the saving job
-    here: frozenset[int]  # saving ranks whose files this node holds
-    from_remote: bool  # the step is committed on the remote tier
-    claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
-    save_id: str | None = None  # format 5: every manifest file read must name this save
-
-
-def find_holders(
-    coord: Coordinator,
-    root: str,
-    tier: Tier,
-    nodes: Nodes,
-    step: int,
-    here: Sequence[int],
-    written: Sequence[int] = (),
-    *,
-    remote: Tier | None,
-    from_remote: bool,
-) -> Exchange[Step]:
-    """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
-    claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
-    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files.
-
-    The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
-    nothing when its manifest files are damaged and the remote tier has the step); the other ranks
-    of the node take ``here`` and ``written`` from it, so a node never disagrees with itself."""
-    index_key = coord.key(root, "index")
-    own: TiercheckError | None = None
-    claimed: list[str] = []
-    members = dumps(list(nodes.ranks))
-
-    def claim(ranks: Sequence[int]) -> None:
-        for w in ranks:
-            if coord.decide(coord.key(root, "holder", w), members) == members:
-                claimed.append(coord.key(root, "holder", w))
-
-    node_key = coord.key(root, "node", nodes.leader)
-    if coord.rank == nodes.leader:
-        try:
-            index = node_copy(tier, step, here, remote=remote if from_remote else None) if here else None
-            if index is None:
-                here, written = (), ()
-            if len(nodes.ranks) > 1:
-                coord.set(node_key, dumps({"here": sorted(here), "written": sorted(written)}))
-                claimed.append(node_key)
-            if index is not None:
-                if coord.decide(index_key, index.decode()) == index.decode():
-                    claimed.append(index_key)
-                claim(sorted(set(here) & set(written)))
-        except TiercheckError as e:
-            own = e
-            coord.report(f"{root}/holders", e)
-    yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
-    coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
-    if coord.rank != nodes.leader:
-        mine = json.loads(coord.get(node_key))
-        here, written = mine["here"], mine["written"]
-    copies = sorted(set(here) - set(written))
-    if copies and coord.rank == nodes.leader:
-        claim(copies)
-    yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
-    # The step's index: a node's (node_copy chose to use that node's files), else the remote's.
-    # TODO(save_id): with from_remote, nodes' files and the remote's are read side by side: check here
-    # that the remote COMMIT names the same save as this index (else use only one tier's files).
-    if coord.has(index_key):
-        index = coord.get(index_key)
-    elif from_remote and remote is not None:  # no node holds any of it
-        _, _, index = read_index(remote, step)
-    else:
-        raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
-    where = f"{tier.url}: step {step}"
-    doc = parse_manifest_doc(index, where=where, step=step)
-    world = saving_world_size(doc, index, where=where)
-    save = save_id_of(doc, where=where)
-    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed), save)
-
-
-def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:
-    """The step's index as this node holds it, when this node's copy of the step's manifest files
-    can be used: its ``manifest.json`` (checked against its commit marker) and the sealed parts,
-    arrays and owners files of the saving ranks ``here`` all read and check. Else, when ``remote``
-    (the step is committed there) is given, None: the node restores the step from the remote tier
-    as a node holding none of it, as a damaged chunk is read from there; without a remote tier,
-    the node's damage is the step's (``CorruptCheckpointError``), and the restore falls back.
-
-    The one place a restore chooses between a node's own manifest files and the remote tier's:
-    a node either uses all of its copy or none of it, never one tier's index with another's parts."""
-    where = f"{tier.url}: step {step}"
-    d = step_dir(step)
-    try:
-        _, doc, index = read_index(tier, step)
-        version = doc["format_version"]
-        save = save_id_of(doc, where=where)
-        if not whole_manifest(version):
-            world = saving_world_size(doc, index, where=where)
-            coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
-            for w in sorted(set(here)):
-                at = f"{where}: {part_file(w)}"
-                part = parse_rank_part(unseal(_read(tier, d, ("rank", w)), where=at), where=at, save=save)
-                coordinated.update(shard_of(p, world) for p in part.checksums)
-            for w in sorted(set(here)):
-                for kind in ("arrays", "owners") if has_packs(version) else ("arrays",):
-                    raw, at = _read(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
-                    if raw:
-                        check_file_save(unseal(raw, where=at), save, where=at)
-                    elif w in coordinated:
-                        raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-        if remote is None:
-            raise CorruptCheckpointError(str(e)) from None
-        log.warning("%s: this node's copy of the step is damaged, reading all of it from %s: %s", where, remote.url, e)
-        return None
-    # This node's files are used beside other nodes' and the remote tier's: every manifest file read
-    # in the restore is checked against the save of the index it goes by (``Step.save_id``), so a
-    # node or tier holding another save of the step number fails the step (and the restore falls back).
-    return index
-
-
-def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
-    """The restoring ranks that can read each of these saving ranks' files (none: only the remote)."""
-    wanted = sorted(set(saving))
-    keys = [coord.key(name, "holder", w) for w in wanted]
-    if remote:  # some saving ranks may be on no node: ask for each before reading
-        present = [(w, k) for w, k in zip(wanted, keys, strict=True) if coord.has(k)]
-    else:  # the step is whole across the nodes: every saving rank has a holder
-        present = list(zip(wanted, keys, strict=True))
-    values = coord.multi_get([k for _, k in present])
-    return {w: json.loads(v) for (w, _), v in zip(present, values, strict=True)}
 
 
 def fetch(
@@ -211,11 +71,11 @@ def fetch(
     own: TiercheckError | None = None
     try:
         for f in sorted(wanted - set(away)):
-            got[f] = _read(tier, d, f)
+            got[f] = read_manifest_file(tier, d, f)
         if st.from_remote and remote is not None:  # from a node where one holds them (a peer's copy too)
             held = holders_of(coord, root, {f[1] for f in away}, remote=True)
             for f in [f for f in away if f[1] not in held]:
-                got[f] = _read(remote, d, f)
+                got[f] = read_manifest_file(remote, d, f)
             away = [f for f in away if f[1] in held]
     except TiercheckError as e:
         own, away = e, []
@@ -233,7 +93,7 @@ def fetch(
                 if coord.has(want):
                     file_key = coord.key(name, "file", kind, w)
                     try:
-                        data = _read(tier, d, (kind, w))
+                        data = read_manifest_file(tier, d, (kind, w))
                     except TiercheckError as e:  # still answer: the asking rank must not wait forever
                         own, data = own or e, b""
                         coord.report(name, e)
@@ -249,16 +109,6 @@ def fetch(
     yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
     coord.delete(*served)
     return got
-
-
-def _read(tier: Tier, d: str, f: FileId) -> bytes:
-    kind, rank = f
-    try:
-        return read_small(tier, f"{d}/{manifest_file(kind, rank)}", where=tier.url)
-    except FileNotFoundError:
-        if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
-            return b""
-        raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(rank)} is missing from a committed step") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,14 +269,14 @@ def _coordinate_reads(
             if has_packs(st.format_version) and paths <= known.keys():
                 mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
             else:
-                raw = _read(source, d, ("arrays", s))
+                raw = read_manifest_file(source, d, ("arrays", s))
                 where = f"{source.url}: {d}/{shard_file(s)}"
                 if raw:
                     records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
                     for path, rec in records.items():
                         _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
                     mine.update(records)
-            raw = _read(source, d, ("owners", s))
+            raw = read_manifest_file(source, d, ("owners", s))
             where = f"{source.url}: {d}/{owners_file(s)}"
             owned = parse_owners(unseal(raw, where=where), where=where, save=st.save_id) if raw else {}
             for path, writers in owned.items():
@@ -514,7 +364,8 @@ def _checksums(
         if part is None:
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
-            part = parse_rank_part(unseal(_read(source, d, ("rank", owner)), where=where), where=where, save=st.save_id)
+            raw = unseal(read_manifest_file(source, d, ("rank", owner)), where=where)
+            part = parse_rank_part(raw, where=where, save=st.save_id)
         for path, key in chunks:
             if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")

@@ -35,8 +35,9 @@ from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
+from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
-from tiercheck.restore.plan import Step, fetch, find_holders, index_of, plan_restore
+from tiercheck.restore.plan import fetch, index_of, plan_restore
 from tiercheck.restore.read import deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes

@@ -1,0 +1,192 @@
+"""A restore's first round: which node holds each saving rank's files of the chosen step, and the
+step's index (``find_holders``). Each node uses all of its copy of the step's manifest files or
+none of it (``node_copy``); a damaged copy is read from the remote tier only where the remote holds
+the same save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
+from tiercheck.format.codec import unseal
+from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
+from tiercheck.format.manifest import (
+    check_file_save,
+    parse_manifest_doc,
+    parse_rank_part,
+    save_id_of,
+)
+from tiercheck.format.paths import part_file, step_dir
+from tiercheck.format.steps import manifest_file, read_index, read_marker, read_small
+from tiercheck.tiers.base import Tier
+
+log = logging.getLogger("tiercheck")
+
+FileId = tuple[str, int]  # ("rank" | "arrays" | "owners", saving rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What every rank knows of the chosen step once holders are known."""
+
+    step: int
+    index: bytes  # manifest.json as stored
+    format_version: int
+    world_size: int  # of the saving job
+    here: frozenset[int]  # saving ranks whose files this node holds
+    from_remote: bool  # the step is committed on the remote tier
+    claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
+    save_id: str | None = None  # format 5: every manifest file read must name this save
+
+
+def find_holders(
+    coord: Coordinator,
+    root: str,
+    tier: Tier,
+    nodes: Nodes,
+    step: int,
+    here: Sequence[int],
+    written: Sequence[int] = (),
+    *,
+    remote: Tier | None,
+    from_remote: bool,
+) -> Exchange[Step]:
+    """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
+    claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
+    holds (``here`` less those), for the ranks no node claimed: a rank's own node serves its files.
+
+    The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
+    nothing when its manifest files are damaged and the remote tier has the step); the other ranks
+    of the node take ``here`` and ``written`` from it, so a node never disagrees with itself."""
+    index_key = coord.key(root, "index")
+    own: TiercheckError | None = None
+    claimed: list[str] = []
+    members = dumps(list(nodes.ranks))
+
+    def claim(ranks: Sequence[int]) -> None:
+        for w in ranks:
+            if coord.decide(coord.key(root, "holder", w), members) == members:
+                claimed.append(coord.key(root, "holder", w))
+
+    node_key = coord.key(root, "node", nodes.leader)
+    if coord.rank == nodes.leader:
+        try:
+            index = node_copy(tier, step, here, remote=remote if from_remote else None) if here else None
+            if index is None:
+                here, written = (), ()
+            if len(nodes.ranks) > 1:
+                coord.set(node_key, dumps({"here": sorted(here), "written": sorted(written)}))
+                claimed.append(node_key)
+            if index is not None:
+                if coord.decide(index_key, index.decode()) == index.decode():
+                    claimed.append(index_key)
+                claim(sorted(set(here) & set(written)))
+        except TiercheckError as e:
+            own = e
+            coord.report(f"{root}/holders", e)
+    yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
+    coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
+    if coord.rank != nodes.leader:
+        mine = json.loads(coord.get(node_key))
+        here, written = mine["here"], mine["written"]
+    copies = sorted(set(here) - set(written))
+    if copies and coord.rank == nodes.leader:
+        claim(copies)
+    yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
+    # The step's index: a node's (node_copy chose to use that node's files), else the remote's. A
+    # node whose copy is damaged reads the remote's only where it is the same save (node_copy), and
+    # every manifest file read is checked against the save of the index the job goes by.
+    if coord.has(index_key):
+        index = coord.get(index_key)
+    elif from_remote and remote is not None:  # no node holds any of it
+        _, _, index = read_index(remote, step)
+    else:
+        raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
+    where = f"{tier.url}: step {step}"
+    doc = parse_manifest_doc(index, where=where, step=step)
+    world = saving_world_size(doc, index, where=where)
+    save = save_id_of(doc, where=where)
+    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed), save)
+
+
+def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:
+    """The step's index as this node holds it, when this node's copy of the step's manifest files
+    can be used: its ``manifest.json`` (checked against its commit marker) and the sealed parts,
+    arrays and owners files of the saving ranks ``here`` all read and check. Else, when ``remote``
+    (the step is committed there) is given, None: the node restores the step from the remote tier
+    as a node holding none of it, as a damaged chunk is read from there; without a remote tier,
+    the node's damage is the step's (``CorruptCheckpointError``), and the restore falls back.
+
+    The one place a restore chooses between a node's own manifest files and the remote tier's:
+    a node either uses all of its copy or none of it, never one tier's index with another's parts."""
+    where = f"{tier.url}: step {step}"
+    d = step_dir(step)
+    try:
+        _, doc, index = read_index(tier, step)
+        version = doc["format_version"]
+        save = save_id_of(doc, where=where)
+        if not whole_manifest(version):
+            world = saving_world_size(doc, index, where=where)
+            coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
+            for w in sorted(set(here)):
+                at = f"{where}: {part_file(w)}"
+                part = parse_rank_part(unseal(read_manifest_file(tier, d, ("rank", w)), where=at), where=at, save=save)
+                coordinated.update(shard_of(p, world) for p in part.checksums)
+            for w in sorted(set(here)):
+                for kind in ("arrays", "owners") if has_packs(version) else ("arrays",):
+                    raw, at = read_manifest_file(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
+                    if raw:
+                        check_file_save(unseal(raw, where=at), save, where=at)
+                    elif w in coordinated:
+                        raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        if remote is None:
+            raise CorruptCheckpointError(str(e)) from None
+        mine, theirs = _save_of(tier, step), _save_of(remote, step)
+        if mine is not None and theirs != mine:  # the remote's step of that number is another save's
+            raise CorruptCheckpointError(
+                f"{e}; and {remote.url} holds {'another save' if theirs else 'no whole copy'} of step {step} "
+                f"(save {theirs}, this node's is {mine})"
+            ) from None
+        log.warning("%s: this node's copy of the step is damaged, reading all of it from %s: %s", where, remote.url, e)
+        return None
+    # This node's files are used beside other nodes' and the remote tier's: every manifest file read
+    # in the restore is checked against the save of the index it goes by (``Step.save_id``), so a
+    # node or tier holding another save of the step number fails the step (and the restore falls back).
+    return index
+
+
+def _save_of(tier: Tier, step: int) -> str | None:
+    """The save ``tier``'s commit marker of ``step`` names; None where it names none or cannot
+    be read (a damaged marker says nothing of the save)."""
+    try:
+        return read_marker(tier, step).save_id
+    except (CorruptCheckpointError, CheckpointNotFoundError, OSError):
+        return None
+
+
+def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
+    """The restoring ranks that can read each of these saving ranks' files (none: only the remote)."""
+    wanted = sorted(set(saving))
+    keys = [coord.key(name, "holder", w) for w in wanted]
+    if remote:  # some saving ranks may be on no node: ask for each before reading
+        present = [(w, k) for w, k in zip(wanted, keys, strict=True) if coord.has(k)]
+    else:  # the step is whole across the nodes: every saving rank has a holder
+        present = list(zip(wanted, keys, strict=True))
+    values = coord.multi_get([k for _, k in present])
+    return {w: json.loads(v) for (w, _), v in zip(present, values, strict=True)}
+
+
+def read_manifest_file(tier: Tier, d: str, f: FileId) -> bytes:
+    kind, rank = f
+    try:
+        return read_small(tier, f"{d}/{manifest_file(kind, rank)}", where=tier.url)
+    except FileNotFoundError:
+        if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
+            return b""
+        raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(rank)} is missing from a committed step") from None
