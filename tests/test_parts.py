@@ -385,6 +385,27 @@ def test_restore_to_with_verify_replaces_a_damaged_committed_copy(tmp_path: Path
     (dst / step_dir(1) / pack_file(0)).write_bytes(bytes(raw))
     again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "damaged" in again.stderr and "copying it again" in again.stderr
-    assert f"ok: step 1 intact in {dst}" in again.stdout
+    assert "damaged" in again.stderr and "copying it again" in " ".join(again.stderr.split())
+    assert f"ok: step 1 intact in {dst}" in " ".join(again.stdout.split())
     assert_identical(tiercheck.load(str(dst)), big_state(10))
+
+
+def test_restore_to_of_a_damaged_newest_step_names_the_step_restore_would_use(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    local = tmp_path / "local"
+    state = big_state(11)
+    with Checkpointer(state, local=local) as ck:
+        ck.save(1)
+        ck.save(2)
+    pack = local / step_dir(2) / pack_file(0)
+    pack.write_bytes(pack.read_bytes()[: 5 * MiB])  # cut short
+    cli = [sys.executable, "-m", "tiercheck", "restore", str(local), "--to", str(tmp_path / "node")]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    said = " ".join(done.stderr.split())  # as one line, however the console wrapped it
+    assert done.returncode == 1
+    assert "restore() would fall back to step 1" in said and "--step 1" in said, said
+    again = subprocess.run([*cli, "--step", "1"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert_identical(tiercheck.load(str(tmp_path / "node"), step=1), big_state(11))

@@ -34,6 +34,7 @@ from tiercheck.cli.common import (
     typed_options,
 )
 from tiercheck.dist.lock import DirectoryLock
+from tiercheck.errors import CorruptCheckpointError
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
@@ -110,8 +111,11 @@ def restore_command(
                     return
                 err.print(f"step {n} in {dst.url} is damaged ({bad[0]}); copying it again", markup=False)
                 dst.delete(f"{step_dir(n)}/{COMMIT_FILE}")  # never kept: the copy below replaces it whole
-            with progress(ctx, f"step {n}", total_hint) as report:
-                result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+            try:
+                with progress(ctx, f"step {n}", total_hint) as report:
+                    result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{e}{_fallback_hint(src, n) if step == 'latest' else ''}") from None
         finally:
             if lock is not None:
                 lock.release()
@@ -126,6 +130,15 @@ def restore_command(
                     err.print(f"damaged: {line}", markup=False)
                 fail(f"{len(bad)} damaged chunk(s) in {dst.url} after the copy")
             out.print(f"ok: step {n} intact in {dst.url}")
+
+
+def _fallback_hint(src: Tier, n: int) -> str:
+    """What a job's restore() would do where the newest step ``n`` of ``src`` is damaged: the
+    newest older step whose manifest files read back whole, and the option that copies it."""
+    for older in reversed([s for s in list_steps(src).committed if s < n]):
+        if step_damage(src, older) is None:
+            return f"; restore() would fall back to step {older}, the newest older step whole there: --step {older}"
+    return "; no older step there reads back whole"
 
 
 def _parse_ranks(text: str) -> list[tuple[int, int]]:
