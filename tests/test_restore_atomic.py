@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import Checkpointer, CorruptCheckpointError, IncompatibleStateError, Shard, WriteOptions
+from tiercheck import Checkpointer, CorruptCheckpointError, IncompatibleStateError, Shard, StepExistsError, WriteOptions
 from tiercheck.format.paths import part_file
 
 from .conftest import assert_identical
@@ -427,3 +427,17 @@ def test_an_index_naming_another_world_size_is_refused_at_once_and_falls_back(
         assert ckpt.restore() == 1
     assert_identical(_snapshot(live), one)
     assert any("cannot restore step 2" in r.message and "saved by 2 rank(s)" in r.message for r in caplog.records)
+
+
+def test_a_set_aside_that_fails_says_why_the_save_is_refused(ckpt_dir: Path) -> None:
+    """``set-aside`` is a file (an operator's mistake): the damaged step 2 cannot be moved out of
+    the way, and the save of step 2 again is refused naming that cause, not as 'already committed'."""
+    _saved_steps(ckpt_dir)
+    _damage_last_chunk(ckpt_dir / "step-00000002")
+    (ckpt_dir / "set-aside").write_bytes(b"not a directory")
+    live = _trained(7)
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore() == 1
+        with pytest.raises(StepExistsError, match="could not be set aside to be saved again: .*Error"):
+            ckpt.save(2)
+    assert (ckpt_dir / "step-00000002" / "COMMIT").exists()  # the damaged step is left as it was

@@ -286,13 +286,11 @@ class Checkpointer:
         restore passed over (damaged, or not whole across the nodes), out of the way
         (``LocalSteps.set_aside``) instead of refusing the save or overwriting it. The node's
         leader moves it; its other ranks wait for its word before they write into that name."""
-        moved = self._coord.key("aside", self._restores, step, self._nodes.leader)
-        outcome = "ok"
+        moved, outcome = self._coord.key("aside", self._restores, step, self._nodes.leader), "ok"
         try:
             self._local.set_aside([step], {step: why})
-        except OSError as e:  # the save then refuses the number, as for any committed step
-            log.error("could not set aside step %d in %s: %s", step, self.tier.url, e)
-            outcome = "failed"
+        except OSError as e:  # the save then refuses the number, saying why (as every rank of the node)
+            outcome = f"{type(e).__name__}: {e}"
         if len(self.node_ranks) > 1:
             if self._leader:
                 self._coord.set(moved, outcome)
@@ -301,6 +299,8 @@ class Checkpointer:
                 outcome = self._coord.get(moved).decode()
         if outcome != "ok":
             self._local.add(step)
+            raise StepExistsError(f"step {step} in {self.tier.url}, passed over by the last restore ({why}), could "
+                                  f"not be set aside to be saved again: {outcome}")  # fmt: skip
 
     def wait_staged(self) -> None:
         """Block until the latest save's host copy is complete (the state may then change)."""
