@@ -165,3 +165,40 @@ def _merged(root: Path, world: int) -> LocalTier:
     for k in range((world + PER_NODE - 1) // PER_NODE):
         shutil.copytree(root / f"node{k}" / "step-00000001", merged / "step-00000001", dirs_exist_ok=True)
     return LocalTier(merged)
+
+
+def test_a_store_whose_host_is_gone_fails_with_the_librarys_error(tmp_path: Path) -> None:
+    """The process hosting the job's store (rank 0 with a tcp:// init, or the launcher) is killed:
+    every store call of the others is ``CoordinationError`` saying so, never torch's raw
+    ``DistNetworkError``."""
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.servers import free_port
+    from tiercheck.errors import CoordinationError
+
+    port = free_port()
+    ready = tmp_path / "ready"
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, pathlib, datetime, torch.distributed as d; "
+         f"s = d.TCPStore('127.0.0.1', {port}, 2, is_master=True, wait_for_workers=False, "
+         "timeout=datetime.timedelta(seconds=30)); s.set('up', '1'); "
+         f"pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"]
+    )  # fmt: skip
+    try:
+        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+        client.wait(["up"])
+        coord = Coordinator(client, rank=1, world_size=2, namespace="t", timeout_s=2)
+        coord.set("k", "v")
+    finally:
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+    # decide first: it waits for an answer (a set alone is sent without one, and can seem to succeed).
+    for call in (lambda: coord.decide("d", "go"), lambda: coord.add("n", 1), lambda: coord.append("a", "x"),
+                 lambda: coord.multi_set({"m": "1"}), lambda: coord.set("k", "w")):  # fmt: skip
+        with pytest.raises(CoordinationError, match="the job's store: the process hosting it"):
+            call()

@@ -29,7 +29,8 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -123,9 +124,22 @@ class Coordinator:
         except RuntimeError:  # torch's DistError is one
             return False
 
+    @contextmanager
+    def _reaching(self, what: str) -> Iterator[None]:
+        """The store's failures as ``CoordinationError``: torch raises ``DistNetworkError`` (a
+        ``RuntimeError``) when the process hosting the store (rank 0's, or the launcher's) is gone."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise CoordinationError(
+                f"rank {self.rank}: could not {what} in the job's store: the process hosting it (rank 0, or "
+                f"the launcher) is gone or unreachable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
+
     def decide(self, key: str, proposal: str) -> str:
         """First proposal wins; everyone learns the same outcome."""
-        got = bytes(self.store.compare_set(key, "", proposal)).decode()
+        with self._reaching(f"decide {key}"):
+            got = bytes(self.store.compare_set(key, "", proposal)).decode()
         self._count(out=len(key) + len(proposal), into=len(got))
         return got
 
@@ -154,22 +168,26 @@ class Coordinator:
         return values
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(key, value)
+        with self._reaching(f"set {key}"):
+            self.store.set(key, value)
         self._count(out=len(key) + len(value))
 
     def multi_set(self, items: Mapping[str, str | bytes]) -> None:
         if not items:
             return
-        self.store.multi_set(list(items), list(items.values()))
+        with self._reaching(f"set {len(items)} key(s)"):
+            self.store.multi_set(list(items), list(items.values()))
         self._count(out=sum(len(k) + len(v) for k, v in items.items()))
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to ``key``'s value (creating it): many ranks register at one key."""
-        self.store.append(key, value)
+        with self._reaching(f"append to {key}"):
+            self.store.append(key, value)
         self._count(out=len(key) + len(value))
 
     def add(self, key: str, n: int) -> int:
-        value = int(self.store.add(key, n))
+        with self._reaching(f"add to {key}"):
+            value = int(self.store.add(key, n))
         self._count(out=len(key) + 8, into=8)
         return value
 
