@@ -402,3 +402,18 @@ def test_restore_to_commits_no_copy_with_a_missing_or_damaged_source_chunk(
     assert "step-00000030/packs/rank-000000.bin" in proc.stderr or "step 30" in proc.stderr, proc.stderr
     assert said.get(damage, "(truncated)") in proc.stderr, proc.stderr
     assert list_steps(open_tier(str(target))).committed == []  # nothing incomplete is committed
+
+
+def test_verify_a_hostile_reference_map_names_the_map_not_the_chunks(saved: Path) -> None:
+    """Two entries of a reference map swapped (each points at the other chunk's range): the chunks are
+    intact, the map is what is damaged, and the summary says so."""
+    refs = saved / step_dir(20) / "refs" / "rank-000000.json"
+    doc = json.loads(refs.read_text())
+    keys = [k for k, v in doc["refs"].items() if isinstance(v, list)][:2]
+    doc["refs"][keys[0]], doc["refs"][keys[1]] = doc["refs"][keys[1]], doc["refs"][keys[0]]
+    refs.write_text(json.dumps(doc))
+    proc = run("verify", str(saved), "--step", "20", check=False)
+    assert proc.returncode == 1
+    last = " ".join(proc.stderr.split()).rsplit("tiercheck: error: ", 1)[-1]
+    assert last == f"1 damaged reference map in step 20 of {saved}", proc.stderr
+    assert proc.stderr.count("damaged: step 20: refs/rank-000000.json:") == 2  # each entry named

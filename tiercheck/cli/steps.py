@@ -34,7 +34,7 @@ from tiercheck.cli.common import (
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural, ranges
 from tiercheck.format.codec import chunk_nbytes
-from tiercheck.format.paths import step_dir
+from tiercheck.format.paths import REFS_DIR, step_dir
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import short_packs, verify_step
@@ -238,9 +238,13 @@ def _steps(steps: list[int]) -> str:
 
 
 def _damage(lines: list[str]) -> str:
-    """What ``verify_step``'s problem lines are, counted: damaged chunks, damaged manifests, other problems."""
-    chunks = sum(" chunk " in line for line in lines)
-    manifests = sum(" chunk " not in line and "manifest" in line for line in lines)
-    others = len(lines) - chunks - manifests
-    counts = [(chunks, "damaged chunk"), (manifests, "damaged manifest"), (others, "other problem")]
+    """What ``verify_step``'s problem lines are, counted: damaged reference maps (``refs/``: plain
+    zarr's way in; they name chunks, which are not damaged for it), chunks, manifests, the rest."""
+    in_maps = [line for line in lines if f" {REFS_DIR}/" in line]
+    maps = len({line.split(f" {REFS_DIR}/", 1)[1].split(":", 1)[0] for line in in_maps})  # each map once
+    chunks = sum(" chunk " in line and f" {REFS_DIR}/" not in line for line in lines)
+    manifests = sum(" chunk " not in line and f" {REFS_DIR}/" not in line and "manifest" in line for line in lines)
+    others = len(lines) - len(in_maps) - chunks - manifests
+    counts = [(maps, "damaged reference map"), (chunks, "damaged chunk"), (manifests, "damaged manifest"),
+              (others, "other problem")]  # fmt: skip
     return ", ".join(plural(n, what) for n, what in counts if n)
