@@ -306,17 +306,17 @@ def copy_holds(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str 
     try:
         spans, end = pack_spans(src, step, f, size, save=save)
         if dst.local_path is not None:
-            for _ in pack_pieces(dst, path, spans, end, 64 << 20, f"{dst.url}: {path}"):
+            for _ in pack_pieces(dst, path, spans, end, dst.piece_bytes(end), f"{dst.url}: {path}"):
                 pass
             return True
         kept = dst.part_checksums(path)
         if kept is None:
             return False
         composite, part = kept
-        crcs = [checksum(p) for p in pack_pieces(src, path, spans, end, part, f"{src.url}: {path}")]
-        if composite_of(crcs) == composite:
+        ours = composite_of([checksum(p) for p in pack_pieces(src, path, spans, end, part, f"{src.url}: {path}")])
+        if ours == composite:
             return True
-        why = f"its parts' checksums are {composite}, the local pack's {composite_of(crcs)}"
+        why = f"its parts' checksums are {composite}, the local pack's {ours}"
     except (CorruptCheckpointError, OSError) as e:
         why = str(e)
     log.warning("%s: %s: the copy there does not check out (%s); copying it again", dst.url, path, why)
