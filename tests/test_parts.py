@@ -409,3 +409,17 @@ def test_restore_to_of_a_damaged_newest_step_names_the_step_restore_would_use(tm
     again = subprocess.run([*cli, "--step", "1"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert_identical(tiercheck.load(str(tmp_path / "node"), step=1), big_state(11))
+
+
+def test_a_big_write_and_a_big_piece_go_in_parts_of_the_part_size(store: Store) -> None:
+    """``write`` of an object of several parts, and a stream whose one piece is several parts, are
+    cut into ``part_bytes`` parts (S3 takes none over 5 GiB), and read back whole."""
+    tier = store.tier(part_bytes=5 * MiB)
+    data = os.urandom(13 * MiB + 7)
+    tier.write("w/one.bin", [data])
+    tier.write_stream("w/two.bin", lambda: iter([data[: 11 * MiB], data[11 * MiB :]]), size=len(data))
+    assert tier.read_bytes("w/one.bin") == data == tier.read_bytes("w/two.bin")
+    assert tier.counters["parts"] == 6  # 5 + 5 + 3 MiB each
+    if store.kind == "s3":
+        head = store.fs.call_s3("head_object", Bucket=store.name, Key="ckpt/w/one.bin", ChecksumMode="ENABLED")
+        assert head["ChecksumCRC32C"].endswith("-3"), head

@@ -94,14 +94,18 @@ def unfinished(fs: Any, prefix: str, names: set[str] | None) -> Iterator[PartUpl
 
 
 def parts_of(pieces: Iterable[Buffer], size: int) -> Iterator[Buffer]:
-    """``pieces`` as parts of at least ``size`` bytes (but the last): a piece that is one already
-    passes uncopied (what ``RemoteTier.piece_bytes`` asks the sources for); smaller ones are
-    gathered into one."""
+    """``pieces`` as parts of ``size`` bytes (the last may be shorter, and one gathered from small
+    pieces a little longer): a piece of that size passes uncopied (what ``RemoteTier.piece_bytes``
+    asks the sources for), a larger one as views of ``size``-byte slices, smaller ones gathered."""
     pending = bytearray()
     for piece in pieces:
         if not pending and len(piece) >= size:
-            yield piece
-            continue
+            view = memoryview(piece).cast("B")
+            whole = len(view) - len(view) % size
+            yield from (view[at : at + size] for at in range(0, whole, size))
+            if whole == len(view):
+                continue
+            piece = view[whole:]
         pending += piece
         if len(pending) >= size:
             yield pending

@@ -201,14 +201,13 @@ class RemoteTier(Tier):
         # bytes, not bytearray: azure-storage takes a bytearray for an iterable of ints. join returns a
         # lone bytes part itself, uncopied: what copies between tiers pass (from read_bytes).
         data = b"".join(parts)
-        kwargs: dict[str, Any] = {}
-        if len(data) >= 2 * self.part_bytes:  # big objects: a multipart upload, parts in parallel
-            kwargs = {"chunksize": self.part_bytes, "max_concurrency": self.part_concurrency}
-            if "adlfs" in type(self.fs).__module__:
-                kwargs = {"max_concurrency": self.part_concurrency}
         target = self._p(path)
+        upload = part_upload(self.fs, target) if len(data) >= 2 * self.part_bytes else None
+        if upload is not None:  # big objects: in parts, in flight under the tier's bound, as streams go
+            self._write_parts(path, upload, lambda: [data], part_size(self.part_bytes, len(data)))
+            return
         try:
-            self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data, **kwargs))
+            self._call(f"writing {path}", lambda: self.fs.pipe_file(target, data))
         except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
             raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
         with self._lock:
@@ -233,14 +232,17 @@ class RemoteTier(Tier):
         elif size is not None and size < 2 * self.part_bytes:
             self.write(path, list(pieces()))
         else:
-            try:
-                self._write_parts(path, upload, sourced(pieces), part_size(self.part_bytes, size))
-            except SourceError as e:  # the source's own failure (a rotten chunk, a file gone), as raised
-                raise e.args[0] from None
-            except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
-                raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
+            self._write_parts(path, upload, pieces, part_size(self.part_bytes, size))
 
     def _write_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
+        try:
+            self._send_parts(path, upload, sourced(pieces), part)
+        except SourceError as e:  # the source's own failure (a rotten chunk, a file gone), as raised
+            raise e.args[0] from None
+        except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
+            raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
+
+    def _send_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
         what = f"writing {path}"
         self._call(f"{what}: starting its {upload.kind}", upload.start)
 
