@@ -72,8 +72,8 @@ def restore_command(
     only when every file is there, so the job's restore() then reads locally. Interrupted, it
     resumes: packs a copy of the same save left in DIR are kept once read back and checked (any
     other file of the step there is copied again). With --verify, a step already committed in DIR
-    is verified, and copied again if damaged. It holds DIR's writer lock, as a job does: it refuses a directory
-    a job is writing, and a job cannot start there while it copies.
+    is verified, and copied again if damaged. It holds DIR's writer lock, as a job does: it
+    refuses a directory a job is writing, and a job cannot start there while it copies.
     """  # fmt: skip
     with errors_as_one_line():
         src = ctx.tier(source)

@@ -367,10 +367,7 @@ def pending_steps(local: Tier, local_steps: list[int], remote: Tier, every: int 
             continue
         try:
             there = read_marker(remote, step)
-        except CheckpointNotFoundError:
-            out.append(step)
-            continue
-        except CorruptCheckpointError:
+        except (CheckpointNotFoundError, CorruptCheckpointError):  # not there, or not known to be whole
             out.append(step)
             continue
         if save is not None and there.save_id != save:
