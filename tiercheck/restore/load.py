@@ -1,5 +1,5 @@
 """``load``: a committed step read into a plain nested dict of CPU tensors, with no live state and
-no other ranks (inspection, conversion, tests)."""
+no other ranks (inspection, conversion, tests); ``open_step``: the step such a reader starts from."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from tiercheck.dist.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.legacy import whole_manifest
-from tiercheck.format.manifest import ArrayRecord
+from tiercheck.format.manifest import ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import check_extents
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
 from tiercheck.state.flatten import gc_paused
+from tiercheck.tiers.base import Tier
 from tiercheck.tiers.remote import open_tier
 
 # --------------------------------------------------------------------------- load()
@@ -36,32 +37,9 @@ def load(
     ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
     hold every chunk: a step saved by ranks on several nodes is spread over their directories.
     """
-    root = os.fspath(path)
-    tier = open_tier(root, storage_options=storage_options)
-    if tier.local_path is not None and not tier.local_path.is_dir():
-        raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
-    committed = list_steps(tier).committed
-    if step is None and not committed:
-        raise CheckpointNotFoundError(f"{root!r} holds no committed step")
-    if step is None:
-        step = committed[-1]
-    elif step not in committed:
-        raise CheckpointNotFoundError(f"step {step} is not committed in {root!r} (committed: {fmt_steps(committed)})")
-    manifest = read_manifest(tier, step)
-    marker = read_marker(tier, step)
+    tier, step, manifest, marker = open_step(path, step, storage_options=storage_options)
     where = f"{tier.url}: step {step}"
     out: dict[str, Any] = {}
-    if set(marker.ranks) != set(range(marker.world_size)):
-        if not whole_manifest(manifest.format_version):  # the other ranks' parts of the manifest are elsewhere too
-            absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
-        else:
-            owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
-            absent = sorted(owners - set(marker.ranks))
-        if absent:
-            raise CheckpointNotFoundError(
-                f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
-                f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
-            )
     checked: list[bool] = []
 
     def backed_by_the_files(rec: ArrayRecord) -> None:
@@ -84,3 +62,38 @@ def load(
     move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
     apply(out, decoded, where=where)
     return out
+
+
+def open_step(
+    path: str | os.PathLike[str], step: int | None = None, *, storage_options: dict[str, Any] | None = None
+) -> tuple[Tier, int, Manifest, CommitMarker]:
+    """The tier at ``path``, the committed step (the newest where ``step`` is None), its manifest and
+    commit marker, for a reader that needs every chunk of the step in one process (``load``, exports).
+    Raises ``CheckpointNotFoundError`` where the step is not committed there, or where a node-local
+    directory lacks other nodes' chunks."""
+    root = os.fspath(path)
+    tier = open_tier(root, storage_options=storage_options)
+    if tier.local_path is not None and not tier.local_path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {root!r}")
+    committed = list_steps(tier).committed
+    if step is None and not committed:
+        raise CheckpointNotFoundError(f"{root!r} holds no committed step")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {root!r} (committed: {fmt_steps(committed)})")
+    manifest = read_manifest(tier, step)
+    marker = read_marker(tier, step)
+    where = f"{tier.url}: step {step}"
+    if set(marker.ranks) != set(range(marker.world_size)):
+        if not whole_manifest(manifest.format_version):  # the other ranks' parts of the manifest are elsewhere too
+            absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
+        else:
+            owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
+            absent = sorted(owners - set(marker.ranks))
+        if absent:
+            raise CheckpointNotFoundError(
+                f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
+                f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
+            )
+    return tier, step, manifest, marker

@@ -1,0 +1,15 @@
+"""Hugging Face safetensors in and out (needs the ``hf`` extra: ``pip install tiercheck[hf]``).
+
+* :func:`export` writes a committed step as a safetensors directory (``model-0000k-of-0000n.safetensors``
+  and ``model.safetensors.index.json``) that ``transformers``' ``from_pretrained``, vLLM, SGLang and
+  TGI load: every chunk verified on the way, in bounded memory, the directory appearing only whole.
+* :func:`load_pretrained` fills a training state (plain tensors, ``tiercheck.Shard``, DTensors) from
+  such a directory, local or remote, each rank reading only its slices; all or nothing.
+
+Modules: ``files`` (the format: headers, shard names, index), ``names`` (training names <-> Hugging
+Face names), ``export``, ``load``.
+"""
+
+from tiercheck.integrations.hf.export import ExportResult, export
+
+__all__ = ["ExportResult", "export"]

@@ -1,0 +1,359 @@
+"""``export``: a committed step as a Hugging Face safetensors directory, for inference servers and
+``transformers``' ``from_pretrained``.
+
+Each exported tensor is assembled from the step's chunks by the restore path's own reader
+(``restore.read.move_chunks``: every chunk's checksum verified, whatever TP/PP/DP/ZeRO layout saved
+it), a band of chunk rows at a time, into a reused buffer; cast if asked, and appended to its shard.
+Reading the next batch overlaps writing the last, and memory stays at two batches (``buffer_bytes``
+each, or one band of chunk rows where that is larger) whatever the model's size.
+
+The files are written by this module, not by ``safetensors.torch.save_file``: that takes every tensor
+of a shard in memory at once (``serialize_file`` wants a pointer to each tensor's data), while the
+format (a length, a JSON header, the bytes) lets a shard be written piece by piece once its header
+is known, which it is from the manifest before a byte is read.
+
+Nothing is left half-written: everything goes to a hidden directory beside the target (each shard
+under a temporary name, renamed when whole and synced), which is renamed to the target only once
+every file is whole; on any failure it is removed.
+"""
+
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercheck.dist.assign import assign_all_reads
+from tiercheck.format.codec import itemsize
+from tiercheck.format.manifest import ArrayRecord, CommitMarker
+from tiercheck.format.verify import check_extents
+from tiercheck.integrations.hf.files import INDEX_FILE, encode_header, index_document, parse_size, shard_name
+from tiercheck.integrations.hf.names import NameMap, exported_arrays
+from tiercheck.restore.load import open_step
+from tiercheck.restore.read import move_chunks
+from tiercheck.restore.stage import ReadItem
+from tiercheck.state.flatten import torch_dtype
+from tiercheck.tiers.base import Tier
+
+CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what ``dtype`` converts; other dtypes stay
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportResult:
+    directory: str
+    step: int
+    files: list[str]  # shard files, in order
+    tensors: int
+    total_size: int  # bytes of tensor data, as the index's metadata says
+    seconds: float
+    buffer_bytes: int  # the most memory the export's buffers held at once
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    name: str  # the Hugging Face name
+    record: ArrayRecord
+    dtype: str  # as exported
+
+    @property
+    def nbytes(self) -> int:
+        return self.record.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Rows ``[lo, hi)`` of a tensor (all of a 0-d one)."""
+
+    tensor: _Tensor
+    lo: int
+    hi: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.tensor.record.shape
+        return (self.hi - self.lo, *shape[1:]) if shape else ()
+
+    @property
+    def stored_bytes(self) -> int:
+        return _numel(self.shape) * itemsize(self.tensor.record.dtype)
+
+    @property
+    def exported_bytes(self) -> int:
+        return _numel(self.shape) * itemsize(self.tensor.dtype)
+
+
+def export(
+    source: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    only: Iterable[str] = ("model",),
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    drop_prefix: str | None = None,
+    names: NameMap | None = None,
+    include: Iterable[str | os.PathLike[str]] = (),
+    storage_options: dict[str, Any] | None = None,
+    io_threads: int = 4,
+    buffer_bytes: int = 64 << 20,
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportResult:
+    """Write step ``step`` (the newest where None) of the checkpoint at ``source`` as a Hugging Face
+    safetensors directory ``to``: ``model-0000k-of-0000n.safetensors`` of at most ``max_shard_size``
+    each (a tensor larger than that alone in its file) and ``model.safetensors.index.json``, or one
+    ``model.safetensors``; ``to`` must not exist, or be empty.
+
+    ``source`` is a local directory holding every rank's chunks, or a remote URL (``s3://``,
+    ``az://``, ``file://``; ``storage_options`` go to fsspec). ``only``: the top-level entries of
+    the saved state to export (optimizer state only when named). ``dtype``: floating tensors
+    converted to it (``"bfloat16"``...). Names are mapped by ``drop_prefix`` and ``names``
+    (``hf.names``). ``include``: files copied in beside the shards (``config.json``, the
+    tokenizer's), which ``from_pretrained`` needs. ``progress(done, total)`` is called with bytes.
+    """
+    started = time.monotonic()
+    out_dtype = _dtype_name(dtype)
+    limit = parse_size(max_shard_size)
+    tier, step, manifest, marker = open_step(source, step, storage_options=storage_options)
+    where = f"{tier.url}: step {step}"
+    chosen = exported_arrays(manifest, only, drop_prefix=drop_prefix, names=names, where=where)
+    check_extents(tier, step, {p: manifest.arrays[p] for p in chosen.values()}, where=where)
+    tensors = [_Tensor(hf, rec, _cast_to(rec.dtype, out_dtype)) for hf, path in chosen.items()
+               for rec in (manifest.arrays[path],)]  # fmt: skip
+    shards = _shards(tensors, limit)
+    target = Path(to)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tiercheck-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    reader = _Reader(tier, step, manifest.arrays, marker, io_threads=io_threads, buffer_bytes=buffer_bytes)
+    total = sum(t.nbytes for t in tensors)
+    report = progress or (lambda done, total: None)
+    try:
+        files, weight_map = [], {}
+        done = 0
+        for i, shard in enumerate(shards):
+            name = shard_name(i, len(shards))
+            done = _write_shard(tmp / name, shard, reader, meta={"format": "pt"}, report=report, done=done, total=total)
+            files.append(name)
+            weight_map.update(dict.fromkeys((t.name for t in shard), name))
+        if len(shards) > 1:
+            _write_file(tmp / INDEX_FILE, index_document(weight_map, total))
+        for extra in include:
+            shutil.copyfile(extra, tmp / Path(extra).name)
+        _fsync_dir(tmp)
+        if target.exists():
+            target.rmdir()  # empty, checked above: rename replaces only what is not there
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        reader.close()
+    return ExportResult(
+        directory=str(target), step=step, files=files, tensors=len(tensors), total_size=total,
+        seconds=time.monotonic() - started, buffer_bytes=reader.peak_bytes,
+    )  # fmt: skip
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in CASTABLE:
+        raise ValueError(f"dtype {name!r}: export converts to one of {', '.join(CASTABLE)}")
+    return name
+
+
+def _cast_to(stored: str, out: str | None) -> str:
+    return out if out is not None and stored in CASTABLE else stored
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shards(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
+    """Tensors in order, cut into files of at most ``limit`` bytes (as ``save_pretrained`` does)."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _write_shard(
+    path: Path,
+    shard: list[_Tensor],
+    reader: _Reader,
+    *,
+    meta: dict[str, str],
+    report: Callable[[int, int], None],
+    done: int,
+    total: int,
+) -> int:
+    """One file, under a temporary name until it is whole and synced; returns the bytes done so far."""
+    header = encode_header([(t.name, t.dtype, t.record.shape, t.nbytes) for t in shard], meta)
+    part = path.with_name(path.name + ".partial")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(header))
+        with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-export") as writer:
+            pending: Future[None] | None = None
+            for batch, buffers in reader.batches(_pieces(shard, reader.buffer_bytes)):
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(_write_buffers, fd, buffers)
+                done += sum(p.exported_bytes for p in batch)
+                report(done, total)
+            if pending is not None:
+                pending.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(part, path)
+    return done
+
+
+def _write_buffers(fd: int, buffers: list[torch.Tensor]) -> None:
+    for b in buffers:
+        _write_all(fd, b.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pieces(shard: list[_Tensor], budget: int) -> Iterator[_Piece]:
+    """Each tensor in bands of whole chunk rows, as many rows as fit ``budget`` (one band at least)."""
+    for t in shard:
+        rec = t.record
+        if not rec.shape:
+            yield _Piece(t, 0, 1)
+            continue
+        band = rec.chunks[0]
+        row_bytes = _numel(rec.shape[1:]) * itemsize(rec.dtype)
+        rows = max(band, budget // max(row_bytes, 1) // band * band)
+        for lo in range(0, rec.shape[0], rows):
+            yield _Piece(t, lo, min(rec.shape[0], lo + rows))
+        if rec.shape[0] == 0:
+            yield _Piece(t, 0, 0)
+
+
+class _Reader:
+    """Pieces read into two alternating buffers (one being filled while the other is written)."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        step: int,
+        records: dict[str, ArrayRecord],
+        marker: CommitMarker,
+        *,
+        io_threads: int,
+        buffer_bytes: int,
+    ) -> None:
+        self.tier, self.step, self.records, self.io_threads = tier, step, records, io_threads
+        self.readable = [frozenset(marker.ranks)]
+        self.buffer_bytes = buffer_bytes
+        self._buffers: list[list[torch.Tensor]] = [[torch.empty(0, dtype=torch.uint8)] * 2 for _ in range(2)]
+        self._turn = 0
+        self.peak_bytes = 0
+
+    def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
+        """The turn's buffer ``which`` (0: as stored, 1: as exported), grown to ``nbytes``."""
+        bufs = self._buffers[self._turn]
+        if bufs[which].numel() < nbytes:
+            bufs[which] = torch.empty(nbytes, dtype=torch.uint8)
+            self.peak_bytes = max(self.peak_bytes, sum(b.numel() for pair in self._buffers for b in pair))
+        return bufs[which]
+
+    def batches(self, pieces: Iterable[_Piece]) -> Iterator[tuple[list[_Piece], list[torch.Tensor]]]:
+        """Pieces grouped up to the buffer's size, each group read and verified; with the tensors
+        holding the exported bytes (views of this turn's buffers, valid until the turn after next)."""
+        batch: list[_Piece] = []
+        size = 0
+        for piece in pieces:
+            n = _aligned(piece.stored_bytes)
+            if batch and size + n > self.buffer_bytes:
+                yield batch, self._read(batch)
+                batch, size = [], 0
+            batch.append(piece)
+            size += n
+        if batch:
+            yield batch, self._read(batch)
+
+    def _read(self, batch: list[_Piece]) -> list[torch.Tensor]:
+        stored = self._buffer(0, sum(_aligned(p.stored_bytes) for p in batch))
+        items, views, pos = [], [], 0
+        for p in batch:
+            rec = p.tensor.record
+            view = stored[pos : pos + p.stored_bytes].view(torch_dtype(rec.dtype)).view(p.shape)
+            pos += _aligned(p.stored_bytes)
+            views.append(view)
+            if view.numel():
+                offsets = (p.lo, *([0] * (len(rec.shape) - 1))) if rec.shape else ()
+                items.append(ReadItem(rec, view, offsets, fresh=True))
+        records = {i.record.path: i.record for i in items}
+        plan = assign_all_reads(records, [[i.need for i in items]], self.readable, read_once=True)
+        move_chunks(self.tier, self.step, records, items, plan.reads[0], plan.transfers, rank=0,
+                    io_threads=self.io_threads)  # fmt: skip
+        out = []
+        casts = [p for p in batch if p.tensor.dtype != p.tensor.record.dtype]
+        cast = self._buffer(1, sum(_aligned(p.exported_bytes) for p in casts)) if casts else None
+        pos = 0
+        for p, view in zip(batch, views, strict=True):
+            if p.tensor.dtype == p.tensor.record.dtype:
+                out.append(view)
+                continue
+            assert cast is not None
+            n = p.exported_bytes
+            converted = cast[pos : pos + n].view(torch_dtype(p.tensor.dtype)).view(p.shape)
+            converted.copy_(view)
+            out.append(converted)
+            pos += _aligned(n)
+        self._turn ^= 1
+        return out
+
+    def close(self) -> None:
+        self._buffers = []
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
