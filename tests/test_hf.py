@@ -1,0 +1,187 @@
+"""Hugging Face safetensors out of and into tiercheck (issue 44), with real ``transformers`` and
+``safetensors``: a tiny Llama built from a config (nothing downloaded), trained and saved
+tensor-parallel on 2 gloo ranks, exported, and loaded back by ``from_pretrained``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError
+from tiercheck.format.paths import step_dir
+from tiercheck.integrations import hf
+
+from .distributed import run_ranks
+from .ondisk import chunks_of, flip_chunk_byte
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")  # split dim 0
+ROW = ("o_proj", "down_proj")  # split dim 1
+
+
+def tiny_config() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def trained_model(seed: int = 0, steps: int = 3) -> Any:
+    """The same model and weights on every rank: a few AdamW steps on fixed tokens."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(tiny_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def tp_dim(name: str) -> int | None:
+    if any(k in name for k in COLUMN):
+        return 0
+    if any(k in name for k in ROW):
+        return 1
+    return None
+
+
+def tp_state(model: Any, rank: int, world: int) -> dict[str, Any]:
+    """The model's state_dict as this rank's tensor-parallel slices (norms replicated)."""
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        d = tp_dim(name)
+        if d is None:
+            out[name] = t.clone()
+            continue
+        n = t.shape[d] // world
+        offsets = [0] * t.dim()
+        offsets[d] = rank * n
+        out[name] = tiercheck.Shard(t.narrow(d, rank * n, n).clone(), global_shape=t.shape, offsets=offsets)
+    return out
+
+
+def _save_tp(rank: int, world: int, root: str) -> dict[str, torch.Tensor] | None:
+    model = trained_model()
+    state = {"model": tp_state(model, rank, world), "step": 3}
+    with tiercheck.Checkpointer(state, local=root) as ck:
+        ck.save(3).wait()
+    return {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor], Path]:
+    """Step 3 of the tiny Llama saved TP=2 by 2 ranks into one node directory; the trained weights;
+    a directory holding the model's config.json."""
+    root = tmp_path_factory.mktemp("tp2") / "ckpt"
+    weights = run_ranks(_save_tp, 2, str(root), timeout=180)[0]
+    config = tmp_path_factory.mktemp("config")
+    tiny_config().save_pretrained(config)
+    return root, weights, config / "config.json"
+
+
+def test_tp_sharded_step_exports_to_from_pretrained_bit_identical(saved: Any, tmp_path: Path) -> None:
+    root, weights, config = saved
+    seen: list[tuple[int, int]] = []
+    result = hf.export(
+        root, tmp_path / "out", max_shard_size="40KB", include=[config], progress=lambda d, t: seen.append((d, t))
+    )
+    files = sorted(os.listdir(tmp_path / "out"))
+    assert len(result.files) > 2 and files == sorted([*result.files, "model.safetensors.index.json", "config.json"])
+    assert seen[-1] == (result.total_size, result.total_size)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert set(index["weight_map"]) == set(weights)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    loaded = model.state_dict()
+    assert set(loaded) == set(weights)
+    for name, t in weights.items():
+        assert torch.equal(loaded[name], t), name
+    reference = transformers.LlamaForCausalLM(tiny_config())
+    reference.load_state_dict(weights)
+    tokens = torch.arange(32).reshape(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
+    # safetensors' own reader agrees, file by file
+    for file in result.files:
+        for name, t in safetensors_torch.load_file(tmp_path / "out" / file).items():
+            assert index["weight_map"][name] == file
+            assert torch.equal(t, weights[name]), name
+
+
+def test_bf16_export_equals_the_cast(saved: Any, tmp_path: Path) -> None:
+    root, weights, _ = saved
+    result = hf.export(root, tmp_path / "out", dtype=torch.bfloat16, buffer_bytes=4096)
+    assert result.files == ["model.safetensors"]
+    got = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(weights)
+    for name, t in weights.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+    assert result.total_size == sum(t.numel() * 2 for t in weights.values())
+
+
+def test_names_map_prefix_and_only(saved: Any, tmp_path: Path) -> None:
+    root, weights, _ = saved
+    names = {"lm_head.weight": "output.weight", "norm.weight": None}  # after the prefix is dropped
+    hf.export(root, tmp_path / "out", drop_prefix="model.", names=names)
+    got = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    expected = {k.removeprefix("model."): v for k, v in weights.items() if k != "model.norm.weight"}
+    expected["output.weight"] = expected.pop("lm_head.weight")
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    with pytest.raises(IncompatibleStateError, match="no entry 'optimizer'.*holds: 'model', 'step'"):
+        hf.export(root, tmp_path / "other", only=["optimizer"])
+    with pytest.raises(IncompatibleStateError, match="would both be exported as 'x'"):
+        hf.export(root, tmp_path / "other", names=lambda n: "x")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_damaged_chunk_fails_the_export_and_leaves_no_directory(saved: Any, tmp_path: Path) -> None:
+    root, _, _ = saved
+    copy = tmp_path / "ckpt"
+    os.system(f"cp -a {root} {copy}")
+    step = copy / step_dir(3)
+    array = "model/model.layers.1.mlp.down_proj.weight"
+    flip_chunk_byte(step, array, chunks_of(step, array)[-1], 5)
+    with pytest.raises(CorruptCheckpointError, match=r"down_proj.*checksum|checksum.*down_proj"):
+        hf.export(copy, tmp_path / "out", max_shard_size="40KB")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # neither the target nor its hidden temporary
+
+
+def test_an_existing_directory_is_refused(saved: Any, tmp_path: Path) -> None:
+    root, _, _ = saved
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        hf.export(root, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    (tmp_path / "empty").mkdir()
+    hf.export(root, tmp_path / "empty")  # an empty one is filled
+    assert os.listdir(tmp_path / "empty") == ["model.safetensors"]
+
+
+def test_cli_export(saved: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from tiercheck.cli import main
+
+    root, weights, config = saved
+    args = ["export", str(root), "--step", "3", "--to", str(tmp_path / "out"), "--dtype", "bfloat16",
+            "--max-shard-size", "50KB", "--include", str(config)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "exported step 3: 21 tensors" in result.output and "peak RSS" in result.output
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in weights.items())
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 1 and "not an empty directory" in again.output

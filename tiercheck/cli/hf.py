@@ -1,0 +1,98 @@
+"""``tiercheck export``: a committed step out of tiercheck's format, as a Hugging Face safetensors
+directory that inference servers and ``from_pretrained`` load (``tiercheck.integrations.hf``)."""
+
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import click
+
+from tiercheck.cli.common import (
+    THREADS,
+    Context,
+    errors_as_one_line,
+    fail,
+    human,
+    out,
+    pass_context,
+    pick_step,
+    progress,
+    remote_options,
+    step_value,
+    typed_options,
+)
+
+
+@click.command("export")
+@click.argument("source", metavar="SRC")
+@click.option("--to", "target", required=True, metavar="DIR", help="A new (or empty) directory to write.")
+@click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
+    help="What to write: Hugging Face safetensors shards and their index.",
+)  # fmt: skip
+@click.option(
+    "--only", multiple=True, metavar="ENTRY",
+    help="A top-level entry of the saved state to export; repeatable. [default: model]",
+)  # fmt: skip
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Convert floating tensors.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE", help="e.g. 5GB, 500MB, 2GiB.")
+@click.option("--drop-prefix", metavar="PREFIX", help="Strip this from the start of every name (e.g. '_orig_mod.').")
+@click.option(
+    "--names", "names_file", metavar="MAP.json", type=click.Path(exists=True, dir_okay=False),
+    help="JSON object: training name -> Hugging Face name (null leaves a tensor out).",
+)  # fmt: skip
+@click.option(
+    "--include", multiple=True, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+    help="Copy this file in beside the shards (config.json, tokenizer files); repeatable.",
+)  # fmt: skip
+@click.option("--threads", type=THREADS, default=4, show_default=True, help="Concurrent chunk reads.")
+@remote_options
+@pass_context
+def export_command(
+    ctx: Context,
+    source: str,
+    target: str,
+    step: str,
+    fmt: str,
+    only: tuple[str, ...],
+    dtype: str | None,
+    max_shard_size: str,
+    drop_prefix: str | None,
+    names_file: str | None,
+    include: tuple[str, ...],
+    threads: int,
+) -> None:
+    """Write a committed step as a Hugging Face safetensors directory, for inference.
+
+    SRC must hold every rank's chunks: a remote URL, a single node's directory, or one filled by
+    `tiercheck restore`. Writes DIR/model-0000k-of-0000n.safetensors and
+    DIR/model.safetensors.index.json (or DIR/model.safetensors), every chunk verified on the way;
+    DIR appears only once whole. Names are the state's keys below the exported entry: a model
+    saved as {"model": model} gives its own state_dict names. from_pretrained also needs the
+    model's config.json: pass it with --include. Needs the hf extra (safetensors).
+    """  # fmt: skip
+    with errors_as_one_line():
+        n = pick_step(ctx.tier(source), step)
+        try:
+            from tiercheck.integrations import hf
+            from tiercheck.integrations.hf.names import read_name_map
+        except ImportError as e:
+            fail(f"{e}; install the hf extra: pip install 'tiercheck[hf]'")
+        names = read_name_map(names_file) if names_file else None
+        options: dict[str, Any] | None = typed_options(ctx.options) or None
+        with progress(ctx, f"step {n} -> {target}", 1) as report:
+            result = hf.export(
+                source, target, step=n, only=only or ("model",), dtype=dtype, max_shard_size=max_shard_size,
+                drop_prefix=drop_prefix, names=names, include=include, storage_options=options,
+                io_threads=threads, progress=report,
+            )  # fmt: skip
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rate = result.total_size / max(result.seconds, 1e-9)
+        out.print(
+            f"exported step {n}: {result.tensors} tensors, {human(result.total_size)} in {len(result.files)} "
+            f"file(s) to {result.directory} in {result.seconds:.1f} s ({human(rate)}/s); buffers "
+            f"{human(result.buffer_bytes)}, peak RSS {human(peak)}"
+        )
