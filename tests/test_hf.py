@@ -185,3 +185,105 @@ def test_cli_export(saved: Any, tmp_path: Path) -> None:
     assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in weights.items())
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 1 and "not an empty directory" in again.output
+
+
+# ------------------------------------------------------------------------------- load_pretrained
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A save_pretrained directory (sharded, with its index) and its weights."""
+    model = trained_model(seed=1, steps=1)
+    out = tmp_path_factory.mktemp("published")
+    model.save_pretrained(out, max_shard_size="50KB")
+    assert (out / "model.safetensors.index.json").exists()
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_load_pretrained_into_a_module_and_into_shards(published: Any) -> None:
+    directory, weights = published
+    model = transformers.LlamaForCausalLM(tiny_config())
+    filled = hf.load_pretrained(directory, model)
+    assert sorted(filled) == sorted(weights)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    # a rank's tensor-parallel slices, bf16 from the fp32 files only with cast=True
+    shards = tp_state(transformers.LlamaForCausalLM(tiny_config()), 1, 2)
+    before = {k: (v.local if isinstance(v, tiercheck.Shard) else v).clone() for k, v in shards.items()}
+    hf.load_pretrained(directory, {"model": shards}, drop_prefix="model.", names=lambda n: n)
+    for name, v in shards.items():
+        local = v.local if isinstance(v, tiercheck.Shard) else v
+        full = weights[name]
+        expected = full[tuple(slice(o, o + n) for o, n in zip(v.offsets, local.shape, strict=True))] if isinstance(v, tiercheck.Shard) else full
+        assert torch.equal(local, expected), name
+        assert not torch.equal(local, before[name]), name
+    half = {k: v.to(torch.bfloat16) for k, v in transformers.LlamaForCausalLM(tiny_config()).state_dict().items()}
+    with pytest.raises(IncompatibleStateError, match="float32.*bfloat16.*cast=True"):
+        hf.load_pretrained(directory, half)
+    hf.load_pretrained(directory, half, cast=True)
+    assert all(torch.equal(half[k], v.to(torch.bfloat16)) for k, v in weights.items())
+
+
+def test_load_pretrained_is_all_or_nothing(published: Any, tmp_path: Path) -> None:
+    directory, weights = published
+    state = {k: torch.zeros_like(v) for k, v in weights.items()}
+    state["extra.weight"] = torch.zeros(3)
+    with pytest.raises(IncompatibleStateError, match="'extra.weight' are not in the files"):
+        hf.load_pretrained(directory, state)
+    assert all(not v.any() for v in state.values())
+    assert hf.load_pretrained(directory, state, strict=False) == [k for k in state if k != "extra.weight"]
+    # a shard whose header claims bytes past its end: refused before anything is written
+    broken = tmp_path / "broken"
+    os.system(f"cp -a {directory} {broken}")
+    victim = json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    data = (broken / victim).read_bytes()
+    (broken / victim).write_bytes(data[: len(data) - 100])
+    fresh = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with pytest.raises(CorruptCheckpointError, match="past the end of the file"):
+        hf.load_pretrained(broken, fresh)
+    assert all(not v.any() for v in fresh.values())
+    index = broken / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "../escape.safetensors"}}))
+    with pytest.raises(tiercheck.errors.UnsafeCheckpointError, match="not a file of the directory"):
+        hf.load_pretrained(broken, fresh)
+
+
+def _load_3(rank: int, world: int, directory: str, ckpt: str) -> int:
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    weights = safetensors_full(directory)
+    state: dict[str, Any] = {}
+    for name, t in weights.items():
+        d = tp_dim(name)
+        if d == 0:  # DTensors: torch cuts 64 rows as 22, 22, 20
+            state[name] = distribute_tensor(torch.zeros_like(t), mesh, [DShard(0)])
+        elif d == 1:  # Shards of uneven width
+            lo, hi = t.shape[1] * rank // world, t.shape[1] * (rank + 1) // world
+            state[name] = tiercheck.Shard(torch.zeros(t.shape[0], hi - lo), global_shape=t.shape, offsets=(0, lo))
+        else:
+            state[name] = torch.zeros_like(t)
+    hf.load_pretrained(directory, state)
+    for name, v in state.items():
+        placed = tiercheck.state.sharding.placement_of(v, where=name)
+        local, _, offsets = placed
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
+        assert torch.equal(local, weights[name][box]), name
+    with tiercheck.Checkpointer({"model": state}, local=ckpt) as ck:  # then saved as usual
+        ck.save(1).wait()
+    return len(state)
+
+
+def safetensors_full(directory: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(f))
+    return out
+
+
+def test_load_pretrained_on_3_ranks_then_save_and_export(published: Any, tmp_path: Path) -> None:
+    directory, weights = published
+    assert run_ranks(_load_3, 3, str(directory), str(tmp_path / "ckpt"), timeout=180) == [len(weights)] * 3
+    hf.export(tmp_path / "ckpt", tmp_path / "again")
+    got = safetensors_torch.load_file(tmp_path / "again" / "model.safetensors")
+    assert set(got) == set(weights) and all(torch.equal(got[k], v) for k, v in weights.items())

@@ -7,9 +7,10 @@
   such a directory, local or remote, each rank reading only its slices; all or nothing.
 
 Modules: ``files`` (the format: headers, shard names, index), ``names`` (training names <-> Hugging
-Face names), ``export``, ``load``.
+Face names), ``export``, ``pretrained`` (``load_pretrained``).
 """
 
 from tiercheck.integrations.hf.export import ExportResult, export
+from tiercheck.integrations.hf.pretrained import load_pretrained
 
-__all__ = ["ExportResult", "export"]
+__all__ = ["ExportResult", "export", "load_pretrained"]

@@ -1,0 +1,217 @@
+"""``load_pretrained``: a training state's tensors filled from a Hugging Face safetensors directory
+(a published model, or one ``export`` wrote), to start training from it; the job then saves
+tiercheck steps as usual.
+
+Each rank reads only what its tensors hold: a ``tiercheck.Shard`` or DTensor reads its slice of
+the global tensor (locally through ``safetensors``' ``safe_open(...).get_slice``, which maps the
+file and touches only those pages; from an object store, one ranged read of the rows its slice
+spans). Every header, the index and each tensor's shape and dtype are checked against the state
+before a byte of tensor data is read; every slice is read into new memory, and the live tensors
+are written only once every rank has read all of its own (all or nothing, as ``restore()``).
+A safetensors file carries no checksums: what is checked is its structure, not its bytes.
+"""
+
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.integrations.hf.files import (
+    INDEX_FILE,
+    MAX_INDEX_BYTES,
+    SINGLE_FILE,
+    TensorEntry,
+    header_length,
+    parse_header,
+    parse_index,
+)
+from tiercheck.integrations.hf.names import NameMap, rename
+from tiercheck.state.flatten import dtype_name, is_stateful, torch_dtype
+from tiercheck.state.sharding import placement_of
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.remote import open_tier
+
+
+@dataclass(frozen=True, slots=True)
+class _Fill:
+    name: str  # the state's name
+    entry: TensorEntry
+    file: str
+    local: torch.Tensor  # the live tensor (this rank's slice)
+    offsets: tuple[int, ...]
+
+
+def load_pretrained(
+    source: str | os.PathLike[str],
+    state: Mapping[str, Any] | torch.nn.Module,
+    *,
+    drop_prefix: str | None = None,
+    names: NameMap | None = None,
+    strict: bool = True,
+    cast: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    io_threads: int = 8,
+    process_group: Any = None,
+) -> list[str]:
+    """Fill ``state``'s tensors from the safetensors directory ``source`` (local, or a remote URL:
+    ``s3://``, ``az://``, ``file://``). Returns the state names filled.
+
+    ``state`` is a module (its ``state_dict()``) or a mapping of names to plain tensors,
+    ``tiercheck.Shard``s and DTensors (a module or mapping in it counts under ``name.``). Each name
+    becomes a Hugging Face name as ``export`` maps it (``drop_prefix``, then ``names``; None: not
+    loaded). With ``strict``, every tensor must be in the files. A dtype that differs from the
+    file's is refused unless ``cast``. Under ``torch.distributed``, every rank of ``process_group``
+    calls this: none writes its tensors unless all read theirs.
+    """
+    where = os.fspath(source)
+    tier = open_tier(where, storage_options=storage_options)
+    try:
+        fills = _plan(tier, _tensors(state), drop_prefix=drop_prefix, names=names, strict=strict, cast=cast,
+                      where=where)  # fmt: skip
+        staged = _read_all(tier, fills, io_threads=io_threads, where=where)
+        error: BaseException | None = None
+    except (TiercheckError, OSError) as e:
+        error, staged = e, []
+    _agree(error, process_group)
+    with torch.no_grad():
+        for f, data in zip(fills, staged, strict=True):
+            f.local.copy_(data)
+    return [f.name for f in fills]
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Names to tensors, Shards and DTensors, modules and mappings opened under ``name.``."""
+    items: Mapping[str, Any] = state.state_dict() if is_stateful(state) else state
+    out: dict[str, Any] = {}
+    for k, v in items.items():
+        name = f"{prefix}{k}"
+        if is_stateful(v) or isinstance(v, Mapping):
+            out.update(_tensors(v, f"{name}."))
+        elif placement_of(v, where=name) is not None:
+            out[name] = v
+    return out
+
+
+def _plan(
+    tier: Tier,
+    tensors: dict[str, Any],
+    *,
+    drop_prefix: str | None,
+    names: NameMap | None,
+    strict: bool,
+    cast: bool,
+    where: str,
+) -> list[_Fill]:
+    """Each state tensor matched to its file entry, shapes and dtypes checked; nothing read yet."""
+    sizes = tier.sizes("")
+    if INDEX_FILE in sizes:
+        if sizes[INDEX_FILE] > MAX_INDEX_BYTES:
+            raise CorruptCheckpointError(f"{where}/{INDEX_FILE}: {sizes[INDEX_FILE]:,} bytes, beyond any index")
+        weight_map = parse_index(bytes(tier.read(INDEX_FILE)), where=f"{where}/{INDEX_FILE}")
+    elif SINGLE_FILE in sizes:
+        weight_map = None
+    else:
+        raise CheckpointNotFoundError(f"{where}: neither {INDEX_FILE} nor {SINGLE_FILE} is there")
+    wanted: dict[str, str] = {}  # HF name -> state name
+    for name in tensors:
+        hf = rename(name, drop_prefix=drop_prefix, names=names)
+        if hf is not None:
+            wanted[hf] = name
+    files = sorted({weight_map[n] for n in wanted if n in weight_map}) if weight_map is not None else [SINGLE_FILE]
+    entries: dict[str, tuple[str, TensorEntry]] = {}
+    for file in files:
+        if file not in sizes:
+            raise CorruptCheckpointError(f"{where}: {INDEX_FILE} names {file}, which is not there")
+        for n, e in _header(tier, file, sizes[file], where=f"{where}/{file}").items():
+            entries[n] = (file, e)
+    missing = sorted(n for n in wanted if n not in entries)
+    if missing and strict:
+        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise IncompatibleStateError(f"{where}: the state's tensors {shown} are not in the files")
+    fills = []
+    for hf, name in wanted.items():
+        if hf not in entries:
+            continue
+        file, entry = entries[hf]
+        placed = placement_of(tensors[name], where=name)
+        assert placed is not None
+        local, global_shape, offsets = placed
+        if tuple(global_shape) != entry.shape or (dtype_name(local.dtype) != entry.dtype and not cast):
+            raise IncompatibleStateError(
+                f"{where}/{file}: {hf}: the file has {entry.dtype}{list(entry.shape)}, the state's {name} "
+                f"{dtype_name(local.dtype)}{list(global_shape)}" + ("" if cast else " (cast=True converts dtypes)")
+            )
+        fills.append(_Fill(name, entry, file, local, tuple(offsets)))
+    return fills
+
+
+def _header(tier: Tier, file: str, size: int, *, where: str) -> dict[str, TensorEntry]:
+    n = header_length(bytes(tier.read_range(file, 0, 8)), where=where)
+    if 8 + n > size:
+        raise CorruptCheckpointError(f"{where}: header length {n:,} runs past the end of the file ({size:,} bytes)")
+    return parse_header(bytes(tier.read_range(file, 8, n)), size, where=where)
+
+
+def _read_all(tier: Tier, fills: list[_Fill], *, io_threads: int, where: str) -> list[torch.Tensor]:
+    """Every fill's slice, in new memory of the live tensor's dtype (and device)."""
+    local = tier.local_path
+    if local is not None:
+        from safetensors import safe_open
+
+        by_file: dict[str, list[int]] = {}
+        for i, f in enumerate(fills):
+            by_file.setdefault(f.file, []).append(i)
+        got: dict[int, torch.Tensor] = {}
+        for file, idx in by_file.items():
+            with safe_open(os.fspath(local / file), framework="pt") as handle:
+                for i in idx:
+                    f = fills[i]
+                    got[i] = _to_live(handle.get_slice(f.entry.name)[_box(f)] if f.entry.shape else
+                                      handle.get_tensor(f.entry.name), f)  # fmt: skip
+        return [got[i] for i in range(len(fills))]
+    with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tiercheck-hf-read") as pool:
+        return list(pool.map(lambda f: _read_remote(tier, f, where=where), fills))
+
+
+def _box(f: _Fill) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(f.offsets, f.local.shape, strict=True))
+
+
+def _read_remote(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
+    """One ranged read of the rows the slice spans, then the slice of those rows."""
+    shape, dtype = f.entry.shape, torch_dtype(f.entry.dtype)
+    row = f.entry.nbytes // max(shape[0], 1) if shape else f.entry.nbytes
+    lo, rows = (f.offsets[0], f.local.shape[0]) if shape else (0, 1)
+    if row == 0 or rows == 0:
+        return _to_live(torch.empty(f.local.shape, dtype=dtype), f)
+    data = tier.read_range(f.file, f.entry.start + lo * row, rows * row)
+    if len(data) != rows * row:
+        raise CorruptCheckpointError(f"{where}/{f.file}: {f.entry.name}: the file ends inside its data")
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+    t = t.view(rows, *shape[1:])[(slice(None), *_box(f)[1:])] if shape else t.view(())
+    return _to_live(t, f)
+
+
+def _to_live(t: torch.Tensor, f: _Fill) -> torch.Tensor:
+    """``t`` (new memory, read for this load) in the live tensor's dtype and device, ready to copy in."""
+    return t.to(device=f.local.device, dtype=f.local.dtype)
+
+
+def _agree(error: BaseException | None, group: Any) -> None:
+    """Raise this rank's error, or another rank's failure, before any rank writes a live tensor."""
+    if dist.is_available() and dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        flag = torch.tensor([0 if error is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if error is None and flag.item():
+            raise IncompatibleStateError("load_pretrained: another rank failed to read its tensors; none was written")
+    if error is not None:
+        raise error
