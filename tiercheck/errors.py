@@ -50,3 +50,8 @@ class CoordinationError(TiercheckError, RuntimeError):
 
 class RemoteStorageError(TiercheckError, OSError):
     """The remote tier refused (access denied, no such bucket) or kept failing past the retry limits."""
+
+
+class StateChangedError(TiercheckError, RuntimeError):
+    """A tensor staged lazily changed between ``save()`` and the end of its copy to host memory
+    (its version counter moved): that save fails rather than commit a torn step."""

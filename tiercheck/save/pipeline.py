@@ -21,7 +21,7 @@ from concurrent.futures import InvalidStateError, ThreadPoolExecutor
 
 import torch
 
-from tiercheck.errors import CoordinationError, StepExistsError
+from tiercheck.errors import CoordinationError, StateChangedError, StepExistsError
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
 from tiercheck.save.handle import SaveJob, WriteRequest
@@ -66,7 +66,8 @@ class Pipeline:
         self._inflight: dict[int, SaveJob] = {}
         self._inflight_lock = threading.Lock()
         self._idle = threading.Condition(self._inflight_lock)
-        self.counters = {"committed": 0, "failed": 0, "bytes_written": 0}
+        # state_changed: failed saves whose lazily staged state changed before it was copied (StateChangedError)
+        self.counters = {"committed": 0, "failed": 0, "state_changed": 0, "bytes_written": 0}
         self._stager = threading.Thread(target=self._stage_loop, name="tiercheck-stage", daemon=True)
         self._stager.start()
 
@@ -164,6 +165,7 @@ class Pipeline:
         if plan.tasks:
             job.pack = self.tier.open_pack(f"{d}/{pack_file(plan.rank)}")
         events: list[torch.cuda.Event] = []
+        on_device: list[Run] = []  # lazy runs copied on a side stream: checked once their copies are done
         if plan.n_eager == 0:
             job.eager_staged.set()
         for part, part_runs in zip(("eager", "lazy"), runs, strict=True):
@@ -173,29 +175,55 @@ class Pipeline:
             for run in part_runs:
                 if job.error is not None:
                     break
-                stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
-                region = self.pool.acquire(run.lead + run.nbytes)
-                try:
-                    outs, pieces = self._stage_run(job, run, region)
-                    copy_pieces(outs, pieces, stream)
-                except BaseException:
-                    self.pool.release(region)
-                    raise
-                event = None
-                if stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(stream)
+                event = self._copy_run(job, run, lazy=part == "lazy")
+                if event is not None:
                     events.append(event)
-                self._submit_write(job, WriteRequest(run.tasks[0].path, staged=(run, region), event=event))
+                    if part == "lazy":
+                        on_device.append(run)
             if part == "eager" and plan.n_eager:
                 self._wait_events(events)
                 job.eager_staged.set()
         self._wait_events(events)
+        if on_device and job.error is None:
+            # Counters move when a change is launched: one that did not move before the copies
+            # ended left them whole. Conservative: a change after a run's copy ended counts too.
+            error = job.changed((t for run in on_device for t in run.tasks), copying=True)
+            if error is not None:
+                self._fail(job, error)
         job.handle.timings["stage_s"] = time.perf_counter() - job.t_stage0
         job.eager_staged.set()
         if job.error is not None:
             raise job.error
         job.handle.staged.set_result(None)
+
+    def _copy_run(self, job: SaveJob, run: Run, *, lazy: bool) -> torch.cuda.Event | None:
+        """Copy ``run``'s chunks into the pool and hand them to the I/O threads; returns the event
+        after the copies on CUDA. The tensors of a lazy run are held to their version counters at
+        save() (``SaveJob.changed``) right before the copy and, on the CPU, right after it (on
+        CUDA once the copy has ended, in ``_stage``): a change fails the save, and bytes copied
+        from a changed tensor are never written."""
+        stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
+        region = self.pool.acquire(run.lead + run.nbytes)
+        try:
+            error = job.changed(run.tasks, copying=False) if lazy else None
+            if error is None:
+                outs, pieces = self._stage_run(job, run, region)
+                copy_pieces(outs, pieces, stream)
+                if lazy and stream is None:
+                    error = job.changed(run.tasks, copying=True)
+        except BaseException:
+            self.pool.release(region)
+            raise
+        if error is not None:
+            self.pool.release(region)
+            self._fail(job, error)
+            return None
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._submit_write(job, WriteRequest(run.tasks[0].path, staged=(run, region), event=event))
+        return event
 
     def _stage_run(self, job: SaveJob, run: Run, region: Region) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The (destination, source) pairs that copy ``run``'s chunks to their places in
@@ -344,6 +372,7 @@ class Pipeline:
                 log.exception("retention after step %d failed", job.step)
         except BaseException as e:
             self.counters["failed"] += 1
+            self.counters["state_changed"] += isinstance(e, StateChangedError)
             log.error("saving step %d to %s failed: %r", job.step, self.tier.url, e)
             self._remove_partial(job)
             if not h.staged.done():

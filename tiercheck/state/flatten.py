@@ -41,7 +41,7 @@ from tiercheck.errors import (
 )
 from tiercheck.format.codec import STORAGE_DTYPES
 from tiercheck.format.manifest import JSON, check_array_path
-from tiercheck.state.sharding import Shard, local_tensor, placement_of
+from tiercheck.state.sharding import Shard, is_dtensor, local_tensor, placement_of
 
 
 @runtime_checkable
@@ -81,6 +81,10 @@ class Leaf:
     lazy: bool  # may be copied after save() returns (changes only in optimizer.step())
     global_shape: tuple[int, ...]  # the whole array's shape (the tensor's own shape unless sharded)
     offsets: tuple[int, ...]  # where the tensor sits in the whole array
+    # A lazy leaf's live tensors whose version counters an in-place change to it moves: the tensor (for a
+    # module's parameter, the live parameter's local tensor: a DTensor's state_dict() aliases it with a
+    # counter of its own) and its DTensor (whose ops move the DTensor's counter, not the local tensor's).
+    watch: tuple[torch.Tensor, ...] = ()
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9._-]+")  # the characters _escape keeps as they are
@@ -116,6 +120,8 @@ class _Encoder:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
         self._paths: set[str] = set()
+        # The live parameters of the module being encoded (``_live_params``): what its lazy leaves watch.
+        self.live: dict[tuple[int, torch.Size], torch.Tensor] = {}
 
     def _path(self, parts: list[str]) -> str:
         base = "/".join(map(_escape, parts)) or "%00"
@@ -135,7 +141,13 @@ class _Encoder:
             if tensor.dtype not in _STORABLE:
                 raise UnsupportedValueError(f"{'/'.join(parts)}: tensors of dtype {tensor.dtype} cannot be stored")
             path = self._path(parts)
-            self.leaves.append(Leaf(path, tensor, "tensor", lazy(tensor), global_shape, offsets))
+            is_lazy = lazy(tensor)
+            watch: tuple[torch.Tensor, ...] = ()
+            if is_lazy:
+                live = self.live.get((tensor.data_ptr(), tensor.shape), tensor) if self.live else tensor
+                outer = type(obj) not in (torch.Tensor, torch.nn.Parameter) and is_dtensor(obj)
+                watch = (live, obj) if outer else (live,)
+            self.leaves.append(Leaf(path, tensor, "tensor", is_lazy, global_shape, offsets, watch))
             return {"$tensor": path}
         if type(obj) is dict:  # before the scalar checks: most nodes that are not tensors are dicts
             return self._mapping(obj, parts, lazy)
@@ -187,13 +199,19 @@ class _Encoder:
         return self.encode(key, [*parts, "<key>"], lambda t: False)
 
 
-def _lazy_predicate(obj: object) -> Callable[[torch.Tensor], bool]:
-    """Which tensors of a Stateful object change only inside ``optimizer.step()``."""
+def _live_params(obj: object) -> dict[tuple[int, torch.Size], torch.Tensor]:
+    """A module's parameters (their local tensors), by address and shape."""
+    if not isinstance(obj, torch.nn.Module):
+        return {}
+    return {(p.data_ptr(), p.shape): p for p in map(local_tensor, obj.parameters())}
+
+
+def _lazy_predicate(obj: object, params: Mapping[tuple[int, torch.Size], Any]) -> Callable[[torch.Tensor], bool]:
+    """Which tensors of a Stateful object change only inside ``optimizer.step()`` (``params``: ``_live_params``)."""
     if isinstance(obj, torch.optim.Optimizer):
         return lambda t: True
     if isinstance(obj, torch.nn.Module):
         # Parameters change only in the optimizer; buffers may change in forward (BatchNorm).
-        params = {(local_tensor(p).data_ptr(), local_tensor(p).shape) for p in obj.parameters()}
         return lambda t: (t.data_ptr(), t.shape) in params
     return lambda t: False
 
@@ -206,7 +224,10 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool) -> tuple[JSON, list
         if not isinstance(key, str):
             raise UnsupportedValueError(f"top-level state keys must be strings, got {key!r}")
         if is_stateful(value):
-            tree[key] = enc.encode(value.state_dict(), [key], _lazy_predicate(value))
+            entries = value.state_dict()  # first: what it does may move parameters (as FSDP's can)
+            enc.live = _live_params(value)
+            tree[key] = enc.encode(entries, [key], _lazy_predicate(value, enc.live))
+            enc.live = {}
         else:
             tree[key] = enc.encode(value, [key], lambda t: False)
     return tree, enc.leaves
