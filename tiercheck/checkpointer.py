@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -16,16 +14,15 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
+from tiercheck.dist.coordination import Coordinator, drive
 from tiercheck.dist.job import Job
-from tiercheck.dist.lock import DirectoryLock, lock_node
 from tiercheck.errors import StepExistsError
 from tiercheck.format.manifest import JSON, new_save_id
 from tiercheck.format.metadata import encode as encode_metadata
 from tiercheck.format.steps import list_steps
+from tiercheck.lifecycle import exit_deadline, start, unclosed
 from tiercheck.options import (
     DistributedOptions,
     DrainOptions,
@@ -43,47 +40,12 @@ from tiercheck.save.plan import PackPlan, leaf_descs, pack_plan, plan_save
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import HostPool
-from tiercheck.tiering.manager import TierManager
-from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import LocalTier
 from tiercheck.version import __version__
 
 __all__ = ["Checkpointer", "exit_deadline", "load"]
 
 log = logging.getLogger("tiercheck")
-
-_unclosed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # closed at interpreter exit (_close_at_exit)
-_exit_started: float | None = None
-
-
-def exit_deadline(timeout_s: float) -> float:
-    """At interpreter exit: when waiting must end, ``timeout_s`` after the first of tiercheck's exit hooks began
-    (the Checkpointers' and an integration's share one bound, not one each)."""
-    global _exit_started
-    if _exit_started is None:
-        _exit_started = time.monotonic()
-    return _exit_started + timeout_s
-
-
-def _close_at_exit() -> None:
-    """Close every Checkpointer left open (never closed, or a rank raised before its ``close()``): wait for its
-    saves and drains, for at most its ``DistributedOptions.timeout_s`` in all, and say what was abandoned. Left
-    to themselves, a commit waiting for a rank that failed, and the commits queued behind it, each waited
-    ``timeout_s`` while the interpreter joined their threads."""
-    for ckpt in list(_unclosed):
-        if ckpt._pid != os.getpid():  # the parent's, inherited by a fork: its threads are not here
-            continue
-        try:
-            ckpt._close_at_exit()
-        except Exception:
-            log.exception("closing the Checkpointer of %s at exit failed", ckpt.tier.url)
-
-
-# At threading's shutdown, before concurrent.futures joins its workers (the commit and upload threads):
-# registered after it (this module imports it first), so called before it.
-getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
-
 
 class Checkpointer:
     """Saves and restores one training state on a node-local tier, alone or as one rank of many.
@@ -124,41 +86,13 @@ class Checkpointer:
         self.distributed = distributed or DistributedOptions()
         self.drain_options = drain or DrainOptions()
         self.allow_pickle = allow_pickle
-        if os.path.exists(local) and not os.path.isdir(local):
-            raise NotADirectoryError(f"local tier {os.fspath(local)!r} exists and is not a directory")
-        self.tier = LocalTier(local, fsync=self.write.fsync, direct_io=self.write.direct_io)
-        self.tier.create()
-
         self.group = process_group
-        cooperate = self.distributed.enabled is not False and dist.is_available() and dist.is_initialized()
-        if self.distributed.enabled and not cooperate:
-            raise ValueError("DistributedOptions(enabled=True) but torch.distributed is not initialized")
-        if cooperate:
-            self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-            self._coord = Coordinator(
-                default_store(),
-                rank=self.rank,
-                world_size=self.world_size,
-                namespace=namespace_of(process_group),
-                timeout_s=self.distributed.timeout_s,
-            )
-        elif process_group is not None:
-            raise ValueError("process_group was given, but this Checkpointer does not cooperate with other ranks")
-        else:
-            self.rank, self.world_size = 0, 1
-            self._coord = Coordinator.single(self.distributed.timeout_s)
-        if self.world_size > 1 and self.staging.if_busy == "skip":
-            raise ValueError(
-                "StagingOptions(if_busy='skip') works in a single process only: ranks would decide differently"
-            )
-        # Ranks that see the same local directory are one node; its first rank commits and deletes there.
-        me = node_id(local) if self.world_size > 1 else "local"
-        self._nodes: Nodes = drive(self._coord, join_nodes(self._coord, me))
-        self.node_ranks = self._nodes.ranks
-        self._leader = self._nodes.leader == self.rank
-        # One writer per directory: before anything here is listed, removed or written.
-        self._dir_lock = DirectoryLock(self.tier.root)
-        drive(self._coord, lock_node(self._coord, self._nodes.leader, self._dir_lock))
+        s = start(local, process_group=process_group, skip_if_busy=self.staging.if_busy == "skip", write=self.write,
+                  retention=self.retention, distributed=self.distributed, drain=self.drain_options,
+                  replication=replication, remote=remote, remote_options=remote_options)  # fmt: skip
+        self.rank, self.world_size, self._coord, self._nodes = s.rank, s.world_size, s.coord, s.nodes
+        self.tier, self._dir_lock, self._local, self._tiers = s.tier, s.lock, s.local, s.tiers
+        self.node_ranks, self._leader = self._nodes.ranks, self._nodes.leader == self.rank
         self._bg_coord: Coordinator | None = None  # the commit thread's own store connection
 
         self.lazy = self.staging.mode == "lazy" or (
@@ -175,22 +109,6 @@ class Checkpointer:
         self._lock = threading.Lock()  # save() and restore() from several threads stay serialised
         self._closed = False
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
-        try:
-            self._local = LocalSteps(self.tier, self.retention, leader=self._leader)
-            self._tiers = TierManager(
-                self.tier,
-                self._local,
-                remote=remote,
-                remote_options=remote_options,
-                drain=self.drain_options,
-                replication=replication,
-                coord=self._coord,
-                nodes=self._nodes,
-                leader=self._leader,
-            )
-        except BaseException:
-            self._dir_lock.release()
-            raise
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
@@ -198,7 +116,7 @@ class Checkpointer:
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
             self._prefault()
         self._pid = os.getpid()  # a forked child (Megatron's async saves fork their caller) never closes it
-        _unclosed.add(self)
+        unclosed.add(self)  # closed at interpreter exit if still open then
 
     def _prefault(self) -> None:
         """Fault in a pool for the state as it is now (see ``save.prefault``)."""
@@ -541,7 +459,7 @@ class Checkpointer:
         if self._closed:
             return []
         self._closed = True
-        _unclosed.discard(self)
+        unclosed.discard(self)
         if self._hook is not None:
             self._hook.remove()
         self._drop_prefault()

@@ -52,6 +52,12 @@ class RemoteStorageError(TiercheckError, OSError):
     """The remote tier refused (access denied, no such bucket) or kept failing past the retry limits."""
 
 
+class StorageError(TiercheckError, OSError):
+    """The node-local directory refused a write tiercheck needs (a full disk or quota, a read-only
+    filesystem, no permission). ``errno`` is the operating system's (``ENOSPC``, ``EROFS``...); the
+    message names the directory, its free space where that is the cause, and what to do."""
+
+
 class StateChangedError(TiercheckError, RuntimeError):
     """A tensor staged lazily changed between ``save()`` and the end of its copy to host memory
     (its version counter moved): that save fails rather than commit a torn step."""

@@ -30,7 +30,7 @@ import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Generator, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from tiercheck.errors import CoordinationError
 from tiercheck.format.paths import NODE_FILE
+from tiercheck.tiers.refusals import storage_error
 
 
 log = logging.getLogger("tiercheck")
@@ -361,13 +362,17 @@ def node_id(local: str | os.PathLike[str]) -> str:
     except FileNotFoundError:
         pass
     tmp = path.with_name(f"{NODE_FILE}.{uuid.uuid4().hex}")
-    tmp.write_text(uuid.uuid4().hex + "\n")
     try:
-        os.link(tmp, path)  # atomic, and fails if another rank got there first
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+        try:
+            tmp.write_text(uuid.uuid4().hex + "\n")
+            os.link(tmp, path)  # atomic, and fails if another rank got there first
+        except FileExistsError:
+            pass
+        finally:
+            with suppress(FileNotFoundError):  # not even created, on a read-only directory
+                tmp.unlink()
+    except OSError as e:  # a full or read-only directory: no half-written name left behind either
+        raise storage_error(e, local, "write its node name file") from e
     return path.read_text().strip()
 
 

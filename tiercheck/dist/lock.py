@@ -13,6 +13,7 @@ holder in the error a second writer gets.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -22,8 +23,9 @@ import socket
 from pathlib import Path
 
 from tiercheck.dist.coordination import Coordinator, Exchange
-from tiercheck.errors import DirectoryInUseError
+from tiercheck.errors import DirectoryInUseError, StorageError, TiercheckError
 from tiercheck.format.paths import LOCK_FILE
+from tiercheck.tiers.refusals import storage_error
 
 _MAX_HOLDER_BYTES = 4096  # the holder's description we write is ~100 bytes; read no more of a stray file
 
@@ -36,8 +38,12 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock at once or raise ``DirectoryInUseError`` naming the holder."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        """Take the lock at once or raise ``DirectoryInUseError`` naming the holder; ``StorageError``
+        where the directory cannot be written (full, read-only), holding nothing then either."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise storage_error(e, self.path.parent, "lock it") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -50,13 +56,17 @@ class DirectoryLock:
                 "Two writers in one directory would overwrite each other's steps: stop the other job or "
                 "close its Checkpointer, or give this one another local directory"
             ) from None
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        try:
+            _write_holder(fd)
+        except BaseException as e:
+            # Closing drops the flock: a failed start holds nothing, and the next one (this process's
+            # too) takes the lock. The file stays, emptied: removing it would race a new holder.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise storage_error(e, self.path.parent, "write its lock file") from e
+            raise
         self._fd = fd
 
     def release(self) -> None:
@@ -72,6 +82,20 @@ class DirectoryLock:
         self.release()
 
 
+def _write_holder(fd: int) -> None:
+    """Name this process in the lock file, for the error a second writer gets."""
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    data = memoryview((json.dumps(me) + "\n").encode())
+    os.ftruncate(fd, 0)
+    written = 0
+    while written < len(data):  # a short write on a filling disk: the next one says why (ENOSPC)
+        written += os.pwrite(fd, data[written:], written)
+
+
 def _read_holder(fd: int) -> str:
     try:
         raw = os.pread(fd, _MAX_HOLDER_BYTES, 0)
@@ -81,19 +105,25 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-def lock_node(coord: Coordinator, leader: int, lock: DirectoryLock) -> Exchange[None]:
+def lock_node(
+    coord: Coordinator, leader: int, lock: DirectoryLock, *, failure: StorageError | None = None
+) -> Exchange[None]:
     """The node's ``leader`` takes ``lock``; every rank of the job learns whether it could, and all
-    raise the same ``DirectoryInUseError`` if one node's directory is taken, so no rank goes on alone."""
-    failure: DirectoryInUseError | None = None
-    if coord.rank == leader:
+    raise the same ``DirectoryInUseError`` if one node's directory is taken, so no rank goes on alone.
+    A rank whose directory could not be written (``StorageError``: full, read-only), at the lock or
+    given as the ``failure`` of its start before it, raises that; the others raise
+    ``CoordinationError`` naming it, at once instead of after waiting for it."""
+    failed: TiercheckError | None = failure
+    if failed is None and coord.rank == leader:
         try:
             lock.acquire()
-        except DirectoryInUseError as e:
-            failure = e
-            coord.report("lock", e)
+        except (DirectoryInUseError, StorageError) as e:
+            failed = e
+    if failed is not None:
+        coord.report("lock", failed)
     yield coord.arrive("lock/taken", what="every node's first rank to lock its directory")
     try:
-        coord.check("lock", failure, shared=(DirectoryInUseError,))
+        coord.check("lock", failed, shared=(DirectoryInUseError,))
     except BaseException:
         lock.release()
         raise

@@ -19,6 +19,7 @@ import numpy as np
 from tiercheck.errors import UnsafeCheckpointError
 from tiercheck.libc import MAP_FAILED, libc
 from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.refusals import storage_error
 
 STREAM_WRITERS = 2  # pieces a copy writes at once (``write_stream``), beside the one being read
 STREAM_PIECE_BYTES = 64 << 20  # and their size: from a remote tier, each read as ranged GETs in parallel
@@ -50,7 +51,12 @@ class LocalTier(Tier):
         return self.root
 
     def create(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise  # a file, or a link to nowhere, where the directory should be: not a storage fault
+        except OSError as e:
+            raise storage_error(e, self.root, "create it") from e
 
     def _abs(self, path: str, *, link_at_end: bool = False) -> Path:
         """``path`` under the root. Paths come from our own planning, but also from manifests read
