@@ -233,8 +233,11 @@ def _write_shard(
 
 
 def _write_buffers(fd: int, buffers: list[torch.Tensor]) -> None:
+    """Write a batch and make it durable before the next: the disk writes while the next batch is
+    read, rather than all at once at the shard's end (one fsync of 1 GiB took 0.5 s of a 2.1 s export)."""
     for b in buffers:
         _write_all(fd, b.reshape(-1).view(torch.uint8).numpy().data)
+    os.fdatasync(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
