@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import tiercheck
 from tiercheck import Checkpointer, CoordinationError, DistributedOptions, StorageError
+from tiercheck.cli import main
 from tiercheck.dist.coordination import node_id
 from tiercheck.format.paths import LOCK_FILE
 
@@ -123,6 +125,24 @@ def _partial_step(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _read_only_advice(message: str, root: Path) -> None:
+    assert str(root) in message, message
+    assert "tiercheck.load(" in message and "tiercheck restore" in message and "--to" in message, message
+
+
+def test_a_read_only_directory_is_refused_pointing_at_load_and_restore_to(tmp_path: Path, monkeypatch) -> None:
+    files = _partial_step(tmp_path)
+    before = _fds()
+    _fail_lock_open(monkeypatch, errno.EROFS)
+    with pytest.raises(StorageError) as e:
+        Checkpointer({"m": _state()}, local=tmp_path)
+    assert e.value.errno == errno.EROFS
+    _read_only_advice(str(e.value), tmp_path)
+    assert _fds() == before
+    # Nothing written or removed: the uncommitted step 2 is still there, the lock file unchanged.
+    assert {str(p.relative_to(tmp_path)): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == files
+
+
 def test_a_full_disk_refusing_to_remove_a_partial_step_at_start(tmp_path: Path, monkeypatch) -> None:
     """On a full copy-on-write filesystem (btrfs, ZFS) even a deletion can fail with ENOSPC."""
     _partial_step(tmp_path)
@@ -193,6 +213,10 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def _remount(where: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True)
+
+
 def _fill(where: Path) -> None:
     with open(where / "filler", "wb", buffering=0) as f:
         try:
@@ -234,3 +258,30 @@ def test_no_inode_left_when_the_directory_is_created(tmpfs) -> None:
     with pytest.raises(StorageError) as e:
         Checkpointer({"m": _state()}, local=fs / "ckpt")
     assert e.value.errno == errno.ENOSPC and str(fs / "ckpt") in str(e.value)
+
+
+def test_a_really_read_only_snapshot(tmpfs, tmp_path: Path) -> None:
+    fs = tmpfs(size="4m")
+    local = fs / "ckpt"
+    files = _partial_step(local)
+    (local / LOCK_FILE).unlink()  # a snapshot taken of a directory no Checkpointer had opened
+    del files[LOCK_FILE]
+    _remount(fs, "ro")
+    before = _fds()
+    with pytest.raises(StorageError) as e:
+        Checkpointer({"m": _state()}, local=local)
+    assert e.value.errno == errno.EROFS
+    _read_only_advice(str(e.value), local)
+    assert _fds() == before
+    with pytest.raises(StorageError, match=str(local)):
+        node_id(local)
+    # What the message points at works on the read-only copy.
+    assert torch.equal(tiercheck.load(local)["m"]["w"], _state()["w"])
+    copy = tmp_path / "writable"
+    result = CliRunner().invoke(main, ["restore", str(local), "--to", str(copy)])
+    assert result.exit_code == 0, result.output
+    state = {"m": {"w": torch.zeros(16)}}
+    with Checkpointer(state, local=copy) as ckpt:
+        assert ckpt.restore() == 1
+    assert torch.equal(state["m"]["w"], _state()["w"])
+    assert {str(p.relative_to(local)): p.read_bytes() for p in sorted(local.rglob("*")) if p.is_file()} == files

@@ -4,7 +4,11 @@ remove the partial steps a crash left, open the tiers.
 It either returns holding the directory, or raises holding nothing (no lock, no open file). Where
 one node's directory cannot be created, named or locked (a full disk, a read-only snapshot, another
 job's lock), every rank of the job raises at the lock, instead of waiting for the failed one for
-``DistributedOptions.timeout_s``.
+``DistributedOptions.timeout_s``. A directory that cannot be written raises ``StorageError``: a
+Checkpointer writes even to restore (the lock, the removal of partial steps), so a read-only copy is
+read with ``tiercheck.load``, or copied to a writable directory with ``tiercheck restore --to``
+first. Serving restores from a read-only directory instead would take a read-only mode through
+every start-up, restore and housekeeping path, each new write a new way to break it.
 
 At interpreter exit, the Checkpointers still open are closed, all within one bound
 (``unclosed``, ``exit_deadline``)."""

@@ -1,4 +1,4 @@
-"""A node-local directory's refusals (a full disk, a quota) as the library's
+"""A node-local directory's refusals (a full disk, a read-only mount, no permission) as the library's
 ``StorageError``: same ``errno``, and a message naming the directory, its free space where that is
 the cause, and what to do instead. A raw ``OSError`` names a file the user never chose (the lock,
 the node's name file) and says neither why tiercheck writes there nor how to go on."""
@@ -12,6 +12,7 @@ from pathlib import Path
 from tiercheck.errors import StorageError
 
 FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def storage_error(e: OSError, directory: str | os.PathLike[str], doing: str) -> StorageError:
@@ -25,6 +26,15 @@ def storage_error(e: OSError, directory: str | os.PathLike[str], doing: str) -> 
         message = (
             f"{where} is full: could not {doing} ({reason}; {free_space(where)}). "
             "Free some space there, or give the Checkpointer another local directory"
+        )
+    elif e.errno in UNWRITABLE and not os.path.isdir(where):
+        message = f"cannot create {where} ({reason}): give the Checkpointer a local directory it can write in"
+    elif e.errno in UNWRITABLE:
+        message = (
+            f"cannot write in {where} ({reason}), so a Checkpointer cannot {doing}: it locks its directory and "
+            "removes partial steps, even to restore. Make it writable; or read a step from this read-only copy "
+            f"with tiercheck.load({where!r}), or copy it to a writable directory DIR with "
+            f"`tiercheck restore {where} --to DIR` and give the Checkpointer local=DIR"
         )
     else:
         message = f"{where}: could not {doing}: {reason}"
