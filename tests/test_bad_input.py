@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ from tiercheck.errors import (
     TiercheckError,
     UnsupportedValueError,
 )
-from tiercheck.format.codec import checksum, seal, unseal
+from tiercheck.format.codec import STORAGE_DTYPES, checksum, seal, unseal
 from tiercheck.format.layout import chunk_at
 from tiercheck.format.paths import part_file, shard_file
 from tiercheck.format.steps import read_manifest
@@ -341,6 +342,27 @@ def _edit_shard(ckpt_dir: Path, path: str, field: str, value: object) -> None:
     shard.write_bytes(seal(json.dumps(doc).encode()))
 
 
+def _agree_with_shard(ckpt_dir: Path, path: str) -> None:
+    """Make the rest of step 3 say what its arrays file (edited by ``_edit_shard``) says of ``path``,
+    as a forger re-sealing every file would: its writer's part sizes its chunks so (``nbytes``), and
+    its reference map's ``zarr.json`` gives that dtype, shape and chunks. What is left to refuse the
+    record is the bytes the packs hold."""
+    step = ckpt_dir / "step-00000003"
+    rec = json.loads(unseal((step / shard_file(0)).read_bytes(), where="test"))["arrays"][path]
+    part = step / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    doc["nbytes"][path] = STORAGE_DTYPES[rec["dtype"]][1] * math.prod(rec["chunks"])
+    part.write_bytes(seal(json.dumps(doc).encode()))
+    refs = step / "refs" / "rank-000000.json"
+    doc = json.loads(refs.read_bytes())
+    array = json.loads(doc["refs"][f"{path}/zarr.json"])
+    array.update(shape=rec["shape"], data_type=STORAGE_DTYPES[rec["dtype"]][0])
+    array["chunk_grid"]["configuration"]["chunk_shape"] = rec["chunks"]
+    array["attributes"]["tiercheck"]["dtype"] = rec["dtype"]
+    doc["refs"][f"{path}/zarr.json"] = json.dumps(array)
+    refs.write_text(json.dumps(doc))
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -539,6 +561,11 @@ def test_sizes_in_the_arrays_file_are_bounded_by_the_packs_before_any_buffer(
     saved(ckpt_dir)
     for f in field.split("+"):
         _edit_shard(ckpt_dir, "model/b", f, value)
+    with pytest.raises(  # the arrays file alone: its writer's part sizes each chunk otherwise
+        CorruptCheckpointError, match=r"step 3: manifest/rank-000000\.json: array 'model/b': rank 0's part gives chunks"
+    ):
+        tiercheck.load(ckpt_dir, 3)
+    _agree_with_shard(ckpt_dir, "model/b")
     with pytest.raises(
         CorruptCheckpointError,
         match=r"step 3: array 'model/b' chunk c\.0: its [\d,]+ bytes at offset [\d,]+ \(the manifest's dtype, "
@@ -555,6 +582,7 @@ def test_a_chunk_larger_than_its_stored_file_allocates_only_what_is_stored(ckpt_
     saved(ckpt_dir)
     _edit_shard(ckpt_dir, "model/b", "shape", [2**26])
     _edit_shard(ckpt_dir, "model/b", "chunks", [2**26])
+    _agree_with_shard(ckpt_dir, "model/b")
     tier = LocalTier(ckpt_dir)
     rec = read_manifest(tier, 3).arrays["model/b"]
     tracemalloc.start()
@@ -572,6 +600,7 @@ def test_a_chunk_larger_than_its_stored_file_allocates_only_what_is_stored(ckpt_
 def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ckpt_dir: Path) -> None:
     saved(ckpt_dir)
     _edit_shard(ckpt_dir, "model/b", "chunks", [1])  # 64 chunks, of which the manifest names 1
+    _agree_with_shard(ckpt_dir, "model/b")
     proc = subprocess.run(
         [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from tiercheck.format.codec import checksum, unseal
+from tiercheck.format.extents import check_pack, check_sizes
 from tiercheck.format.legacy import saving_world_size
 from tiercheck.format.manifest import (
     JSON,
@@ -301,6 +302,7 @@ def assemble(
             continue
         if part is None:
             part = parse_rank_part(doc, where=here, save=index.save_id)
+            check_pack(part, rank, where=where)  # once per part: ``parts`` keeps it checked
             if parts is not None:
                 parts[rank] = part
         got[rank] = part
@@ -309,6 +311,8 @@ def assemble(
                 checksums[path].update(by_key)
             for path, by_key in part.offsets.items():
                 offsets[path].update(by_key)
+    for rank, part in got.items():  # what load and restore size their reads from: the record's chunks
+        check_sizes(part, rank, arrays, where=where)
     trees: list[JSON] = []
     tree_of_rank = [-1] * index.world_size
     seen: dict[str, int] = {}

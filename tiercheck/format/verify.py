@@ -10,22 +10,20 @@ chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
 
 from __future__ import annotations
 
-import errno
-import itertools
 import json
 import re
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
+from tiercheck.format.extents import check_extents
 from tiercheck.format.layout import grid_size, is_chunk_key
 from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import REFS_STAMP, ArrayRecord, Manifest, RankPart, check_save
-from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, pack_owner, refs_file, step_dir
+from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, refs_file, step_dir
 from tiercheck.format.replicas import read_replicas, replica_problems
 from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
@@ -105,12 +103,8 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                         bad.append(
                             f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
                         )
+                    # the part's size is the record's (extents.check_sizes, as read_manifest assembled them)
                     size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
-                    if rec is not None and size != chunk_nbytes(rec):  # load reads the record's size
-                        bad.append(
-                            f"step {step}: array {path!r}: rank {rank}'s part gives chunks of {size:,} bytes, its "
-                            f"record ({rec.dtype}, chunks {list(rec.chunks)}) {chunk_nbytes(rec):,}"
-                        )
                     for key in [k for k in crcs if not _is_key(k, rec)]:  # never a path to read
                         bad.append(f"step {step}: array {path!r}: rank {rank}'s part names {key!r}, not its chunk")
                         del crcs[key]
@@ -222,54 +216,6 @@ def check_refs(tier: Tier, step: int, rank: int, part: RankPart, *, save: str | 
         except OSError as e:
             bad.append(f"{where}: cannot read {pack_file(rank)}: {e.strerror or e}")
     return [f"step {step}: {b}" if not b.startswith("step ") else b for b in bad]
-
-
-def check_extents(tier: Tier, step: int, arrays: Mapping[str, ArrayRecord], *, where: str) -> None:
-    """Every chunk of ``arrays`` is one of its grid's, each grid chunk is named, and each lies
-    inside the file holding it, no two overlapping in a pack: ``CorruptCheckpointError`` naming
-    the file and the field when not. A reader sizing buffers from these records (a fresh ``load``
-    allocates whole arrays) then allocates at most what the step's files hold: an arrays file
-    declaring 600 million elements beside a pack of 16 KiB is refused here, before any buffer.
-    One read of a byte per file (its last needed one), no listing."""
-    spans: dict[str, list[tuple[int, int, str, str]]] = defaultdict(list)
-    for rec in arrays.values():
-        n = chunk_nbytes(rec) + CHECKSUM_BYTES
-        grid = grid_size(rec.shape, rec.chunks)
-        if len(rec.checksums) != grid or not all(is_chunk_key(k, rec.shape, rec.chunks) for k in rec.checksums):
-            raise CorruptCheckpointError(
-                f"{where}: array {rec.path!r}: the manifest names {len(rec.checksums):,} chunks, not the "
-                f"{grid:,} of its shape {list(rec.shape)} and chunks {list(rec.chunks)}"
-            )
-        for key in rec.checksums:
-            file, offset = rec.location(key)
-            spans[file].append((offset or 0, n, rec.path, key))
-    d = step_dir(step)
-    for file, ss in sorted(spans.items()):
-        ss.sort()
-        for (o, n, p, k), (o2, _, p2, k2) in itertools.pairwise(ss):
-            if o + n > o2:
-                raise CorruptCheckpointError(
-                    f"{where}: {file}: array {p!r} chunk {k} (offset {o:,}, {n:,} bytes) overlaps "
-                    f"array {p2!r} chunk {k2} (offset {o2:,})"
-                )
-        o, n, p, k = ss[-1]
-        try:
-            there = len(tier.read_range(f"{d}/{file}", o + n - 1, 1)) == 1
-        except TiercheckError:  # a symbolic link in its place: refused as what it is
-            raise
-        except FileNotFoundError:
-            kind = "pack" if pack_owner(file) is not None else "chunk"
-            missing = f"{where}: array {p!r} chunk {k}: its {kind} file is missing ({file})"
-            raise CorruptCheckpointError(missing) from None
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOVERFLOW):  # an offset past any file a system can hold
-                raise CorruptCheckpointError(f"{where}: cannot read {file}: {e.strerror or e}") from None
-            there = False
-        if not there:
-            raise CorruptCheckpointError(
-                f"{where}: array {p!r} chunk {k}: its {n:,} bytes at offset {o:,} (the manifest's dtype, "
-                f"chunks and offset) run past the end of {file} (truncated or damaged)"
-            )
 
 
 def _no_progress(done: int, total: int) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 from tiercheck.dist.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
+from tiercheck.format.extents import check_extents
 from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
-from tiercheck.format.verify import check_extents
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
 from tiercheck.state.flatten import gc_paused

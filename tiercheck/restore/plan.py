@@ -31,6 +31,7 @@ from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chu
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
+from tiercheck.format.extents import check_pack, check_sizes
 from tiercheck.format.layout import chunk_at
 from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import (
@@ -210,7 +211,7 @@ def _my_work(
             out_moves[tag] = Transfer(path, chunk, src, dst, tag, bool(shared))
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
-    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts).items():
+    for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts, recs).items():
         by_path[path][key] = crc
         if offset is not None:
             offsets[path][key] = offset
@@ -348,10 +349,12 @@ def _checksums(
     st: Step,
     owners_of: Mapping[tuple[str, str], int],
     parts: Mapping[int, RankPart],
+    records: Mapping[str, ArrayRecord],
 ) -> dict[tuple[str, str], tuple[int, int | None]]:
     """The checksum of each chunk this rank reads, and its offset in its writer's pack (format 4),
     from the writer's part of the manifest: in ``parts`` when parsed already, else on this node
-    (the reader is on the writer's node) or on the remote tier."""
+    (the reader is on the writer's node) or on the remote tier. Each part is checked as ``load``
+    checks it (``format.extents``): its chunks' sizes are their ``records``', none overlaps another."""
     out: dict[tuple[str, str], tuple[int, int | None]] = {}
     d = step_dir(st.step)
     by_owner: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -360,12 +363,16 @@ def _checksums(
     for owner, chunks in sorted(by_owner.items()):
         source = tier if owner in st.here else remote
         where = f"{(source or tier).url}: {d}/{part_file(owner)}"
+        at = f"{(source or tier).url}: step {st.step}"
         part = parts.get(owner)
         if part is None:
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(owner)} is on no tier this rank can read")
             raw = unseal(read_manifest_file(source, d, ("rank", owner)), where=where)
             part = parse_rank_part(raw, where=where, save=st.save_id)
+            check_pack(part, owner, where=at)  # one in ``parts`` was, when it was assembled
+        read = {path for path, _ in chunks}
+        check_sizes(part, owner, {p: records[p] for p in read if p in records}, where=at)
         for path, key in chunks:
             if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")

@@ -1,0 +1,111 @@
+"""Steps forged by hand and re-sealed (every checksum the format keeps recomputed, as an attacker or a
+careless tool with write access could): ``restore``, ``load`` and ``verify`` agree that such a step is
+damaged, name the file and the field, and a restore passes it over for the newest older whole step as
+it does a bad chunk (issue 42, items 11 and 12)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tiercheck
+from tests.conftest import assert_identical
+from tiercheck import Checkpointer, WriteOptions
+from tiercheck.cli import main
+from tiercheck.errors import CorruptCheckpointError
+from tiercheck.format.codec import seal, unseal
+from tiercheck.format.paths import part_file, shard_file, step_dir
+
+
+def save_steps_2_and_3(ckpt_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 2 and 3 of one rank, each of other values; ``w`` in 4 chunks of 4 KiB."""
+    states = {s: {"w": torch.randn(64, 64), "b": torch.randn(64)} for s in (2, 3)}
+    with Checkpointer(states[2], local=ckpt_dir, write=WriteOptions(chunk_bytes=4096)) as ck:
+        ck.save(2).wait()
+        ck.state = states[3]
+        ck.save(3).wait()
+    return states
+
+
+def reseal(file: Path, edit: object) -> None:
+    """Edit a sealed manifest file's document and seal it again."""
+    doc = json.loads(unseal(file.read_bytes(), where=str(file)))
+    edit(doc)  # type: ignore[operator]
+    file.write_bytes(seal(json.dumps(doc).encode()))
+
+
+def verify(ckpt_dir: Path, step: int) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", str(step)])
+    return result.exit_code, result.output
+
+
+def restores_step_2(ckpt_dir: Path, states: dict[int, dict[str, torch.Tensor]], message: str) -> None:
+    """A restore of step 3 is refused with ``message``; a restore of the newest whole step passes step 3
+    over for step 2, every tensor step 2's."""
+    live = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
+    with Checkpointer(live, local=ckpt_dir) as ck:
+        with pytest.raises(CorruptCheckpointError, match=message):
+            ck.restore(3)
+        assert ck.restore() == 2
+    assert_identical(live, states[2])
+
+
+def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_load_and_verify(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item 11: a rank part whose chunk takes another chunk's offset and CRC32C. load and verify
+    refused it (two chunks overlapping in the pack); restore read the other chunk's bytes, which
+    check out, into the tensor: mixed tensors. Restore now runs the same extent check."""
+    states = save_steps_2_and_3(ckpt_dir)
+
+    def point_at_first(doc: dict[str, dict[str, dict[str, int]]]) -> None:
+        first, second = sorted(doc["offset"]["w"])[:2]
+        doc["offset"]["w"][second] = doc["offset"]["w"][first]
+        doc["crc32c"]["w"][second] = doc["crc32c"]["w"][first]
+
+    reseal(ckpt_dir / step_dir(3) / part_file(0), point_at_first)
+    message = (
+        r"packs/rank-000000\.bin: array 'w' chunk c\.[\d.]+ \(offset [\d,]+, [\d,]+ bytes\) overlaps "
+        r"array 'w' chunk c\.[\d.]+ \(offset [\d,]+\)"
+    )
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    code, output = verify(ckpt_dir, 3)
+    assert code == 1 and re.search(message, output), output
+    restores_step_2(ckpt_dir, states, message)
+    warning = next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
+    assert re.search(message + r" \(the offsets in manifest/rank-000000\.json\)", warning), warning
+
+
+@pytest.mark.parametrize(
+    ("dtype", "message"),
+    [
+        # twice the bytes a chunk: the writer's part gives each chunk's size too
+        (
+            "float64",
+            r"manifest/rank-000000\.json: array 'w': rank 0's part gives chunks of 4,096 bytes, "
+            r"its record \(float64, chunks \[16, 64\]\) 8,192 \(the part's nbytes against the dtype",
+        ),
+    ],
+)
+def test_an_arrays_file_relabelling_a_dtype_is_damage_to_restore_load_and_verify(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture, dtype: str, message: str
+) -> None:
+    """Item 12: an arrays file relabelling float32 as another dtype, re-sealed. restore refused the
+    state as incompatible without trying the older step, load returned the relabelled tensor, and
+    verify called the step intact (int32). Now each names the file and field that contradict the
+    record, and restore falls back to step 2."""
+    states = save_steps_2_and_3(ckpt_dir)
+    reseal(ckpt_dir / step_dir(3) / shard_file(0), lambda doc: doc["arrays"]["w"].update(dtype=dtype))
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    code, output = verify(ckpt_dir, 3)
+    assert code == 1 and re.search(message, output), output
+    restores_step_2(ckpt_dir, states, message)
+    warning = next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
+    assert re.search(message, warning), warning
