@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import tiercheck
 from tests.conftest import assert_identical
+from tests.ondisk import resign_index
 from tiercheck import Checkpointer, WriteOptions
 from tiercheck.cli import main
 from tiercheck.errors import CorruptCheckpointError
@@ -85,6 +86,12 @@ def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_l
 @pytest.mark.parametrize(
     ("dtype", "message"),
     [
+        # as many bytes a chunk: only the array's zarr.json in its reference map still says float32
+        (
+            "int32",
+            r"refs/rank-000000\.json: 'w/zarr\.json' gives data_type 'float32', attributes\.tiercheck\.dtype "
+            r"'float32'; the record of manifest/arrays-000000\.json gives dtype 'int32'",
+        ),
         # twice the bytes a chunk: the writer's part gives each chunk's size too
         (
             "float64",
@@ -109,3 +116,20 @@ def test_an_arrays_file_relabelling_a_dtype_is_damage_to_restore_load_and_verify
     restores_step_2(ckpt_dir, states, message)
     warning = next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
     assert re.search(message, warning), warning
+
+
+def test_a_step_renamed_with_its_index_rewritten_is_refused_by_verify_and_load(ckpt_dir: Path) -> None:
+    """Item 12: step 3's directory renamed to step 5, its manifest.json and COMMIT rewritten to say 5
+    (and re-signed). verify called it intact; its reference map still says step 3."""
+    save_steps_2_and_3(ckpt_dir)
+    renamed = ckpt_dir / step_dir(5)
+    (ckpt_dir / step_dir(3)).rename(renamed)
+    marker = json.loads((renamed / "COMMIT").read_bytes())
+    (renamed / "COMMIT").write_text(json.dumps({**marker, "step": 5}))
+    index = json.loads((renamed / "manifest.json").read_bytes())
+    resign_index(renamed, json.dumps({**index, "step": 5}).encode())
+    message = r"refs/rank-000000\.json: its tiercheck\.step is 3, not this step \(5\)"
+    code, output = verify(ckpt_dir, 5)
+    assert code == 1 and re.search(message, output), output
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 5)

@@ -10,9 +10,8 @@ chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
@@ -22,10 +21,11 @@ from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, v
 from tiercheck.format.extents import check_extents
 from tiercheck.format.layout import grid_size, is_chunk_key
 from tiercheck.format.legacy import has_packs
-from tiercheck.format.manifest import REFS_STAMP, ArrayRecord, Manifest, RankPart, check_save
+from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, refs_file, step_dir
+from tiercheck.format.refmaps import document_problems, read_map, stamp_problem
 from tiercheck.format.replicas import read_replicas, replica_problems
-from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker, read_small
+from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker
 from tiercheck.tiers.base import Tier
 
 #: Given the bytes a check will read, a context (a progress bar) whose value is called with
@@ -95,7 +95,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
             parts = rank_parts(tier, step, held, save=manifest.save_id)
             if has_packs(manifest.format_version):
                 for rank, part in sorted(parts.items()):
-                    bad.extend(check_refs(tier, step, rank, part, save=manifest.save_id))
+                    bad.extend(check_refs(tier, step, rank, part, save=manifest.save_id, records=manifest.arrays))
             for rank, part in sorted(parts.items()):
                 for path, crcs in sorted(part.checksums.items()):
                     rec = manifest.arrays.get(path)
@@ -167,31 +167,31 @@ def _is_key(key: str, rec: ArrayRecord | None) -> bool:
     return CHUNK_KEY.fullmatch(key) is not None  # the record is on another node: the grammar at least
 
 
-def check_refs(tier: Tier, step: int, rank: int, part: RankPart, *, save: str | None) -> list[str]:
-    """A saving rank's reference map (``refs/rank-N.json``, read by plain zarr, never by tiercheck)
-    against its part: written by the step's save ``save`` (format 5), every entry is a
+def check_refs(
+    tier: Tier, step: int, rank: int, part: RankPart, *, save: str | None, records: Mapping[str, ArrayRecord]
+) -> list[str]:
+    """A saving rank's reference map (``refs/rank-N.json``, read by plain zarr; see ``refmaps``)
+    against its part: written by the step's save ``save`` for this step (format 5), every entry is a
     ``zarr.json`` document or a byte range of this rank's own pack in this step, exactly the range
     of a chunk the part names (offset, and size with its CRC32C), inside the pack; no absolute
-    path, no ``..``, no other file. Returns the problems."""
-    name, where = refs_file(rank), f"step {step}: {refs_file(rank)}"
+    path, no ``..``, no other file; and the documents of arrays in ``records`` agree with them.
+    Returns the problems."""
+    where = f"step {step}: {refs_file(rank)}"
     d = step_dir(step)
     try:
-        doc = json.loads(read_small(tier, f"{d}/{name}", where=f"{tier.url}: step {step}"))
-        if not isinstance(doc, dict) or not isinstance(doc.get("refs"), dict):
-            raise ValueError("no refs")
-        templates, refs = doc.get("templates"), doc["refs"]
-    except FileNotFoundError:
-        return [f"{where} is missing"] if part.offsets else []
-    except (ValueError, RecursionError, TiercheckError) as e:
-        return [f"{where}: not a reference map ({e})"]
-    try:
-        check_save(doc.get(REFS_STAMP), save, where=where)
+        doc = read_map(tier, step, rank, where=where)
     except CorruptCheckpointError as e:
         return [str(e)]
+    if doc is None:
+        return [f"{where} is missing"] if part.offsets else []
+    templates, refs = doc.get("templates"), doc["refs"]
+    stamp = stamp_problem(doc, step, save, where=where)
+    if stamp is not None:
+        return [stamp]
     if templates != {"u": "."}:
         return [f"{where}: its templates {templates!r} are not this step's ({{'u': '.'}})"]
     pack = "{{u}}/" + pack_file(rank)
-    bad: list[str] = []
+    bad: list[str] = document_problems(doc, rank, records, where=where)
     end = 0
     for key, ref in refs.items():
         if isinstance(ref, str):

@@ -10,8 +10,9 @@ from tiercheck.dist.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.extents import check_extents
-from tiercheck.format.legacy import whole_manifest
+from tiercheck.format.legacy import has_packs, whole_manifest
 from tiercheck.format.manifest import ArrayRecord, CommitMarker, Manifest
+from tiercheck.format.refmaps import check_documents
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
@@ -70,7 +71,8 @@ def open_step(
     """The tier at ``path``, the committed step (the newest where ``step`` is None), its manifest and
     commit marker, for a reader that needs every chunk of the step in one process (``load``, exports).
     Raises ``CheckpointNotFoundError`` where the step is not committed there, or where a node-local
-    directory lacks other nodes' chunks."""
+    directory lacks other nodes' chunks, and ``CorruptCheckpointError`` where the step's reference
+    maps name another step or contradict its arrays' records (``format.refmaps``), as ``verify`` says."""
     root = os.fspath(path)
     tier = open_tier(root, storage_options=storage_options)
     if tier.local_path is not None and not tier.local_path.is_dir():
@@ -96,4 +98,7 @@ def open_step(
                 f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
                 f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
             )
+    if has_packs(manifest.format_version):  # a map per saving rank here: each read once, before any buffer
+        for rank in sorted(marker.ranks):
+            check_documents(tier, step, rank, manifest.arrays, save=manifest.save_id, where=where)
     return tier, step, manifest, marker

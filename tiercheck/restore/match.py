@@ -103,10 +103,14 @@ def prepare(
     where: str,
     fresh: bool = False,
     before_allocating: Callable[[ArrayRecord], None] | None = None,
+    before_refusing: Callable[[ArrayRecord], None] | None = None,
 ) -> tuple[list[ReadItem], dict[str, Any]]:
     """Match the saved tree to the state: what to read into which tensor, and the decoded values.
     ``before_allocating`` is called with the record of each new array before it is allocated (a
-    fresh load checks there that its size is backed by the step's files).
+    fresh load checks there that its size is backed by the step's files); ``before_refusing`` with
+    the record of an array whose shape or dtype the live value does not have, before the state is
+    refused for it (a restore checks there that the step's own files agree with the record: one
+    that they contradict is the step's damage, raised as ``CorruptCheckpointError``, not the state's).
 
     Raises before anything is overwritten if a shape, dtype or key does not fit. With ``fresh``,
     ``state`` is an empty dict to take everything the tree holds, as new CPU tensors (``load``).
@@ -122,15 +126,21 @@ def prepare(
         here = f"{where}: {path}"
         # The live value decides how it is filled, as a tensor's device does: a tensor or numpy
         # array of the saved shape and dtype is written into, whichever of the two was saved.
-        view = _numpy_view(live, rec, where=here) if isinstance(live, np.ndarray) else None
-        live_placed = placement_of(live if view is None else view, where=here)
+        try:
+            view = _numpy_view(live, rec, where=here) if isinstance(live, np.ndarray) else None
+            live_placed = placement_of(live if view is None else view, where=here)
+            if live_placed is not None:
+                local, global_shape, offsets = live_placed
+                if global_shape != rec.shape or dtype_name(local.dtype) != rec.dtype:
+                    raise IncompatibleStateError(
+                        f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
+                        f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
+                    )
+        except IncompatibleStateError:
+            if before_refusing is not None:
+                before_refusing(rec)
+            raise
         if live_placed is not None:
-            local, global_shape, offsets = live_placed
-            if global_shape != rec.shape or dtype_name(local.dtype) != rec.dtype:
-                raise IncompatibleStateError(
-                    f"{here}: checkpoint has {rec.dtype}{list(rec.shape)}, "
-                    f"the state to restore into has {dtype_name(local.dtype)}{list(global_shape)}"
-                )
             items.append(ReadItem(rec, local, offsets, fresh=isinstance(live, FreshShard), borrowed=view is not None))
             return live
         if before_allocating is not None:

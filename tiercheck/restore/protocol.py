@@ -31,8 +31,9 @@ from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, drive, sha
 from tiercheck.dist.job import Job
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural
-from tiercheck.format.legacy import whole_manifest
-from tiercheck.format.manifest import Manifest, RankPart
+from tiercheck.format.legacy import has_packs, whole_manifest
+from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
+from tiercheck.format.refmaps import check_documents
 from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
@@ -259,8 +260,9 @@ def _restore_step(
                     raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
             tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
             items, decoded = prepare(
-                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where
-            )
+                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where,
+                before_refusing=_damaged_record(tier, remote, st),
+            )  # fmt: skip
         except TiercheckError as e:
             if coord.world_size == 1:
                 raise
@@ -358,6 +360,27 @@ def _restore_step(
         held_here=sorted(st.here),
         passed_over=_passed_over(choice, step) if requested is None else {},
     )
+
+
+def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[ArrayRecord], None]:
+    """What ``prepare`` asks before it refuses the live state for a record whose shape or dtype the
+    state does not have: whether the step's own files contradict that record. Its coordinator wrote
+    it twice, in its arrays file and as the array's zarr.json in its reference map: a record the
+    map contradicts (or a map of another step) is the step's damage, passed over for an older step
+    as a bad chunk is (``format.refmaps``), where the state is what the step was saved from. One
+    read of one map, on the way to refusing the state only; where this node holds the map, or the
+    step comes from the remote tier (a node holding neither refuses the state as before)."""
+
+    def check(rec: ArrayRecord) -> None:
+        if not has_packs(st.format_version):  # no maps before format 4
+            return
+        coordinator = shard_of(rec.path, st.world_size)
+        source = tier if coordinator in st.here else remote if st.from_remote else None
+        if source is not None:
+            where = f"{source.url}: step {st.step}"
+            check_documents(source, st.step, coordinator, {rec.path: rec}, save=st.save_id, where=where)
+
+    return check
 
 
 def _passed_over(choice: StepChoice, step: int) -> dict[int, str]:
