@@ -330,3 +330,17 @@ def test_export_from_and_load_from_an_object_store(
         local = v.local if isinstance(v, tiercheck.Shard) else v
         offsets = v.offsets if isinstance(v, tiercheck.Shard) else (0,) * local.dim()
         assert torch.equal(local, weights[name][tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))])
+
+
+def test_load_pretrained_fills_tied_weights_saved_once(tmp_path: Path) -> None:
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "tied")
+    assert "lm_head.weight" not in safetensors_full(str(tmp_path / "tied"))
+    torch.manual_seed(4)
+    fresh = transformers.LlamaForCausalLM(config)
+    hf.load_pretrained(tmp_path / "tied", fresh)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())

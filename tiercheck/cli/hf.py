@@ -13,7 +13,6 @@ from tiercheck.cli.common import (
     THREADS,
     Context,
     errors_as_one_line,
-    fail,
     human,
     out,
     pass_context,
@@ -72,15 +71,13 @@ def export_command(
     DIR/model.safetensors.index.json (or DIR/model.safetensors), every chunk verified on the way;
     DIR appears only once whole. Names are the state's keys below the exported entry: a model
     saved as {"model": model} gives its own state_dict names. from_pretrained also needs the
-    model's config.json: pass it with --include. Needs the hf extra (safetensors).
+    model's config.json: pass it with --include.
     """  # fmt: skip
     with errors_as_one_line():
         n = pick_step(ctx.tier(source), step)
-        try:
-            from tiercheck.integrations import hf
-            from tiercheck.integrations.hf.names import read_name_map
-        except ImportError as e:
-            fail(f"{e}; install the hf extra: pip install 'tiercheck[hf]'")
+        from tiercheck.integrations import hf  # torch: not imported for the other commands
+        from tiercheck.integrations.hf.names import read_name_map
+
         names = read_name_map(names_file) if names_file else None
         options: dict[str, Any] | None = typed_options(ctx.options) or None
         with progress(ctx, f"step {n} -> {target}", 1) as report:

@@ -1,4 +1,7 @@
-"""Hugging Face safetensors in and out (needs the ``hf`` extra: ``pip install tiercheck[hf]``).
+"""Hugging Face safetensors in and out, with no dependency beyond tiercheck's own: the format (a
+length, a JSON header, the bytes) is read and written here, streamed (``export``) and read into
+memory the load owns (``pretrained``), where the ``safetensors`` library would hold whole shards
+to write and map files to read.
 
 * :func:`export` writes a committed step as a safetensors directory (``model-0000k-of-0000n.safetensors``
   and ``model.safetensors.index.json``) that ``transformers``' ``from_pretrained``, vLLM, SGLang and

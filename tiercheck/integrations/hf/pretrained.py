@@ -2,12 +2,12 @@
 (a published model, or one ``export`` wrote), to start training from it; the job then saves
 tiercheck steps as usual.
 
-Each rank reads only what its tensors hold: a ``tiercheck.Shard`` or DTensor reads its slice of
-the global tensor (locally through ``safetensors``' ``safe_open(...).get_slice``, which maps the
-file and touches only those pages; from an object store, one ranged read of the rows its slice
-spans). Every header, the index and each tensor's shape and dtype are checked against the state
-before a byte of tensor data is read; every slice is read into new memory, and the live tensors
-are written only once every rank has read all of its own (all or nothing, as ``restore()``).
+Each rank reads only what its tensors hold: a ``tiercheck.Shard`` or DTensor reads the rows its
+slice spans (one read each, ranged GETs in parallel on an object store; a slice of columns reads
+its rows whole and keeps its part). Every header, the index and each tensor's shape and dtype are
+checked against the state before a byte of tensor data is read; every slice is read into new
+memory, and the live tensors are written only once every rank has read all of its own (all or
+nothing, as ``restore()``; a whole tensor then takes that memory over, as there: no copy).
 A safetensors file carries no checksums: what is checked is its structure, not its bytes.
 """
 
@@ -34,6 +34,7 @@ from tiercheck.integrations.hf.files import (
     parse_index,
 )
 from tiercheck.integrations.hf.names import NameMap, rename
+from tiercheck.restore.stage import copy_in
 from tiercheck.state.flatten import dtype_name, is_stateful, torch_dtype
 from tiercheck.state.sharding import placement_of
 from tiercheck.tiers.base import Tier
@@ -81,9 +82,8 @@ def load_pretrained(
     except (TiercheckError, OSError) as e:
         error, staged = e, []
     _agree(error, process_group)
-    with torch.no_grad():
-        for f, data in zip(fills, staged, strict=True):
-            f.local.copy_(data)
+    # as a restore hands its staged data over: a whole tensor takes the new memory over, others are copied into
+    copy_in([(f.local, data, True) for f, data in zip(fills, staged, strict=True)])
     return [f.name for f in fills]
 
 
@@ -132,7 +132,7 @@ def _plan(
             raise CorruptCheckpointError(f"{where}: {INDEX_FILE} names {file}, which is not there")
         for n, e in _header(tier, file, sizes[file], where=f"{where}/{file}").items():
             entries[n] = (file, e)
-    missing = sorted(n for n in wanted if n not in entries)
+    missing = sorted(n for n in wanted if n not in entries and not _tied(tensors, wanted[n], entries, wanted))
     if missing and strict:
         shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise IncompatibleStateError(f"{where}: the state's tensors {shown} are not in the files")
@@ -153,6 +153,20 @@ def _plan(
     return fills
 
 
+def _tied(tensors: dict[str, Any], name: str, entries: Mapping[str, Any], wanted: dict[str, str]) -> bool:
+    """Whether ``name``'s tensor is the very memory of another tensor the files hold (tied weights:
+    ``save_pretrained`` writes ``lm_head.weight`` tied to the embedding once), so it is filled too."""
+    placed = placement_of(tensors[name], where=name)
+    assert placed is not None
+    t = placed[0]
+    for hf, other in wanted.items():
+        if other != name and hf in entries:
+            o = placement_of(tensors[other], where=other)
+            if o is not None and o[0].data_ptr() == t.data_ptr() and o[0].shape == t.shape and t.numel():
+                return True
+    return False
+
+
 def _header(tier: Tier, file: str, size: int, *, where: str) -> dict[str, TensorEntry]:
     n = header_length(bytes(tier.read_range(file, 0, 8)), where=where)
     if 8 + n > size:
@@ -161,43 +175,37 @@ def _header(tier: Tier, file: str, size: int, *, where: str) -> dict[str, Tensor
 
 
 def _read_all(tier: Tier, fills: list[_Fill], *, io_threads: int, where: str) -> list[torch.Tensor]:
-    """Every fill's slice, in new memory of the live tensor's dtype (and device)."""
-    local = tier.local_path
-    if local is not None:
-        from safetensors import safe_open
-
-        by_file: dict[str, list[int]] = {}
-        for i, f in enumerate(fills):
-            by_file.setdefault(f.file, []).append(i)
-        got: dict[int, torch.Tensor] = {}
-        for file, idx in by_file.items():
-            with safe_open(os.fspath(local / file), framework="pt") as handle:
-                for i in idx:
-                    f = fills[i]
-                    got[i] = _to_live(handle.get_slice(f.entry.name)[_box(f)] if f.entry.shape else
-                                      handle.get_tensor(f.entry.name), f)  # fmt: skip
-        return [got[i] for i in range(len(fills))]
+    """Every fill's slice, read into new memory of the live tensor's dtype (and device)."""
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tiercheck-hf-read") as pool:
-        return list(pool.map(lambda f: _read_remote(tier, f, where=where), fills))
+        return list(pool.map(lambda f: _read_slice(tier, f, where=where), fills))
 
 
-def _box(f: _Fill) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(f.offsets, f.local.shape, strict=True))
+def _read_slice(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
+    """One read of the rows the slice spans, into new memory, then the slice of those rows.
 
-
-def _read_remote(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
-    """One ranged read of the rows the slice spans, then the slice of those rows."""
+    Read, not mapped (as ``safetensors.safe_open`` maps the file): a slice of a mapping is read from
+    disk only when it is copied into the live tensor, which would break all-or-nothing, and a
+    file cut short under the mapping kills the process with SIGBUS instead of raising."""
     shape, dtype = f.entry.shape, torch_dtype(f.entry.dtype)
     row = f.entry.nbytes // max(shape[0], 1) if shape else f.entry.nbytes
     lo, rows = (f.offsets[0], f.local.shape[0]) if shape else (0, 1)
     if row == 0 or rows == 0:
         return _to_live(torch.empty(f.local.shape, dtype=dtype), f)
-    data = tier.read_range(f.file, f.entry.start + lo * row, rows * row)
-    if len(data) != rows * row:
+    buf = torch.empty(rows * row, dtype=torch.uint8)
+    n, _ = tier.read_into(f.file, buf.numpy().data, offset=f.entry.start + lo * row, length=rows * row)
+    if n != rows * row:
         raise CorruptCheckpointError(f"{where}/{f.file}: {f.entry.name}: the file ends inside its data")
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
-    t = t.view(rows, *shape[1:])[(slice(None), *_box(f)[1:])] if shape else t.view(())
+    t = buf.view(dtype)
+    if not shape:
+        return _to_live(t.view(()), f)
+    t = t.view(rows, *shape[1:])
+    if tuple(f.local.shape[1:]) != shape[1:]:  # a slice across rows: keep only it, not the rows read
+        t = t[(slice(None), *_box(f)[1:])].contiguous()
     return _to_live(t, f)
+
+
+def _box(f: _Fill) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(f.offsets, f.local.shape, strict=True))
 
 
 def _to_live(t: torch.Tensor, f: _Fill) -> torch.Tensor:
