@@ -112,9 +112,14 @@ def node_dir(root: str, rank: int, ranks_per_node: int) -> str:
     return os.path.join(root, f"node{rank // ranks_per_node}")
 
 
-def _save(rank: int, world: int, layout: Layout, root: str, per_node: int, steps: list[int], seed: int) -> Any:
+def _save(
+    rank: int, world: int, layout: Layout, root: str, per_node: int, steps: list[int], seed: int, take_over: bool = False
+) -> Any:
+    """A job that saves ``steps`` of a state made from ``seed``; ``take_over``: in directories
+    holding an earlier job's steps, without restoring them (it starts a lineage of its own)."""
     state = model_state(layout, rank, seed=seed)
-    with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node)) as ck:
+    write = tiercheck.WriteOptions(take_over=take_over)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, per_node), write=write) as ck:
         for s in steps:
             ck.save(s, metadata={"note": "test"}).wait()
         return ck.stats()["plan_bytes_per_save"]
@@ -769,7 +774,7 @@ def test_a_step_passed_over_on_every_node_is_set_aside_when_the_run_saves_its_nu
     """One chunk of step 2 rotted on node 1: every rank falls back to step 1, and saving step 2
     again (on both nodes: node 0's copy is no whole step either) once raised StepExistsError."""
     run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [2], 2, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [2], 2, True, start_method="forkserver")
     step2 = tmp_path / "node1" / "step-00000002"
     written = step_parts(step2)[0].checksums
     path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)

@@ -101,6 +101,7 @@ def test_keep_last_counts_only_steps_under_their_own_name(ckpt_dir: Path, caplog
     shutil.copytree(ckpt_dir / step_dir(3), ckpt_dir / "step-000000009")
     steps = LocalSteps(LocalTier(ckpt_dir), RetentionOptions(keep_last=1), leader=True)
     assert steps.sorted() == [1, 2, 3]
+    steps.whole(3)  # the job committed (or restored) step 3: older steps may go
     steps.retain()
     assert steps.sorted() == [3]
     assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-000000009", "step-00000003"]
@@ -199,6 +200,7 @@ def test_asking_whether_a_step_exists_does_not_wait_for_retention_to_delete(ckpt
             ck.save(s).wait()
     tier = _HeldDeletes(ckpt_dir)
     steps = LocalSteps(tier, RetentionOptions(keep_last=1), leader=True)
+    steps.whole(3)
     deleting = threading.Thread(target=steps.retain)
     deleting.start()
     try:

@@ -40,6 +40,8 @@ from tiercheck.save.plan import PackPlan, leaf_descs, pack_plan, plan_save
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import HostPool
+from tiercheck.tiering import lineage
+from tiercheck.tiering.retention import set_aside_on_node
 from tiercheck.tiers.base import Tier
 from tiercheck.version import __version__
 
@@ -111,6 +113,7 @@ class Checkpointer:
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
+        self._owner = lineage.Owner(self._job, take_over=self.write.take_over)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
         self._prefaulter = Prefaulter()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
@@ -153,8 +156,9 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         metadata = encode_metadata(metadata)  # refused here, before anything is written
         with self._lock:
+            self._owner.before_save()  # may this run write where it saves? (tiering.lineage)
             if step in self._passed_over and step in self._local:
-                self._set_aside(step, self._passed_over.pop(step))
+                set_aside_on_node(self._local, self._job, step, self._passed_over.pop(step), restore=self._restores)
             if step in self._local:
                 raise StepExistsError(
                     f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
@@ -198,27 +202,6 @@ class Checkpointer:
                 wait_staged(handle)
             handle.timings["blocked_s"] = time.perf_counter() - t_call
             return handle
-
-    def _set_aside(self, step: int, why: str) -> None:
-        """Before saving ``step`` again: move the committed step of that number, which the last
-        restore passed over (damaged, or not whole across the nodes), out of the way
-        (``LocalSteps.set_aside``) instead of refusing the save or overwriting it. The node's
-        leader moves it; its other ranks wait for its word before they write into that name."""
-        moved, outcome = self._coord.key("aside", self._restores, step, self._nodes.leader), "ok"
-        try:
-            self._local.set_aside([step], {step: why})
-        except OSError as e:  # the save then refuses the number, saying why (as every rank of the node)
-            outcome = f"{type(e).__name__}: {e}"
-        if len(self.node_ranks) > 1:
-            if self._leader:
-                self._coord.set(moved, outcome)
-            else:
-                self._coord.wait([moved], what=f"rank {self._nodes.leader} to set aside step {step}")
-                outcome = self._coord.get(moved).decode()
-        if outcome != "ok":
-            self._local.add(step)
-            raise StepExistsError(f"step {step} in {self.tier.url}, passed over by the last restore ({why}), could "
-                                  f"not be set aside to be saved again: {outcome}")  # fmt: skip
 
     def wait_staged(self) -> None:
         """Block until the latest save's host copy is complete (the state may then change)."""
@@ -302,6 +285,7 @@ class Checkpointer:
         step = job.step
         self._tiers.committed(step, job.handle.replicated, job.handle.drained)
         self._local.add(step)
+        self._local.whole(step)  # committed: every rank's part is durable
         self._local.retain()
 
     # ------------------------------------------------------------------------------ restoring
@@ -380,6 +364,8 @@ class Checkpointer:
             self._counters.update(done.counters())
             self._passed_over = dict(done.passed_over)
             self._local.add(*self.steps())
+            self._local.whole(done.step)
+            self._owner.restored(from_remote=done.from_remote, restore=n)
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._tiers.populate(done.step)
             return done.step

@@ -24,6 +24,11 @@ class DirectoryInUseError(TiercheckError, RuntimeError):
     """Another writer (another job, or an open ``Checkpointer``) holds the node-local directory."""
 
 
+class LineageError(TiercheckError, RuntimeError):
+    """A local directory or remote prefix holds another run's steps, and this run did not restore
+    from it (it would replace them): use another place, restore from it, or take it over."""
+
+
 class CorruptCheckpointError(TiercheckError, ValueError):
     """Stored bytes do not match their checksum, or a manifest cannot be read."""
 

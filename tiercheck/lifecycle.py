@@ -106,6 +106,7 @@ def start(
             coord=coord,
             nodes=nodes,
             leader=leader,
+            take_over=write.take_over,
         )
     except BaseException:
         lock.release()

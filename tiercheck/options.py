@@ -74,6 +74,10 @@ class WriteOptions:
         where training saturates every core, 10 did not lower the stall and made saves durable
         later. Worth trying where data loaders or host-side work compete for the CPU. The
         staging copy is never niced: training waits for it.
+    take_over: write into a local directory or remote prefix that holds another lineage's steps
+        (another run's, which this one did not restore from), making it this run's. Without it the
+        first ``save()`` refuses with ``LineageError``. Its steps stay until retention deletes them;
+        steps this run saves under the same numbers replace them on the remote.
     """
 
     chunk_bytes: int = 64 * MiB
@@ -81,6 +85,7 @@ class WriteOptions:
     fsync: bool = True
     direct_io: bool = True
     nice: int = 0
+    take_over: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:

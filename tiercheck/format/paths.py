@@ -100,6 +100,8 @@ LOCK_FILE = ".tiercheck-lock"
 
 NODE_FILE = ".tiercheck-node"
 
+LINEAGE_FILE = "LINEAGE.json"  # at the root of a local directory or remote prefix: the lineage it belongs to
+
 DRAINED_PREFIX = "__drained."  # + first rank + .json: a node's files of the step are on the remote
 
 

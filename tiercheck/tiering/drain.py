@@ -64,6 +64,7 @@ class Drainer:
         node_ranks: tuple[int, ...],
         uploads: bool,
         on_settled: Callable[[], None] = lambda: None,
+        take_over: bool = False,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -72,6 +73,7 @@ class Drainer:
         self.node_ranks = node_ranks
         self.uploads = uploads
         self.on_settled = on_settled  # a drain finished or steps were skipped: local retention may act
+        self.take_over = take_over  # the remote prefix may hold another lineage's steps (lineage.check_remote)
         self._cond = threading.Condition()
         self._queue: dict[int, list[Future[bool]]] = {}
         self._current: int | None = None
@@ -311,7 +313,7 @@ class Drainer:
                 self.status["files_uploaded"] += 1
 
         assert self._pool is not None
-        result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count)
+        result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count, take_over=self.take_over)
         with self._cond:
             self.status["files_already_there"] += result.files_already_there
         committed = self.coord.key("drain", step, "remote-commit")

@@ -43,6 +43,7 @@ class TierManager:
         coord: Coordinator,
         nodes: Nodes,
         leader: bool,
+        take_over: bool = False,
     ) -> None:
         self.tier, self.local, self.options, self.leader = tier, local, drain, leader
         self.remote: Tier | None = None
@@ -70,6 +71,7 @@ class TierManager:
                 node_ranks=nodes.ranks,
                 uploads=leader,
                 on_settled=local.retain,
+                take_over=take_over,
             )
             if leader:
                 self.drainer.resume(local.sorted())

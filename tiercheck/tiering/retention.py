@@ -7,6 +7,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
+from tiercheck.dist.job import Job
+from tiercheck.errors import StepExistsError
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, set_aside_step, withdraw_step
 from tiercheck.format.verify import step_damage
@@ -50,7 +52,9 @@ class LocalSteps:
     node's first rank (``leader``) deletes, and at start removes partial steps (left by a crash);
     the other ranks only keep count. Steps ``pinned()`` names (still to be drained) are kept for a
     later pass. ``keep_last`` counts restorable steps only (``format.verify.step_damage``, the
-    cheap check: manifest files, not chunks); a damaged step is reported once, and kept."""
+    cheap check: manifest files, not chunks); a damaged step is reported once, and kept. Only
+    steps older than the newest step the whole job can restore (``whole``) are deleted: this node
+    cannot see the others' copies."""
 
     def __init__(self, tier: LocalTier, policy: RetentionOptions, *, leader: bool) -> None:
         self.tier = tier
@@ -59,6 +63,7 @@ class LocalSteps:
         self.pinned: Callable[[], set[int]] = set
         self._lock = threading.Lock()  # commits of overlapping saves finish on different threads
         self._damage: dict[int, str | None] = {}  # verdicts so far: a step's files are written once
+        self._floor: int | None = None  # the newest step the whole job can restore (``whole``)
         listing = list_steps(tier)
         if leader:
             for step in listing.partial:
@@ -82,6 +87,13 @@ class LocalSteps:
             for s in steps:
                 self._damage.pop(s, None)  # a step saved again, or copied in: judge it afresh
 
+    def whole(self, step: int) -> None:
+        """The whole job can restore ``step``: it committed it (every rank's part durable) or
+        restored it (every rank agreed on it). Retention deletes only steps older than the newest
+        such step: a step that looks whole here may be damaged on another node."""
+        with self._lock:
+            self._floor = step if self._floor is None else max(self._floor, step)
+
     def damage(self, step: int) -> str | None:
         """Why ``step`` cannot be restored from here (None: it can), judged once."""
         if step not in self._damage:
@@ -104,7 +116,8 @@ class LocalSteps:
         with self._lock:
             pinned = self.pinned()
             doomed = steps_to_delete(self._steps, self.policy, damage=self.damage)
-            gone = [old for old in doomed if old not in pinned]
+            floor = -1 if self._floor is None else self._floor
+            gone = [old for old in doomed if old not in pinned and old < floor]
             self._steps.difference_update(gone)  # pinned ones: still to be drained; a later pass deletes them
             for old in gone:
                 self._damage.pop(old, None)
@@ -135,3 +148,26 @@ class LocalSteps:
             self._steps.difference_update(mine)
             for s in mine:
                 self._damage.pop(s, None)
+
+
+def set_aside_on_node(local: LocalSteps, job: Job, step: int, why: str, *, restore: int) -> None:
+    """Before saving ``step`` again: move the committed step of that number, which the last
+    restore (the job's ``restore``-th) passed over (damaged, or not whole across the nodes), out
+    of the way (``LocalSteps.set_aside``) instead of refusing the save or overwriting it. The
+    node's leader moves it; its other ranks wait for its word before they write into that name."""
+    coord, nodes = job.coord, job.nodes
+    moved, outcome = coord.key("aside", restore, step, nodes.leader), "ok"
+    try:
+        local.set_aside([step], {step: why})
+    except OSError as e:  # the save then refuses the number, saying why (as every rank of the node)
+        outcome = f"{type(e).__name__}: {e}"
+    if len(nodes.ranks) > 1:
+        if coord.rank == nodes.leader:
+            coord.set(moved, outcome)
+        else:
+            coord.wait([moved], what=f"rank {nodes.leader} to set aside step {step}")
+            outcome = coord.get(moved).decode()
+    if outcome != "ok":
+        local.add(step)
+        raise StepExistsError(f"step {step} in {job.tier.url}, passed over by the last restore ({why}), could "
+                              f"not be set aside to be saved again: {outcome}")  # fmt: skip

@@ -29,6 +29,7 @@ from tiercheck.format.paths import (
     step_dir,
 )
 from tiercheck.format.steps import commit_step, read_marker, read_small
+from tiercheck.tiering.lineage import check_remote
 from tiercheck.tiering.transfer import (
     chunk_file_crcs,
     copy_chunk_file,
@@ -58,9 +59,13 @@ def upload_step(
     *,
     pool: ThreadPoolExecutor,
     on_file: Callable[[int], None] = lambda n: None,
+    take_over: bool = False,
 ) -> UploadResult:
     """Upload this node's files of a locally committed step, mark them drained, and commit the
-    step on the remote if every saving rank's files are now there. Resumable."""
+    step on the remote if every saving rank's files are now there. Resumable. The remote prefix
+    must belong to the local directory's lineage, or hold no step (``lineage.check_remote``),
+    unless ``take_over``."""
+    check_remote(local, remote, take_over=take_over)
     d = step_dir(step)
     marker = read_marker(local, step)
     save = marker.save_id

@@ -1,0 +1,259 @@
+"""Who may write to a local directory or remote prefix: the run continuing its lineage.
+
+A run continues a lineage only by restoring one of its steps (``restored``); a run that restored
+nothing starts a lineage of its own, named after itself. Before its first save a run checks the
+places it will write to (``settle``): one holding committed steps of another lineage, or of none
+(saved before lineages existed), is refused with ``LineageError``, naming both runs and the ways
+out, unless the run was told to take it over. A run that continues a lineage may replace its
+same-numbered steps (a rollback); a drain checks the remote prefix again before each step
+(``check_remote``), since another job may have claimed it meanwhile.
+
+Within one process, a directory's lineage is remembered once a run restored or saved there:
+frameworks open several Checkpointers on one directory in turn (one to load, another to save).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Generator
+
+from tiercheck.dist.coordination import Barrier, Coordinator, drive
+from tiercheck.dist.job import Job
+from tiercheck.errors import CorruptCheckpointError, LineageError, StorageError
+from tiercheck.fmt import fmt_steps
+from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, write_lineage
+from tiercheck.format.paths import LINEAGE_FILE
+from tiercheck.format.steps import list_steps
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.refusals import storage_error
+
+log = logging.getLogger("tiercheck")
+
+_continued: dict[str, str] = {}  # local directory (its URL) -> the lineage this process continues there
+_guard = threading.Lock()
+
+
+def continued(local: Tier) -> str | None:
+    """The lineage this process continues in ``local`` (it restored or saved there), if any."""
+    with _guard:
+        return _continued.get(local.url)
+
+
+def remember(local: Tier, lineage: str) -> None:
+    with _guard:
+        _continued[local.url] = lineage
+
+
+def forget_all() -> None:
+    """Forget every directory's lineage, as a new process would (for tests that play several jobs)."""
+    with _guard:
+        _continued.clear()
+
+
+def restored(source: Tier, other: Tier | None, run: str) -> str:
+    """The lineage a run continues by restoring a step from ``source``: the one ``source``
+    belongs to, else (a place from before lineages, or filled by a copy) ``other``'s, else a new
+    one named after the run."""
+    for tier in (source, other):
+        if tier is None:
+            continue
+        try:
+            found = read_lineage(tier)
+        except CorruptCheckpointError as e:
+            log.warning("%s", e)
+            continue
+        if found is not None:
+            return found.id
+    return run
+
+
+def claim(tier: Tier, lineage: str, run: str) -> Lineage | None:
+    """Make ``tier`` belong to ``lineage`` (if it does not already); returns the lineage it
+    replaced, if any."""
+    there = _readable(tier)
+    if there is not None and there.id == lineage:
+        return None
+    write_lineage(tier, new_lineage(lineage, run, previous=there.id if there is not None else None))
+    return there
+
+
+def _readable(tier: Tier) -> Lineage | None:
+    try:
+        return read_lineage(tier)
+    except CorruptCheckpointError:
+        return None  # replaced by the claim; the refusal (``conflict``) already named it
+
+
+def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | None:
+    """Why a run of ``lineage`` (None: it restored nothing) may not write to ``tier`` without
+    taking it over; None when it may: the place is its lineage's, or holds no committed step."""
+    unreadable: str | None = None
+    try:
+        there = read_lineage(tier)
+    except CorruptCheckpointError as e:
+        there, unreadable = None, str(e)
+    if there is not None and there.id == lineage:
+        return None
+    committed = list_steps(tier).committed
+    if not committed:
+        return None
+    if unreadable is not None:
+        owner = f"a lineage whose file cannot be read ({unreadable})"
+    elif there is None:
+        owner = "no named lineage (saved before lineages, or copied there)"
+    else:
+        owner = there.named()
+    mine = f"run {run[:12]}" if lineage is None else f"run {run[:12]} (lineage {lineage[:12]})"
+    return (
+        f"the {kind} {tier.url} holds step(s) {fmt_steps(committed)} of {owner}, and {mine} did not restore "
+        f"from it: writing there could replace that run's steps. Use another {kind}, restore from this one "
+        f"first (Checkpointer.restore() continues its lineage), or pass WriteOptions(take_over=True) to take it "
+        f"over (its steps stay until retention deletes them; steps saved under the same numbers replace them)"
+    )
+
+
+def settle(
+    coord: Coordinator,
+    local: Tier,
+    remote: Tier | None,
+    *,
+    lineage: str | None,
+    run: str,
+    leader: bool,
+    take_over: bool,
+) -> Generator[Barrier, None, str]:
+    """Before a run's first save: every node's leader checks its directory, rank 0 the remote
+    prefix; all ranks raise the same ``LineageError`` if one may not write, else every leader
+    claims its directory. Returns the run's lineage (``lineage``, or a new one: ``run``)."""
+    failure: BaseException | None = None
+    mine = lineage if lineage is not None else run
+    try:
+        if leader:  # claimed at once where it may be: a directory holding no other lineage's step is anyone's
+            _check(local, lineage, run=run, kind="local directory", take_over=take_over)
+            try:
+                claim(local, mine, run)
+            except OSError as e:
+                raise storage_error(e, local.local_path or local.url, f"record its lineage in {LINEAGE_FILE}") from e
+        if remote is not None and coord.rank == 0:
+            _check_remote_soon(remote, lineage, run=run, take_over=take_over)
+    except (LineageError, CorruptCheckpointError, OSError) as e:  # StorageError is an OSError
+        failure = e
+        coord.report("lineage", e)
+    yield coord.arrive("lineage/checked", what="every node to check who owns its directory")
+    try:
+        coord.check("lineage", failure, shared=(LineageError, StorageError))
+    finally:
+        coord.finish("lineage")
+    remember(local, mine)
+    return mine
+
+
+REMOTE_CHECK_S = 10.0  # how long a first save waits for the remote prefix to say who owns it
+
+
+def _check_remote_soon(remote: Tier, lineage: str | None, *, run: str, take_over: bool) -> None:
+    """``_check`` of the remote prefix, waiting at most ``REMOTE_CHECK_S``: a failing or stuck
+    remote never stops training; each drain checks the prefix before it writes there anyway."""
+    verdict: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            _check(remote, lineage, run=run, kind="remote prefix", take_over=take_over)
+            verdict.append(None)
+        except BaseException as e:
+            verdict.append(e)
+
+    thread = threading.Thread(target=check, name="tiercheck-lineage", daemon=True)
+    thread.start()
+    thread.join(REMOTE_CHECK_S)
+    if not verdict:
+        log.warning("%s did not say who owns it within %.0f s; each drain checks first", remote.url, REMOTE_CHECK_S)
+    elif isinstance(verdict[0], LineageError):
+        raise verdict[0]
+    elif verdict[0] is not None:
+        log.warning("could not check who owns %s (%s); each drain checks first", remote.url, verdict[0])
+
+
+def _check(tier: Tier, lineage: str | None, *, run: str, kind: str, take_over: bool) -> None:
+    why = conflict(tier, lineage, run=run, kind=kind)
+    if why is not None and not take_over:
+        raise LineageError(why)
+    if why is not None:
+        log.warning("taking over: %s", why.split(": writing there")[0])
+
+
+def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
+    """Before a drain writes a step of ``local`` to ``remote``: the prefix must belong to the
+    local directory's lineage, or hold no committed step (it is then claimed for it). A local
+    directory that names no lineage (written before lineages) drains only to a prefix naming none."""
+    try:
+        mine = read_lineage(local)
+    except CorruptCheckpointError as e:
+        raise LineageError(f"not draining {local.url} to {remote.url}: {e}") from None
+    if mine is None:
+        there = _readable(remote)
+        if there is not None and not take_over:
+            raise LineageError(
+                f"not draining {local.url} to {remote.url}: the prefix belongs to {there.named()}, and the "
+                "directory names no lineage (restore from the prefix first, or pass take_over)"
+            )
+        return
+    why = conflict(remote, mine.id, run=mine.run, kind="remote prefix")
+    if why is not None and not take_over:
+        raise LineageError(f"not draining {local.url}: {why}")
+    replaced = claim(remote, mine.id, mine.run)
+    if why is not None:
+        log.warning("took over %s from %s for lineage %s", remote.url,
+                    replaced.named() if replaced else "no named lineage", mine.id[:12])  # fmt: skip
+
+
+def carry(source: Tier, target: Tier) -> None:
+    """After a step of ``source`` was copied into ``target`` (``tiercheck restore --to``): the
+    target continues the source's lineage, as the job restoring the copy will."""
+    try:
+        found = read_lineage(source)
+    except CorruptCheckpointError as e:
+        log.warning("%s: %s keeps its own lineage", e, target.url)
+        return
+    if found is not None:
+        claim(target, found.id, found.run)
+
+
+def after_restore(
+    coord: Coordinator, local: Tier, remote: Tier | None, *, from_remote: bool, run: str, leader: bool, key: str
+) -> str:
+    """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
+    it continues that step's lineage. The ranks agree on one (``key``: this restore's), each
+    node's leader claims its directory for it; the remote prefix is checked and claimed at the
+    next save (``settle``)."""
+    source, other = (remote, local) if from_remote and remote is not None else (local, remote)
+    agreed = coord.decide(key, restored(source, other, run))
+    if leader:
+        claim(local, agreed, run)
+    remember(local, agreed)
+    return agreed
+
+
+class Owner:
+    """A Checkpointer's side of its lineage: what it continues, checked before its first save
+    (and the first after each restore)."""
+
+    def __init__(self, job: Job, *, take_over: bool) -> None:
+        self.coord, self.local, self.remote = job.coord, job.tier, job.remote
+        self.run, self.leader, self.take_over = job.nodes.run, job.nodes.leader == job.coord.rank, take_over
+        self.lineage = continued(self.local)  # None: a new run, until it restores or saves
+        self._settled = False
+
+    def before_save(self) -> None:
+        if not self._settled:
+            self.lineage = drive(self.coord, settle(
+                self.coord, self.local, self.remote, lineage=self.lineage, run=self.run, leader=self.leader,
+                take_over=self.take_over))  # fmt: skip
+            self._settled = True
+
+    def restored(self, *, from_remote: bool, restore: int) -> None:
+        key = self.coord.key("lineage", "restored", restore)
+        self.lineage = after_restore(self.coord, self.local, self.remote, from_remote=from_remote, run=self.run,
+                                     leader=self.leader, key=key)  # fmt: skip
+        self._settled = False
