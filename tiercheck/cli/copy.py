@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import click
 
@@ -35,12 +36,13 @@ from tiercheck.cli.common import (
 )
 from tiercheck.dist.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.fmt import fmt_steps
+from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.options import RetentionOptions
 from tiercheck.tiering.drain import pending_steps
+from tiercheck.tiering.lineage import carry as carry_lineage
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiering.upload import upload_step
@@ -116,6 +118,7 @@ def restore_command(
                     result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{e}{_fallback_hint(src, n) if step == 'latest' else ''}") from None
+            carry_lineage(src, dst)
         finally:
             if lock is not None:
                 lock.release()
@@ -173,15 +176,21 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
     help="Drain this step (default: every committed step whose save the remote does not hold).",
 )
 @click.option("--threads", default=8, show_default=True, type=THREADS, help="Files uploaded at once.")
+@click.option(
+    "--take-over",
+    is_flag=True,
+    help="Drain even where the remote prefix holds steps of another lineage (another run's), making it DIR's.",
+)
 @remote_options
 @pass_context
-def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int) -> None:
+def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int, take_over: bool) -> None:
     """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
 
     Uploads what is missing (a pack already there is skipped when its parts' checksums match)
     and commits the step on the remote once every saving rank's files are there; with several
     nodes, run it on each. Steps go by save: one the remote holds another save of (a rollback's)
-    is drained.
+    is drained. The prefix must belong to DIR's lineage (or hold no step): one holding another
+    run's steps is refused, unless --take-over.
     """
     with errors_as_one_line():
         src = ctx.tier(local)
@@ -205,7 +214,7 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
 
                     # A local directory (asserted above); upload_step's annotation asks for the class,
                     # though it uses nothing beyond Tier.
-                    result = upload_step(src, dst, n, pool=pool, on_file=on_file)
+                    result = upload_step(src, dst, n, pool=pool, on_file=on_file, take_over=take_over)
                 state = (
                     "already committed there" if result.was_committed
                     else "committed" if result.committed
@@ -249,7 +258,7 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
 
 
 @click.command("gc")
-@click.argument("location", metavar="URL_OR_DIR")
+@click.argument("locations", metavar="URL_OR_DIR...", nargs=-1, required=True)
 @click.option("--keep-last", type=int, default=None, help="Keep this many newest committed steps.")
 @click.option("--keep-every", type=int, default=None, help="Also keep every step divisible by this.")
 @click.option(
@@ -269,7 +278,7 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
 @pass_context
 def gc_command(
     ctx: Context,
-    location: str,
+    locations: tuple[str, ...],
     keep_last: int | None,
     keep_every: int | None,
     grace_hours: float,
@@ -278,42 +287,80 @@ def gc_command(
 ) -> None:
     """Apply retention: delete committed steps the policy lets go, and abandoned partial steps.
 
-    Never removes the newest committed step. --keep-last counts restorable steps only: the
-    newest steps are verified (every chunk re-read, as `verify` does, unless --quick) until that
-    many are whole; a damaged one among them is reported and kept, and never costs an older whole
-    step its place. A partial step counts as abandoned when it is older than the newest committed
-    step and older than the grace period (a drain may still be writing it).
+    Give one remote URL, or every node directory of a job (each holds its node's ranks' files of
+    a step): a step counts as whole only where the locations given hold all its saving ranks'
+    files of one save. Never removes the newest committed step. --keep-last counts whole steps
+    only: the newest steps are verified (every chunk re-read, as `verify` does, unless --quick)
+    until that many are whole; a damaged one, or one whose other nodes' directories were not
+    given, is reported and kept, and never costs an older whole step its place. A partial step
+    counts as abandoned when it is older than the newest committed step and older than the grace
+    period (a drain may still be writing it).
     """
     with errors_as_one_line():
         if keep_last is None and keep_every is None:
             raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
-        tier = ctx.tier(location)
-        listing = list_steps(tier)
+        tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        listings = {tier.url: list_steps(tier) for tier in tiers}
+        committed = sorted({s for listing in listings.values() for s in listing.committed})
         policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
 
         def damage(s: int) -> str | None:
-            why = step_damage(tier, s, depth="manifest" if quick else "chunks")
-            if why is not None:
-                err.print(f"damaged: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
+            holders = [tier for tier in tiers if s in listings[tier.url].committed]
+            found = job_damage(holders, s, depth="manifest" if quick else "chunks")
+            if found is None:
+                return None
+            label, why = found
+            err.print(f"{label}: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
             return why
 
-        doomed = steps_to_delete(listing.committed, policy, damage=damage)
-        newest = listing.committed[-1] if listing.committed else None
-        abandoned = [
-            s for s in listing.partial
-            if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600)
-        ]  # fmt: skip
+        doomed = steps_to_delete(committed, policy, damage=damage)
+        newest = committed[-1] if committed else None
         verb = "would remove" if dry_run else "removed"
         for s in doomed:
-            if not dry_run:
-                withdraw_step(tier, s)
-            out.print(f"{verb} committed step {s}")
-        for s in abandoned:
-            if not dry_run:
-                tier.delete_tree(step_dir(s))
-            out.print(f"{verb} partial step {s}")
-        kept = [s for s in listing.committed if s not in doomed]
+            for tier in tiers:
+                if s in listings[tier.url].committed:
+                    if not dry_run:
+                        withdraw_step(tier, s)
+                    out.print(f"{verb} committed step {s}{_in(tier, tiers)}")
+        for tier in tiers:
+            for s in listings[tier.url].partial:
+                if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600):
+                    if not dry_run:
+                        tier.delete_tree(step_dir(s))
+                    out.print(f"{verb} partial step {s}{_in(tier, tiers)}")
+        kept = [s for s in committed if s not in doomed]
         out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
+
+
+def _in(tier: Tier, tiers: list[Tier]) -> str:
+    return f" in {tier.url}" if len(tiers) > 1 else ""
+
+
+def job_damage(holders: list[Tier], step: int, *, depth: Literal["manifest", "chunks"]) -> tuple[str, str] | None:
+    """Why ``step`` cannot be restored from ``holders`` together (None: it can), as ("damaged",
+    why) where a holder's copy is damaged, else ("not whole", why) where the holders' markers name
+    different saves or some saving rank's files are in none of them (another node's directory,
+    not given)."""
+    ranks: set[int] = set()
+    saves: set[str | None] = set()
+    world = 0
+    for tier in holders:
+        why = step_damage(tier, step, depth=depth)
+        if why is not None:
+            return "damaged", f"{tier.url}: {why}" if len(holders) > 1 else why
+        marker = read_marker(tier, step)
+        ranks.update(marker.ranks)
+        saves.add(marker.save_id)
+        world = marker.world_size
+    if len(saves) > 1:
+        return "not whole", f"the directories hold different saves of it ({', '.join(sorted(map(str, saves)))})"
+    missing = sorted(set(range(world)) - ranks)
+    if missing:
+        return "not whole", (
+            f"the files of saving rank(s) {ranges(missing)} of {world} are in none of the locations given: "
+            "gc cannot tell whether the job can restore it (give every node directory of the job)"
+        )
+    return None
 
 
 def _older_than(tier: Tier, step: int, seconds: float) -> bool:
