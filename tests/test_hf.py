@@ -344,3 +344,29 @@ def test_load_pretrained_fills_tied_weights_saved_once(tmp_path: Path) -> None:
     hf.load_pretrained(tmp_path / "tied", fresh)
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_mixed_dtypes_odd_sizes_and_edge_shapes_export_exactly(tmp_path: Path) -> None:
+    """Tensors of every itemsize, odd lengths (a bf16 of 3 elements before an fp32), 0-d and empty
+    ones, chunked small and written in batches smaller than a tensor: each lands where its header says."""
+    g = torch.Generator().manual_seed(5)
+    model = {
+        "a.bf16": torch.randn(3, generator=g).to(torch.bfloat16),
+        "b.f32": torch.randn(300, 7, generator=g),
+        "c.i64": torch.arange(5, dtype=torch.int64),
+        "d.scalar": torch.tensor(2.5),
+        "e.empty": torch.zeros(0, 4),
+        "f.u8": torch.arange(11, dtype=torch.uint8),
+        "g.f16": torch.randn(129, 3, generator=g).half(),
+    }
+    opts = tiercheck.WriteOptions(chunk_bytes=4096)  # b.f32 in 3 chunks of rows
+    with tiercheck.Checkpointer({"model": model}, local=tmp_path / "ck", write=opts) as ck:
+        ck.save(1).wait()
+    for dtype in (None, "bfloat16"):
+        out = tmp_path / f"out-{dtype}"
+        hf.export(tmp_path / "ck", out, dtype=dtype, buffer_bytes=2048, max_shard_size="4KB")
+        got = safetensors_full(str(out))
+        assert got.keys() == model.keys()
+        for k, v in model.items():
+            want = v.to(torch.bfloat16) if dtype and v.is_floating_point() else v
+            assert got[k].dtype == want.dtype and torch.equal(got[k], want), k

@@ -42,7 +42,9 @@ from tiercheck.restore.load import open_step
 from tiercheck.restore.read import move_chunks
 from tiercheck.restore.stage import ReadItem
 from tiercheck.state.flatten import torch_dtype
+from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import BLOCK, LocalTier
 
 CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what ``dtype`` converts; other dtypes stay
 
@@ -89,6 +91,12 @@ class _Piece:
     @property
     def exported_bytes(self) -> int:
         return _numel(self.shape) * itemsize(self.tensor.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row as exported (of the whole tensor for a 0-d one)."""
+        shape = self.tensor.record.shape
+        return _numel(shape[1:]) * itemsize(self.tensor.dtype) if shape else 0
 
 
 def export(
@@ -209,35 +217,37 @@ def _write_shard(
     done: int,
     total: int,
 ) -> int:
-    """One file, under a temporary name until it is whole and synced; returns the bytes done so far."""
+    """One file, under a temporary name until it is whole and synced; returns the bytes done so far.
+
+    Its tensors go in by itemsize, largest first (as the safetensors library orders them), so each
+    starts at a multiple of its itemsize and is read or cast straight into its place in a batch
+    laid out as the file's bytes. The batches are written through the local tier's pack writer:
+    whole blocks with O_DIRECT (no copy into the page cache, no dirty pages for the final fsync to
+    flush; 0.6 s of copying and 0.75 s of syncs for 1.1 GiB through the cache), the ends of each
+    batch through the page cache."""
+    shard = sorted(shard, key=lambda t: -itemsize(t.dtype))
     header = encode_header([(t.name, t.dtype, t.record.shape, t.nbytes) for t in shard], meta)
+    starts, pos = {}, len(header)
+    for t in shard:
+        starts[t.name], pos = pos, pos + t.nbytes
     part = path.with_name(path.name + ".partial")
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    pack = LocalTier(path.parent, fsync=True, direct_io=True).open_pack(part.name)
     try:
-        _write_all(fd, memoryview(header))
+        pack.write_at(0, [header])
         with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-export") as writer:
             pending: Future[None] | None = None
-            for batch, buffers in reader.batches(_pieces(shard, reader.buffer_bytes)):
+            for batch, at, data in reader.batches(_pieces(shard, reader.buffer_bytes), starts):
                 if pending is not None:
                     pending.result()
-                pending = writer.submit(_write_buffers, fd, buffers)
+                pending = writer.submit(pack.write_at, at, [data.numpy().data])
                 done += sum(p.exported_bytes for p in batch)
                 report(done, total)
             if pending is not None:
                 pending.result()
-        os.fsync(fd)
     finally:
-        os.close(fd)
+        pack.close()
     os.rename(part, path)
     return done
-
-
-def _write_buffers(fd: int, buffers: list[torch.Tensor]) -> None:
-    """Write a batch and make it durable before the next: the disk writes while the next batch is
-    read, rather than all at once at the shard's end (one fsync of 1 GiB took 0.5 s of a 2.1 s export)."""
-    for b in buffers:
-        _write_all(fd, b.reshape(-1).view(torch.uint8).numpy().data)
-    os.fdatasync(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -300,59 +310,62 @@ class _Reader:
         self.peak_bytes = 0
 
     def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
-        """The turn's buffer ``which`` (0: as stored, 1: as exported), grown to ``nbytes``."""
+        """The turn's buffer ``which`` (0: as stored, for pieces cast; 1: the file's bytes, page-aligned),
+        grown to ``nbytes``."""
         bufs = self._buffers[self._turn]
         if bufs[which].numel() < nbytes:
-            bufs[which] = torch.empty(nbytes, dtype=torch.uint8)
+            bufs[which] = aligned_empty(nbytes)
             self.peak_bytes = max(self.peak_bytes, sum(b.numel() for pair in self._buffers for b in pair))
         return bufs[which]
 
-    def batches(self, pieces: Iterable[_Piece]) -> Iterator[tuple[list[_Piece], list[torch.Tensor]]]:
-        """Pieces grouped up to the buffer's size, each group read and verified; with the tensors
-        holding the exported bytes (views of this turn's buffers, valid until the turn after next)."""
+    def batches(
+        self, pieces: Iterable[_Piece], starts: dict[str, int]
+    ) -> Iterator[tuple[list[_Piece], int, torch.Tensor]]:
+        """Pieces grouped up to the buffer's size, each group read and verified: with where its bytes
+        go in the file (``starts``: each tensor's offset there) and the bytes (a view of this turn's
+        buffer, valid until the turn after next)."""
         batch: list[_Piece] = []
         size = 0
         for piece in pieces:
-            n = _aligned(piece.stored_bytes)
+            n = piece.exported_bytes
             if batch and size + n > self.buffer_bytes:
-                yield batch, self._read(batch)
+                yield batch, *self._read(batch, starts)
                 batch, size = [], 0
             batch.append(piece)
             size += n
         if batch:
-            yield batch, self._read(batch)
+            yield batch, *self._read(batch, starts)
 
-    def _read(self, batch: list[_Piece]) -> list[torch.Tensor]:
-        stored = self._buffer(0, sum(_aligned(p.stored_bytes) for p in batch))
-        items, views, pos = [], [], 0
+    def _read(self, batch: list[_Piece], starts: dict[str, int]) -> tuple[int, torch.Tensor]:
+        first, last = batch[0], batch[-1]
+        begin = starts[first.tensor.name] + first.lo * first.row_bytes
+        end = starts[last.tensor.name] + last.lo * last.row_bytes + last.exported_bytes
+        lead = begin % BLOCK  # the buffer sits on the file's blocks: O_DIRECT takes the whole ones
+        out = self._buffer(1, lead + end - begin)
+        casts = [p for p in batch if p.tensor.dtype != p.tensor.record.dtype]
+        stored = self._buffer(0, sum(_aligned(p.stored_bytes) for p in casts)) if casts else None
+        items, copies, pos = [], [], 0
         for p in batch:
             rec = p.tensor.record
-            view = stored[pos : pos + p.stored_bytes].view(torch_dtype(rec.dtype)).view(p.shape)
-            pos += _aligned(p.stored_bytes)
-            views.append(view)
-            if view.numel():
+            at = lead + starts[p.tensor.name] + p.lo * p.row_bytes - begin
+            dest = out[at : at + p.exported_bytes].view(torch_dtype(p.tensor.dtype)).view(p.shape)
+            if p.tensor.dtype != rec.dtype:
+                assert stored is not None
+                view = stored[pos : pos + p.stored_bytes].view(torch_dtype(rec.dtype)).view(p.shape)
+                pos += _aligned(p.stored_bytes)
+                copies.append((dest, view))
+                dest = view
+            if dest.numel():
                 offsets = (p.lo, *([0] * (len(rec.shape) - 1))) if rec.shape else ()
-                items.append(ReadItem(rec, view, offsets, fresh=True))
+                items.append(ReadItem(rec, dest, offsets, fresh=True))
         records = {i.record.path: i.record for i in items}
         plan = assign_all_reads(records, [[i.need for i in items]], self.readable, read_once=True)
         move_chunks(self.tier, self.step, records, items, plan.reads[0], plan.transfers, rank=0,
                     io_threads=self.io_threads)  # fmt: skip
-        out = []
-        casts = [p for p in batch if p.tensor.dtype != p.tensor.record.dtype]
-        cast = self._buffer(1, sum(_aligned(p.exported_bytes) for p in casts)) if casts else None
-        pos = 0
-        for p, view in zip(batch, views, strict=True):
-            if p.tensor.dtype == p.tensor.record.dtype:
-                out.append(view)
-                continue
-            assert cast is not None
-            n = p.exported_bytes
-            converted = cast[pos : pos + n].view(torch_dtype(p.tensor.dtype)).view(p.shape)
-            converted.copy_(view)
-            out.append(converted)
-            pos += _aligned(n)
+        for dest, view in copies:
+            dest.copy_(view)
         self._turn ^= 1
-        return out
+        return begin, out[lead : lead + end - begin]
 
     def close(self) -> None:
         self._buffers = []
