@@ -35,7 +35,9 @@ from tiercheck.dist.assign import LeafDesc, Need, WriteAssignment, assign_all_re
 from tiercheck.dist.coordination import Coordinator, Nodes, join_nodes, lockstep
 from tiercheck.dist.job import Job
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
-from tiercheck.format.manifest import Manifest, RankPart, new_save_id, owners_bytes, shard_bytes
+from tiercheck.format.manifest import Manifest, RankPart
+from tiercheck.format.saveid import new_save_id
+from tiercheck.format.shards import owners_bytes, shard_bytes
 from tiercheck.restore.agree import agree_on_step, settle
 from tiercheck.restore.holders import find_holders
 from tiercheck.restore.plan import plan_restore

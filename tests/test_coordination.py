@@ -20,8 +20,10 @@ from tiercheck.dist.job import Job
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import seal
 from tiercheck.format.layout import chunks_in_box
-from tiercheck.format.manifest import RankPart, new_save_id, owners_bytes, shard_bytes
+from tiercheck.format.manifest import RankPart
 from tiercheck.format.paths import part_file
+from tiercheck.format.saveid import new_save_id
+from tiercheck.format.shards import owners_bytes, shard_bytes
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
 from tiercheck.restore.holders import find_holders

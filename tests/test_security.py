@@ -83,7 +83,7 @@ def test_manifest_paths_cannot_escape_the_step(ckpt_dir: Path, bad: str) -> None
 
 
 def test_only_paths_that_passed_the_check_are_remembered_as_safe() -> None:
-    from tiercheck.format.manifest import _SAFE_PATHS, check_array_path
+    from tiercheck.format.values import _SAFE_PATHS, check_array_path
 
     class Sneaky(str):  # claims to equal every string, a remembered one too: checked all the same
         def __hash__(self) -> int:

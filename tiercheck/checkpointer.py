@@ -19,8 +19,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tiercheck.dist.coordination import Coordinator, drive
 from tiercheck.dist.job import Job
 from tiercheck.errors import StepExistsError
-from tiercheck.format.manifest import JSON, new_save_id
+from tiercheck.format.manifest import JSON
 from tiercheck.format.metadata import encode as encode_metadata
+from tiercheck.format.saveid import new_save_id
 from tiercheck.format.steps import list_steps
 from tiercheck.lifecycle import exit_deadline, start, unclosed
 from tiercheck.options import (

@@ -17,8 +17,9 @@ Each predicate takes the ``format_version`` a step's ``manifest.json`` states (c
 
 from __future__ import annotations
 
-from tiercheck.format.manifest import JSON, SAVE_ID_FORMAT, Manifest, ManifestIndex
+from tiercheck.format.manifest import JSON, Manifest, ManifestIndex
 from tiercheck.format.paths import WHOLE_FORMAT
+from tiercheck.format.saveid import SAVE_ID_FORMAT
 
 
 def whole_manifest(version: int) -> bool:

@@ -7,18 +7,13 @@ validates types and refuses any array path that could leave the step's directory
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from tiercheck.format.layout import MAX_CHUNKS, grid_size
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.metadata import decode as decode_metadata
 from tiercheck.format.paths import (
-    COMMIT_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -28,39 +23,17 @@ from tiercheck.format.paths import (
     WHOLE_FORMAT,
     chunk_location,
 )
-
-JSON = Any  # a value json.loads can return
-
-# One path component of an array: no separators, no "."/".." and nothing zarr reserves.
-_COMPONENT = re.compile(r"^[A-Za-z0-9._%~-]+$")
-
-
-_SAFE_PATHS: set[str] = set()  # paths that passed check_array_path, which depends on the string alone
-_SAFE_PATHS_MAX = 1 << 17  # bounded: past this many, paths are checked afresh each time
-
-
-def check_array_path(path: object, *, where: str) -> str:
-    """Return ``path`` if it is a safe relative array path inside a step; raise otherwise.
-
-    A restore meets each path a dozen times (the parts, the shards, the owners files, the reads)
-    and every save flattens the same paths again: a path that passed once is not checked again
-    (22k checks took 0.04-0.07 s of a 1,836-array restore)."""
-    if type(path) is str and path in _SAFE_PATHS:
-        return path
-    if not isinstance(path, str) or not path:
-        raise CorruptCheckpointError(f"{where}: array path must be a non-empty string, got {path!r}")
-    parts = path.split("/")
-    for part in parts:
-        if part in ("", ".", "..") or not _COMPONENT.match(part) or part.startswith("__"):
-            raise UnsafeCheckpointError(
-                f"{where}: array path {path!r} is not a plain relative path inside the step "
-                "(absolute paths, '..', empty or unusual components are refused)"
-            )
-    if parts[0] in (MANIFEST_FILE, COMMIT_FILE, PARTS_DIR, "zarr.json") or "zarr.json" in parts or "c" in parts:
-        raise UnsafeCheckpointError(f"{where}: array path {path!r} collides with a reserved name")
-    if type(path) is str and len(_SAFE_PATHS) < _SAFE_PATHS_MAX:
-        _SAFE_PATHS.add(path)
-    return path
+from tiercheck.format.saveid import check_save, save_field, save_id_of
+from tiercheck.format.values import (
+    JSON,
+    check_array_path,
+    check_grid,
+    crc32c_value,
+    file_offset,
+    nonneg_int,
+    positive_int,
+    world_size_of,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,17 +92,17 @@ class ArrayRecord:
         for a record that fails them."""
         check_array_path(path, where=where)
         try:
-            shape = tuple([_nonneg_int(v) for v in doc["shape"]])
-            chunk = tuple([_nonneg_int(v) for v in doc["chunks"]])
+            shape = tuple([nonneg_int(v) for v in doc["shape"]])
+            chunk = tuple([nonneg_int(v) for v in doc["chunks"]])
             dtype, kind = doc["dtype"], doc["kind"]
-            crcs = {str(k): _crc(v) for k, v in doc["crc32c"].items()} if checksums else {}
-            writers = {str(k): _nonneg_int(v) for k, v in (doc.get("owner") or {}).items()} if owners else {}
-            offsets = {str(k): _file_offset(v) for k, v in (doc.get("offset") or {}).items()} if checksums else {}
+            crcs = {str(k): crc32c_value(v) for k, v in doc["crc32c"].items()} if checksums else {}
+            writers = {str(k): nonneg_int(v) for k, v in (doc.get("owner") or {}).items()} if owners else {}
+            offsets = {str(k): file_offset(v) for k, v in (doc.get("offset") or {}).items()} if checksums else {}
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: array {path!r}: malformed record ({e!r})") from None
         if not isinstance(dtype, str) or kind not in ("tensor", "ndarray") or len(shape) != len(chunk):
             raise CorruptCheckpointError(f"{where}: array {path!r}: malformed record")
-        _check_grid(shape, chunk, where=f"{where}: array {path!r}")
+        check_grid(shape, chunk, where=f"{where}: array {path!r}")
         return cls(
             path=path, dtype=dtype, kind=kind, shape=shape, chunks=chunk,
             checksums=crcs, owners=writers, offsets=offsets,
@@ -138,58 +111,6 @@ class ArrayRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-MAX_NDIM = 64
-MAX_ELEMENTS = 1 << 48
-
-
-def _check_grid(shape: tuple[int, ...], chunk: tuple[int, ...], *, where: str) -> None:
-    """A shape and chunk shape tiercheck could have written: bounded before any buffer or chunk
-    grid is sized from them."""
-    if len(shape) > MAX_NDIM or math.prod(shape) > MAX_ELEMENTS:
-        raise CorruptCheckpointError(
-            f"{where}: shape {str(list(shape))[:200]} is beyond any tensor tiercheck saves "
-            f"(at most {MAX_NDIM} dimensions and 2**48 elements)"
-        )
-    if 0 in chunk:
-        raise CorruptCheckpointError(f"{where}: chunk extents must be positive")
-    if any(c > max(d, 1) for c, d in zip(chunk, shape, strict=True)):
-        # tiercheck never writes one; readers size a chunk's buffer from it before reading
-        raise CorruptCheckpointError(f"{where}: chunk {list(chunk)} is larger than the array {list(shape)}")
-    grid = grid_size(shape, chunk)
-    if grid > MAX_CHUNKS:
-        raise CorruptCheckpointError(
-            f"{where}: chunk {list(chunk)} cuts the array {list(shape)[:8]} into "
-            f"{grid:,} chunks, more than tiercheck ever writes ({MAX_CHUNKS:,})"
-        )
-
-
-MAX_WORLD_SIZE = 1 << 20  # saving ranks; sets and lists of ranks are sized from it
-
-
-def _world_size(v: object) -> int:
-    n = _nonneg_int(v)
-    if n > MAX_WORLD_SIZE:
-        raise ValueError(f"world_size {n} is beyond any job ({MAX_WORLD_SIZE} ranks)")
-    return n
-
-
-def _nonneg_int(v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"expected a non-negative integer, got {v!r}")
-    return v
-
-
-MAX_FILE_BYTES = 1 << 62  # beyond any file a filesystem or object store holds, within an off_t
-
-
-def _file_offset(v: object) -> int:
-    """A place or size in a pack: 2**70 would reach os.lseek, which raises a raw ValueError."""
-    n = _nonneg_int(v)
-    if n >= MAX_FILE_BYTES:
-        raise ValueError(f"expected a file offset or size below 2**62, got {n}")
-    return n
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,7 +173,7 @@ class Manifest:
             if not tree_of_rank or any(not 0 <= i < len(trees) for i in tree_of_rank):
                 raise ValueError("tree_of_rank must map every saving rank to one of the trees")
             return cls(
-                step=_nonneg_int(doc["step"]),
+                step=nonneg_int(doc["step"]),
                 library_version=str(doc["library_version"]),
                 created_unix=float(doc["created_unix"]),
                 trees=trees,
@@ -305,13 +226,13 @@ class ManifestIndex:
     def from_doc(cls, doc: dict[str, JSON], *, where: str) -> ManifestIndex:
         try:
             return cls(
-                step=_nonneg_int(doc["step"]),
+                step=nonneg_int(doc["step"]),
                 library_version=str(doc["library_version"]),
                 created_unix=float(doc["created_unix"]),
-                world_size=_positive_int(_world_size(doc["world_size"])),
-                nodes=_nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
+                world_size=positive_int(world_size_of(doc["world_size"])),
+                nodes=nonneg_int((doc.get("topology") or {}).get("nodes", 1)),
                 metadata=decode_metadata(doc.get("metadata"), where=where),
-                format_version=_nonneg_int(doc["format_version"]),
+                format_version=nonneg_int(doc["format_version"]),
                 save_id=save_id_of(doc, where=where),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -341,61 +262,6 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None 
     return doc
 
 
-SAVE_ID_FORMAT = 5  # the first format whose every file names the save that wrote it
-REFS_STAMP = "tiercheck"  # the key of a reference map naming its step and save (kerchunk readers pass it by)
-_SAVE_ID = re.compile(r"[0-9a-f]{32}")
-
-
-def new_save_id(run: str, step: int, attempt: int) -> str:
-    """The id of one save: the same on every rank of the job (``run`` is agreed once, when the
-    job's Checkpointer starts), unique to this run, step and attempt, and no two runs share a
-    ``run``. A step saved again (after a rollback, or by a later job) is another save."""
-    return hashlib.blake2b(f"{run}/{step}/{attempt}".encode(), digest_size=16).hexdigest()
-
-
-def save_id_of(doc: dict[str, JSON], *, where: str) -> str | None:
-    """The save id ``manifest.json`` (or a commit marker) states: required from format 5, None before."""
-    version = doc.get("format_version", SAVE_ID_FORMAT)
-    got = doc.get("save_id")
-    if got is None and isinstance(version, int) and version < SAVE_ID_FORMAT:
-        return None
-    if not isinstance(got, str) or not _SAVE_ID.fullmatch(got):
-        raise CorruptCheckpointError(f"{where}: save_id {str(got)[:80]!r} is not a save id (32 hex digits)")
-    return got
-
-
-def check_save(doc: JSON, save: str | None, *, where: str) -> None:
-    """A file of a step (a rank part, arrays or owners file, a reference map) must have been
-    written by the step's save ``save`` (``None``: a format before 5, whose files name none). A
-    file that names another save is another step's, another run's or another trajectory's: its
-    bits are consistent and wrong."""
-    if save is None:
-        return
-    got = doc.get("save_id") if isinstance(doc, dict) else None
-    if got != save:
-        raise CorruptCheckpointError(
-            f"{where}: written by save {str(got)[:40]!r}, not by this step's save {save!r} "
-            "(a file of another step, run or trajectory)"
-            if got is not None
-            else f"{where}: names no save, and this step's files name theirs ({save!r}): "
-            "a file of another step or format"
-        )
-
-
-def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
-    """A manifest file's document (or a reference map's, whose save is under ``key``) must name
-    the step's save ``save`` (none before format 5): ``check_save`` on the bytes as stored."""
-    if save is None:
-        return
-    try:
-        parsed = json.loads(doc)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    if key is not None:
-        parsed = parsed.get(key) if isinstance(parsed, dict) else None
-    check_save(parsed, save, where=where)
-
-
 @dataclass(frozen=True, slots=True)
 class RankPart:
     """A saving rank's part of a format-3/4 manifest: its state tree, and the checksum (and in
@@ -409,7 +275,7 @@ class RankPart:
 
     def to_bytes(self) -> bytes:
         doc = {
-            **_save_field(self.save_id),
+            **save_field(self.save_id),
             "tree": self.tree,
             "crc32c": self.checksums,
             "offset": self.offsets,
@@ -427,24 +293,20 @@ class RankPart:
         )
 
 
-def _save_field(save: str | None) -> dict[str, str]:
-    return {} if save is None else {"save_id": save}
-
-
 def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
     """A rank part, which must have been written by the step's save ``save`` (see ``check_save``)."""
     try:
         part = json.loads(doc)
         check_save(part, save, where=where)
         checksums = {
-            check_array_path(p, where=where): {str(k): _crc(v) for k, v in crcs.items()}
+            check_array_path(p, where=where): {str(k): crc32c_value(v) for k, v in crcs.items()}
             for p, crcs in part["crc32c"].items()
         }
         offsets = {
-            check_array_path(p, where=where): {str(k): _file_offset(v) for k, v in by_key.items()}
+            check_array_path(p, where=where): {str(k): file_offset(v) for k, v in by_key.items()}
             for p, by_key in (part.get("offset") or {}).items()
         }
-        chunk_bytes = {str(p): _file_offset(n) for p, n in (part.get("nbytes") or {}).items()}
+        chunk_bytes = {str(p): file_offset(n) for p, n in (part.get("nbytes") or {}).items()}
         if offsets and (
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
@@ -456,74 +318,6 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: malformed manifest part ({e!r})") from None
-
-
-def shard_bytes(records: dict[str, ArrayRecord], save: str | None) -> bytes:
-    """The arrays file of a coordinator: each array's dtype, kind, shape and chunks."""
-    drop = ("crc32c", "owner", "offset")
-    arrays = {path: {k: v for k, v in rec.to_json().items() if k not in drop} for path, rec in records.items()}
-    return json.dumps({**_save_field(save), "arrays": arrays}, allow_nan=False, separators=(",", ":")).encode()
-
-
-def owners_bytes(records: dict[str, ArrayRecord], save: str | None) -> bytes:
-    """The owners file of a coordinator: ``{"owner": {array path: {chunk key: writing rank}}}``."""
-    doc = {**_save_field(save), "owner": {path: rec.owners for path, rec in records.items()}}
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-
-
-def parse_owners(
-    doc: bytes, *, where: str, save: str | None, only: set[str] | None = None
-) -> dict[str, dict[str, int]]:
-    try:
-        whole = json.loads(doc)
-        check_save(whole, save, where=where)
-        owners = whole["owner"]
-        return {
-            check_array_path(path, where=where): {str(k): _nonneg_int(v) for k, v in by_key.items()}
-            for path, by_key in owners.items()
-            if only is None or path in only
-        }
-    except CorruptCheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed owners file ({e!r})") from None
-
-
-def parse_shard(
-    doc: bytes, *, where: str, save: str | None, only: set[str] | None = None, owners: bool = True
-) -> dict[str, ArrayRecord]:
-    """The array records (without checksums) of a coordinator's shard of the manifest: all of
-    them, or those in ``only``; without the chunk owners unless ``owners`` (a restoring rank
-    matching its state needs shapes and dtypes; only the rank planning an array's reads needs who
-    wrote each chunk)."""
-    try:
-        whole = json.loads(doc)
-        check_save(whole, save, where=where)
-        arrays = whole["arrays"]
-        if not isinstance(arrays, dict):
-            raise TypeError("arrays must be an object")
-        return {
-            path: ArrayRecord.from_json(path, rec, where=where, checksums=False, owners=owners)
-            for path, rec in arrays.items()
-            if only is None or path in only
-        }
-    except CorruptCheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed manifest shard ({e!r})") from None
-
-
-def _crc(v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**32:
-        raise ValueError(f"expected a CRC32C (0 to 2**32-1), got {v!r}")
-    return v
-
-
-def _positive_int(v: object) -> int:
-    n = _nonneg_int(v)
-    if n == 0:
-        raise ValueError("expected a positive integer, got 0")
-    return n
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -542,7 +336,7 @@ class CommitMarker:
             {
                 "format": FORMAT_NAME,
                 "step": self.step,
-                **_save_field(self.save_id),
+                **save_field(self.save_id),
                 "manifest_crc32c": self.manifest_crc32c,
                 "manifest_size": self.manifest_size,
                 "ranks": list(self.ranks),
@@ -555,11 +349,11 @@ class CommitMarker:
         try:
             doc = json.loads(data)
             return cls(
-                step=_nonneg_int(doc["step"]),
-                manifest_crc32c=_nonneg_int(doc["manifest_crc32c"]),
-                manifest_size=_nonneg_int(doc["manifest_size"]),
-                ranks=tuple(_nonneg_int(r) for r in doc.get("ranks", [0])),
-                world_size=_world_size(doc.get("world_size", 1)),
+                step=nonneg_int(doc["step"]),
+                manifest_crc32c=nonneg_int(doc["manifest_crc32c"]),
+                manifest_size=nonneg_int(doc["manifest_size"]),
+                ranks=tuple(nonneg_int(r) for r in doc.get("ranks", [0])),
+                world_size=world_size_of(doc.get("world_size", 1)),
                 save_id=None if doc.get("save_id") is None else save_id_of(doc, where=where),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:

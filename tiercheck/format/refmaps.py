@@ -19,8 +19,9 @@ from typing import Any
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import STORAGE_DTYPES
-from tiercheck.format.manifest import REFS_STAMP, ArrayRecord, check_save
+from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import FORMAT_NAME, refs_file, shard_file, step_dir
+from tiercheck.format.saveid import REFS_STAMP, check_save
 from tiercheck.format.steps import read_small
 from tiercheck.tiers.base import Tier
 

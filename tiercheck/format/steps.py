@@ -30,12 +30,8 @@ from tiercheck.format.manifest import (
     Manifest,
     ManifestIndex,
     RankPart,
-    check_file_save,
     parse_manifest_doc,
-    parse_owners,
     parse_rank_part,
-    parse_shard,
-    save_id_of,
 )
 from tiercheck.format.paths import (
     COMMIT_FILE,
@@ -49,6 +45,8 @@ from tiercheck.format.paths import (
     step_dir,
     step_of,
 )
+from tiercheck.format.saveid import check_file_save, save_id_of
+from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 

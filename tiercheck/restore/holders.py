@@ -15,13 +15,9 @@ from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, sha
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
-from tiercheck.format.manifest import (
-    check_file_save,
-    parse_manifest_doc,
-    parse_rank_part,
-    save_id_of,
-)
+from tiercheck.format.manifest import parse_manifest_doc, parse_rank_part
 from tiercheck.format.paths import part_file, step_dir
+from tiercheck.format.saveid import check_file_save, save_id_of
 from tiercheck.format.steps import manifest_file, read_index, read_marker, read_small
 from tiercheck.tiers.base import Tier
 

@@ -40,11 +40,10 @@ from tiercheck.format.manifest import (
     ManifestIndex,
     RankPart,
     parse_manifest_doc,
-    parse_owners,
     parse_rank_part,
-    parse_shard,
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
+from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.restore.holders import FileId, Step, holders_of, read_manifest_file
 from tiercheck.tiers.base import Tier
 

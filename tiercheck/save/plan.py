@@ -42,8 +42,9 @@ from tiercheck.dist.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
-from tiercheck.format.manifest import REFS_STAMP, ArrayRecord
+from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import pack_file
+from tiercheck.format.saveid import REFS_STAMP
 from tiercheck.state.flatten import Leaf, dtype_name
 from tiercheck.state.staging import ALIGN, align_up
 from tiercheck.tiers.local import DIRECT_MIN_BYTES

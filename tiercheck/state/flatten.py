@@ -40,7 +40,8 @@ from tiercheck.errors import (
     UnsupportedValueError,
 )
 from tiercheck.format.codec import STORAGE_DTYPES
-from tiercheck.format.manifest import JSON, check_array_path
+from tiercheck.format.manifest import JSON
+from tiercheck.format.values import check_array_path
 from tiercheck.state.sharding import Shard, is_dtensor, local_tensor, placement_of
 
 

@@ -30,7 +30,7 @@ from tiercheck.dist.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs
-from tiercheck.format.manifest import REFS_STAMP, Manifest, RankPart, check_file_save
+from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
     CHUNK_FILE,
     COMMIT_FILE,
@@ -45,6 +45,7 @@ from tiercheck.format.paths import (
     step_dir,
 )
 from tiercheck.format.replicas import Replica
+from tiercheck.format.saveid import REFS_STAMP, check_file_save
 from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
