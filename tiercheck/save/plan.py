@@ -68,25 +68,48 @@ def plan_save(
     """This rank's side of making a save plan (see the module docstring). Every rank runs it
     with the same ``generation``; it yields at each barrier."""
     name = f"plan{generation}"
-    rank, world = coord.rank, coord.world_size
-    leaf_of = {d.path: i for i, d in enumerate(descs)}
     by_coord: dict[int, list[LeafDesc]] = defaultdict(list)
     for d in descs:
-        by_coord[shard_of(d.path, world)].append(d)
+        by_coord[shard_of(d.path, coord.world_size)].append(d)
+    digests = _post_pieces(coord, name, by_coord)
+    yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
+    layouts, offered = _offer_chunks(coord, name, target_chunk_bytes)
+    yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+    records, tasks, nbytes = _take_share(coord, name, descs, by_coord, digests)
+    yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
+    shard = _record_owners(coord, name, layouts)
+    coord.delete(*offered)  # read by now: every holder passed 'chosen'
+    yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
+    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+    coord.finish(name)
+    return SavePlan(records=records, tasks=tasks, nbytes=nbytes, shard=shard)
 
-    # 1. Post my pieces to their coordinators. Replicas hold the same pieces: the first of them
-    #    posts the pieces, each appends its rank to the list of holders of that digest.
+
+# An array as its coordinator lays it out: its record (no owners) and each chunk with the ranks holding it.
+_Layout = tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]
+
+
+def _post_pieces(coord: Coordinator, name: str, by_coord: dict[int, list[LeafDesc]]) -> dict[int, str]:
+    """Round 1: post my pieces to their coordinators; the digest of each group, by coordinator.
+    Replicas hold the same pieces: the first of them posts the pieces, each appends its rank to
+    the list of holders of that digest."""
     digests: dict[int, str] = {}
     for c, leaves in sorted(by_coord.items()):
         body = dumps([d.to_json() for d in leaves])
         digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
         if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
             coord.post(f"{name}/in/{c}", f"{digest}|{body}")
-        coord.append(coord.key(name, "in", c, digest, "ranks"), f"{rank},")
-    yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
+        coord.append(coord.key(name, "in", c, digest, "ranks"), f"{coord.rank},")
+    return digests
 
-    # 2. As a coordinator: lay out my arrays and offer each chunk to its holders (one offer per
-    #    digest: the holders of the same pieces get the same offer).
+
+def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tuple[dict[str, _Layout], list[str]]:
+    """Round 2, as a coordinator: lay out my arrays and offer each chunk to its holders (one offer
+    per digest: the holders of the same pieces get the same offer). Returns the layouts and the
+    keys of the offers (deleted once every holder has read them). A disagreement or a hole is
+    reported to every rank, and nothing is offered."""
+    rank = coord.rank
     bodies: dict[str, list[LeafDesc]] = {}
     for value in coord.collect(f"{name}/in/{rank}"):
         digest, body = value.decode().split("|", 1)
@@ -102,7 +125,7 @@ def plan_save(
         for r in held[digest]:
             for d in leaves:
                 pieces[d.path].append((r, d))
-    layouts: dict[str, tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]] = {}
+    layouts: dict[str, _Layout] = {}
     offers: dict[int, dict[str, list[object]]] = defaultdict(dict)
     try:
         for path in sorted(pieces):
@@ -121,12 +144,20 @@ def plan_save(
         offers.clear()
     cand = {coord.key(name, "offer", rank, digest): dumps(offers[rs[0]]) for digest, rs in held.items() if offers}
     coord.multi_set(cand)
-    offered = list(cand)  # deleted at the end; the rest is not needed past this point
-    del cand, offers, pieces, bodies
-    yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
-    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
+    return layouts, list(cand)
 
-    # 3. Take my share of every group of holders I belong to; tell the coordinators.
+
+def _take_share(
+    coord: Coordinator,
+    name: str,
+    descs: Sequence[LeafDesc],
+    by_coord: dict[int, list[LeafDesc]],
+    digests: dict[int, str],
+) -> tuple[dict[str, ArrayRecord], list[WriteTask], int]:
+    """Round 3: take my share of every group of holders I belong to, and tell the coordinators.
+    Returns the records of my arrays, the chunks I write (in leaf order) and their bytes."""
+    rank, world = coord.rank, coord.world_size
+    leaf_of = {d.path: i for i, d in enumerate(descs)}
     mine_offers: list[Offer] = []
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
@@ -158,12 +189,14 @@ def plan_save(
     for c, took in taken.items():
         if took:  # only the ranks that took chunks of a coordinator's arrays tell it
             coord.post(f"{name}/took/{c}", dumps({"rank": rank, "took": took}))
-    del mine_offers, owners, taken, groups
-    yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
+    return records, tasks, nbytes
 
-    # 4. As a coordinator: record every chunk's owner (each must have exactly one).
+
+def _record_owners(coord: Coordinator, name: str, layouts: dict[str, _Layout]) -> dict[str, ArrayRecord]:
+    """Round 4, as a coordinator: record every chunk's owner; each must have exactly one (a chunk
+    taken twice or by no rank is reported to every rank)."""
     owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
-    for value in coord.collect(f"{name}/took/{rank}"):
+    for value in coord.collect(f"{name}/took/{coord.rank}"):
         doc = json.loads(value)
         h = int(doc["rank"])
         for path, coord_list in doc["took"].items():
@@ -180,11 +213,7 @@ def plan_save(
                 name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
             )
         shard[path] = rec.with_chunks(owners=dict(sorted(owned.items())))
-    coord.delete(*offered)  # read by now: every holder passed 'chosen'
-    yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
-    coord.check(name, shared=(IncompatibleStateError, CoordinationError))
-    coord.finish(name)
-    return SavePlan(records=records, tasks=tasks, nbytes=nbytes, shard=shard)
+    return shard
 
 
 def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
