@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,10 +36,16 @@ from tiercheck.integrations.megatron.files import (
 from tiercheck.integrations.megatron.layout import KeyLayout
 from tiercheck.state.flatten import torch_dtype
 
-if TYPE_CHECKING:
-    from tiercheck.integrations.megatron.backend import TiercheckBackend
-
 __all__ = ["TiercheckLoadStrategy", "TiercheckSaveStrategy"]
+
+
+class Backend(Protocol):
+    """What the strategies hand Megatron's calls to: ``backend.TiercheckBackend``, which makes them
+    (named by this protocol, so that this module does not import the backend that imports it)."""
+
+    def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> Any: ...
+
+    def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]: ...
 
 
 def _tensors_metadata(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -67,7 +73,7 @@ if HAS_STRATEGY_REGISTRY:  # megatron-core 0.16
     class TiercheckSaveStrategy(compat.strategy_registry.AsyncSaveShardedStrategy):  # type: ignore[misc]
         """Megatron's save strategy for the ``"tiercheck"`` backend (sync ``save`` and ``async_save``)."""
 
-        def __init__(self, backend: TiercheckBackend) -> None:
+        def __init__(self, backend: Backend) -> None:
             super().__init__(BACKEND, VERSION)  # Megatron's `backend` attribute: the name metadata.json records
             self.tiercheck = backend
 
@@ -81,7 +87,7 @@ if HAS_STRATEGY_REGISTRY:  # megatron-core 0.16
     class TiercheckLoadStrategy(compat.strategy_registry.LoadShardedStrategy):  # type: ignore[misc]
         """Megatron's load strategy for checkpoints whose ``metadata.json`` names the ``"tiercheck"`` backend."""
 
-        def __init__(self, backend: TiercheckBackend) -> None:
+        def __init__(self, backend: Backend) -> None:
             self.tiercheck = backend
 
         @property
@@ -115,7 +121,7 @@ else:  # megatron-core 0.17+
         Megatron's ``async_strategy`` ("nvrx" or "mcore") is not used: tiercheck writes in its own background
         threads, and the returned request (megatron-core's ``AsyncRequest``) only waits for the commit."""
 
-        def __init__(self, backend: TiercheckBackend) -> None:
+        def __init__(self, backend: Backend) -> None:
             super().__init__(BACKEND, VERSION)  # `backend`: the name metadata.json records
             self.tiercheck = backend
 
@@ -142,7 +148,7 @@ else:  # megatron-core 0.17+
         in the directory) from tiercheck's tiers, and any other through Megatron's own ``torch_dist`` code,
         so that it can stand in wherever the training loop makes a ``TorchDistLoadShardedStrategy``."""
 
-        def __init__(self, backend: TiercheckBackend) -> None:
+        def __init__(self, backend: Backend) -> None:
             super().__init__()
             self.tiercheck = backend
 
