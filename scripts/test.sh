@@ -19,7 +19,7 @@ fi
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
 .venv/bin/python -m pip install -q --disable-pip-version-check setuptools wheel
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation deepspeed==0.19.8
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,frameworks]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,frameworks,docs]'
 # Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
 # npm ci only when node_modules was not installed from this very lock file.
 if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
@@ -33,6 +33,15 @@ fi
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
 .venv/bin/lint-imports  # the package's layers point one way (pyproject.toml, [tool.importlinter])
+# The documentation site (docs/, mkdocs.yml): --strict fails on a broken link, anchor or reference;
+# quiet unless it fails (NO_MKDOCS_2_WARNING: Material's banner about its successor).
+docs_log="$(mktemp)"
+if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$root/site" >"$docs_log" 2>&1; then
+    cat "$docs_log" >&2
+    echo "scripts/test.sh: mkdocs build --strict failed (docs/, mkdocs.yml)" >&2
+    exit 1
+fi
+rm -f "$docs_log"
 
 # The Megatron lane: megatron-core's current release (0.19, Python 3.12+) in a venv of its own, beside the
 # main suite's 0.16 on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a

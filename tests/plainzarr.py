@@ -1,6 +1,6 @@
-"""The README's recipe for reading a step with plain zarr and fsspec, no tiercheck involved.
+"""The recipe in docs/format.md for reading a step with plain zarr and fsspec, no tiercheck involved.
 
-Kept word for word as the README gives it, so the tests prove the recipe users copy.
+Kept as docs/format.md gives it, so the tests prove the recipe users copy.
 """
 
 from __future__ import annotations

@@ -62,6 +62,24 @@ class Checkpointer:
     Tensors may be DTensors or ``tiercheck.Shard`` pieces of global tensors; plain tensors are
     replicated. Each chunk of each global tensor is written once, by one of the ranks holding it,
     and a step commits only when every rank's part is durable. ``local`` is this node's directory.
+
+    Args:
+        state: what to checkpoint, by name (see above); restored in place.
+        local: this node's checkpoint directory (fast local disk), created if missing. Partial
+            steps a crash left there are removed; one job writes it at a time (a lock).
+        remote: where committed steps drain in the background: an fsspec URL (``s3://``,
+            ``az://``, ``abfs://``, ``file://``) or a tier object. ``None``: no remote tier.
+        remote_options: options for the remote's fsspec filesystem (endpoint, credentials).
+        process_group: the ``torch.distributed`` group whose ranks checkpoint together
+            (default: the world, whenever ``torch.distributed`` is initialized).
+        staging: how a save copies the state into host memory (``StagingOptions``).
+        write: chunk size, I/O threads, fsync, direct I/O, lineage take-over (``WriteOptions``).
+        retention: which committed local steps to keep (``RetentionOptions``; default: the last 3).
+        distributed: how the ranks cooperate (``DistributedOptions``).
+        drain: what is copied to the remote tier and how (``DrainOptions``).
+        replication: copies of each node's steps on other nodes' local tiers
+            (``ReplicationOptions``). ``None``: no copies.
+        allow_pickle: store values that have no safe encoding with pickle, and read them back.
     """
 
     def __init__(
@@ -296,6 +314,7 @@ class Checkpointer:
         return list_steps(self.tier).committed
 
     def latest_step(self) -> int | None:
+        """The newest committed step on this node's local tier, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -317,6 +336,7 @@ class Checkpointer:
         ``torch.distributed`` every rank calls it; the saved layout may differ from the current one.
         With ``populate_local``, a node that lacked part of the step copies all of it from the
         remote tier into its local directory in the background, so the next restart reads locally.
+        ``allow_pickle`` overrides the Checkpointer's for this restore (None: the Checkpointer's).
 
         ``others`` is for frameworks whose ranks save different top-level entries (DeepSpeed's
         per-rank files) and read each other's: entries of the saved state that this state lacks are
@@ -374,7 +394,24 @@ class Checkpointer:
     # ------------------------------------------------------------------------------ lifecycle
 
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes, for logs and dashboards."""
+        """Counters and sizes, for logs and dashboards.
+
+        Always: ``saves``, ``skipped``, ``staging_blocked_s`` (time ``optimizer.step()`` and
+        ``wait_staged()`` waited for lazy copies), ``inflight`` (steps being written),
+        ``pool_capacity_bytes``, ``pool_peak_bytes``, ``pool_allocations``, ``pool_pinned``,
+        ``pool_pinned_bytes`` (host memory the pool holds page-locked),
+        ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes per
+        save), ``store_ops`` and ``store_bytes`` (this rank's traffic through the job's store).
+        After the first save: ``committed``, ``failed``, ``state_changed`` (lazy saves failed
+        because a tensor changed during its copy) and ``bytes_written``. After a restore, of the
+        last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
+        (received through shared memory), ``restore_unstaged_bytes`` (filled straight from shared
+        memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
+        ``restore_staged_on_device``, ``restore_read_direct_bytes`` (read with ``O_DIRECT``) and
+        ``restore_in_place_bytes`` (read straight into the state's own memory).
+        With an object-store remote: ``drain_part_buffer_bytes`` (the bound on memory its parts
+        hold) and ``drain_part_bytes_peak``.
+        """
         out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:
             out.update(self._pipeline.counters)

@@ -12,32 +12,33 @@ MiB = 1 << 20
 class StagingOptions:
     """How a save copies device state into host memory.
 
-    mode:
-        ``"eager"``: ``save()`` returns once every tensor is copied to host memory.
-        ``"lazy"``: ``save()`` returns at once; the copy of parameters and optimizer state
-        overlaps the next forward/backward, and any ``optimizer.step()`` (or
-        :meth:`Checkpointer.wait_staged`) blocks until the copy is complete. Plain tensors and
-        module buffers (which a forward pass may change, e.g. BatchNorm statistics) are still
-        copied before ``save()`` returns.
-        ``"auto"``: lazy when the state holds a ``torch.optim.Optimizer`` (the hook that makes
-        lazy safe needs one), eager otherwise.
-    max_host_bytes:
-        Upper bound on the host staging pool. ``None`` sizes it to one snapshot of the state.
-        A smaller bound still works: staging then waits for chunks to be written out, so
-        ``save()`` (or the next ``optimizer.step()`` in lazy mode) blocks longer.
-    if_busy:
-        What a ``save()`` does while an earlier save is still being written: ``"wait"``
-        queues it (and may block for pool memory), ``"skip"`` drops it with a warning and
-        returns a handle whose ``skipped`` is True.
-    pin_memory:
-        Page-lock the pool. ``None``: when the state holds CUDA tensors.
-    prefault:
-        In a single process, allocate the pool and touch every page of it on a background thread,
-        so the first save does not pay for the page faults (about 0.5 s per GiB on a VM): when the
-        Checkpointer is built, or where its local directory holds committed steps, once
-        ``restore()`` is done (a restore reads into as much new memory; both at once slowed it).
-        Sized to the state as it is then: an optimizer whose state appears at its first step grows
-        the pool at the first save.
+    Attributes:
+        mode:
+            ``"eager"``: ``save()`` returns once every tensor is copied to host memory.
+            ``"lazy"``: ``save()`` returns at once; the copy of parameters and optimizer state
+            overlaps the next forward/backward, and any ``optimizer.step()`` (or
+            :meth:`Checkpointer.wait_staged`) blocks until the copy is complete. Plain tensors and
+            module buffers (which a forward pass may change, e.g. BatchNorm statistics) are still
+            copied before ``save()`` returns.
+            ``"auto"``: lazy when the state holds a ``torch.optim.Optimizer`` (the hook that makes
+            lazy safe needs one), eager otherwise.
+        max_host_bytes:
+            Upper bound on the host staging pool. ``None`` sizes it to one snapshot of the state.
+            A smaller bound still works: staging then waits for chunks to be written out, so
+            ``save()`` (or the next ``optimizer.step()`` in lazy mode) blocks longer.
+        if_busy:
+            What a ``save()`` does while an earlier save is still being written: ``"wait"``
+            queues it (and may block for pool memory), ``"skip"`` drops it with a warning and
+            returns a handle whose ``skipped`` is True.
+        pin_memory:
+            Page-lock the pool. ``None``: when the state holds CUDA tensors.
+        prefault:
+            In a single process, allocate the pool and touch every page of it on a background thread,
+            so the first save does not pay for the page faults (about 0.5 s per GiB on a VM): when the
+            Checkpointer is built, or where its local directory holds committed steps, once
+            ``restore()`` is done (a restore reads into as much new memory; both at once slowed it).
+            Sized to the state as it is then: an optimizer whose state appears at its first step grows
+            the pool at the first save.
     """
 
     mode: Literal["auto", "lazy", "eager"] = "auto"
@@ -59,25 +60,26 @@ class StagingOptions:
 class WriteOptions:
     """How staged bytes are laid out and persisted.
 
-    chunk_bytes: target size of one zarr chunk (and of one staging/write unit).
-    io_threads: concurrent chunk writes and reads.
-    fsync: fsync every file and directory before commit. Turning it off forfeits crash safety
-        and exists only for measurements.
-    direct_io: write large chunks to the local tier with O_DIRECT, straight from the staging
-        pool to the device. This skips the kernel's copy into the page cache (CPU time the
-        training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
-        A restore reads big chunks back with O_DIRECT too, where the page cache does not hold
-        them. Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered I/O.
-    nice: niceness added to tiercheck's I/O threads (Linux), which checksum and write chunks and
-        have until the next save to do it: when CPU is short the training loop's threads win.
-        0 (the default) runs them at the training's priority: on the 2-core benchmark machine,
-        where training saturates every core, 10 did not lower the stall and made saves durable
-        later. Worth trying where data loaders or host-side work compete for the CPU. The
-        staging copy is never niced: training waits for it.
-    take_over: write into a local directory or remote prefix that holds another lineage's steps
-        (another run's, which this one did not restore from), making it this run's. Without it the
-        first ``save()`` refuses with ``LineageError``. Its steps stay until retention deletes them;
-        steps this run saves under the same numbers replace them on the remote.
+    Attributes:
+        chunk_bytes: target size of one zarr chunk (and of one staging/write unit).
+        io_threads: concurrent chunk writes and reads.
+        fsync: fsync every file and directory before commit. Turning it off forfeits crash safety
+            and exists only for measurements.
+        direct_io: write large chunks to the local tier with O_DIRECT, straight from the staging
+            pool to the device. This skips the kernel's copy into the page cache (CPU time the
+            training loop would otherwise lose) and keeps checkpoints from evicting useful cache.
+            A restore reads big chunks back with O_DIRECT too, where the page cache does not hold
+            them. Where the filesystem refuses O_DIRECT, tiercheck falls back to buffered I/O.
+        nice: niceness added to tiercheck's I/O threads (Linux), which checksum and write chunks and
+            have until the next save to do it: when CPU is short the training loop's threads win.
+            0 (the default) runs them at the training's priority: on the 2-core benchmark machine,
+            where training saturates every core, 10 did not lower the stall and made saves durable
+            later. Worth trying where data loaders or host-side work compete for the CPU. The
+            staging copy is never niced: training waits for it.
+        take_over: write into a local directory or remote prefix that holds another lineage's steps
+            (another run's, which this one did not restore from), making it this run's. Without it the
+            first ``save()`` refuses with ``LineageError``. Its steps stay until retention deletes them;
+            steps this run saves under the same numbers replace them on the remote.
     """
 
     chunk_bytes: int = 64 * MiB
@@ -100,8 +102,9 @@ class WriteOptions:
 class RetentionOptions:
     """Which committed steps a tier keeps. The newest committed step is never deleted.
 
-    keep_last: keep this many newest committed steps (``None``: keep all).
-    keep_every: additionally keep every step that is a multiple of this forever.
+    Attributes:
+        keep_last: keep this many newest committed steps (``None``: keep all).
+        keep_every: additionally keep every step that is a multiple of this forever.
     """
 
     keep_last: int | None = 3
@@ -118,22 +121,23 @@ class RetentionOptions:
 class DistributedOptions:
     """How the ranks of a ``torch.distributed`` job cooperate.
 
-    timeout_s: how long a rank waits for the others (to agree on a save plan, to finish writing
-        a step, to agree on a restore) before it gives the step up with ``CoordinationError``.
-        A rank that died mid-save is noticed after this long: no step it was part of commits.
-    read_once: on restore, each needed chunk is read from storage by one rank in the whole job
-        and sent to every other rank needing it, instead of once by each node that needs it and
-        holds it (the default): less storage traffic, more network traffic. Either way the ranks
-        of one node never read a chunk twice.
-    share_memory: on restore, ranks of one host pass chunks to each other through shared memory
-        (an anonymous memory file each reading rank reads its chunks into, once) instead of
-        through the process group; only a small header crosses the group, and a live tensor whose
-        every chunk is in such memory is copied into from there, with no staging memory of its
-        own. Used with CPU process groups (gloo); a NCCL group passes chunks between a host's GPUs
-        itself. Ranks of one host must share a PID namespace and user.
-    enabled: None (default): cooperate with the other ranks whenever torch.distributed is
-        initialized. False: this process checkpoints alone even then (say, rank 0 saving a
-        consolidated copy); its tensors are then all its own.
+    Attributes:
+        timeout_s: how long a rank waits for the others (to agree on a save plan, to finish writing
+            a step, to agree on a restore) before it gives the step up with ``CoordinationError``.
+            A rank that died mid-save is noticed after this long: no step it was part of commits.
+        read_once: on restore, each needed chunk is read from storage by one rank in the whole job
+            and sent to every other rank needing it, instead of once by each node that needs it and
+            holds it (the default): less storage traffic, more network traffic. Either way the ranks
+            of one node never read a chunk twice.
+        share_memory: on restore, ranks of one host pass chunks to each other through shared memory
+            (an anonymous memory file each reading rank reads its chunks into, once) instead of
+            through the process group; only a small header crosses the group, and a live tensor whose
+            every chunk is in such memory is copied into from there, with no staging memory of its
+            own. Used with CPU process groups (gloo); a NCCL group passes chunks between a host's GPUs
+            itself. Ranks of one host must share a PID namespace and user.
+        enabled: None (default): cooperate with the other ranks whenever torch.distributed is
+            initialized. False: this process checkpoints alone even then (say, rank 0 saving a
+            consolidated copy); its tensors are then all its own.
     """
 
     timeout_s: float = 900.0
@@ -150,11 +154,13 @@ class DistributedOptions:
 class RetryOptions:
     """Retries of remote-tier requests that failed transiently (throttling such as SlowDown, 5xx,
     connection resets, timeouts, a server that is down), with exponential backoff and full jitter.
-
-    attempts: tries per request, the first included.
-    initial_backoff_s / max_backoff_s: the backoff grows from the first to at most the second.
-    deadline_s: give a request up after this long, whatever ``attempts`` says.
     Permanent failures (no such bucket, access denied) are never retried.
+
+    Attributes:
+        attempts: tries per request, the first included.
+        initial_backoff_s: the first backoff; it grows from there to at most ``max_backoff_s``.
+        max_backoff_s: the longest backoff between two tries.
+        deadline_s: give a request up after this long, whatever ``attempts`` says.
     """
 
     attempts: int = 10
@@ -173,23 +179,24 @@ class RetryOptions:
 class DrainOptions:
     """How committed local steps are copied to the remote tier, in the background.
 
-    every: drain only steps divisible by this (1: every step).
-    backlog: what to do when newer steps commit locally while a drain is still running:
-        ``"newest"`` drains only the newest waiting step and skips the others (reported in
-        ``status()`` and on their handles); ``"all"`` drains every waiting step in order.
-    concurrency: files uploaded at once per node (the packs of a node's ranks, side by side).
-    part_concurrency: parts in flight at once per node, all its files together: each large file
-        goes as a multipart upload (S3) or staged blocks (Azure), each part retried on its own, and
-        a reader runs ahead of the uploads by the free slots. The node's upload memory is bounded
-        by ``part_concurrency x part_bytes`` (128 MiB by default; ``stats()["drain_part_buffer_bytes"]``).
-        16 parts keep a node's link busy at 100-300 MB/s per stream (2-5 GB/s in all) as object
-        stores serve it; remote restores read with as many ranged GETs in flight.
-    part_bytes: multipart part size for large files (larger where an object needs more than
-        10,000 parts, S3's limit), and the size of a remote restore's ranged GETs. 8 MiB is the
-        AWS CRT's and boto3's default; on SeaweedFS it cost the client 24% and the server 9% less
-        CPU per GiB uploaded than 16 MiB.
-    retention: which remote steps to keep; the newest committed one is never deleted.
-    retry: retries of each request.
+    Attributes:
+        every: drain only steps divisible by this (1: every step).
+        backlog: what to do when newer steps commit locally while a drain is still running:
+            ``"newest"`` drains only the newest waiting step and skips the others (reported in
+            ``status()`` and on their handles); ``"all"`` drains every waiting step in order.
+        concurrency: files uploaded at once per node (the packs of a node's ranks, side by side).
+        part_concurrency: parts in flight at once per node, all its files together: each large file
+            goes as a multipart upload (S3) or staged blocks (Azure), each part retried on its own, and
+            a reader runs ahead of the uploads by the free slots. The node's upload memory is bounded
+            by ``part_concurrency x part_bytes`` (128 MiB by default; ``stats()["drain_part_buffer_bytes"]``).
+            16 parts keep a node's link busy at 100-300 MB/s per stream (2-5 GB/s in all) as object
+            stores serve it; remote restores read with as many ranged GETs in flight.
+        part_bytes: multipart part size for large files (larger where an object needs more than
+            10,000 parts, S3's limit), and the size of a remote restore's ranged GETs. 8 MiB is the
+            AWS CRT's and boto3's default; on SeaweedFS it cost the client 24% and the server 9% less
+            CPU per GiB uploaded than 16 MiB.
+        retention: which remote steps to keep; the newest committed one is never deleted.
+        retry: retries of each request.
     """
 
     every: int = 1
@@ -218,14 +225,15 @@ class ReplicationOptions:
     """Copies of each node's committed local steps on other nodes' local tiers (peer replication), so
     that a lost node restores from its peers instead of the remote tier.
 
-    replicas: how many other nodes hold a copy of each node's files of a step.
-    jump: nodes between a node and the first holder of its copies, and between holders (NVIDIA
-        resiliency-ext's ``replication_jump``, counted in nodes numbered by their first rank). Set it to
-        the number of nodes in a failure domain (a rack, a power domain) so that the copies land in other
-        domains. ``None``: 1 (every node its own domain).
-    every: replicate only steps divisible by this.
-    piece_bytes: bytes read, sent and written at a time per peer (the memory replication holds).
-    timeout_s: how long a leader waits on a peer (to connect, for one piece) before it leaves that peer out.
+    Attributes:
+        replicas: how many other nodes hold a copy of each node's files of a step.
+        jump: nodes between a node and the first holder of its copies, and between holders (NVIDIA
+            resiliency-ext's ``replication_jump``, counted in nodes numbered by their first rank). Set it to
+            the number of nodes in a failure domain (a rack, a power domain) so that the copies land in other
+            domains. ``None``: 1 (every node its own domain).
+        every: replicate only steps divisible by this.
+        piece_bytes: bytes read, sent and written at a time per peer (the memory replication holds).
+        timeout_s: how long a leader waits on a peer (to connect, for one piece) before it leaves that peer out.
     """
 
     replicas: int = 1

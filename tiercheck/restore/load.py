@@ -37,6 +37,8 @@ def load(
     ``path`` is a local directory or any remote URL (``s3://``, ``az://``, ``file://``;
     ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
     hold every chunk: a step saved by ranks on several nodes is spread over their directories.
+    ``step``: the step to read (default: the newest committed). ``allow_pickle``: read values
+    stored with pickle (only from a checkpoint you trust).
     """
     tier, step, manifest, marker = open_step(path, step, storage_options=storage_options)
     where = f"{tier.url}: step {step}"

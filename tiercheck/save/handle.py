@@ -40,7 +40,18 @@ class SaveHandle:
     with True once this node's files of the step are on its replica peers (ReplicationOptions),
     else False. Futures carry the original exception of a failed save. ``timings`` holds seconds:
     plan_s, blocked_s (how long save() blocked), stage_s, persist_s, commit_s and durable_s (from
-    the save() call to commit).
+    the save() call to commit), and hook_blocked_s only when an ``optimizer.step()`` (or
+    ``wait_staged()``) waited for this save's lazy copy.
+
+    Attributes:
+        step: the step saved.
+        nbytes: bytes this rank writes for it.
+        skipped: True when the save was dropped (``StagingOptions(if_busy="skip")``).
+        staged: completes when the host copy is done.
+        committed: completes when the step is committed on the local tier.
+        drained: True once committed on the remote tier, else False (or the drain's error).
+        replicated: True once this node's files are on its replica peers, else False.
+        timings: seconds per stage (above).
     """
 
     def __init__(self, step: int, *, skipped: bool = False, nbytes: int = 0) -> None:
@@ -63,6 +74,7 @@ class SaveHandle:
         self.committed.result(timeout)
 
     def done(self) -> bool:
+        """Whether the save is committed (or failed)."""
         return self.committed.done()
 
     def __repr__(self) -> str:
