@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -27,17 +26,16 @@ from torch.futures import Future
 
 from tiercheck.errors import (
     CheckpointNotFoundError,
-    CoordinationError,
     CorruptCheckpointError,
     TiercheckError,
     UnsafeCheckpointError,
 )
 from tiercheck.fmt import fmt_steps
-from tiercheck.format.steps import list_steps, read_index
-from tiercheck.integrations._collectives import all_gather_object
+from tiercheck.format.steps import read_index
 from tiercheck.integrations.dcp.metadata import step_of, to_metadata
 from tiercheck.integrations.dcp.regions import item_start, memory_span, own_target, read_box, state_memory
 from tiercheck.integrations.dcp.shared import Shared, acquire, checked_options, release
+from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
 from tiercheck.restore.match import FreshShard
 from tiercheck.restore.stage import host_read_buffer
@@ -93,20 +91,7 @@ class TiercheckReader(StorageReader):
         """All ranks: agree on the step (a collective on the process group) and rebuild its DCP metadata."""
         if "rank" in kwargs:  # DCP's retry for rank-local metadata, after this failed: there is none
             raise CheckpointNotFoundError("tiercheck steps have no rank-local DCP metadata")
-        local = LocalTier(self.local)
-        remote = open_tier(self.remote, storage_options=self.remote_options) if self.remote else None
-        mine: dict[str, Any] = {}
-        try:
-            mine["local"] = list_steps(local).committed if local.root.is_dir() else []
-            if remote is not None and _rank(self.group) == 0:
-                mine["remote"] = list_steps(remote).committed
-        except (OSError, TiercheckError) as e:
-            mine["error"] = f"{type(e).__name__}: {e}"
-        everyone = all_gather_object(mine, self.group)
-        for r, doc in enumerate(everyone):
-            if "error" in doc:
-                raise CoordinationError(f"rank {r} cannot list its tiers: {doc['error']}")
-        whole = set.intersection(*(set(d["local"]) for d in everyone)) | set(everyone[0].get("remote", []))
+        whole = restorable_steps(self.local, self.remote, remote_options=self.remote_options, group=self.group)
         where = f"{self.local}" + (f" / {self.remote}" if self.remote else "")
         if self._requested is not None:
             if self._requested not in whole:
@@ -120,6 +105,8 @@ class TiercheckReader(StorageReader):
         else:
             raise CheckpointNotFoundError(f"{where}: no step is committed on every rank's local tier or the remote")
         self._step = step
+        local = LocalTier(self.local)
+        remote = open_tier(self.remote, storage_options=self.remote_options) if self.remote else None
         tiers: list[Tier] = [t for t in (local, remote) if t is not None]
         error: TiercheckError | None = None
         for tier in tiers:
@@ -239,7 +226,3 @@ def _done(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
-
-
-def _rank(group: Any) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,186 @@
+"""torchtitan's ``CheckpointManager`` through tiercheck: ``TiercheckCheckpointManager`` with the real torchtitan.
+
+The manager is driven as torchtitan's ``Trainer.train`` drives it (``load()`` first, ``save(step, last_step=)``
+after every step, ``close()`` at the end), on 2 gloo ranks with an FSDP2 model, torchtitan's own
+``OptimizersContainer`` (AdamW), ``LRSchedulersContainer`` (warmup + decay) and ``ParallelAwareDataloader``, and a
+train state. A run killed after its step-5 checkpoint resumes from it and ends bit-identical to an uninterrupted
+run; two new nodes with empty directories resume from the remote tier alone, bit-identical too. (A full torchtitan
+training loop on CPU needs shims for FlexAttention's backward, gloo's missing PREMUL_SUM and triton: the manager is
+what tiercheck replaces, so it is what is driven.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .distributed import run_ranks
+from .test_dcp import _equal, _full
+
+pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`synchronize_staging` is deprecated:FutureWarning"),
+]
+
+TOTAL = 10  # steps of a whole run; a checkpoint every INTERVAL
+INTERVAL = 5
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    """Sample i of rank r is a function of (r, i), and the dataset is Stateful (as torchtitan's are): a resumed
+    loader must continue exactly where it stopped. (Without a state, torchdata's loader fast-forwards, and a
+    second resume counts the first one's fast-forward twice.)"""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.i = rank, 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while True:
+            g = torch.Generator().manual_seed(1000 * self.rank + self.i)
+            self.i += 1
+            yield torch.randn(6, generator=g)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.i = sd["i"]
+
+
+class _TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = sd["step"]
+
+
+def _build(rank: int, world: int, root: str, remote: str, local: str, async_mode: str) -> tuple[Any, ...]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=TOTAL)
+    loader = ParallelAwareDataloader(_Numbers(rank), dp_rank=rank, dp_world_size=world, batch_size=3)
+    state = _TrainState()
+    config = TiercheckCheckpointManager.Config(
+        enable=True,
+        folder="checkpoint",
+        interval=INTERVAL,
+        async_mode=async_mode,
+        keep_latest_k=2,
+        last_save_model_only=False,
+        local=local,
+        remote=remote,
+    )
+    manager = config.build(
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+        base_folder=root,
+    )
+    return model, optimizers, schedulers, loader, state, manager
+
+
+def _train(rank: int, world: int, root: str, remote: str, local: str, async_mode: str, stop: int) -> dict[str, Any]:
+    """torchtitan's Trainer.train, in short: load, then train and save each step; at ``stop`` < TOTAL the
+    process dies (``os._exit``) once the last checkpoint is committed, without closing anything."""
+    warnings.simplefilter("ignore", FutureWarning)
+    model, optimizers, schedulers, loader, state, manager = _build(rank, world, root, remote, local, async_mode)
+    resumed = manager.load(step=-1)
+    start = state.step
+    batches = iter(loader)
+    while state.step < stop:
+        state.step += 1
+        loss = model(next(batches)).square().mean()
+        loss.backward()
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+        manager.save(state.step, last_step=state.step == TOTAL)
+    if stop < TOTAL:
+        manager.maybe_wait_for_saving()
+        os._exit(0)  # killed: no close, no drain
+    manager.close()
+    return {
+        "resumed": resumed,
+        "start": start,
+        "model": _full(model.state_dict()),
+        "optim": _full(optimizers.state_dict()),
+        "lr": schedulers.state_dict(),
+        "next_batch": next(batches),
+    }
+
+
+def _restore_only(rank: int, world: int, root: str, remote: str, local: str) -> dict[str, Any]:
+    warnings.simplefilter("ignore", FutureWarning)
+    model, optimizers, schedulers, loader, state, manager = _build(rank, world, root, remote, local, "disabled")
+    assert manager.load(step=-1)
+    out = {"step": state.step, "model": _full(model.state_dict()), "optim": _full(optimizers.state_dict())}
+    out["lr"], out["next_batch"] = schedulers.state_dict(), next(iter(loader))
+    manager.close()
+    return out
+
+
+def _steps(path: Path) -> list[int]:
+    from tiercheck.format.steps import list_steps
+    from tiercheck.tiers.local import LocalTier
+
+    return list_steps(LocalTier(path)).committed
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path: Path, async_mode: str) -> None:
+    remote_dir = tmp_path / "remote"
+    remote = remote_dir.as_uri()
+    whole = run_ranks(_train, 2, str(tmp_path / "a"), (tmp_path / "ra").as_uri(), str(tmp_path / "a" / "ckpt"),
+                      async_mode, TOTAL, start_method="forkserver", timeout=150)  # fmt: skip
+    assert [w["resumed"] for w in whole] == [False, False]
+
+    run, local = tmp_path / "b", tmp_path / "b" / "ckpt"
+    # Killed at step 7: step 5 is committed locally; step 10 never happened.
+    outcomes = run_ranks(_train, 2, str(run), remote, str(local), async_mode, 7, start_method="forkserver",
+                         check=False, timeout=150)  # fmt: skip
+    assert all(o.exitcode == 0 for o in outcomes), [o.error for o in outcomes]
+    assert _steps(local) == [5]
+    resumed = run_ranks(_train, 2, str(run), remote, str(local), async_mode, TOTAL, start_method="forkserver",
+                        timeout=150)  # fmt: skip
+    for rank in range(2):
+        assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
+        for key in ("model", "optim", "lr", "next_batch"):
+            _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+    assert _steps(local) == [5, 10]  # keep_latest_k=2: tiercheck's retention, torchtitan's purge never ran
+    assert _steps(remote_dir) == [5, 10]  # close() drained both
+
+    # Two new nodes: empty local directories, the remote tier alone.
+    shutil.rmtree(local)
+    fresh = run_ranks(_restore_only, 2, str(tmp_path / "c"), remote, str(tmp_path / "c" / "ckpt"),
+                      start_method="forkserver", timeout=150)  # fmt: skip
+    for rank in range(2):
+        assert fresh[rank]["step"] == TOTAL
+        for key in ("model", "optim", "lr", "next_batch"):
+            _equal(fresh[rank][key], whole[rank][key], f"rank {rank} {key} (from the remote)")
