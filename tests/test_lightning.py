@@ -1,0 +1,150 @@
+"""Lightning's ``Trainer`` through tiercheck: ``TiercheckCheckpointIO`` with the real Lightning, on CPU.
+
+A tiny ``LightningModule`` trains 4 epochs with ``ModelCheckpoint(save_top_k=2, save_last=True)``; a run killed
+after epoch 2 resumes with ``ckpt_path="last"`` and ends bit-identical (weights, optimizer state, scheduler) to an
+uninterrupted run. tiercheck's retention (``keep_last=1``) keeps every step a pointer still names, and the steps
+of pointers ``save_top_k`` removed go.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra installs it)")
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
+from tiercheck.integrations.lightning import TiercheckCheckpointIO
+from tiercheck.options import RetentionOptions
+
+from .test_dcp import _equal
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice (workers, logging, no last checkpoint)
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated:FutureWarning"),  # Lightning on torch 2.13
+]
+
+EPOCHS = 4
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self, note: Any = "plain") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        x, y = batch
+        # a loss that goes down, then up: save_top_k keeps two early epochs while last.ckpt moves on
+        self.log("val_loss", (torch.nn.functional.mse_loss(self.net(x), y) - 0.01 * self.current_epoch) ** 2)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+def _data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+class _Die(pl.Callback):
+    """Kills the process at the start of epoch ``at``, once the saves so far are committed (SIGKILL-like)."""
+
+    def __init__(self, at: int, io: TiercheckCheckpointIO) -> None:
+        self.at, self.io = at, io
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.at:
+            self.io.wait()
+            os._exit(0)
+
+
+def _fit(root: str, resume: bool, die_at: int | None = None) -> _Tiny:
+    pl.seed_everything(0, verbose=False)
+    io = TiercheckCheckpointIO(Path(root) / "local", remote=(Path(root) / "remote").as_uri(),
+                               retention=RetentionOptions(keep_last=1))  # fmt: skip
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(dirpath=Path(root) / "ckpts", monitor="val_loss", save_top_k=2, save_last=True)
+    ]
+    if die_at is not None:
+        callbacks.append(_Die(die_at, io))
+    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, plugins=[io], callbacks=callbacks,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model = _Tiny()
+    trainer.fit(model, _data(), _data(), ckpt_path="last" if resume else None)
+    return model
+
+
+def _state(model: _Tiny) -> dict[str, Any]:
+    trainer = model.trainer
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optim": trainer.optimizers[0].state_dict(),
+        "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "step": trainer.global_step,
+    }
+
+
+def _pointers(d: Path) -> dict[str, int]:
+    return {p.name: json.loads(p.read_text())["step"] for p in sorted(d.glob("*.ckpt"))}
+
+
+def _steps(d: Path) -> list[int]:
+    from tiercheck.format.steps import list_steps
+    from tiercheck.tiers.local import LocalTier
+
+    return list_steps(LocalTier(d)).committed
+
+
+def test_killed_fit_resumes_from_last_bit_identical_and_retention_keeps_named_steps(tmp_path: Path) -> None:
+    whole = _state(_fit(str(tmp_path / "a"), resume=True))  # an empty directory: a fresh start
+
+    run = tmp_path / "b"
+    killed = multiprocessing.get_context("spawn").Process(target=_fit, args=(str(run), False, 2))
+    killed.start()
+    killed.join(120)
+    assert killed.exitcode == 0
+    assert _pointers(run / "ckpts")["last.ckpt"] == 10  # 2 epochs of 5 batches
+    resumed = _state(_fit(str(run), resume=True))
+    for key in ("model", "optim", "sched", "step"):
+        _equal(resumed[key], whole[key], key)
+
+    named = _pointers(run / "ckpts")
+    assert len(named) == 3 and named["last.ckpt"] == 20  # top 2 + last
+    # keep_last=1, but every step a pointer names stays; the steps of removed top-k files are gone
+    assert _steps(run / "local") == sorted(set(named.values()))
+    assert set(named.values()) <= set(_steps(run / "remote"))
+
+
+def test_values_needing_pickle_are_refused_unless_allowed(tmp_path: Path) -> None:
+    io = TiercheckCheckpointIO(tmp_path / "local")
+    checkpoint = {"global_step": 3, "state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"f": object()}}
+    with pytest.raises(UnsupportedValueError, match="allow_pickle=True"):
+        io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    io.teardown()
+    io = TiercheckCheckpointIO(tmp_path / "local", allow_pickle=True)
+    checkpoint["hyper_parameters"] = {"f": frozenset({1})}
+    io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    io.teardown()
+    refusing = TiercheckCheckpointIO(tmp_path / "local")
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        refusing.load_checkpoint(tmp_path / "x.ckpt")
+    refusing.teardown()  # Lightning's, at the end of fit: gives the directory back
+    back = TiercheckCheckpointIO(tmp_path / "local", allow_pickle=True).load_checkpoint(tmp_path / "x.ckpt")
+    assert back["hyper_parameters"] == {"f": frozenset({1})} and torch.equal(back["state_dict"]["w"], torch.ones(2))
