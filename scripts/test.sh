@@ -19,6 +19,11 @@ fi
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
 .venv/bin/python -m pip install -q --disable-pip-version-check setuptools wheel
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation deepspeed==0.19.8
+# torchtitan 0.3.0 for tests/test_torchtitan.py, without its dependencies: its datasets pin would downgrade fsspec
+# below s3fs's exact pin (and it pulls wandb, tensorboard, torch_checkpointing). Its checkpointer, optimizer and
+# dataloader modules need only these.
+.venv/bin/python -m pip install -q --disable-pip-version-check tyro==1.0.17 spmd_types==0.2.3 torchdata==0.11.0
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,frameworks,docs]'
 # Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
 # npm ci only when node_modules was not installed from this very lock file.
