@@ -143,6 +143,7 @@ def export(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tiercheck-{secrets.token_hex(4)}"
     tmp.mkdir()
+    out = LocalTier(tmp, fsync=True, direct_io=True)  # every file synced; shards' whole blocks with O_DIRECT
     reader = _Reader(tier, step, manifest.arrays, marker, io_threads=io_threads, buffer_bytes=buffer_bytes)
     total = sum(t.nbytes for t in tensors)
     report = progress or (lambda done, total: None)
@@ -151,18 +152,18 @@ def export(
         done = 0
         for i, shard in enumerate(shards):
             name = shard_name(i, len(shards))
-            done = _write_shard(tmp / name, shard, reader, meta={"format": "pt"}, report=report, done=done, total=total)
+            done = _write_shard(out, name, shard, reader, meta={"format": "pt"}, report=report, done=done, total=total)
             files.append(name)
             weight_map.update(dict.fromkeys((t.name for t in shard), name))
         if len(shards) > 1:
-            _write_file(tmp / INDEX_FILE, index_document(weight_map, total))
+            out.write(INDEX_FILE, [index_document(weight_map, total)])
         for extra in include:
-            shutil.copyfile(extra, tmp / Path(extra).name)
-        _fsync_dir(tmp)
+            out.write(Path(extra).name, [Path(extra).read_bytes()])
+        out.sync_dirs("")
         if target.exists():
             target.rmdir()  # empty, checked above: rename replaces only what is not there
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        LocalTier(target.parent, fsync=True).sync_dirs(target.name)  # the parent's entry for it
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -208,7 +209,8 @@ def _shards(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
 
 
 def _write_shard(
-    path: Path,
+    out: LocalTier,
+    name: str,
     shard: list[_Tensor],
     reader: _Reader,
     *,
@@ -230,8 +232,8 @@ def _write_shard(
     starts, pos = {}, len(header)
     for t in shard:
         starts[t.name], pos = pos, pos + t.nbytes
-    part = path.with_name(path.name + ".partial")
-    pack = LocalTier(path.parent, fsync=True, direct_io=True).open_pack(part.name)
+    part = name + ".partial"
+    pack = out.open_pack(part)
     try:
         pack.write_at(0, [header])
         with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-export") as writer:
@@ -246,31 +248,8 @@ def _write_shard(
                 pending.result()
     finally:
         pack.close()
-    os.rename(part, path)
+    os.rename(out.root / part, out.root / name)
     return done
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _write_all(fd, memoryview(data))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pieces(shard: list[_Tensor], budget: int) -> Iterator[_Piece]:
