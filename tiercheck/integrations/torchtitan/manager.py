@@ -151,7 +151,7 @@ class TiercheckCheckpointManager(CheckpointManager):
                         use_pinned_memory=torch.cuda.is_available(),
                         use_shared_memory=False,
                         use_async_staging=True,
-                        use_non_blocking_copy=True,
+                        use_non_blocking_copy=torch.cuda.is_available(),
                     )
                 )
             ret = dcp.async_save(
