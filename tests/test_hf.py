@@ -119,6 +119,23 @@ def test_tp_sharded_step_exports_to_from_pretrained_bit_identical(saved: Any, tm
             assert torch.equal(t, weights[name]), name
 
 
+def _save_pp(rank: int, world: int, root: str) -> None:
+    """Pipeline stages: rank 0 holds the embedding and layer 0, rank 1 layer 1, the norm and the head."""
+    weights = trained_model().state_dict()
+    mine = [k for k in weights if ("layers.0." in k or "embed" in k) == (rank == 0)]
+    with tiercheck.Checkpointer({"model": {k: weights[k].clone() for k in mine}}, local=root) as ck:
+        ck.save(5).wait()
+
+
+def test_pipeline_stages_export_as_one_model(saved: Any, tmp_path: Path) -> None:
+    """Each stage's tree names only its own layers: the export joins every saving rank's."""
+    _, weights, _ = saved
+    run_ranks(_save_pp, 2, str(tmp_path / "ckpt"), timeout=180)
+    hf.export(tmp_path / "ckpt", tmp_path / "out")
+    got = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], v) for k, v in weights.items())
+
+
 def test_bf16_export_equals_the_cast(saved: Any, tmp_path: Path) -> None:
     root, weights, _ = saved
     result = hf.export(root, tmp_path / "out", dtype=torch.bfloat16, buffer_bytes=4096)
