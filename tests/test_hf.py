@@ -160,6 +160,11 @@ def test_names_map_prefix_and_only(saved: Any, tmp_path: Path) -> None:
         hf.export(root, tmp_path / "other", only=["optimizer"])
     with pytest.raises(IncompatibleStateError, match="would both be exported as 'x'"):
         hf.export(root, tmp_path / "other", names=lambda n: "x")
+    with pytest.raises(IncompatibleStateError, match="'step' hold no tensor"):
+        hf.export(root, tmp_path / "other", only=["step"])
+    (tmp_path / "model.safetensors").write_text("{}")
+    with pytest.raises(ValueError, match="model.safetensors would replace a file of the export"):
+        hf.export(root, tmp_path / "other", include=[tmp_path / "model.safetensors"])
     assert not (tmp_path / "other").exists()
 
 

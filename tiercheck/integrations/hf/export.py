@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tiercheck.dist.assign import assign_all_reads
+from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.manifest import ArrayRecord, CommitMarker
 from tiercheck.format.verify import check_extents
@@ -94,7 +95,7 @@ class _Piece:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row as exported (of the whole tensor for a 0-d one)."""
+        """Bytes of one row as exported (0 for a 0-d tensor, whose one piece starts where it does)."""
         shape = self.tensor.record.shape
         return _numel(shape[1:]) * itemsize(self.tensor.dtype) if shape else 0
 
@@ -128,6 +129,7 @@ def export(
     tokenizer's), which ``from_pretrained`` needs. ``progress(done, total)`` is called with bytes.
     """
     started = time.monotonic()
+    only = tuple(only)
     out_dtype = _dtype_name(dtype)
     limit = parse_size(max_shard_size)
     tier, step, manifest, marker = open_step(source, step, storage_options=storage_options)
@@ -136,7 +138,13 @@ def export(
     check_extents(tier, step, {p: manifest.arrays[p] for p in chosen.values()}, where=where)
     tensors = [_Tensor(hf, rec, _cast_to(rec.dtype, out_dtype)) for hf, path in chosen.items()
                for rec in (manifest.arrays[path],)]  # fmt: skip
+    if not tensors:
+        raise IncompatibleStateError(f"{where}: the entries {', '.join(map(repr, only))} hold no tensor to export")
     shards = _shards(tensors, limit)
+    extras = [Path(e) for e in include]
+    taken = {shard_name(i, len(shards)) for i in range(len(shards))} | {INDEX_FILE}
+    if clash := sorted({e.name for e in extras} & taken):
+        raise ValueError(f"include: {clash[0]} would replace a file of the export")
     target = Path(to)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
@@ -157,8 +165,8 @@ def export(
             weight_map.update(dict.fromkeys((t.name for t in shard), name))
         if len(shards) > 1:
             out.write(INDEX_FILE, [index_document(weight_map, total)])
-        for extra in include:
-            out.write(Path(extra).name, [Path(extra).read_bytes()])
+        for extra in extras:
+            out.write(extra.name, [extra.read_bytes()])
         out.sync_dirs("")
         if target.exists():
             target.rmdir()  # empty, checked above: rename replaces only what is not there
