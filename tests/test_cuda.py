@@ -132,3 +132,22 @@ def test_a_gpu_without_room_stages_the_rest_in_host_memory(
     assert all(v.is_cuda for v in live.values())
     assert stats["restore_staged_on_device"] == (4 << 20 if room else 0)  # "big" fits, nothing else then
     assert pinned == []
+
+
+def test_the_pinned_pool_locks_what_it_holds_and_no_more(ckpt_dir: Path) -> None:
+    """A pool of 5 MiB and a page is page-locked at that size (cudaHostRegister), not at torch's
+    next power of two (8 MiB), and the saved step is bit-identical."""
+    state = {"w": torch.randn((5 << 20) // 4 + 1024, device="cuda")}
+    expected = state["w"].cpu().clone()
+    def torch_pinned() -> int:  # what torch's caching host allocator holds (torch 2.5 and later say)
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()
+        return int(stats.get("allocated_bytes.all.current", 0))
+
+    with Checkpointer(state, local=ckpt_dir, staging=StagingOptions(pin_memory=True)) as ck:
+        cached = torch_pinned()
+        ck.save(1).wait()
+        stats = ck.stats()
+        assert stats["pool_pinned"] is True
+        assert stats["pool_pinned_bytes"] == stats["pool_capacity_bytes"] <= expected.nbytes + (2 << 20)
+        assert torch_pinned() == cached
+    assert torch.equal(tiercheck.load(ckpt_dir)["w"], expected)

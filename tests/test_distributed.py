@@ -448,7 +448,7 @@ def _restore_expect_failure(rank: int, world: int, root: str) -> tuple[str, str]
     state = model_state(SMALL, rank, seed=1, fill=0.0)
     with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2)) as ck:
         try:
-            ck.restore()
+            ck.restore(in_place=False)  # all or nothing: a job start would stream in
         except tiercheck.TiercheckError as e:
             return type(e).__name__, str(e)
     return "restored", ""
@@ -712,7 +712,7 @@ def _restore_timed(rank: int, world: int, root: str, timeout_s: float) -> tuple[
     with tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), distributed=opts) as ck:
         t0 = time.monotonic()
         try:
-            step = ck.restore()
+            step = ck.restore(in_place=False)  # all or nothing: a job start would stream in
         except tiercheck.TiercheckError as e:
             return type(e).__name__, str(e), time.monotonic() - t0
         return "restored", str(step), time.monotonic() - t0
@@ -797,7 +797,7 @@ def _save_dp4(rank: int, world: int, root: str) -> None:
 def _restore_dp4(rank: int, world: int, root: str, seed: int) -> tuple[int | None, int, int, int]:
     state = model_state(DP4, rank, seed=seed, fill=-1.0)
     with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
-        step = ck.restore()
+        step = ck.restore(in_place=False)  # all or nothing: a job start would stream in
         check_model(state, seed)
         stats = ck.stats()
     held = sum(v.local.nbytes if isinstance(v, Shard) else v.nbytes for v in state["model"].values())
@@ -830,5 +830,5 @@ def _restore_dp4_damaged(rank: int, world: int, root: str) -> bool:
         tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck,
         pytest.raises(tiercheck.CorruptCheckpointError, match="checksum mismatch"),
     ):
-        ck.restore(step=2)
+        ck.restore(step=2, in_place=False)  # all or nothing
     return all(bool(((v.local if isinstance(v, Shard) else v) == -1).all()) for v in state["model"].values())

@@ -7,6 +7,7 @@ in its node's directory. That step looks whole from node 0, yet the job cannot r
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,8 @@ def _restore_and_save(rank: int, world: int, root: str, remote: str | None = Non
     retention = tiercheck.RetentionOptions(keep_last=1)
     with tiercheck.Checkpointer(state, local=f"{root}/n{rank}", remote=remote, retention=retention) as ck:
         if remote is not None:
-            try:
+            with contextlib.suppress(tiercheck.TiercheckError):  # step 2 of node 1 may not drain: it is damaged
                 ck.drain()
-            except tiercheck.TiercheckError:
-                pass  # step 2 of node 1 may not drain: it is damaged
         got = ck.restore()
         value = float(state["w"].local[0, 0])
         steps_after_restore = ck.steps()
@@ -65,7 +64,7 @@ def gc(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_gc_of_one_node_cannot_see_the_others_and_deletes_nothing(tmp_path: Path) -> None:
-    n0, n1 = _damaged_job(tmp_path)
+    n0, _n1 = _damaged_job(tmp_path)
     done = gc(str(n0), "--keep-last", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "saving rank(s) 1 of 2 are in none of the locations given" in done.stderr
@@ -88,7 +87,7 @@ def test_retention_in_the_job_keeps_the_step_the_job_restored(tmp_path: Path) ->
     """Step 2 is damaged on node 1: node 0's keep_last=1 must not delete step 1 on the strength
     of node 0's step 2 (after the drains the job resumes at start). The job restores step 1; once
     its step 3 commits, the older steps may go."""
-    n0, n1 = _damaged_job(tmp_path)
+    n0, _n1 = _damaged_job(tmp_path)
     remote = (tmp_path / "remote").as_uri()
     results = run_ranks(_restore_and_save, 2, str(tmp_path), remote, start_method="forkserver")
     assert [(got, value) for got, value, _ in results] == [(1, 1.0), (1, 2.0)]

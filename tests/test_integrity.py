@@ -166,14 +166,17 @@ def _interrupted_drain(local: Path, remote: Path, step: int) -> None:
 @pytest.mark.parametrize("cut", ["before the remote commit", "after the remote commit"])
 def test_a_drain_after_a_rollback_replaces_the_other_trajectorys_step(tmp_path: Path, cut: str) -> None:
     remote = tmp_path / "remote"
-    save(tmp_path / "first", {2: 2})
+    save(tmp_path / "first", {1: 1, 2: 2})
+    with ThreadPoolExecutor(2) as pool:
+        upload_step(LocalTier(tmp_path / "first"), open_tier(f"file://{remote}"), 1, pool=pool)
     if cut == "before the remote commit":
         _interrupted_drain(tmp_path / "first", remote, 2)
     else:
         with ThreadPoolExecutor(2) as pool:
             upload_step(LocalTier(tmp_path / "first"), open_tier(f"file://{remote}"), 2, pool=pool)
-    state = make_state(0)  # trajectory 2, on a new node: restores nothing newer, saves step 2 again
+    state = make_state(0)  # trajectory 2, on a new node: rolls back to step 1 and saves step 2 again
     with Checkpointer(state, local=tmp_path / "second", remote=f"file://{remote}") as ck:
+        assert ck.restore(step=1) == 1  # from the remote: the run continues its lineage
         state.update(make_state(9))
         handle = ck.save(2)
         assert handle.drained.result(timeout=60) is True

@@ -159,9 +159,9 @@ def test_a_damaged_lineage_file_is_refused_by_name(tmp_path: Path) -> None:
     job(tmp_path / "a", url, (1,), 10)
     (tmp_path / "remote" / LINEAGE_FILE).write_text(json.dumps({"format": 1, "lineage": "../x"}))
     lineage.forget_all()
-    with Checkpointer(state_of(0), local=tmp_path / "b", remote=url) as ck:
-        with pytest.raises(LineageError, match=f"{LINEAGE_FILE}: unreadable"):
-            ck.save(1)
+    refused = pytest.raises(LineageError, match=f"{LINEAGE_FILE}: unreadable")
+    with Checkpointer(state_of(0), local=tmp_path / "b", remote=url) as ck, refused:
+        ck.save(1)
 
 
 def test_restore_to_carries_the_lineage(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:

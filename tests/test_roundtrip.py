@@ -278,7 +278,7 @@ def test_the_store_keeps_nothing_of_past_saves_and_restores(ckpt_dir: Path) -> N
 
 
 def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_of_buffers(ckpt_dir: Path) -> None:
-    """A restore at the start of a job (no save pool to stage in) reads into new memory and, once
+    """An all-or-nothing restore with no save pool to stage in reads into new memory and, once
     every chunk is verified, a parameter that is the whole of its memory takes that memory over (no
     copy): a view the user holds and the optimizer's reference see the restored values. Tensors
     that are parts of one flat buffer are copied into, so the buffer stays one buffer."""
@@ -295,7 +295,7 @@ def test_restore_hands_whole_tensors_its_verified_memory_and_copies_into_parts_o
     view = model.weight.view(-1)  # held by the caller across the restore
     ptr, version = model.weight.data_ptr(), model.weight._version
     with Checkpointer(state, local=ckpt_dir) as ck:
-        assert ck.restore() == 1
+        assert ck.restore(in_place=False) == 1  # all or nothing, as once the job holds progress
         assert ck.stats()["restore_staged_in_pool"] == 0
     assert torch.equal(model.weight, expected["w"]) and torch.equal(view, expected["w"].view(-1))
     assert model.weight.data_ptr() != ptr  # the memory the restore read into, not a copy of it

@@ -327,7 +327,7 @@ class Checkpointer:
         populate_local: bool = False,
         others: bool | Callable[[list[str]], Iterable[str]] = False,
         extra: bool = True,
-        in_place: bool = False,
+        in_place: bool | None = None,
     ) -> int | None:
         """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
 
@@ -348,15 +348,17 @@ class Checkpointer:
         what the state holds, for frameworks that describe exactly what each rank needs (Megatron,
         whose layout may change at the same world size).
 
-        All or nothing by default: every chunk is read into new memory (or the idle save pool) and
+        Once this Checkpointer has saved or restored, the state holds training progress, and a
+        restore is all or nothing: every chunk is read into new memory (or the idle save pool) and
         verified before the state changes, so a failed restore leaves it as it was; that takes a
-        second copy of the state's host memory while it runs. ``in_place=True`` reads the state's
-        CPU tensors straight into their own memory instead: no second copy, and no new memory to
-        fault in. The state is then only as good as the restore: when one fails after it began to
-        read, an ERROR is logged (and noted on the error, Python 3.11 and later) saying that the
-        tensors may hold parts of the step: restore again before using them. A damaged newest
-        step still falls back to the newest older whole step, which overwrites every tensor it
-        holds (with ``strict``, all of them). GPU tensors are staged in host memory either way.
+        second copy of the state's host memory while it runs. Before that (a job start: the state
+        is what the job just built), a restore reads the state's CPU tensors straight into their
+        own memory, each chunk verified as it lands: no second copy, and no new memory to fault
+        in. A damaged newest step then still falls back to the newest older whole step, which
+        overwrites every tensor it holds (with ``strict``, all of them); where no step is whole,
+        ``PartlyRestoredError`` names the tensors already overwritten. ``in_place=True`` or
+        ``False`` chooses either way regardless (``stats()["restore_in_place_bytes"]`` says how
+        much went straight into the state). GPU tensors are staged either way.
         """
         self._check_open()
         self._drop_prefault()  # before the lock: pre-faulting plans under it
@@ -364,6 +366,8 @@ class Checkpointer:
             if self._pipeline is not None:
                 self._pipeline.wait_idle()  # a failed save is the handle's business, not restore's
             n = self._restores
+            if in_place is None:  # at a job start, nothing the state holds is worth a second copy
+                in_place = n == 0 and self._counters["saves"] == 0
             self._restores += 1
             try:
                 request = RestoreRequest(
@@ -420,6 +424,7 @@ class Checkpointer:
         out["pool_peak_bytes"] = self._pool.peak_in_use if self._pool else 0
         out["pool_allocations"] = self._pool.allocations if self._pool else 0
         out["pool_pinned"] = self._pool.pin_memory if self._pool else False
+        out["pool_pinned_bytes"] = self._pool.pinned_bytes if self._pool else 0
         out["lazy"] = self.lazy
         out["rank"], out["world_size"] = self.rank, self.world_size
         out["plan_bytes_per_save"] = sum(t.nbytes for t in self._plan.tasks) if self._plan else 0

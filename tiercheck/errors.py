@@ -33,6 +33,11 @@ class CorruptCheckpointError(TiercheckError, ValueError):
     """Stored bytes do not match their checksum, or a manifest cannot be read."""
 
 
+class PartlyRestoredError(CorruptCheckpointError):
+    """No step could be restored whole, after a restore that reads into the state's own memory (a
+    job start, or ``in_place=True``) had overwritten some of its tensors: the message names them."""
+
+
 class IncompatibleStateError(TiercheckError, ValueError):
     """The state to restore into does not match the checkpoint (keys, shapes or dtypes)."""
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, drive, shard_of
 from tiercheck.dist.job import Job
-from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural
 from tiercheck.format.legacy import has_packs, whole_manifest
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
@@ -68,6 +68,7 @@ class Restored:
     from_remote: bool  # the step was chosen from the remote tier
     held_here: list[int]  # saving ranks whose files this node holds
     passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
+    read_in_place: int = 0  # bytes read straight into the state's own tensors (no staging copy)
 
     def counters(self) -> dict[str, int]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
@@ -81,6 +82,7 @@ class Restored:
             "restore_staged_in_pool": self.staged_in_pool,
             "restore_staged_on_device": self.staged_on_device,
             "restore_read_direct_bytes": self.read_direct,
+            "restore_in_place_bytes": self.read_in_place,
         }
 
 
@@ -142,11 +144,25 @@ def restore_state(
             if done is not None and damaged:
                 done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
             return done
+    except CorruptCheckpointError as e:  # no step whole: say what the ones tried overwrote
+        if touched:
+            raise PartlyRestoredError(f"{e}; {_overwritten(touched)}") from e
+        raise
     except BaseException as e:
         if touched:
             _say_partly_restored(e, sorted(touched))
         raise
     raise AssertionError("unreachable")
+
+
+def _overwritten(touched: dict[int, dict[int, str]]) -> str:
+    paths = sorted({path for dests in touched.values() for path in dests.values()})
+    names = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    return (
+        f"the restore had already read parts of step(s) {fmt_steps(sorted(touched))} into tensor(s) {names} "
+        "(it read into the state's own memory: a job start, or in_place=True); restore a whole step, or "
+        "rebuild them, before using them"
+    )
 
 
 def _in_place(item: ReadItem) -> bool:
@@ -294,8 +310,10 @@ def _restore_step(
         raise _Damaged(step, e) from None
     moved: dict[str, int] = {}
     nbytes = 0
+    read_in_place = 0
     if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
         touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
+        read_in_place = sum(i.dest.numel() * i.dest.element_size() for i in items if _in_place(i))
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
     defer = deferrable(items, plan.transfers, coord.rank)
     items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
@@ -357,6 +375,7 @@ def _restore_step(
         staged_on_device=on_device,
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
+        read_in_place=read_in_place,
         held_here=sorted(st.here),
         passed_over=_passed_over(choice, step) if requested is None else {},
     )

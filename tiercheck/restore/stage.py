@@ -19,7 +19,7 @@ import torch
 from tiercheck.dist.assign import Need, Read
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.state.staging import aligned_empty, page_aligned_empty
+from tiercheck.state.staging import aligned_empty, page_aligned_empty, pinned_empty
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES
 
@@ -182,9 +182,10 @@ class Bounce:
     pinning runs at 1-3 GB/s (a fresh H200 host took 0.23-0.28 s for five buffers), so the first
     read starts once one buffer is made, and the others are pinned while it reads. A buffer holds
     a run's data (``nbytes``, whole blocks); the block with its last checksum goes to a small
-    buffer of its own (``tail``), so that a 64 MiB chunk takes 64 MiB of page-locked memory, not
-    torch's next power of two (128 MiB). The chunks go up on ``stream``; a buffer is lent again
-    once the copies out of it are done (its event, not the device)."""
+    buffer of its own (``tail``), so that a 64 MiB chunk takes 64 MiB of page-locked memory
+    (``pinned_empty``: registered at the size asked, not torch's next power of two). The chunks
+    go up on ``stream``; a buffer is lent again once the copies out of it are done (its event,
+    not the device)."""
 
     def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
         self.device = device
@@ -203,10 +204,7 @@ class Bounce:
             self.made += make
         if not make:
             return self._free.get()  # all made and lent: the first one given back
-        buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)  # on a page, as cudaHostAlloc gives it
-        if buf.data_ptr() % BLOCK:
-            buf = aligned_empty(self.nbytes, pin_memory=True)
-        return buf, aligned_empty(BLOCK), None
+        return pinned_empty(self.nbytes), aligned_empty(BLOCK), None  # on a page, at the size asked
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

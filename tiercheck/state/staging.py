@@ -63,6 +63,36 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # holds ``memory``
 
 
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked memory, starting on a page, at the size asked: the C library's
+    page-aligned memory, registered with CUDA (``cudaHostRegister``) and unregistered before it is
+    freed, with the last reference to it. torch's own page-locked memory (``pin_memory=True``)
+    comes from a caching allocator that rounds each request up to a power of two: a 4.1 GiB pool
+    locked 8 GiB of the host's RAM. Where registering is refused (no CUDA runtime, or a C library
+    without ``posix_memalign``), torch's, with that rounding."""
+    cudart = torch.cuda.cudart() if torch.cuda.is_available() else None
+    if cudart is None or libc is None or nbytes == 0:
+        return aligned_empty(nbytes, pin_memory=True)
+    address = ctypes.c_void_p()
+    if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
+        raise StagingError(f"cannot allocate {nbytes:,} bytes of page-aligned host memory to page-lock")
+    status = cudart.cudaHostRegister(address.value, nbytes, 0)
+    if int(getattr(status, "value", status)) != 0:
+        libc.free(address.value)
+        log.warning("could not page-lock %d bytes with cudaHostRegister (%s); using torch's pinned memory",
+                    nbytes, status)  # fmt: skip
+        return aligned_empty(nbytes, pin_memory=True)
+    memory = (ctypes.c_char * nbytes).from_address(address.value)
+    weakref.finalize(memory, _unregister_and_free, cudart, address.value).atexit = False
+    return torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``
+
+
+def _unregister_and_free(cudart: object, address: int) -> None:
+    cudart.cudaHostUnregister(address)  # type: ignore[attr-defined]
+    assert libc is not None
+    libc.free(address)
+
+
 @dataclass(eq=False, slots=True)
 class Region:
     offset: int
@@ -85,6 +115,11 @@ class HostPool:
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.numel()
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the pool holds page-locked: its capacity (rounded to a page), or 0."""
+        return self.capacity if self.pin_memory else 0
+
     def reserve(self, capacity: int, *, touch: threading.Event | None = None) -> None:
         """Make the pool at least ``capacity`` bytes, waiting until it is idle to grow it; with
         ``touch``, fault in the pages of new memory now rather than during the first copies, a
@@ -95,7 +130,7 @@ class HostPool:
                 return
             self._cond.wait_for(lambda: not self._live)
             self._buf = None  # free the old buffer before allocating the new one
-            self._buf = aligned_empty(capacity, pin_memory=self.pin_memory)
+            self._buf = pinned_empty(capacity) if self.pin_memory else aligned_empty(capacity)
             self.allocations += 1
             self.touched = capacity if self.pin_memory else 0  # page-locked memory is resident already
             if touch is not None:

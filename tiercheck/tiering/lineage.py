@@ -222,13 +222,17 @@ def carry(source: Tier, target: Tier) -> None:
 
 def after_restore(
     coord: Coordinator, local: Tier, remote: Tier | None, *, from_remote: bool, run: str, leader: bool, key: str
-) -> str:
+) -> Generator[Barrier, None, str]:
     """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
-    it continues that step's lineage. The ranks agree on one (``key``: this restore's), each
-    node's leader claims its directory for it; the remote prefix is checked and claimed at the
-    next save (``settle``)."""
+    it continues that step's lineage. The ranks agree on one (``key``: this restore's, removed once
+    all have read it), each node's leader claims its directory for it; the remote prefix is checked
+    and claimed at the next save (``settle``) and drain (``check_remote``)."""
     source, other = (remote, local) if from_remote and remote is not None else (local, remote)
     agreed = coord.decide(key, restored(source, other, run))
+    yield coord.arrive(f"{key}/read", what="every rank to learn the lineage it continues")
+    if coord.rank == 0:
+        coord.delete(key)
+    coord.finish(key)
     if leader:
         claim(local, agreed, run)
     remember(local, agreed)
@@ -254,6 +258,7 @@ class Owner:
 
     def restored(self, *, from_remote: bool, restore: int) -> None:
         key = self.coord.key("lineage", "restored", restore)
-        self.lineage = after_restore(self.coord, self.local, self.remote, from_remote=from_remote, run=self.run,
-                                     leader=self.leader, key=key)  # fmt: skip
+        self.lineage = drive(self.coord, after_restore(
+            self.coord, self.local, self.remote, from_remote=from_remote, run=self.run, leader=self.leader,
+            key=key))  # fmt: skip
         self._settled = False
