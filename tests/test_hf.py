@@ -392,3 +392,20 @@ def test_mixed_dtypes_odd_sizes_and_edge_shapes_export_exactly(tmp_path: Path) -
         for k, v in model.items():
             want = v.to(torch.bfloat16) if dtype and v.is_floating_point() else v
             assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
+
+
+def test_a_slice_of_columns_reads_only_its_own_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    full = {"w": torch.randn(8, 4096, generator=g), "x": torch.randn(4, 6, 1024, generator=g).to(torch.bfloat16)}
+    safetensors_torch.save_file(full, tmp_path / "model.safetensors")
+    state = {
+        "w": tiercheck.Shard(torch.zeros(8, 2048), global_shape=(8, 4096), offsets=(0, 2048)),
+        "x": tiercheck.Shard(torch.zeros(2, 3, 1024, dtype=torch.bfloat16), global_shape=(4, 6, 1024), offsets=(1, 2, 0)),
+    }
+    read: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, at: read.append(real(fd, views, at)) or read[-1])
+    hf.load_pretrained(tmp_path, state)
+    assert torch.equal(state["w"].local, full["w"][:, 2048:])
+    assert torch.equal(state["x"].local, full["x"][1:3, 2:5])
+    assert read == [2048 * 4] * 8 + [3 * 1024 * 2] * 2  # one read a run, and nothing else

@@ -3,21 +3,25 @@
 tiercheck steps as usual.
 
 Each rank reads only what its tensors hold: a ``tiercheck.Shard`` or DTensor reads the rows its
-slice spans (one read each, ranged GETs in parallel on an object store; a slice of columns reads
-its rows whole and keeps its part). Every header, the index and each tensor's shape and dtype are
-checked against the state before a byte of tensor data is read; every slice is read into new
-memory, and the live tensors are written only once every rank has read all of its own (all or
-nothing, as ``restore()``; a whole tensor then takes that memory over, as there: no copy).
+slice spans (one read each, ranged GETs in parallel on an object store); a slice of columns reads
+its own runs from a local file (one ``preadv`` each), its rows whole from an object store. Every
+header, the index and each tensor's shape and dtype are checked against the state before a byte
+of tensor data is read; every slice is read into new memory, and the live tensors are written
+only once every rank has read all of its own (all or nothing, as ``restore()``; a whole tensor
+then takes that memory over, as there: no copy).
 A safetensors file carries no checksums: what is checked is its structure, not its bytes.
 """
 
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,7 +185,8 @@ def _read_all(tier: Tier, fills: list[_Fill], *, io_threads: int, where: str) ->
 
 
 def _read_slice(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
-    """One read of the rows the slice spans, into new memory, then the slice of those rows.
+    """One read of the rows the slice spans, into new memory, then the slice of those rows; from a
+    local file, a slice of columns reads its own runs only (``_read_runs``).
 
     Read, not mapped (as ``safetensors.safe_open`` maps the file): a slice of a mapping is read from
     disk only when it is copied into the live tensor, which would break all-or-nothing, and a
@@ -191,6 +196,10 @@ def _read_slice(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
     lo, rows = (f.offsets[0], f.local.shape[0]) if shape else (0, 1)
     if row == 0 or rows == 0:
         return _to_live(torch.empty(f.local.shape, dtype=dtype), f)
+    if shape and tuple(f.local.shape[1:]) != shape[1:] and tier.local_path is not None:
+        runs = _read_runs(tier.local_path / f.file, f, dtype, where=where)
+        if runs is not None:
+            return _to_live(runs, f)
     buf = torch.empty(rows * row, dtype=torch.uint8)
     n, _ = tier.read_into(f.file, buf.numpy().data, offset=f.entry.start + lo * row, length=rows * row)
     if n != rows * row:
@@ -202,6 +211,36 @@ def _read_slice(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
     if tuple(f.local.shape[1:]) != shape[1:]:  # a slice across rows: keep only it, not the rows read
         t = t[(slice(None), *_box(f)[1:])].contiguous()
     return _to_live(t, f)
+
+
+MAX_RUNS = 1 << 16  # past this many reads for one slice, its rows are read whole (one read) instead
+MIN_RUN_BYTES = 4096  # and below this size of one, too: whole rows cost less than page-sized reads
+
+
+def _read_runs(path: Path, f: _Fill, dtype: torch.dtype, *, where: str) -> torch.Tensor | None:
+    """A slice that cuts a dimension after the first (a row-parallel weight's columns), read as its
+    contiguous runs with one ``preadv`` each straight into new memory: this rank reads its own bytes,
+    not every row whole. None where the runs are too many or too small."""
+    shape, box = f.entry.shape, _box(f)
+    cut = max(d for d in range(len(shape)) if f.local.shape[d] != shape[d])  # dimensions after it are whole
+    run = math.prod(f.local.shape[cut:]) * dtype.itemsize
+    outer = list(itertools.product(*(range(b.start, b.stop) for b in box[:cut])))
+    if len(outer) > MAX_RUNS or run < MIN_RUN_BYTES:
+        return None
+    strides = [math.prod(shape[d + 1 :]) * dtype.itemsize for d in range(len(shape))]
+    out = torch.empty(f.local.shape, dtype=dtype)
+    flat = out.view(-1).view(torch.uint8).numpy().data
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    base = f.entry.start + box[cut].start * strides[cut]
+    try:
+        for i, index in enumerate(outer):
+            at = base + sum(x * st for x, st in zip(index, strides, strict=False))
+            view = flat[i * run : (i + 1) * run]
+            if os.preadv(fd, [view], at) != run:
+                raise CorruptCheckpointError(f"{where}/{f.file}: {f.entry.name}: the file ends inside its data")
+    finally:
+        os.close(fd)
+    return out
 
 
 def _box(f: _Fill) -> tuple[slice, ...]:
