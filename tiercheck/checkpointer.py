@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiercheck.dist.coordination import Coordinator, drive
 from tiercheck.dist.job import Job
-from tiercheck.errors import StepExistsError
+from tiercheck.errors import ClosedError, InvalidArgumentError, StepExistsError, UnsupportedValueError
 from tiercheck.format.manifest import JSON
 from tiercheck.format.metadata import encode as encode_metadata
 from tiercheck.format.saveid import new_save_id
@@ -99,7 +99,7 @@ class Checkpointer:
         allow_pickle: bool = False,
     ) -> None:
         if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a mapping of names to state, not {type(state).__qualname__}")
+            raise UnsupportedValueError(f"state must be a mapping of names to state, not {type(state).__qualname__}")
         self.state = state
         self.staging = staging or StagingOptions()
         self.write = write or WriteOptions()
@@ -172,7 +172,7 @@ class Checkpointer:
         t_call = time.perf_counter()
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
         metadata = encode_metadata(metadata)  # refused here, before anything is written
         with self._lock:
             self._owner.before_save()  # may this run write where it saves? (tiering.lineage)
@@ -442,7 +442,7 @@ class Checkpointer:
         """
         self._check_open()
         if self._tiers.drainer is None:
-            raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
+            raise InvalidArgumentError("this Checkpointer has no remote tier (pass remote=URL)")
         if self._pipeline is not None:
             self._pipeline.wait_idle(timeout)
         return self._tiers.wait_drained(timeout)
@@ -522,5 +522,5 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise ClosedError("this Checkpointer is closed")
 

@@ -47,7 +47,8 @@ class UnsafeCheckpointError(TiercheckError, PermissionError):
 
 
 class UnsupportedValueError(TiercheckError, TypeError):
-    """A value in the state cannot be stored without pickle, and pickle was not allowed."""
+    """A value in the state cannot be stored without pickle, and pickle was not allowed; or the
+    state itself is of a type tiercheck cannot take (not a mapping; a ``Shard`` of no tensor)."""
 
 
 class StagingError(TiercheckError, RuntimeError):
@@ -71,3 +72,16 @@ class StorageError(TiercheckError, OSError):
 class StateChangedError(TiercheckError, RuntimeError):
     """A tensor staged lazily changed between ``save()`` and the end of its copy to host memory
     (its version counter moved): that save fails rather than commit a torn step."""
+
+
+class InvalidArgumentError(TiercheckError, ValueError):
+    """An argument or option tiercheck cannot use: a step that is not a non-negative int, an option
+    out of its range, settings that contradict each other. The message names it."""
+
+
+class NotADirectoryTierError(StorageError, NotADirectoryError):
+    """A local tier's path (``Checkpointer(local=...)``, a directory given to the CLI) is a file."""
+
+
+class ClosedError(TiercheckError, RuntimeError):
+    """A ``Checkpointer`` was used after ``close()``."""

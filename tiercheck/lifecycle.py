@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (before the exit hook below is registered: see there)
+import errno
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
 from tiercheck.dist.lock import DirectoryLock, lock_node
-from tiercheck.errors import StorageError, TiercheckError
+from tiercheck.errors import InvalidArgumentError, NotADirectoryTierError, StorageError, TiercheckError
 from tiercheck.options import DistributedOptions, DrainOptions, ReplicationOptions, RetentionOptions, WriteOptions
 from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.retention import LocalSteps
@@ -70,10 +71,10 @@ def start(
 ) -> Started:
     """Every rank of the job calls it, as its Checkpointer starts."""
     if os.path.exists(local) and not os.path.isdir(local):
-        raise NotADirectoryError(f"local tier {os.fspath(local)!r} exists and is not a directory")
+        raise NotADirectoryTierError(errno.ENOTDIR, f"local tier {os.fspath(local)!r} exists and is not a directory")
     rank, world_size, coord = _join(process_group, distributed)
     if world_size > 1 and skip_if_busy:
-        raise ValueError(
+        raise InvalidArgumentError(
             "StagingOptions(if_busy='skip') works in a single process only: ranks would decide differently"
         )
     tier = LocalTier(local, fsync=write.fsync, direct_io=write.direct_io)
@@ -120,7 +121,7 @@ def _join(process_group: Any, options: DistributedOptions) -> tuple[int, int, Co
     """This rank, the job's world size, and the coordinator over the job's store (or a process alone)."""
     cooperate = options.enabled is not False and dist.is_available() and dist.is_initialized()
     if options.enabled and not cooperate:
-        raise ValueError("DistributedOptions(enabled=True) but torch.distributed is not initialized")
+        raise InvalidArgumentError("DistributedOptions(enabled=True) but torch.distributed is not initialized")
     if cooperate:
         rank, world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         coord = Coordinator(
@@ -132,7 +133,7 @@ def _join(process_group: Any, options: DistributedOptions) -> tuple[int, int, Co
         )
         return rank, world_size, coord
     if process_group is not None:
-        raise ValueError("process_group was given, but this Checkpointer does not cooperate with other ranks")
+        raise InvalidArgumentError("process_group was given, but this Checkpointer does not cooperate with other ranks")
     return 0, 1, Coordinator.single(options.timeout_s)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tiercheck.errors import InvalidArgumentError
+
 MiB = 1 << 20
 
 
@@ -49,11 +51,11 @@ class StagingOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "lazy", "eager"):
-            raise ValueError(f"StagingOptions.mode must be 'auto', 'lazy' or 'eager', not {self.mode!r}")
+            raise InvalidArgumentError(f"StagingOptions.mode must be 'auto', 'lazy' or 'eager', not {self.mode!r}")
         if self.if_busy not in ("wait", "skip"):
-            raise ValueError(f"StagingOptions.if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
+            raise InvalidArgumentError(f"StagingOptions.if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
         if self.max_host_bytes is not None and self.max_host_bytes <= 0:
-            raise ValueError(f"StagingOptions.max_host_bytes must be positive, not {self.max_host_bytes}")
+            raise InvalidArgumentError(f"StagingOptions.max_host_bytes must be positive, not {self.max_host_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,11 +93,11 @@ class WriteOptions:
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
-            raise ValueError(f"WriteOptions.chunk_bytes must be at least 4096, not {self.chunk_bytes}")
+            raise InvalidArgumentError(f"WriteOptions.chunk_bytes must be at least 4096, not {self.chunk_bytes}")
         if not 0 <= self.nice <= 19:
-            raise ValueError(f"WriteOptions.nice must be between 0 and 19, not {self.nice}")
+            raise InvalidArgumentError(f"WriteOptions.nice must be between 0 and 19, not {self.nice}")
         if self.io_threads < 1:
-            raise ValueError(f"WriteOptions.io_threads must be at least 1, not {self.io_threads}")
+            raise InvalidArgumentError(f"WriteOptions.io_threads must be at least 1, not {self.io_threads}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,9 +114,9 @@ class RetentionOptions:
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"RetentionOptions.keep_last must be at least 1 or None, not {self.keep_last}")
+            raise InvalidArgumentError(f"RetentionOptions.keep_last must be at least 1 or None, not {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:
-            raise ValueError(f"RetentionOptions.keep_every must be at least 1 or None, not {self.keep_every}")
+            raise InvalidArgumentError(f"RetentionOptions.keep_every must be at least 1 or None, not {self.keep_every}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,7 +149,7 @@ class DistributedOptions:
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
-            raise ValueError(f"DistributedOptions.timeout_s must be positive, not {self.timeout_s}")
+            raise InvalidArgumentError(f"DistributedOptions.timeout_s must be positive, not {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,9 +172,9 @@ class RetryOptions:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"RetryOptions.attempts must be at least 1, not {self.attempts}")
+            raise InvalidArgumentError(f"RetryOptions.attempts must be at least 1, not {self.attempts}")
         if not (0 < self.initial_backoff_s <= self.max_backoff_s) or not self.deadline_s > 0:
-            raise ValueError("RetryOptions: need 0 < initial_backoff_s <= max_backoff_s and deadline_s > 0")
+            raise InvalidArgumentError("RetryOptions: need 0 < initial_backoff_s <= max_backoff_s and deadline_s > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -209,15 +211,17 @@ class DrainOptions:
 
     def __post_init__(self) -> None:
         if self.every < 1:
-            raise ValueError(f"DrainOptions.every must be at least 1, not {self.every}")
+            raise InvalidArgumentError(f"DrainOptions.every must be at least 1, not {self.every}")
         if self.backlog not in ("newest", "all"):
-            raise ValueError(f"DrainOptions.backlog must be 'newest' or 'all', not {self.backlog!r}")
+            raise InvalidArgumentError(f"DrainOptions.backlog must be 'newest' or 'all', not {self.backlog!r}")
         if self.concurrency < 1:
-            raise ValueError(f"DrainOptions.concurrency must be at least 1, not {self.concurrency}")
+            raise InvalidArgumentError(f"DrainOptions.concurrency must be at least 1, not {self.concurrency}")
         if self.part_concurrency < 1:
-            raise ValueError(f"DrainOptions.part_concurrency must be at least 1, not {self.part_concurrency}")
+            raise InvalidArgumentError(f"DrainOptions.part_concurrency must be at least 1, not {self.part_concurrency}")
         if self.part_bytes < 5 * MiB:
-            raise ValueError(f"DrainOptions.part_bytes must be at least 5 MiB (the S3 minimum), not {self.part_bytes}")
+            raise InvalidArgumentError(
+                f"DrainOptions.part_bytes must be at least 5 MiB (the S3 minimum), not {self.part_bytes}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,12 +248,14 @@ class ReplicationOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"ReplicationOptions.replicas must be a positive integer, not {self.replicas!r}")
+            raise InvalidArgumentError(f"ReplicationOptions.replicas must be a positive integer, not {self.replicas!r}")
         if self.jump is not None and (not isinstance(self.jump, int) or self.jump < 1):
-            raise ValueError(f"ReplicationOptions.jump must be a positive integer or None, not {self.jump!r}")
+            raise InvalidArgumentError(f"ReplicationOptions.jump must be a positive integer or None, not {self.jump!r}")
         if self.every < 1:
-            raise ValueError(f"ReplicationOptions.every must be at least 1, not {self.every}")
+            raise InvalidArgumentError(f"ReplicationOptions.every must be at least 1, not {self.every}")
         if self.piece_bytes < 1 << 16:
-            raise ValueError(f"ReplicationOptions.piece_bytes must be at least 64 KiB, not {self.piece_bytes}")
+            raise InvalidArgumentError(
+                f"ReplicationOptions.piece_bytes must be at least 64 KiB, not {self.piece_bytes}"
+            )
         if not self.timeout_s > 0:
-            raise ValueError(f"ReplicationOptions.timeout_s must be positive, not {self.timeout_s}")
+            raise InvalidArgumentError(f"ReplicationOptions.timeout_s must be positive, not {self.timeout_s}")

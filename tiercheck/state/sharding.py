@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tiercheck.errors import UnsupportedValueError
+from tiercheck.errors import InvalidArgumentError, UnsupportedValueError
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -32,17 +32,19 @@ class Shard:
 
     def __init__(self, local: torch.Tensor, *, global_shape: Any, offsets: Any) -> None:
         if not isinstance(local, torch.Tensor):
-            raise TypeError(f"Shard wraps a tensor, not {type(local).__qualname__}")
+            raise UnsupportedValueError(f"Shard wraps a tensor, not {type(local).__qualname__}")
         gshape = tuple(int(d) for d in global_shape)
         offs = tuple(int(o) for o in offsets)
         if not (len(gshape) == len(offs) == local.dim()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Shard: global_shape {list(gshape)}, offsets {list(offs)} and the local tensor's "
                 f"shape {list(local.shape)} must have the same number of dimensions"
             )
         for d, (o, n, g) in enumerate(zip(offs, local.shape, gshape, strict=True)):
             if o < 0 or o + n > g:
-                raise ValueError(f"Shard: dimension {d}: slice [{o}, {o + n}) does not fit in the global extent {g}")
+                raise InvalidArgumentError(
+                    f"Shard: dimension {d}: slice [{o}, {o + n}) does not fit in the global extent {g}"
+                )
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "global_shape", gshape)
         object.__setattr__(self, "offsets", offs)

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from tiercheck.dist.coordination import Coordinator, Nodes
-from tiercheck.errors import RemoteStorageError
+from tiercheck.errors import InvalidArgumentError, RemoteStorageError
 from tiercheck.fmt import fmt_steps
 from tiercheck.options import DrainOptions, ReplicationOptions
 from tiercheck.tiering.drain import Drainer
@@ -125,7 +125,7 @@ class TierManager:
     def wait_drained(self, timeout: float | None) -> dict[str, Any]:
         """See ``Checkpointer.drain``."""
         if self.drainer is None:
-            raise ValueError("this Checkpointer has no remote tier (pass remote=URL)")
+            raise InvalidArgumentError("this Checkpointer has no remote tier (pass remote=URL)")
         if not self.drainer.wait(timeout):
             raise TimeoutError(f"drains still running after {timeout} s")
         status = self.drainer.snapshot()

@@ -30,7 +30,7 @@ from tenacity import (
 )
 from tenacity.wait import wait_random_exponential
 
-from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
+from tiercheck.errors import InvalidArgumentError, RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.inflight import Inflight, SourceError, sourced
@@ -71,7 +71,9 @@ def open_tier(
     if scheme in ("", "file", "local"):
         return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
     if scheme in _EXTRAS and not parts.netloc:  # s3:/bucket or s3:bucket: fsspec would list nothing, silently
-        raise ValueError(f"{redact(url)}: not a URL fsspec can list; write {scheme}://bucket/prefix (two slashes)")
+        raise InvalidArgumentError(
+            f"{redact(url)}: not a URL fsspec can list; write {scheme}://bucket/prefix (two slashes)"
+        )
     return RemoteTier(
         url, storage_options=storage_options, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency
     )
