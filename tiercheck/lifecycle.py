@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (before the exit hook below is registered: see there)
-import errno
 import logging
 import os
 import threading
@@ -71,7 +70,7 @@ def start(
 ) -> Started:
     """Every rank of the job calls it, as its Checkpointer starts."""
     if os.path.exists(local) and not os.path.isdir(local):
-        raise NotADirectoryTierError(errno.ENOTDIR, f"local tier {os.fspath(local)!r} exists and is not a directory")
+        raise NotADirectoryTierError(f"local tier {os.fspath(local)!r} exists and is not a directory")
     rank, world_size, coord = _join(process_group, distributed)
     if world_size > 1 and skip_if_busy:
         raise InvalidArgumentError(
