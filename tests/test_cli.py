@@ -343,7 +343,7 @@ def test_plan_sizes_gpt3_and_a_7b_model_by_hand(tmp_path: Path) -> None:
     assert measured["tiers"][0]["tier"]["write_bytes_per_s"] > 0
     assert list(tmp_path.iterdir()) == []  # the measurement cleaned up after itself
     table = run("plan", "--params", "7e9", "--dp", "8").stdout
-    assert "interval (Daly)" in table and "typical figures" in table
+    assert "Daly interval (h)" in table and "typical figures" in table
 
 
 _NO_TORCH = """

@@ -17,13 +17,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import IO, Any, NoReturn
+from typing import IO, Any, ClassVar, NoReturn
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.errors import CheckpointNotFoundError, NotADirectoryTierError, TiercheckError
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.manifest import Manifest
@@ -34,8 +34,9 @@ from tiercheck.tiers.base import Tier
 from tiercheck.tiers.remote import open_tier
 
 # Piped output (scripts, logs, tests) gets wide lines rather than tables wrapped at 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
+# No emoji codes: ":-1:" in a tier's spec or a path would print as a thumbs-down.
+out = Console(highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 
 class Context:
@@ -50,7 +51,7 @@ class Context:
         if root is None:  # an object store: nothing to check before the first request
             return tier
         if root.exists() and not root.is_dir():
-            raise NotADirectoryError(f"not a directory: {root} is a file; give a checkpoint directory")
+            raise NotADirectoryTierError(f"not a directory: {root} is a file; give a checkpoint directory")
         if must_exist and not root.is_dir():
             raise CheckpointNotFoundError(f"no such directory: {root}")
         if step_of(root.name) is not None and root.is_dir():
@@ -207,13 +208,39 @@ def positive_number(ctx: click.Context, param: click.Parameter, value: float | N
     return value
 
 
-def parameter_count(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """``plan --params``: a finite count from 1 to 1e16 (ten thousand times today's largest models)."""
-    positive_number(ctx, param, value)
-    if value is not None and not 1 <= value <= 1e16:
-        raise click.BadParameter(f"expected a parameter count from 1 to 1e16, got {value:g}", ctx, param)
+def non_negative_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A finite number, zero or more (``-1``, ``nan`` and ``inf`` are refused by name)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise click.BadParameter(f"expected a finite number of 0 or more, got {value}", ctx, param)
     return value
 
+
+class ParameterCount(click.ParamType):
+    """``plan --params``: a count as people write it (``7B``, ``70e9``, ``1.5T``, ``350M``, ``125k``),
+    from 1 to 1e16 (ten thousand times today's largest models)."""
+
+    name = "COUNT"
+    _SCALE: ClassVar[dict[str, float]] = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    _TEXT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([kmbgt]?)", re.IGNORECASE)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            n = float(value)
+        else:
+            m = self._TEXT.fullmatch(str(value).strip().replace("_", ""))
+            if m is None:
+                self.fail(f"expected a parameter count such as 7B, 70e9 or 1.5T, got {value!r}", param, ctx)
+            try:
+                n = float(m[1]) * 10.0 ** int(m[2] or 0) * self._SCALE[m[3].lower()]
+            except OverflowError:  # 1e400
+                n = math.inf
+        if not (math.isfinite(n) and 1 <= n <= 1e16):
+            self.fail(f"expected a parameter count from 1 to 1e16, got {value}", param, ctx)
+        return round(n)
+
+
+#: Counts of things (layers, ranks, steps to keep): one at least.
+AT_LEAST_ONE = click.IntRange(min=1)
 
 #: ``--threads``: at least one (0 threads would copy or check nothing, and waited forever or said "intact").
 THREADS = click.IntRange(1, 1024)

@@ -18,12 +18,14 @@ import click
 
 from tiercheck.cli.common import (
     ASCII_INT,
+    AT_LEAST_ONE,
     THREADS,
     Context,
     err,
     errors_as_one_line,
     fail,
     human,
+    non_negative_number,
     out,
     pass_context,
     pick_step,
@@ -259,11 +261,12 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
 
 @click.command("gc")
 @click.argument("locations", metavar="URL_OR_DIR...", nargs=-1, required=True)
-@click.option("--keep-last", type=int, default=None, help="Keep this many newest committed steps.")
-@click.option("--keep-every", type=int, default=None, help="Also keep every step divisible by this.")
+@click.option("--keep-last", type=AT_LEAST_ONE, default=None, help="Keep this many newest committed steps.")
+@click.option("--keep-every", type=AT_LEAST_ONE, default=None, help="Also keep every step divisible by this.")
 @click.option(
     "--grace-hours",
     type=float,
+    callback=non_negative_number,
     default=24.0,
     show_default=True,
     help="Remove partial steps only when older than the newest committed step and this old.",

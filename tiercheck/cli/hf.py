@@ -24,6 +24,16 @@ from tiercheck.cli.common import (
 )
 
 
+def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """``--max-shard-size`` checked as the command line is read: a usage error (exit status 2) naming it."""
+    from tiercheck.integrations.hf.files import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
 @click.command("export")
 @click.argument("source", metavar="SRC")
 @click.option("--to", "target", required=True, metavar="DIR", help="A new (or empty) directory to write.")
@@ -37,7 +47,14 @@ from tiercheck.cli.common import (
     help="A top-level entry of the saved state to export; repeatable. [default: model]",
 )  # fmt: skip
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Convert floating tensors.")
-@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE", help="e.g. 5GB, 500MB, 2GiB.")
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    metavar="SIZE",
+    callback=_shard_size,
+    help="e.g. 5GB, 500MB, 2GiB.",
+)
 @click.option("--drop-prefix", metavar="PREFIX", help="Strip this from the start of every name (e.g. '_orig_mod.').")
 @click.option(
     "--names", "names_file", metavar="MAP.json", type=click.Path(exists=True, dir_okay=False),
@@ -58,7 +75,7 @@ def export_command(
     fmt: str,
     only: tuple[str, ...],
     dtype: str | None,
-    max_shard_size: str,
+    max_shard_size: int,
     drop_prefix: str | None,
     names_file: str | None,
     include: tuple[str, ...],
@@ -93,3 +110,4 @@ def export_command(
             f"file(s) to {result.directory} in {result.seconds:.1f} s ({human(rate)}/s); buffers "
             f"{human(result.buffer_bytes)}, peak RSS {human(peak)}"
         )
+

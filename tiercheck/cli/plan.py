@@ -5,23 +5,27 @@ imported when the command runs."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
 from rich.table import Table
 
 from tiercheck.cli.common import (
+    AT_LEAST_ONE,
     Context,
+    ParameterCount,
     err,
     errors_as_one_line,
     human,
+    non_negative_number,
     out,
-    parameter_count,
     pass_context,
     positive_number,
     remote_options,
     typed_options,
 )
+from tiercheck.fmt import plural
 from tiercheck.tiers.remote import redact
 
 _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -30,15 +34,14 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 @click.command("plan")
 @click.option(
     "--params",
-    type=float,
+    type=ParameterCount(),
     default=None,
-    callback=parameter_count,
-    help="Total parameters (e.g. 7e9); or give the layer sizes.",
+    help="Total parameters (e.g. 7B, 70e9, 1.5T); or give the layer sizes.",
 )
-@click.option("--layers", type=int, default=None)
-@click.option("--hidden", type=int, default=None)
-@click.option("--vocab", type=int, default=None)
-@click.option("--ffn", type=int, default=None, help="MLP width (default 4 x hidden).")
+@click.option("--layers", type=AT_LEAST_ONE, default=None)
+@click.option("--hidden", type=AT_LEAST_ONE, default=None)
+@click.option("--vocab", type=AT_LEAST_ONE, default=None)
+@click.option("--ffn", type=AT_LEAST_ONE, default=None, help="MLP width (default 4 x hidden).")
 @click.option(
     "--precision", type=click.Choice(sorted(_PRECISION)), default="bf16", show_default=True, help="Weight precision."
 )
@@ -49,10 +52,10 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     show_default=True,
     help="adam: fp32 master weights + 2 moments (12 B/param more); sgd: 8; none: 0.",
 )
-@click.option("--tp", type=int, default=1, show_default=True)
-@click.option("--pp", type=int, default=1, show_default=True)
-@click.option("--dp", type=int, default=1, show_default=True)
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--tp", type=AT_LEAST_ONE, default=1, show_default=True)
+@click.option("--pp", type=AT_LEAST_ONE, default=1, show_default=True)
+@click.option("--dp", type=AT_LEAST_ONE, default=1, show_default=True)
+@click.option("--gpus-per-node", type=AT_LEAST_ONE, default=8, show_default=True)
 @click.option(
     "--node-mtbf-hours",
     type=float,
@@ -62,7 +65,11 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     help="Mean time between failures of one node; the job's is this divided by the node count.",
 )
 @click.option(
-    "--restart-s", type=float, default=None, help="Time to restart the job (default: the tier's restore time)."
+    "--restart-s",
+    type=float,
+    default=None,
+    callback=non_negative_number,
+    help="Time to restart the job (default: the tier's restore time).",
 )
 @click.option(
     "--tier",
@@ -90,9 +97,8 @@ def plan_command(ctx: Context, **kw: Any) -> None:
     from tiercheck.cli import sizing
 
     with errors_as_one_line():
-        params = kw["params"]
         spec = sizing.ModelSpec(
-            params=int(params) if params is not None else None,
+            params=kw["params"],
             layers=kw["layers"], hidden=kw["hidden"], vocab=kw["vocab"], ffn=kw["ffn"],
             weight_bytes=_PRECISION[kw["precision"]], optimizer=kw["optimizer"],
             tp=kw["tp"], pp=kw["pp"], dp=kw["dp"], gpus_per_node=kw["gpus_per_node"],
@@ -120,15 +126,38 @@ def _parse_tier(text: str) -> Any:
 
     try:
         name, w, r, kind = text.split(":")
-        if kind not in ("node", "shared"):
+        write, read = float(w), float(r)
+        if kind not in ("node", "shared") or not all(math.isfinite(x) and x > 0 for x in (write, read)):
             raise ValueError
-        return sizing.Tier(name, float(w) * 1e9, float(r) * 1e9, shared=kind == "shared")
     except ValueError:
-        raise click.BadParameter(f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared, got {text!r}") from None
+        raise click.BadParameter(
+            f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared with bandwidths above 0, got {text!r}",
+            param_hint="'--tier'",
+        ) from None
+    return sizing.Tier(name, write * 1e9, read * 1e9, shared=kind == "shared")
 
 
 def _dur(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+_UNITS = (("s", 1.0), ("min", 60.0), ("h", 3600.0))
+
+
+def _column(values: list[float], units: tuple[tuple[str, float], ...] = _UNITS) -> tuple[str, list[str]]:
+    """A column of durations in one unit (the one that suits its largest, as ``_dur`` picks) and
+    one number of decimals: "49.0 s" above "3.2 min" read as the smaller. Returns the unit and the
+    cells."""
+    top = max(values, default=0.0)
+    unit, scale = units[0] if top < 120 else units[1] if top < 7200 else units[2]
+    return unit, _cells([v / scale for v in values])
+
+
+def _cells(values: list[float]) -> list[str]:
+    """Numbers with as many decimals as the column's largest needs for three figures or so."""
+    top = max(values, default=0.0)
+    decimals = 0 if top >= 100 else 1 if top >= 10 else 2
+    return [f"{v:.{decimals}f}" for v in values]
 
 
 def _count(n: int) -> str:
@@ -142,8 +171,8 @@ def _count(n: int) -> str:
 def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
     m, z = t["model"], t["sizes"]
     out.print(
-        f"model: {_count(m['n_params'])} parameters, {m['weight_bytes']} B/param weights, "
-        f"optimizer {m['optimizer']}; TP={m['tp']} PP={m['pp']} DP={m['dp']} on {z['ranks']} GPUs, {z['nodes']} node(s)"
+        f"model: {_count(m['n_params'])} parameters, {m['weight_bytes']} B/param weights, optimizer {m['optimizer']}; "
+        f"TP={m['tp']} PP={m['pp']} DP={m['dp']} on {plural(z['ranks'], 'GPU')}, {plural(z['nodes'], 'node')}"
     )
     dec = {k: human(z[k]) for k in ("total_bytes", "weights_bytes", "optimizer_bytes",
                                                     "per_rank_bytes", "per_node_bytes")}  # fmt: skip
@@ -152,33 +181,33 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
         f"{dec['optimizer_bytes']}); written per rank {dec['per_rank_bytes']}, per node {dec['per_node_bytes']}"
     )
     out.print(f"job MTBF: {_dur(t['job_mtbf_s'])} ({t['node_mtbf_hours']:.0f} h per node)")
+    rows = t["tiers"]
+    asyncs = [r.get("async") or {} for r in rows]
+    save_unit, saves = _column([r["save_s"] for r in rows])
+    restore_unit, restores = _column([r["restore_s"] for r in rows])
+    daly_unit, dalys = _column([r["daly_interval_s"] for r in rows])
+    async_unit, async_intervals = _column([a["interval_s"] for a in asyncs if a])
+    async_cells = iter(async_intervals)
+    columns = {
+        "tier": [r["tier"]["name"] for r in rows],
+        "bandwidth": ["shared" if r["tier"]["shared"] else "per node" for r in rows],
+        "write (GB/s)": _cells([r["tier"]["write_bytes_per_s"] / 1e9 for r in rows]),
+        "read (GB/s)": _cells([r["tier"]["read_bytes_per_s"] / 1e9 for r in rows]),
+        f"save ({save_unit})": saves,
+        f"restore ({restore_unit})": restores,
+        f"Daly interval ({daly_unit})": dalys,
+        "lost work (%)": [f"{100 * r['waste_fraction_daly']:.1f}" for r in rows],
+        f"async interval ({async_unit})": [next(async_cells) if a else "-" for a in asyncs],
+        "async lost (%)": [f"{100 * a['waste_fraction']:.1f}" if a else "-" for a in asyncs],
+    }
     table = Table(box=None, pad_edge=False)
-    for col in (
-        "tier",
-        "write",
-        "read",
-        "save",
-        "restore",
-        "interval (Daly)",
-        "lost work",
-        "async interval",
-        "async lost",
-    ):
-        table.add_column(col, justify="left" if col == "tier" else "right")
-    for row in t["tiers"]:
-        tier = row["tier"]
-        per = "shared" if tier["shared"] else "/node"
-        a = row.get("async") or {}
-        table.add_row(
-            tier["name"], f"{tier['write_bytes_per_s'] / 1e9:.2f} GB/s {per}",
-            f"{tier['read_bytes_per_s'] / 1e9:.2f} GB/s",
-            _dur(row["save_s"]), _dur(row["restore_s"]), _dur(row["daly_interval_s"]),
-            f"{100 * row['waste_fraction_daly']:.1f} %",
-            _dur(a["interval_s"]) if a else "-", f"{100 * a['waste_fraction']:.1f} %" if a else "-",
-        )  # fmt: skip
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("tier", "bandwidth") else "right")
+    for cells in zip(*columns.values(), strict=True):
+        table.add_row(*cells)
     out.print(table)
     out.print(
-        "interval: Daly's optimum for a blocking checkpoint of that tier; async: tiercheck blocks only for the "
+        "Daly interval: the optimum for a blocking checkpoint of that tier; async: tiercheck blocks only for the "
         "copy to host memory and writes in the background."
     )
     if defaults:
