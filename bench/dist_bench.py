@@ -12,8 +12,9 @@ Usage::
 2. Restore: same layout and resharding (TP=4 -> TP=2, TP=2 -> TP=4), tiercheck (its defaults: each
    node reads a chunk once, ranks of one host pass chunks through shared memory), with
    ``read_once=True``, with ``share_memory=False`` (every chunk over gloo), and with
-   ``restore(in_place=True)`` (read into the live tensors, not all or nothing, as ``dcp.load``
-   does) vs ``dcp.load``; every restore checked bit for bit.
+   ``restore(in_place=False)`` (all or nothing: staged, verified, then copied in; the default
+   reads a job start's restore straight into the live tensors, as ``dcp.load`` does) vs
+   ``dcp.load``; every restore checked bit for bit.
 3. Limits: memcpy, fsync'd sequential write, gloo send/recv over loopback.
 
 Method and columns: bench/README.md.
@@ -42,7 +43,7 @@ from harness import GiB, MiB
 # dimension divides by 4, so DTensor.from_local(..., [Shard(dim)]) holds exactly the rank's slice.
 D_MODEL, VOCAB, SEED = 1024, 32768, 1234
 SAVE_METHODS = ("tiercheck", "dcp.save", "dcp.async_save")
-RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "tiercheck.gloo", "tiercheck.in_place", "dcp.load")
+RESTORE_METHODS = ("tiercheck", "tiercheck.read_once", "tiercheck.gloo", "tiercheck.staged", "dcp.load")
 RANKS = (1, 2, 4)
 Pieces = dict[str, tuple[Any, tuple[int, ...], dict[str, Any]]]  # name -> (local tensor, offsets, spec)
 
@@ -305,7 +306,7 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         )
         ck = tiercheck.Checkpointer(tiercheck_state(pieces), local=node, distributed=opts)
         t1 = time.perf_counter()
-        step = ck.restore(in_place=method.endswith("in_place"))
+        step = ck.restore(in_place=False if method.endswith("staged") else None)  # None: a job start's default
         t2 = time.perf_counter()
         stats = ck.stats()
         ck.close()
@@ -388,7 +389,7 @@ def merge_nodes(srcs: Sequence[Path], dst: Path) -> None:
 
 def restore_cases(world: int, saved: dict[str, dict[str, Any]], root: Path, step: int) -> list[dict[str, Any]]:
     """The restore cases of a ``world``-rank job from the checkpoints part 1 kept (``saved[key]``)."""
-    methods = list(RESTORE_METHODS) if world > 1 else ["tiercheck", "tiercheck.in_place", "dcp.load"]
+    methods = list(RESTORE_METHODS) if world > 1 else ["tiercheck", "tiercheck.staged", "dcp.load"]
     same = f"the {world} saving nodes"
     # (name, saved key, layout, node directories, ranks per node, description)
     plan: list[tuple[str, str, str, Path | None, int, str]] = [
@@ -557,7 +558,7 @@ SAVE_HEAD = (
 RESTORE_HEAD = (
     _cols(
         "ranks|case|tiercheck node dirs|tc s|read GiB / recv (shm)|unstaged GiB|tc read_once s|read GiB / recv (shm)|"
-        "tc gloo s|tc in_place s|dcp.load s|tc/dcp|tc read_once/dcp|tc gloo/dcp|tc in_place/dcp|verified tensors"
+        "tc gloo s|tc staged s|dcp.load s|tc/dcp|tc read_once/dcp|tc gloo/dcp|tc staged/dcp|verified tensors"
     )
     + LOAD_HEAD
 )
@@ -591,7 +592,7 @@ def _save_row(s: dict[str, Any], unique: int, raw_gib_s: float) -> list[Any]:
 def _restore_row(r: dict[str, Any]) -> list[Any]:
     mm = r["methods"]
     a, b, c = mm.get("tiercheck", {}), mm.get("tiercheck.read_once"), mm.get("dcp.load", {})
-    g, p = mm.get("tiercheck.gloo"), mm.get("tiercheck.in_place")
+    g, p = mm.get("tiercheck.gloo"), mm.get("tiercheck.staged")
 
     def moved(x: dict[str, Any]) -> str:
         shm = f" ({x['chunks_shared']})" if x.get("chunks_shared") else ""
