@@ -31,6 +31,7 @@ from tiercheck.cli.common import (
     step_progress,
     step_value,
 )
+from tiercheck.cli.values import plain_values, render
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural, ranges
 from tiercheck.format.codec import chunk_nbytes
@@ -139,6 +140,10 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         n = pick_step(tier, step)
         manifest = read_manifest(tier, n)
         marker = read_marker(tier, n)
+        # The plain values (not tensors) of the first saving rank whose part this tier holds: stored
+        # as tagged JSON, shown as such by --json and as Python would in the listing.
+        rank = next((r for r, i in enumerate(manifest.tree_of_rank) if i >= 0), None)
+        values = plain_values(manifest.tree(rank)) if rank is not None else {}
         arrays: list[dict[str, Any]] = []
         for rec in sorted(manifest.arrays.values(), key=lambda rec: _natural(rec.path)):  # state/2 before state/10
             writers = sorted(set(rec.owners.values())) if rec.owners else [0]
@@ -158,6 +163,8 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
             "this_tier_holds_ranks": list(marker.ranks),
             "metadata": manifest.metadata,
             "distinct_rank_states": len(manifest.trees),
+            "values_of_rank": rank,
+            "values": values,
             "arrays": arrays,
         }
         if as_json:
@@ -170,9 +177,10 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         out.print(
             f"  saved {doc['created_utc']} by tiercheck {manifest.library_version} (format {doc['format_version']})"
         )
-        out.print(f"  saving topology: {world} rank(s) on {nodes} node(s); this tier holds the files of ranks "
-                  f"{ranges(sorted(marker.ranks))}")  # fmt: skip
+        out.print(f"  saving topology: {plural(world, 'rank')} on {plural(nodes, 'node')}; this tier holds the files "
+                  f"of {'rank' if len(marker.ranks) == 1 else 'ranks'} {ranges(sorted(marker.ranks))}")  # fmt: skip
         out.print(f"  metadata: {json.dumps(manifest.metadata)}", markup=False)
+        _print_values(values, rank, len(manifest.trees))
         columns = (("array", "<"), ("dtype", "<"), ("shape", "<"), ("chunks", "<"), ("n", ">"), ("size", ">"),
                    ("written by ranks", "<"))  # fmt: skip
         rows = [(a["path"], a["dtype"], str(a["shape"]), str(a["chunks"]), str(a["n_chunks"]), human(a["bytes"]),
@@ -182,6 +190,20 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         line = "  ".join(f"{{:{align}{w}}}" for (_, align), w in zip(columns, widths, strict=True))
         click.echo(line.format(*(name for name, _ in columns)).rstrip())
         click.echo("\n".join(line.format(*r).rstrip() for r in rows))
+
+
+MAX_VALUES = 50  # plain values in the listing; --json has them all
+
+
+def _print_values(values: dict[str, Any], rank: int | None, states: int) -> None:
+    if not values:
+        return
+    whose = f" of saving rank {rank} (the ranks saved {states} different states)" if states > 1 else ""
+    out.print(f"  values{whose}:", markup=False)
+    for path, value in list(values.items())[:MAX_VALUES]:
+        out.print(f"    {path} = {render(value)}", markup=False)
+    if len(values) > MAX_VALUES:
+        out.print(f"    ... and {len(values) - MAX_VALUES} more (--json shows them all)", markup=False)
 
 
 # ------------------------------------------------------------------------------------- verify
