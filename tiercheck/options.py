@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,10 +108,13 @@ class RetentionOptions:
     Attributes:
         keep_last: keep this many newest committed steps (``None``: keep all).
         keep_every: additionally keep every step that is a multiple of this forever.
+        keep: called before each pass over a node's local steps: steps to keep besides (a
+            framework's own records still name them, say Lightning's checkpoint files).
     """
 
     keep_last: int | None = 3
     keep_every: int | None = None
+    keep: Callable[[], Iterable[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:

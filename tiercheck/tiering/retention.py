@@ -114,7 +114,7 @@ class LocalSteps:
         deletion runs outside the lock: ``save()`` asks this set whether a step exists, and
         deleting a GiB-sized step took the training thread 0.8 s of waiting."""
         with self._lock:
-            pinned = self.pinned()
+            pinned = self.pinned() | (set(self.policy.keep()) if self.policy.keep is not None else set())
             doomed = steps_to_delete(self._steps, self.policy, damage=self.damage)
             floor = -1 if self._floor is None else self._floor
             gone = [old for old in doomed if old not in pinned and old < floor]

@@ -24,7 +24,7 @@ from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, Un
 from tiercheck.integrations.dcp.shared import CHECKPOINTER_OPTIONS
 from tiercheck.integrations.lightning import pointer
 from tiercheck.integrations.lightning.compat import CheckpointIO, global_rank, lightning_load
-from tiercheck.options import DistributedOptions
+from tiercheck.options import DistributedOptions, RetentionOptions
 from tiercheck.state.flatten import decode, flatten
 
 __all__ = ["TiercheckCheckpointIO"]
@@ -186,11 +186,10 @@ class TiercheckCheckpointIO(CheckpointIO):
             options = dict(self.options)
             distributed = options.pop("distributed", None) or DistributedOptions()
             options["distributed"] = dataclasses.replace(distributed, enabled=False)
+            retention = options.pop("retention", None) or RetentionOptions()
+            options["retention"] = dataclasses.replace(retention, keep=self._named_steps)  # a pointer names them
             ckpt = Checkpointer(self._state, local=self.local, remote=self.remote, allow_pickle=self.allow_pickle,
                                 **options)  # fmt: skip
-            steps = ckpt._local  # retention also keeps the steps a pointer names (none of Checkpointer's API)
-            draining = steps.pinned
-            steps.pinned = lambda: draining() | self._named_steps()
             self._ckpt = ckpt
         return self._ckpt
 
