@@ -162,12 +162,12 @@ def test_a_refused_connection_is_retried_aloud(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     retries = lines[:-1]
     assert retries, proc.stderr
-    assert re.match(r"WARNING: s3://bucket/run: listing /: attempt 1 of 50 failed after \d+\.\d s \(", retries[0])
+    assert re.match(r"WARNING: s3://bucket/run: listing bucket 'bucket' prefix 'run': attempt 1 of 50 failed after \d+\.\d s \(", retries[0])
     for i, line in enumerate(retries, 1):
         assert f": attempt {i} of 50 failed after " in line and "for up to 1 s in all" in line, line
         assert f"127.0.0.1:{port}" in line and "retrying in " in line, line
     assert lines[-1].startswith(
-        f"tiercheck: error: s3://bucket/run: listing /: gave up after {len(retries) + 1} attempt(s) in "
+        f"tiercheck: error: s3://bucket/run: listing bucket 'bucket' prefix 'run': gave up after {len(retries) + 1} attempt(s) in "
     )
     assert "(retry limits: 50 attempts / 1 s)" in lines[-1]
 

@@ -33,6 +33,7 @@ from tenacity.wait import wait_random_exponential
 from tiercheck.errors import InvalidArgumentError, RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.credentials import credential_sources, missing_credentials
 from tiercheck.tiers.inflight import Inflight, SourceError, sourced
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.parts import (
@@ -44,7 +45,7 @@ from tiercheck.tiers.parts import (
     part_upload,
     unfinished,
 )
-from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of
+from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place
 
 log = logging.getLogger("tiercheck")
 
@@ -98,6 +99,8 @@ class RemoteTier(Tier):
         self.retry = retry or RetryOptions()
         self.part_bytes = part_bytes
         self.part_concurrency = part_concurrency
+        self._scheme = urlsplit(url).scheme
+        self._option_keys = tuple(storage_options or {})  # named in a credentials error (their values never)
         options = {"skip_instance_cache": True, "use_listings_cache": False, **(storage_options or {})}
         if urlsplit(url).scheme in ("s3", "s3a"):
             # One attempt per call in botocore and in s3fs: the retries (and their count) are ours,
@@ -123,8 +126,9 @@ class RemoteTier(Tier):
                 f"cannot open {self.url}: {package} is not installed; pip install 'tiercheck[{name}]' "
                 f"(or 'tiercheck[all]') ({e})"
             ) from None
-        except ValueError as e:
-            raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
+        except ValueError as e:  # adlfs: no account or credentials
+            hint = credential_sources(self._scheme, self._option_keys)
+            raise RemoteStorageError(f"cannot open {self.url}: {e}{f'; {hint}' if hint else ''}") from None
         self.root = root.rstrip("/")
         if urlsplit(url).scheme in ("s3", "s3a") and hasattr(self.fs, "retries"):
             self.fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
@@ -195,6 +199,9 @@ class RemoteTier(Tier):
                 raise RemoteStorageError(f"{self.url}: {what}: access denied ({brief(e)})") from e
             if status == 404:  # azure: a missing container on write comes back as a bare 404
                 raise RemoteStorageError(f"{self.url}: {what}: no such bucket or container ({brief(e)})") from e
+            if missing_credentials(e):
+                hint = credential_sources(self._scheme, self._option_keys)
+                raise RemoteStorageError(f"{self.url}: {what}: no credentials found ({brief(e)}); {hint}") from e
             raise RemoteStorageError(f"{self.url}: {what}: {brief(e)}") from e
 
     # ------------------------------------------------------------------------------ Tier API
@@ -442,7 +449,7 @@ class RemoteTier(Tier):
                 return []
             return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries if str(e).rstrip("/") != target})
 
-        return self._call(f"listing {path or '/'}", ls)
+        return self._call(f"listing {path or store_place(self._scheme, self.root)}", ls)
 
     def sizes(self, path: str) -> dict[str, int]:
         """Every object under ``path`` with its size, keyed by path relative to ``path``."""

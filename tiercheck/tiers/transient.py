@@ -101,6 +101,15 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
 
 
+def store_place(scheme: str, root: str) -> str:
+    """A tier's root as its object store names it, for messages ("listing /" said neither which
+    bucket nor which prefix): "bucket 'b' prefix 'run'" (a container on Azure), else "/"."""
+    if scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"):
+        return "/"
+    bucket, _, prefix = root.partition("/")
+    return f"{'container' if scheme in ('az', 'abfs', 'abfss', 'adl') else 'bucket'} {bucket!r} prefix {prefix!r}"
+
+
 def brief(exc: BaseException | None) -> str:
     if exc is None:
         return "no error"
