@@ -13,14 +13,15 @@ save thread runs collectives while training runs FSDP's), the previous save awai
 
 The checkpoint id is the step. A run stopped at any step (``--stop-after``) and started again resumes from the
 newest committed step and ends bit-identical to an uninterrupted run (the data of a step is a function of the
-step alone):
+step alone). In a temporary directory, which leaves nothing in the repository:
 
-    python examples/dcp_train.py --ckpt-dir runs/dcp --steps 40 --out a.pt
-    python examples/dcp_train.py --ckpt-dir runs/dcp2 --steps 40 --stop-after 23
-    python examples/dcp_train.py --ckpt-dir runs/dcp2 --steps 40 --out b.pt        # resumes at 21
-    python -c "import torch; a, b = torch.load('a.pt'), torch.load('b.pt'); print(all(torch.equal(a[k], b[k]) for k in a))"
+    d=$(mktemp -d)
+    python examples/dcp_train.py --ckpt-dir $d/dcp --steps 40 --out $d/a.pt
+    python examples/dcp_train.py --ckpt-dir $d/dcp2 --steps 40 --stop-after 23
+    python examples/dcp_train.py --ckpt-dir $d/dcp2 --steps 40 --out $d/b.pt        # resumes at 21
+    python -c "import sys, torch; a, b = map(torch.load, sys.argv[1:]); print(all(torch.equal(a[k], b[k]) for k in a))" $d/a.pt $d/b.pt
 
-``tiercheck ls runs/dcp/local`` and ``tiercheck verify runs/dcp/local`` work on the steps it writes.
+``tiercheck ls $d/dcp/local`` and ``tiercheck verify $d/dcp/local`` work on the steps it writes.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ SLEEP=0.15  # seconds per step of run 1, so that the kill lands mid-run
 WORK="$ROOT/runs/demo-deepspeed"
 
 install() {
-    # torch pinned to the CPU build this project is tested with; DeepSpeed built against it, without
-    # build isolation (which would fetch another torch) and without compiled ops.
-    $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 setuptools wheel &&
+    # torch pinned to the CPU build this project is tested with (demo_lib.sh); DeepSpeed built against
+    # it, without build isolation (which would fetch another torch) and without compiled ops.
+    install_cpu_torch &&
+        $PY -m pip install --quiet --disable-pip-version-check setuptools wheel &&
         DS_BUILD_OPS=0 $PY -m pip install --quiet --disable-pip-version-check --no-build-isolation deepspeed==0.19.8 &&
         $PY -m pip install --quiet --disable-pip-version-check -e .
 }

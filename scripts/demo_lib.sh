@@ -24,6 +24,20 @@ ensure_venv() {
     fi
 }
 
+# install_cpu_torch: torch 2.13.0, the CPU build this project is tested with, unless .venv has it. On Linux,
+# PyPI's torch==2.13.0 is the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name
+# (2.13.0+cpu), from pip's configured indexes first (a local one, offline), else with PyTorch's CPU index
+# added, as scripts/test.sh and scripts/demo.sh do. Installed first, it satisfies the torch the frameworks
+# require: pip keeps it.
+install_cpu_torch() {
+    if $PY -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+        return 0
+    fi
+    $PY -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" ||
+        $PY -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" \
+            --extra-index-url https://download.pytorch.org/whl/cpu
+}
+
 # run_and_kill LOG PREFIX CMD...: run CMD in a process group of its own with its output in LOG, echo
 # its lines that start with PREFIX ("[run 1] ..."), and SIGKILL the whole group once it prints
 # KILL_LINE (a global: the start of the line to kill after). Exits 2 if CMD was not killed.

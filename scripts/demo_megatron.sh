@@ -14,9 +14,10 @@ SLEEP=0.1  # seconds per iteration of run 1, so that the kill lands mid-run
 WORK="$ROOT/runs/demo-megatron"
 
 install() {
-    # torch pinned to the CPU build this project is tested with; psutil is a dependency megatron-core
-    # does not declare.
-    $PY -m pip install --quiet --disable-pip-version-check torch==2.13.0 megatron-core==0.16.1 psutil -e .
+    # torch pinned to the CPU build this project is tested with (demo_lib.sh); psutil is a dependency
+    # megatron-core does not declare.
+    install_cpu_torch &&
+        $PY -m pip install --quiet --disable-pip-version-check megatron-core==0.16.1 psutil -e .
 }
 ensure_venv "tiercheck, megatron.core, psutil" "torch 2.13.0 (CPU), megatron-core 0.16.1, psutil and tiercheck (editable)" install
 

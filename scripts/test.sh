@@ -4,27 +4,41 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# The setup's output (pip's, with every index warning of a machine whose pip has extra indexes) goes to a
+# log, shown (its end, and where the rest is) only when a step fails.
+setup_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-setup.XXXXXX.log")"
+trap 'rm -f "$setup_log"' EXIT
+quietly() {  # quietly CMD...: one setup step, its output in $setup_log (kept when it fails)
+    if ! "$@" >>"$setup_log" 2>&1; then
+        tail -n 30 "$setup_log" >&2
+        echo "scripts/test.sh: this setup step failed: $*" >&2
+        echo "scripts/test.sh: its whole output, and the earlier steps': $setup_log" >&2
+        trap - EXIT
+        exit 1
+    fi
+}
+pip_install() { quietly .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+    quietly python3 -m venv .venv
 fi
 # torch is pinned to 2.13.0, the CPU build this project tests against. On Linux, PyPI's torch==2.13.0 is
 # the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name (2.13.0+cpu), from
 # pip's configured indexes first (a local one, offline), else with PyTorch's CPU index added.
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null \
-        || .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
-            --extra-index-url https://download.pytorch.org/whl/cpu
+    .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" >>"$setup_log" 2>&1 \
+        || pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # DeepSpeed builds from source against that torch: no build isolation (it would fetch another torch)
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
-.venv/bin/python -m pip install -q --disable-pip-version-check setuptools wheel
-DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation deepspeed==0.19.8
+pip_install setuptools wheel
+quietly env DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
+    deepspeed==0.19.8
 # torchtitan 0.3.0 for tests/test_torchtitan.py, without its dependencies: its datasets pin would downgrade fsspec
 # below s3fs's exact pin (and it pulls wandb, tensorboard, torch_checkpointing). Its checkpointer, optimizer and
 # dataloader modules need only these.
-.venv/bin/python -m pip install -q --disable-pip-version-check tyro==1.0.17 spmd_types==0.2.3 torchdata==0.11.0
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,frameworks,docs]'
+pip_install tyro==1.0.17 spmd_types==0.2.3 torchdata==0.11.0
+pip_install --no-deps torchtitan==0.3.0
+pip_install -e '.[test,frameworks,docs]'
 # Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
 # npm ci only when node_modules was not installed from this very lock file.
 if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
@@ -32,7 +46,7 @@ if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
         echo "scripts/test.sh: npm (Node.js 20 or newer) is needed to install Azurite for the storage tests" >&2
         exit 1
     fi
-    npm ci --no-audit --no-fund --loglevel=error
+    quietly npm ci --no-audit --no-fund --loglevel=error
     cp package-lock.json node_modules/.tiercheck-installed-lock
 fi
 .venv/bin/ruff check tiercheck tests examples bench
@@ -70,13 +84,14 @@ else
     fi
     if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
         rm -rf .venv-megatron
-        "$py312" -m venv .venv-megatron
-        .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
+        quietly "$py312" -m venv .venv-megatron
+        quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
         echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
     fi
-    .venv-megatron/bin/python -m pip install -q --disable-pip-version-check -e .
+    quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check -e .
     echo "== megatron-core 0.19 lane (Python 3.12): tests/test_megatron.py"
     .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
     echo "== main suite"
 fi
+rm -f "$setup_log"  # exec runs no EXIT trap
 exec .venv/bin/python -m pytest "$@"

@@ -193,3 +193,49 @@ def test_inspect_shows_the_plain_values_and_never_unpickles(tmp_path: Path) -> N
     assert values["lr"] == 1e-3 and values["betas"] == {"$tuple": [0.9, 0.999]}
     assert list(values["opaque"]) == ["$pickle"]  # as stored: never unpickled
     assert not any(path.startswith("model") for path in values)  # tensors are in "arrays"
+
+
+# ------------------------------------------------------------------------- scripts and examples
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("script", ["demo_deepspeed.sh", "demo_megatron.sh"])
+def test_framework_demos_install_the_cpu_build_of_torch(script: str) -> None:
+    """They installed plain ``torch==2.13.0``: on Linux, PyPI's CUDA build (~2.5 GB of wheels)."""
+    text = (ROOT / "scripts" / script).read_text()
+    pip_lines = [line for line in text.splitlines() if "pip install" in line]
+    assert pip_lines and not any("torch==" in line for line in pip_lines), pip_lines
+    assert "install_cpu_torch &&" in text
+    lib = (ROOT / "scripts" / "demo_lib.sh").read_text()
+    assert '"torch==2.13.0+cpu" ||' in lib and "--extra-index-url https://download.pytorch.org/whl/cpu" in lib
+
+
+def test_test_sh_keeps_setup_output_in_a_log_it_names_when_a_step_fails(tmp_path: Path) -> None:
+    """scripts/test.sh printed pip's output (125 lines of index warnings on a machine with extra indexes)."""
+    text = (ROOT / "scripts" / "test.sh").read_text()
+    for line in text.splitlines():
+        if "pip install" in line and not line.lstrip().startswith("#"):
+            assert "quietly" in line or '>>"$setup_log"' in line or line.lstrip().startswith("pip_install()"), line
+    helpers = text[text.index("setup_log=") : text.index("pip_install()")]
+    snippet = helpers + 'quietly echo "a quiet step"\nquietly sh -c "echo WARNING: index; echo ERROR: it broke >&2; exit 3"\n'
+    proc = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + snippet], capture_output=True, text=True, env={**os.environ,
+        "TMPDIR": str(tmp_path)}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    [log] = tmp_path.glob("tiercheck-setup.*.log")  # kept, and named
+    assert "a quiet step" in log.read_text() and "ERROR: it broke" in proc.stderr
+    assert f"its whole output, and the earlier steps': {log}" in proc.stderr
+
+
+def test_the_dcp_example_recipe_writes_into_a_temporary_directory() -> None:
+    """The recipe in examples/dcp_train.py's docstring wrote a.pt and b.pt into the repository root."""
+    doc = (ROOT / "examples" / "dcp_train.py").read_text().split('"""')[1]
+    commands = [line.strip() for line in doc.splitlines() if line.strip().startswith("python examples/")]
+    assert len(commands) == 3 and "d=$(mktemp -d)" in doc
+    for command in commands:
+        words = command.split()
+        for flag in ("--ckpt-dir", "--out"):
+            if flag in words:
+                assert words[words.index(flag) + 1].startswith("$d/"), command
