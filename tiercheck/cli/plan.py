@@ -145,19 +145,17 @@ _UNITS = (("s", 1.0), ("min", 60.0), ("h", 3600.0))
 
 
 def _column(values: list[float], units: tuple[tuple[str, float], ...] = _UNITS) -> tuple[str, list[str]]:
-    """A column of durations in one unit (the one that suits its largest, as ``_dur`` picks) and
-    one number of decimals: "49.0 s" above "3.2 min" read as the smaller. Returns the unit and the
-    cells."""
-    top = max(values, default=0.0)
-    unit, scale = units[0] if top < 120 else units[1] if top < 7200 else units[2]
+    """A column of durations in one unit, the one ``_dur`` picks for its smallest (no "0.16 min"
+    above "4.07 min"): "49.0 s" above "3.2 min" read as the smaller. Returns the unit and the cells."""
+    low = min(values, default=0.0)
+    unit, scale = units[0] if low < 120 else units[1] if low < 7200 else units[2]
     return unit, _cells([v / scale for v in values])
 
 
 def _cells(values: list[float]) -> list[str]:
-    """Numbers with as many decimals as the column's largest needs for three figures or so."""
-    top = max(values, default=0.0)
-    decimals = 0 if top >= 100 else 1 if top >= 10 else 2
-    return [f"{v:.{decimals}f}" for v in values]
+    """Numbers to three figures or so, without an exponent: 0.0123, 4.56, 78.9, 1234."""
+    return [f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 0.1 else f"{v:.3g}"
+            for v in values]  # fmt: skip
 
 
 def _count(n: int) -> str:
