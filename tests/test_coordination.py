@@ -27,8 +27,8 @@ from tiercheck.format.shards import owners_bytes, shard_bytes
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
 from tiercheck.restore.holders import find_holders
+from tiercheck.restore.needed import manifest_for
 from tiercheck.restore.plan import plan_restore
-from tiercheck.restore.protocol import manifest_for
 from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier

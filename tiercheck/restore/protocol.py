@@ -27,22 +27,22 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequenc
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, drive, shard_of
+from tiercheck.dist.coordination import Coordinator, drive, shard_of
 from tiercheck.dist.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural
-from tiercheck.format.legacy import has_packs, whole_manifest
+from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
-from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
-from tiercheck.restore.match import add_entries, apply, covers, prepare, tree_for
-from tiercheck.restore.plan import fetch, index_of, plan_restore
+from tiercheck.restore.match import add_entries, apply, prepare, tree_for
+from tiercheck.restore.needed import DAMAGE, manifest_for
+from tiercheck.restore.plan import plan_restore
 from tiercheck.restore.read import deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
-from tiercheck.state.flatten import gc_paused, tensor_paths
+from tiercheck.state.flatten import gc_paused
 from tiercheck.state.staging import HostPool
 from tiercheck.tiers.base import Tier
 
@@ -205,11 +205,6 @@ def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
         e.add_note(what)
 
 
-DAMAGE = (CorruptCheckpointError,)
-"""Failures every rank raises as they are (not as another rank's ``CoordinationError``): each rank
-then agrees the step is damaged, and they try an older one together."""
-
-
 def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
     """Every rank is past every key of this restore attempt: remove them."""
     coord.delete(*claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
@@ -233,18 +228,19 @@ def _restore_step(
     pool: HostPool | None,
     touched: dict[int, dict[int, str]] | None,
 ) -> Restored | None:
-    """One attempt at one step. With ``touched`` (a dict), CPU tensors of the state are read into
-    in place, and ``step`` is added to it, with those tensors, before the first byte is."""
-    coord, tier, nodes, remote, group = job.coord, job.tier, job.nodes, job.remote, job.group
-    requested, others = request.step, request.others
+    """One attempt at one step: agree on it, prepare the reads (``_prepare``, ``_plan_reads``),
+    move and verify the bytes (``_read``), then hand them to the state. With ``touched`` (a dict),
+    CPU tensors of the state are read into in place, and ``step`` is added to it, with those
+    tensors, before the first byte is."""
+    coord, tier, remote = job.coord, job.tier, job.remote
     choice = drive(
         coord,
         agree_on_step(
             coord,
             f"{name}/step",
             tier,
-            nodes,
-            requested=requested,
+            job.nodes,
+            requested=request.step,
             below=below,
             remote_steps=lambda: remote_steps(remote),
         ),
@@ -252,64 +248,9 @@ def _restore_step(
     if choice.step is None:
         return None
     step = choice.step
-    here, _, own = choice.held.get(str(step), [[], 0, []])
-    where = f"{tier.url}: step {step}"
-    claimed: tuple[str, ...] = ()
-    failure: TiercheckError | None = None
-    items: list[ReadItem] = []
-    decoded: dict[str, Any] = {}
-    view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
-    parts: dict[int, RankPart] = {}  # saving ranks' manifest parts, parsed once
-    try:  # a damaged index, manifest file or tree is the step's damage as much as a bad chunk
-        st = drive(
-            coord,
-            find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
-        )
-        claimed = st.claimed
-        manifest = drive(
-            coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others), parts=parts)
-        )
-        try:
-            if others:
-                add_entries(view, manifest, others, where=where)
-                if len(view) > len(state) and not isinstance(state, MutableMapping):
-                    raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
-            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
-            items, decoded = prepare(
-                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where,
-                before_refusing=_damaged_record(tier, remote, st),
-            )  # fmt: skip
-        except TiercheckError as e:
-            if coord.world_size == 1:
-                raise
-            failure = e
-        drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
-    except CorruptCheckpointError as e:
-        _leave(coord, name, claimed)
-        raise _Damaged(step, e) from None
-    try:  # an arrays or owners file, or a part of a chunk's writer, damaged or of another save
-        plan = drive(
-            coord,
-            plan_restore(
-                coord,
-                name,
-                f"{name}/reads",
-                tier,
-                st,
-                remote,
-                [i.need for i in items],
-                manifest.arrays,
-                read_once=request.read_once,
-                parts=parts,
-                node=job.nodes.leader,
-                host=share_key(group) if request.share_memory else None,
-            ),
-        )
-    except CorruptCheckpointError as e:
-        _leave(coord, name, claimed)
-        raise _Damaged(step, e) from None
-    moved: dict[str, int] = {}
-    nbytes = 0
+    prepared = _prepare(state, job, request, choice, name=name)
+    plan = _plan_reads(job, request, prepared, name=name)
+    items = prepared.items
     read_in_place = 0
     if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
         touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
@@ -318,42 +259,8 @@ def _restore_step(
     defer = deferrable(items, plan.transfers, coord.rank)
     items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
     unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
-    with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
-        arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
-        sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
-        reads, live = staged(items, arena)
-        pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
-        in_pool = sum(b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory)
-        on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
-        try:
-            nbytes = move_chunks(
-                tier,
-                step,
-                plan.records,
-                reads,
-                plan.reads,
-                plan.transfers,
-                rank=coord.rank,
-                group=group,
-                io_threads=request.io_threads,
-                remote=remote if choice.from_remote else None,
-                counters=moved,
-                sharing=sharing,
-            )
-        except TiercheckError as e:
-            failure = e
-        try:
-            if coord.world_size > 1:
-                drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
-            elif failure is not None:
-                raise failure
-        except CorruptCheckpointError as e:
-            raise _Damaged(step, e) from None
-        finally:
-            _leave(coord, name, claimed)
-        fill_deferred(sharing)
-        copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
-    apply(state, decoded, where=where)
+    nbytes, moved, in_pool, on_device = _read(job, request, prepared, plan, items, pool, name=name)
+    apply(state, prepared.decoded, where=f"{tier.url}: step {step}")
     log.info(
         "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
         step,
@@ -376,9 +283,155 @@ def _restore_step(
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
         read_in_place=read_in_place,
-        held_here=sorted(st.here),
-        passed_over=_passed_over(choice, step) if requested is None else {},
+        held_here=sorted(prepared.st.here),
+        passed_over=_passed_over(choice, step) if request.step is None else {},
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """A step agreed on, its holders found and its manifest matched to the state (``_prepare``)."""
+
+    step: int
+    st: Step
+    manifest: Manifest
+    items: list[ReadItem]
+    decoded: dict[str, Any]
+    parts: dict[int, RankPart]  # saving ranks' manifest parts, parsed once
+    from_remote: bool
+
+
+def _prepare(
+    state: Mapping[str, Any], job: Job, request: RestoreRequest, choice: StepChoice, *, name: str
+) -> _Prepared:
+    """Find who holds the agreed step, fetch its manifest, and match it to the state: what each
+    tensor reads (``items``) and the plain values (``decoded``). A damaged index, manifest file or
+    tree is the step's damage as much as a bad chunk (``_Damaged``, on every rank)."""
+    coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
+    assert choice.step is not None
+    step = choice.step
+    here, _, own = choice.held.get(str(step), [[], 0, []])
+    where = f"{tier.url}: step {step}"
+    claimed: tuple[str, ...] = ()
+    failure: TiercheckError | None = None
+    items: list[ReadItem] = []
+    decoded: dict[str, Any] = {}
+    view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
+    parts: dict[int, RankPart] = {}
+    try:
+        st = drive(
+            coord,
+            find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
+        )
+        claimed = st.claimed
+        others = request.others
+        manifest = drive(
+            coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others), parts=parts)
+        )
+        try:
+            if others:
+                add_entries(view, manifest, others, where=where)
+                if len(view) > len(state) and not isinstance(state, MutableMapping):
+                    raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
+            items, decoded = prepare(
+                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where,
+                before_refusing=_damaged_record(tier, remote, st),
+            )  # fmt: skip
+        except TiercheckError as e:
+            if coord.world_size == 1:
+                raise
+            failure = e
+        drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
+    except CorruptCheckpointError as e:
+        _leave(coord, name, claimed)
+        raise _Damaged(step, e) from None
+    return _Prepared(
+        step=step, st=st, manifest=manifest, items=items, decoded=decoded, parts=parts, from_remote=choice.from_remote
+    )
+
+
+def _plan_reads(job: Job, request: RestoreRequest, prepared: _Prepared, *, name: str) -> Any:
+    """Which rank reads which chunk where, and sends it to whom (``plan.plan_restore``). An arrays
+    or owners file, or a part of a chunk's writer, damaged or of another save, is the step's damage."""
+    coord = job.coord
+    try:
+        return drive(
+            coord,
+            plan_restore(
+                coord,
+                name,
+                f"{name}/reads",
+                job.tier,
+                prepared.st,
+                job.remote,
+                [i.need for i in prepared.items],
+                prepared.manifest.arrays,
+                read_once=request.read_once,
+                parts=prepared.parts,
+                node=job.nodes.leader,
+                host=share_key(job.group) if request.share_memory else None,
+            ),
+        )
+    except CorruptCheckpointError as e:
+        _leave(coord, name, prepared.st.claimed)
+        raise _Damaged(prepared.step, e) from None
+
+
+def _read(
+    job: Job,
+    request: RestoreRequest,
+    prepared: _Prepared,
+    plan: Any,
+    items: list[ReadItem],
+    pool: HostPool | None,
+    *,
+    name: str,
+) -> tuple[int, dict[str, int], int, int]:
+    """Move the step's bytes (``move_chunks``) into staging memory (the idle save pool where it
+    is big enough) or, for items read in place, the state's own; every rank agrees they all
+    verified before any staged byte is copied in. Returns the bytes read, the read counters, and
+    the bytes staged in the pool and on the device."""
+    coord, tier, step = job.coord, job.tier, prepared.step
+    moved: dict[str, int] = {}
+    nbytes = 0
+    failure: TiercheckError | None = None
+    with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
+        arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
+        sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
+        reads, live = staged(items, arena)
+        pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
+        in_pool = sum(b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory)
+        on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
+        try:
+            nbytes = move_chunks(
+                tier,
+                step,
+                plan.records,
+                reads,
+                plan.reads,
+                plan.transfers,
+                rank=coord.rank,
+                group=job.group,
+                io_threads=request.io_threads,
+                remote=job.remote if prepared.from_remote else None,
+                counters=moved,
+                sharing=sharing,
+            )
+        except TiercheckError as e:
+            failure = e
+        try:
+            if coord.world_size > 1:
+                drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+            elif failure is not None:
+                raise failure
+        except CorruptCheckpointError as e:
+            raise _Damaged(step, e) from None
+        finally:
+            _leave(coord, name, prepared.st.claimed)
+        fill_deferred(sharing)
+        copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
+    return nbytes, moved, in_pool, on_device
 
 
 def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[ArrayRecord], None]:
@@ -408,58 +461,3 @@ def _passed_over(choice: StepChoice, step: int) -> dict[int, str]:
     node's files of the step are missing or damaged)."""
     newer = {int(s) for s in choice.held if int(s) > step} | {s for s in choice.damaged if s > step}
     return {s: choice.damaged.get(s, "not whole across the nodes' directories") for s in sorted(newer)}
-
-
-def manifest_for(
-    coord: Coordinator,
-    root: str,
-    tier: Tier,
-    nodes: Nodes,
-    st: Step,
-    remote: Tier | None,
-    state: Mapping[str, Any],
-    *,
-    others: bool,
-    parts: dict[int, RankPart] | None = None,
-) -> Exchange[Manifest]:
-    """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
-    the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
-    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
-    The saving ranks' parts it parses are left in ``parts`` (``plan_restore`` takes checksums there)."""
-    parts = {} if parts is None else parts
-    where = f"{tier.url}: step {st.step}"
-    if whole_manifest(st.format_version):
-        return Manifest.from_bytes(st.index, where=where)
-    ix = index_of(st, where=where)
-    own = coord.rank if coord.rank < ix.world_size else 0
-    got = yield from fetch(coord, root, f"{root}/tree", tier, nodes, st, remote, {("rank", own)})
-    failure: TiercheckError | None = None
-    more: set[tuple[str, int]] = set()
-    try:
-        if others or not covers(assemble(ix, got, where=where, parts=parts).tree(own), state):
-            more = {("rank", w) for w in range(ix.world_size)} - set(got)
-    except TiercheckError as e:
-        failure = e
-    yield from settle(coord, f"{root}/tree", failure, shared=DAMAGE)
-    got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
-    paths: set[str] = set()
-    try:
-        trees = assemble(ix, got, where=where, parts=parts).trees
-        paths = {p for t in trees for p in tensor_paths(t) if isinstance(p, str)}
-    except TiercheckError as e:
-        failure = e
-    yield from settle(coord, f"{root}/paths", failure, shared=DAMAGE)
-    shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
-    got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
-    manifest: Manifest | None = None
-    try:
-        manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False, parts=parts)
-    except TiercheckError as e:
-        failure = e
-    del got
-    yield from settle(coord, f"{root}/manifest", failure, shared=DAMAGE)
-    assert manifest is not None
-    return manifest
-
-
-# ------------------------------------------------------------------------------------ helpers

@@ -173,38 +173,96 @@ def move_chunks(
     ``shared`` transfers pass through ``sharing``'s memory (``restore.share``), which the caller
     closes only once every rank is done moving chunks.
     """
-    counts = counters if counters is not None else {}
-    for k in ("remote_reads", "fallbacks", "direct_bytes"):
-        counts.setdefault(k, 0)
-    by_path: dict[str, list[ReadItem]] = defaultdict(list)
-    for item in items:
-        by_path[item.record.path].append(item)
-    sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, bool]]] = defaultdict(list)
-    recvs: list[tuple[Transfer, torch.Tensor, Any]] = []
-    ops: list[Any] = []  # sends
-    device = _comm_device(group) if transfers else torch.device("cpu")
-    if any(t.shared for t in transfers) and sharing is None:
-        raise AssertionError("transfers through shared memory, and no sharing to pass them through")
-    for t in transfers:
-        if t.dst == rank:
-            n = HEADER if t.shared else chunk_nbytes(records[t.path])
-            buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=device)
-            recvs.append((t, buf, dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)))
-        elif t.src == rank:
-            sends[(t.path, t.chunk.coords)].append((t.dst, t.tag, t.shared))
-    keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
-    errors: list[BaseException] = []
-    shared_out = {k for k, to in sends.items() if any(shared for _, _, shared in to)}
-    outbox = None
-    if shared_out:
-        assert sharing is not None
-        try:
-            outbox = sharing.open_outbox({k: chunk_nbytes(records[k[0]]) for k in sorted(shared_out)})
-        except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
-            errors.append(e)
+    moves = _Moves(tier, step, records, items, transfers, rank=rank, group=group, remote=remote, sharing=sharing)
+    if counters is not None:
+        counters.update({k: counters.get(k, 0) for k in moves.counts})
+        moves.counts = counters
+    runs = read_runs(tier, records, reads, remote=remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
+    # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
+    # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
+    # (20,000 chunks of 1 KiB: 0.6 s on 4 threads, 0.3 s on one). A thread per run's worth of bytes.
+    nbytes = sum(chunk_nbytes(records[r.path]) for r in reads)
+    threads = max(1, min(io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
+    moves.bounce = Bounce.for_runs(tier, records, items, runs, threads)
+    # A thread of its own, not a pool's: when this rank fails for another reason, it is left
+    # waiting (within the process group's timeout) and never holds up the process's exit.
+    receiver = threading.Thread(target=moves.receive_all, name="tiercheck-receive", daemon=True)
+    if moves.recvs:
+        receiver.start()
+    total = 0
+    with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
+        for done, direct_bytes in pool.map(moves.read_and_share, runs):
+            moves.counts["direct_bytes"] += direct_bytes
+            for path, c, data in done:
+                total += data.numel()
+                moves.send(path, c, data)
+    if moves.bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
+        torch.cuda.current_stream(moves.bounce.device).wait_stream(moves.bounce.stream)
+    if moves.recvs:
+        receiver.join()
+    for op in moves.ops:
+        op.wait()
+    if moves.errors:
+        raise moves.errors[0]
+    return total
+
+
+Placed = tuple[str, Chunk, torch.Tensor]  # a chunk read: its array, the chunk, its verified bytes
+
+
+class _Moves:
+    """One rank's part of a read plan in flight (``move_chunks``): what it reads and fills, the
+    chunks it sends to other ranks (through the process group, or the host's shared memory) and
+    those it receives, and the first error of any of them (raised once every transfer is over:
+    a rank waiting for a chunk always gets the bytes it expects, or it would hang)."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        step: int,
+        records: dict[str, ArrayRecord],
+        items: Sequence[ReadItem],
+        transfers: Sequence[Transfer],
+        *,
+        rank: int,
+        group: Any,
+        remote: Tier | None,
+        sharing: Sharing | None,
+    ) -> None:
+        self.tier, self.step, self.records, self.remote, self.sharing, self.group = (
+            tier, step, records, remote, sharing, group
+        )  # fmt: skip
+        self.counts = {"remote_reads": 0, "fallbacks": 0, "direct_bytes": 0}
+        self.by_path: dict[str, list[ReadItem]] = defaultdict(list)
+        for item in items:
+            self.by_path[item.record.path].append(item)
+        self.sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, bool]]] = defaultdict(list)
+        self.recvs: list[tuple[Transfer, torch.Tensor, Any]] = []
+        self.ops: list[Any] = []  # sends
+        self.keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
+        self.errors: list[BaseException] = []
+        self.bounce: Bounce | None = None
+        self.device = _comm_device(group) if transfers else torch.device("cpu")
+        if any(t.shared for t in transfers) and sharing is None:
+            raise AssertionError("transfers through shared memory, and no sharing to pass them through")
+        for t in transfers:
+            if t.dst == rank:
+                n = HEADER if t.shared else chunk_nbytes(records[t.path])
+                buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=self.device)
+                self.recvs.append((t, buf, dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)))
+            elif t.src == rank:
+                self.sends[(t.path, t.chunk.coords)].append((t.dst, t.tag, t.shared))
+        self.shared_out = {k for k, to in self.sends.items() if any(shared for _, _, shared in to)}
+        self.outbox = None
+        if self.shared_out:
+            assert sharing is not None
+            try:
+                self.outbox = sharing.open_outbox({k: chunk_nbytes(records[k[0]]) for k in sorted(self.shared_out)})
+            except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
+                self.errors.append(e)
 
     def place(
-        rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], *, reused: bool = False
+        self, rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], *, reused: bool = False
     ) -> None:
         """``fill`` the destinations, but those ``deferrable`` only once all is verified
         (``fill_deferred``): ``data`` is then shared memory, or kept until then (a copy, where it
@@ -213,75 +271,78 @@ def move_chunks(
         if now:
             fill(rec, c, data, now, non_blocking=reused)
         if len(now) < len(dests):
-            assert sharing is not None
-            sharing.later.append((rec, c, data.clone() if reused else data, [i for i in dests if i.deferred]))
+            assert self.sharing is not None
+            self.sharing.later.append((rec, c, data.clone() if reused else data, [i for i in dests if i.deferred]))
 
-    def read_and_fill(job: Read) -> tuple[str, Chunk, torch.Tensor]:
+    def read_and_fill(self, job: Read) -> Placed:
         path, c = job.path, job.chunk
-        rec = records[path]
-        target = direct_target(rec, c, by_path.get(path, ()), whole=(path, c.coords) in sends)
+        rec = self.records[path]
+        target = direct_target(rec, c, self.by_path.get(path, ()), whole=(path, c.coords) in self.sends)
         into = None if target is None else target.numpy().data
         try:
             if job.remote:
-                assert remote is not None
-                counts["remote_reads"] += 1
-                raw = read_chunk(remote, step, rec, c, into)
+                assert self.remote is not None
+                self.counts["remote_reads"] += 1
+                raw = read_chunk(self.remote, self.step, rec, c, into)
             else:
                 try:
-                    raw = read_chunk(tier, step, rec, c, into)
+                    raw = read_chunk(self.tier, self.step, rec, c, into)
                 except (CorruptCheckpointError, OSError) as e:
-                    if remote is None:
+                    if self.remote is None:
                         raise
-                    log.warning("%s; reading it from %s instead", e, remote.url)
-                    counts["fallbacks"] += 1
-                    raw = read_chunk(remote, step, rec, c, into)
+                    log.warning("%s; reading it from %s instead", e, self.remote.url)
+                    self.counts["fallbacks"] += 1
+                    raw = read_chunk(self.remote, self.step, rec, c, into)
         except (TiercheckError, OSError) as e:
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
             # otherwise); the error reaches every rank once the transfers are over.
-            errors.append(e)
-            filler = torch.zeros(chunk_nbytes(rec) if (path, c.coords) in sends else 0, dtype=torch.uint8)
+            self.errors.append(e)
+            filler = torch.zeros(chunk_nbytes(rec) if (path, c.coords) in self.sends else 0, dtype=torch.uint8)
             return path, c, filler
         if target is not None:
             return path, c, target  # read in place: nothing to copy
         data = torch.frombuffer(raw, dtype=torch.uint8)
-        place(rec, c, data, by_path.get(path, ()))
+        self.place(rec, c, data, self.by_path.get(path, ()))
         return path, c, data
 
-    def read_run(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
+    def read_run(self, run: list[Read]) -> tuple[list[Placed], int]:
         """Chunks that lie together in one pack, read with one vectored read straight into their
         destinations (``RunLayout``), then each verified; and the bytes read around the page
         cache. A chunk that fails, or a run the file cuts short, is read again on its own: that
         path falls back to the remote tier or reports the chunk. A run planned from the remote
         tier is read from there (ranged GETs in parallel), into host memory."""
+        records, by_path = self.records, self.by_path
         if len(run) == 1 and (run[0].remote or records[run[0].path].location(run[0].chunk.key)[1] is None):
-            return [read_and_fill(run[0])], 0  # one chunk, or not in a pack
-        src = remote if run[0].remote else tier
+            return [self.read_and_fill(run[0])], 0  # one chunk, or not in a pack
+        src = self.remote if run[0].remote else self.tier
         assert src is not None
-        if src is tier and bounce is not None and any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ())):
-            return read_run_to_device(run, bounce)
+        to_device = any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ()))
+        if src is self.tier and self.bounce is not None and to_device:
+            return self.read_run_to_device(run, self.bounce)
         slots = []
         for job in run:
             rec = records[job.path]
             _, offset = rec.location(job.chunk.key)
             assert offset is not None
             key = (job.path, job.chunk.coords)
-            target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in sends)
-            if target is None and outbox is not None and key in shared_out:
+            target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in self.sends)
+            if target is None and self.outbox is not None and key in self.shared_out:
                 # Read straight into the memory the ranks of this host take it from, then filled from there.
-                slots.append(Slot(job, offset, chunk_nbytes(rec), outbox.slot(key), filled=False))
+                slots.append(Slot(job, offset, chunk_nbytes(rec), self.outbox.slot(key), filled=False))
             else:
                 slots.append(Slot(job, offset, chunk_nbytes(rec), target))
         file, _ = records[run[0].path].location(run[0].chunk.key)
         layout = (RunLayout.unbuffered(slots) if src.direct_io else None) or RunLayout.buffered(slots)
         try:
-            n, direct = src.read_vectored(f"{step_dir(step)}/{file}", layout.start, layout.views, direct=layout.direct)
+            path = f"{step_dir(self.step)}/{file}"
+            n, direct = src.read_vectored(path, layout.start, layout.views, direct=layout.direct)
             whole = n >= layout.end - layout.start
         except OSError:
             whole = False
         if not whole:
-            return [read_and_fill(job) for job in run], 0
-        if src is remote:
-            counts["remote_reads"] += len(run)
+            return [self.read_and_fill(job) for job in run], 0
+        if src is self.remote:
+            self.counts["remote_reads"] += len(run)
         for into, scratch in layout.copies:
             into[:] = scratch
         out = []
@@ -291,40 +352,40 @@ def move_chunks(
             try:
                 verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes, where=src.url)
             except CorruptCheckpointError:  # read again alone, which names the chunk in its error
-                out.append(read_and_fill(job))
+                out.append(self.read_and_fill(job))
                 continue
             if slot.target is not None:
                 if not slot.filled:
-                    place(rec, c, slot.target, by_path.get(job.path, ()))
+                    self.place(rec, c, slot.target, by_path.get(job.path, ()))
                 out.append((job.path, c, slot.target))
                 continue
             assert chunk is not None
-            place(rec, c, chunk, by_path.get(job.path, ()))
+            self.place(rec, c, chunk, by_path.get(job.path, ()))
             out.append((job.path, c, chunk))
         return out, n if direct else 0
 
-    def read_run_to_device(run: list[Read], bounce: Bounce) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
+    def read_run_to_device(self, run: list[Read], bounce: Bounce) -> tuple[list[Placed], int]:
         """A run bound for GPU memory: read whole (around the page cache where it can) into a
         page-locked buffer, its last checksum's block into the buffer's tail, each chunk verified,
         then copied up on the bounce stream while the next runs are read. The buffer is reused
         once those copies are done."""
-        span = run_span(records, run)
+        span = run_span(self.records, run)
         assert span is not None
         file, start, end = span
         body = whole_blocks(end - CHECKSUM_BYTES - start)  # every chunk's data lies in here
         with bounce.lend() as (buf, tail):
             views = [buf[:body].numpy().data, tail[: whole_blocks(end - start) - body].numpy().data]
             try:
-                n, direct = tier.read_vectored(f"{step_dir(step)}/{file}", start, views, direct=True)
+                n, direct = self.tier.read_vectored(f"{step_dir(self.step)}/{file}", start, views, direct=True)
             except OSError:
                 n, direct = 0, False
             if n < end - start:  # cut short: each chunk alone, which reports it
-                return [read_and_fill(job) for job in run], 0
+                return [self.read_and_fill(job) for job in run], 0
             out = []
-            where = tier.url
+            where = self.tier.url
             with torch.cuda.stream(bounce.stream):
                 for job in run:
-                    rec = records[job.path]
+                    rec = self.records[job.path]
                     c, nbytes = job.chunk, chunk_nbytes(rec)
                     _, offset = rec.location(c.key)
                     assert offset is not None
@@ -337,75 +398,49 @@ def move_chunks(
                         crc = rec.checksums[c.key]
                         verify_parts(data.numpy().data, rest, expected_crc=crc, nbytes=nbytes, where=where)
                     except CorruptCheckpointError:  # read again alone, which names the chunk in its error
-                        out.append(read_and_fill(job))
+                        out.append(self.read_and_fill(job))
                         continue
-                    place(rec, c, data, by_path.get(job.path, ()), reused=True)
-                    out.append((job.path, c, data.clone() if (job.path, c.coords) in sends else data))
+                    self.place(rec, c, data, self.by_path.get(job.path, ()), reused=True)
+                    out.append((job.path, c, data.clone() if (job.path, c.coords) in self.sends else data))
         return out, n if direct else 0
 
-    total = 0
-    runs = read_runs(tier, records, reads, remote=remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
-    # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
-    # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
-    # (20,000 chunks of 1 KiB: 0.6 s on 4 threads, 0.3 s on one). A thread per run's worth of bytes.
-    nbytes = sum(chunk_nbytes(records[r.path]) for r in reads)
-    threads = max(1, min(io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
-    bounce = Bounce.for_runs(tier, records, items, runs, threads)
-
-    def receive_all() -> None:
+    def receive_all(self) -> None:
         """Fill each chunk as it arrives, in posting order, beside the reads."""
         try:
-            if device.type == "cuda":  # a new thread starts on GPU 0
-                torch.cuda.set_device(device)
-            for t, buf, op in recvs:
+            if self.device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(self.device)
+            for t, buf, op in self.recvs:
                 op.wait()
-                if errors:
+                if self.errors:
                     continue  # every message is still taken in: no sender waits on this rank
                 data = buf  # on the GPU for NCCL: filled there, never through host memory
                 if t.shared:
-                    assert sharing is not None
-                    where = f"{tier.url}: step {step}: array {t.path!r} chunk {t.chunk.key}"
-                    data = sharing.inbox.view(buf.cpu(), where=where)
-                place(records[t.path], t.chunk, data, by_path[t.path])
+                    assert self.sharing is not None
+                    where = f"{self.tier.url}: step {self.step}: array {t.path!r} chunk {t.chunk.key}"
+                    data = self.sharing.inbox.view(buf.cpu(), where=where)
+                self.place(self.records[t.path], t.chunk, data, self.by_path[t.path])
         except BaseException as e:  # raised on the calling thread; the receives posted still land
-            errors.append(e)
+            self.errors.append(e)
 
-    def read_and_share(run: list[Read]) -> tuple[list[tuple[str, Chunk, torch.Tensor]], int]:
+    def read_and_share(self, run: list[Read]) -> tuple[list[Placed], int]:
         """A run read, and its chunks for ranks on this host copied out, on the reading thread."""
-        done, direct_bytes = read_run(run)
-        if outbox is not None:
+        done, direct_bytes = self.read_run(run)
+        if self.outbox is not None:
             for path, c, data in done:
-                if (path, c.coords) in shared_out:
-                    outbox.put((path, c.coords), data)
+                if (path, c.coords) in self.shared_out:
+                    self.outbox.put((path, c.coords), data)
         return done, direct_bytes
 
-    # A thread of its own, not a pool's: when this rank fails for another reason, it is left
-    # waiting (within the process group's timeout) and never holds up the process's exit.
-    receiver = threading.Thread(target=receive_all, name="tiercheck-receive", daemon=True)
-    if recvs:
-        receiver.start()
-    with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
-        for done, direct_bytes in pool.map(read_and_share, runs):
-            counts["direct_bytes"] += direct_bytes
-            for path, c, data in done:
-                total += data.numel()
-                up = data if device.type == "cpu" else None  # on the group's GPU: copied up once, sent to all
-                for dst, tag, shared in sends.get((path, c.coords), ()):
-                    if shared:
-                        out = (outbox.header((path, c.coords)) if outbox else unshared()).to(device)
-                    else:
-                        out = up = data.to(device) if up is None else up
-                    keep.append(out)
-                    ops.append(dist.isend(out, dst=_global(group, dst), group=group, tag=tag))
-    if bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
-        torch.cuda.current_stream(bounce.device).wait_stream(bounce.stream)
-    if recvs:
-        receiver.join()
-    for op in ops:
-        op.wait()
-    if errors:
-        raise errors[0]
-    return total
+    def send(self, path: str, c: Chunk, data: torch.Tensor) -> None:
+        """Post the sends of a chunk read to the ranks that need it (on the calling thread)."""
+        up = data if self.device.type == "cpu" else None  # on the group's GPU: copied up once, sent to all
+        for dst, tag, shared in self.sends.get((path, c.coords), ()):
+            if shared:
+                out = (self.outbox.header((path, c.coords)) if self.outbox else unshared()).to(self.device)
+            else:
+                out = up = data.to(self.device) if up is None else up
+            self.keep.append(out)
+            self.ops.append(dist.isend(out, dst=_global(self.group, dst), group=self.group, tag=tag))
 
 
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes
