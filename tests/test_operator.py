@@ -88,9 +88,9 @@ def test_bad_option_values_get_one_line(saved: Path) -> None:
             ["--retry-deadline", "nan", "ls", str(saved)],
             "'--retry-deadline': expected a finite number above 0, got nan",
         ),
-        (["plan", "--params", "1e400"], "Invalid value for '--params': expected a finite number above 0, got inf"),
-        (["plan", "--params", "nan"], "'--params': expected a finite number above 0, got nan"),
-        (["plan", "--params", "1e300"], "'--params': expected a parameter count from 1 to 1e16, got 1e+300"),
+        (["plan", "--params", "1e400"], "Invalid value for '--params': expected a parameter count from 1 to 1e16, got 1e400"),
+        (["plan", "--params", "nan"], "'--params': expected a parameter count such as 7B, 70e9 or 1.5T, got 'nan'"),
+        (["plan", "--params", "1e300"], "'--params': expected a parameter count from 1 to 1e16, got 1e300"),
         (["verify", str(saved), "--step", "-5"], "Invalid value for '--step': a step is a non-negative number, got -5"),
         (["inspect", str(saved), "--step", "x"], "'--step': expected a step number or 'latest', got 'x'"),
         (
