@@ -427,7 +427,7 @@ def _save_writer_per_call(rank: int, world: int, root: str, remote: str) -> dict
     ckpt = writers[0].checkpointer
     # One Checkpointer, planned once, as one long-lived writer would: the same host pool and directory lock.
     out["shared"] = ckpt is not None and all(w.checkpointer is ckpt for w in writers)
-    out["plans_made"] = ckpt._plans_made if ckpt is not None else None
+    out["plans_made"] = ckpt._planner.made if ckpt is not None else None
     return out
 
 

@@ -451,7 +451,7 @@ def test_a_restore_reads_big_chunks_around_the_page_cache_unless_it_holds_them(c
             pack.read_bytes()
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
-        assert ck.restore() == 1
+        assert ck.restore(in_place=False) == 1  # staged (a job start's default reads into the live tensors)
         direct = ck.stats()["restore_read_direct_bytes"]
     assert_identical(live, state)
     if cached:
@@ -475,7 +475,7 @@ def test_chunks_as_big_as_a_read_run_are_read_around_the_page_cache_too(
     evict_packs(ckpt_dir / "step-00000001")
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
-        assert ck.restore() == 1
+        assert ck.restore(in_place=False) == 1  # staged, as once the job holds progress
         assert ck.stats()["restore_read_direct_bytes"] >= 4 << 20
     assert_identical(live, state)
 
@@ -492,7 +492,7 @@ def test_a_second_restore_of_a_cold_pack_reads_around_the_page_cache_again(ckpt_
     for _ in range(2):
         live = {k: torch.zeros_like(v) for k, v in state.items()}
         with Checkpointer(live, local=ckpt_dir, write=opts) as ck:
-            assert ck.restore() == 1
+            assert ck.restore(in_place=False) == 1  # staged, as once the job holds progress
             assert ck.stats()["restore_read_direct_bytes"] >= state["aligned"].numel() * 4
         assert_identical(live, state)
 
@@ -510,7 +510,7 @@ def test_a_damaged_big_chunk_read_around_the_page_cache_is_named_and_the_state_k
         Checkpointer(live, local=ckpt_dir, write=opts) as ck,
         pytest.raises(tiercheck.CorruptCheckpointError, match=r"array 'aligned' chunk c\.2\.0: checksum mismatch"),
     ):
-        ck.restore()
+        ck.restore(in_place=False)  # staged, as once the job holds progress
     assert all(bool((t == 7).all()) for t in live.values()), "a failed restore leaves the live state untouched"
 
 
@@ -554,5 +554,5 @@ def test_a_pack_cut_short_inside_a_big_chunk_read_around_the_page_cache_is_repor
             tiercheck.CorruptCheckpointError, match=rf"array 'aligned' chunk {last}: chunk has \d+ bytes.*truncated"
         ),
     ):
-        ck.restore()
+        ck.restore(in_place=False)  # staged, as once the job holds progress
     assert all(bool((t == 7).all()) for t in live.values()), "a failed restore leaves the live state untouched"

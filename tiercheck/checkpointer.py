@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiercheck.dist.coordination import Coordinator, drive
+from tiercheck.dist.coordination import Coordinator
 from tiercheck.dist.job import Job
 from tiercheck.errors import ClosedError, InvalidArgumentError, StepExistsError, UnsupportedValueError
 from tiercheck.format.manifest import JSON
@@ -37,10 +37,10 @@ from tiercheck.restore.protocol import RestoreRequest, restore_state
 from tiercheck.save.commit import commit_job
 from tiercheck.save.handle import SaveHandle, SaveJob, record_ready, wait_staged
 from tiercheck.save.pipeline import Pipeline
-from tiercheck.save.plan import PackPlan, leaf_descs, pack_plan, plan_save
+from tiercheck.save.plan import Planner
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
-from tiercheck.state.staging import HostPool
+from tiercheck.state.staging import NO_POOL, HostPool
 from tiercheck.tiering import lineage
 from tiercheck.tiering.retention import set_aside_on_node
 from tiercheck.tiers.base import Tier
@@ -119,8 +119,11 @@ class Checkpointer:
         self.lazy = self.staging.mode == "lazy" or (
             self.staging.mode == "auto" and any(isinstance(v, torch.optim.Optimizer) for v in state.values())
         )
-        self._plan: PackPlan | None = None
-        self._plans_made = 0
+        target = self.write.chunk_bytes  # a bounded pool holds two chunks at least
+        if self.staging.max_host_bytes is not None:
+            target = min(target, max(self.staging.max_host_bytes // 2, 4096))
+        self._planner = Planner(self._coord, rank=self.rank, world_size=self.world_size, root_doc=self._leader,
+                                target_chunk_bytes=target)  # fmt: skip
         self._attempts: dict[int, int] = defaultdict(int)
         self._restores = 0
         self._passed_over: dict[int, str] = {}  # newer local steps the last restore passed over: why
@@ -153,7 +156,7 @@ class Checkpointer:
             if not leaves:
                 return None
             pool = self._ensure_pool(leaves)
-            plan = self._plan_for(leaves)
+            plan = self._planner.for_leaves(leaves)
         bound = self.staging.max_host_bytes
         return pool, plan.pool_bytes if bound is None else min(plan.pool_bytes, bound)
 
@@ -196,7 +199,7 @@ class Checkpointer:
                 return SaveHandle(step, skipped=True)
             tree, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
             pipeline = self._ensure_pipeline(leaves)
-            plan = self._plan_for(leaves)
+            plan = self._planner.for_leaves(leaves)
             handle = SaveHandle(step, nbytes=sum(t.nbytes for t in plan.tasks))
             job = SaveJob(
                 step=step,
@@ -245,38 +248,13 @@ class Checkpointer:
         """Re-plan at the next save even if this rank's leaves look the same: for frameworks
         whose other ranks' shares can change when this rank's do not (every rank must then call
         it, as planning is collective)."""
-        self._plan = None
+        self._planner.forget()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.wait_staged()
 
-    def _plan_for(self, leaves: list[Leaf]) -> PackPlan:
-        """This rank's write plan; re-planned (with every rank, see ``save.plan``) only when a layout changed."""
-        descs = leaf_descs(leaves)
-        if self._plan is not None and self._plan.signature == descs:
-            return self._plan
-        target = self.write.chunk_bytes
-        if self.staging.max_host_bytes is not None:
-            target = min(target, max(self.staging.max_host_bytes // 2, 4096))
-        save_plan = drive(self._coord, plan_save(self._coord, self._plans_made, descs, target_chunk_bytes=target))
-        self._plans_made += 1
-        self._plan = pack_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self._leader)
-        if self.world_size > 1:
-            log.info(
-                "rank %d: save plan: this rank writes %.1f MiB of the %d arrays it holds, coordinates %d",
-                self.rank,
-                save_plan.nbytes / 2**20,
-                len(save_plan.records),
-                len(save_plan.shard),
-            )
-        return self._plan
-
     def _ensure_pool(self, leaves: list[Leaf]) -> HostPool:
-        if self._pool is None:
-            pin = self.staging.pin_memory
-            if pin is None:
-                pin = any(leaf.tensor.is_cuda for leaf in leaves)
-            self._pool = HostPool(pin_memory=bool(pin))
+        self._pool = self._pool or HostPool.for_tensors((leaf.tensor for leaf in leaves), self.staging.pin_memory)
         return self._pool
 
     def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:
@@ -420,16 +398,10 @@ class Checkpointer:
         if self._pipeline is not None:
             out.update(self._pipeline.counters)
         out["inflight"] = sorted(self._pipeline.inflight_steps()) if self._pipeline else []
-        out["pool_capacity_bytes"] = self._pool.capacity if self._pool else 0
-        out["pool_peak_bytes"] = self._pool.peak_in_use if self._pool else 0
-        out["pool_allocations"] = self._pool.allocations if self._pool else 0
-        out["pool_pinned"] = self._pool.pin_memory if self._pool else False
-        out["pool_pinned_bytes"] = self._pool.pinned_bytes if self._pool else 0
-        out["lazy"] = self.lazy
-        out["rank"], out["world_size"] = self.rank, self.world_size
-        out["plan_bytes_per_save"] = sum(t.nbytes for t in self._plan.tasks) if self._plan else 0
-        # This rank's traffic through the job's key-value store so far (planning, commits, restores).
-        coords = [c for c in (self._coord, self._bg_coord) if c is not None]
+        out.update(self._pool.stats() if self._pool else NO_POOL)
+        out.update(lazy=self.lazy, rank=self.rank, world_size=self.world_size)
+        out["plan_bytes_per_save"] = self._planner.bytes_per_save
+        coords = [c for c in (self._coord, self._bg_coord) if c is not None]  # this rank's store traffic so far
         out["store_ops"] = sum(c.counters["store_ops"] for c in coords)
         out["store_bytes"] = sum(c.store_bytes for c in coords)
         return out

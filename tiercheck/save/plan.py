@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tiercheck.dist.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
-from tiercheck.dist.coordination import Coordinator, Exchange, dumps, shard_of
+from tiercheck.dist.coordination import Coordinator, Exchange, drive, dumps, shard_of
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
@@ -441,3 +441,43 @@ def leaf_descs(leaves: list[Leaf]) -> tuple[LeafDesc, ...]:
         )
         for leaf in leaves
     )
+
+
+class Planner:
+    """A Checkpointer's write plan, made with every rank (``plan_save``) and kept while the
+    state's leaves keep their layout: re-planned only when one changed, or when told to
+    (``forget``: every rank must then, as planning is collective)."""
+
+    def __init__(self, coord: Coordinator, *, rank: int, world_size: int, root_doc: bool, target_chunk_bytes: int):
+        self.coord, self.rank, self.world_size, self.root_doc = coord, rank, world_size, root_doc
+        self.target_chunk_bytes = target_chunk_bytes
+        self.plan: PackPlan | None = None
+        self.made = 0  # plans made so far (each a collective round, named by its number)
+
+    def forget(self) -> None:
+        self.plan = None
+
+    @property
+    def bytes_per_save(self) -> int:
+        """What this rank writes of each save, by the current plan (0 before one is made)."""
+        return sum(t.nbytes for t in self.plan.tasks) if self.plan is not None else 0
+
+    def for_leaves(self, leaves: list[Leaf]) -> PackPlan:
+        """This rank's write plan for ``leaves``: the last one, if their layout is the same."""
+        descs = leaf_descs(leaves)
+        if self.plan is not None and self.plan.signature == descs:
+            return self.plan
+        target = self.target_chunk_bytes
+        save_plan = drive(self.coord, plan_save(self.coord, self.made, descs, target_chunk_bytes=target))
+        self.made += 1
+        self.plan = pack_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self.root_doc)
+        if self.world_size > 1:
+            log.info(
+                "rank %d: save plan: this rank writes %.1f MiB of the %d arrays it holds, coordinates %d",
+                self.rank,
+                save_plan.nbytes / 2**20,
+                len(save_plan.records),
+                len(save_plan.shard),
+            )
+        return self.plan
+

@@ -16,7 +16,7 @@ import math
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +93,10 @@ def _unregister_and_free(cudart: object, address: int) -> None:
     libc.free(address)
 
 
+NO_POOL = {"pool_capacity_bytes": 0, "pool_peak_bytes": 0, "pool_allocations": 0, "pool_pinned": False,
+           "pool_pinned_bytes": 0}  # fmt: skip
+
+
 @dataclass(eq=False, slots=True)
 class Region:
     offset: int
@@ -119,6 +123,21 @@ class HostPool:
     def pinned_bytes(self) -> int:
         """Host memory the pool holds page-locked: its capacity (rounded to a page), or 0."""
         return self.capacity if self.pin_memory else 0
+
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[torch.Tensor], pin_memory: bool | None) -> HostPool:
+        """A pool for staging ``tensors``: page-locked as ``pin_memory`` says (None: where any is on a GPU)."""
+        return cls(pin_memory=any(t.is_cuda for t in tensors) if pin_memory is None else pin_memory)
+
+    def stats(self) -> dict[str, int | bool]:
+        """``Checkpointer.stats()``'s ``pool_*`` entries (``NO_POOL`` before a pool exists)."""
+        return {
+            "pool_capacity_bytes": self.capacity,
+            "pool_peak_bytes": self.peak_in_use,
+            "pool_allocations": self.allocations,
+            "pool_pinned": self.pin_memory,
+            "pool_pinned_bytes": self.pinned_bytes,
+        }
 
     def reserve(self, capacity: int, *, touch: threading.Event | None = None) -> None:
         """Make the pool at least ``capacity`` bytes, waiting until it is idle to grow it; with
