@@ -31,9 +31,9 @@ import harness as h  # puts the repository first on sys.path
 import torch.distributed as dist
 
 from tiercheck import __version__
-from tiercheck.dist.assign import LeafDesc, Need, WriteAssignment, assign_all_reads, assign_writes
-from tiercheck.dist.coordination import Coordinator, Nodes, join_nodes, lockstep
-from tiercheck.dist.job import Job
+from tiercheck.cluster.assign import LeafDesc, Need, WriteAssignment, assign_all_reads, assign_writes
+from tiercheck.cluster.coordination import Coordinator, Nodes, join_nodes, lockstep
+from tiercheck.cluster.job import Job
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.saveid import new_save_id

@@ -618,7 +618,7 @@ def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ck
 
 
 def test_a_sharding_that_cuts_an_array_too_finely_is_refused_on_save() -> None:
-    from tiercheck.dist.assign import LeafDesc, chunk_array
+    from tiercheck.cluster.assign import LeafDesc, chunk_array
 
     n = 8_388_617  # a prime: two shards split there leave a common grid of one element a chunk
     pieces = [

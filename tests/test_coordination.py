@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from tests.test_planner import megatron_like
-from tiercheck.dist.assign import LeafDesc, Need
-from tiercheck.dist.coordination import Coordinator, join_nodes, lockstep
-from tiercheck.dist.job import Job
+from tiercheck.cluster.assign import LeafDesc, Need
+from tiercheck.cluster.coordination import Coordinator, join_nodes, lockstep
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import seal
 from tiercheck.format.layout import chunks_in_box

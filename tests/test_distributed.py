@@ -618,7 +618,7 @@ def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> 
     checks every chunk they wrote (also of arrays another node coordinated), and `load` says the
     rest is elsewhere."""
     from tests.test_cli import run
-    from tiercheck.dist.coordination import shard_of
+    from tiercheck.cluster.coordination import shard_of
 
     # A chunk a rank of node k wrote, of an array a rank of another node coordinated.
     k, path, key = next(

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from tiercheck.dist.assign import LeafDesc, Need, assign_all_reads, assign_writes
-from tiercheck.dist.coordination import Coordinator, lockstep
+from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_writes
+from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
 from tiercheck.save.plan import plan_save

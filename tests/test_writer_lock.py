@@ -87,6 +87,7 @@ def test_a_step_committed_on_disk_behind_the_writers_back_is_not_overwritten(tmp
         elsewhere.save(7).wait()
     mine = tmp_path / "mine"
     with Checkpointer({"m": _state()}, local=mine) as ckpt:
+        ckpt.save(1).wait()  # the run has claimed the directory (a step appearing before that: test_lineage)
         copy_step(LocalTier(other), ckpt.tier, 7)  # e.g. pre-staged while this writer runs
         before = _files(mine / "step-00000007")
         with pytest.raises(StepExistsError, match="step 7 is already committed"):

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiercheck.dist.coordination import Coordinator
-from tiercheck.dist.job import Job
+from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.job import Job
 from tiercheck.errors import ClosedError, InvalidArgumentError, StepExistsError, UnsupportedValueError
 from tiercheck.format.manifest import JSON
 from tiercheck.format.metadata import encode as encode_metadata

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from tiercheck.dist.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
-from tiercheck.dist.lock import DirectoryLock, lock_node
+from tiercheck.cluster.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
+from tiercheck.cluster.lock import DirectoryLock, lock_node
 from tiercheck.errors import InvalidArgumentError, NotADirectoryTierError, StorageError, TiercheckError
 from tiercheck.options import DistributedOptions, DrainOptions, ReplicationOptions, RetentionOptions, WriteOptions
 from tiercheck.tiering.manager import TierManager

@@ -36,7 +36,7 @@ from tiercheck.cli.common import (
     step_value,
     typed_options,
 )
-from tiercheck.dist.lock import DirectoryLock
+from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.paths import COMMIT_FILE, step_dir

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps
+from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.manifest import JSON

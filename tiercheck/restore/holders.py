@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
+from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tiercheck.dist.assign import assign_all_reads
+from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.extents import check_extents

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, shard_of
+from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, shard_of
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import Manifest, RankPart

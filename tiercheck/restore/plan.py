@@ -27,8 +27,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercheck.dist.assign import Need, Read, Transfer, assign_reads, needed_chunks
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
+from tiercheck.cluster.assign import Need, Read, Transfer, assign_reads, needed_chunks
+from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes

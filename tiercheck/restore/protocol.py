@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequenc
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, drive, shard_of
-from tiercheck.dist.job import Job
+from tiercheck.cluster.coordination import Coordinator, drive, shard_of
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural
 from tiercheck.format.legacy import has_packs

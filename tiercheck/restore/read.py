@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.dist.assign import Read, Transfer
+from tiercheck.cluster.assign import Read, Transfer
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_parts
 from tiercheck.format.layout import Chunk, chunks_in_box, overlap

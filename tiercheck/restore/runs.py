@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercheck.dist.assign import Read
+from tiercheck.cluster.assign import Read
 from tiercheck.errors import TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercheck.dist.assign import Need, Read
+from tiercheck.cluster.assign import Need, Read
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.state.staging import aligned_empty, page_aligned_empty, pinned_empty

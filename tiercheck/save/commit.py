@@ -8,8 +8,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from tiercheck.dist.coordination import Barrier, Coordinator, Exchange, drive
-from tiercheck.dist.job import Job
+from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import (
     JSON,

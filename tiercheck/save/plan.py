@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from tiercheck.dist.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
-from tiercheck.dist.coordination import Coordinator, Exchange, drive, dumps, shard_of
+from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
+from tiercheck.cluster.coordination import Coordinator, Exchange, drive, dumps, shard_of
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge

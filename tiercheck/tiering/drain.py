@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator
+from tiercheck.cluster.coordination import Coordinator
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CoordinationError,

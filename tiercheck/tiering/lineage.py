@@ -18,8 +18,8 @@ import logging
 import threading
 from collections.abc import Generator
 
-from tiercheck.dist.coordination import Barrier, Coordinator, drive
-from tiercheck.dist.job import Job
+from tiercheck.cluster.coordination import Barrier, Coordinator, drive
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, LineageError, StorageError
 from tiercheck.fmt import fmt_steps
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, write_lineage

@@ -11,7 +11,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator, Nodes
 from tiercheck.errors import InvalidArgumentError, RemoteStorageError
 from tiercheck.fmt import fmt_steps
 from tiercheck.options import DrainOptions, ReplicationOptions

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.dist.coordination import Coordinator, Exchange, Nodes, _own_client, drive
+from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, _own_client, drive
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
 from tiercheck.format.paths import COMMIT_FILE, rank_files, replica_marker, step_dir

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from tiercheck.dist.job import Job
+from tiercheck.cluster.job import Job
 from tiercheck.errors import StepExistsError
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, set_aside_step, withdraw_step

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiercheck.dist.coordination import shard_of
+from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs

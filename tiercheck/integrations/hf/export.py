@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tiercheck.dist.assign import assign_all_reads
+from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.manifest import ArrayRecord, CommitMarker

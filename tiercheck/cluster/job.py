@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiercheck.dist.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator, Nodes
 from tiercheck.tiers.base import Tier
 
 

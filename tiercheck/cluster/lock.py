@@ -22,7 +22,7 @@ import os
 import socket
 from pathlib import Path
 
-from tiercheck.dist.coordination import Coordinator, Exchange
+from tiercheck.cluster.coordination import Coordinator, Exchange
 from tiercheck.errors import DirectoryInUseError, StorageError, TiercheckError
 from tiercheck.format.paths import LOCK_FILE
 from tiercheck.tiers.refusals import storage_error

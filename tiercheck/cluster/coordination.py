@@ -40,7 +40,6 @@ from tiercheck.errors import CoordinationError
 from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
 
-
 log = logging.getLogger("tiercheck")
 
 T = TypeVar("T")
