@@ -177,3 +177,39 @@ def test_a_dtensor_changed_before_its_lazy_copy_fails_the_save(tmp_path: Path) -
     assert "model/weight changed after save(1)" in r0 and counted0
     assert "model/bias changed after save(1)" in r1 and counted1
     assert steps0 == steps1 == [0, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_change_launched_before_or_during_the_side_stream_copy_fails_the_save(
+    ckpt_dir: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counters move when an op is launched on the host: one launched before the copy is queued is
+    caught before it, one launched while the side stream copies is caught once the copies have ended."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copy_pieces = tiercheck.save.pipeline.copy_pieces
+    target = model[1].weight
+
+    def racing(outs, pieces, stream):  # type: ignore[no-untyped-def]
+        copy_pieces(outs, pieces, stream)  # queued on the side stream
+        if any(p.data_ptr() == target.data_ptr() for p in pieces):
+            with torch.no_grad():
+                target.mul_(0)  # queued on the training stream meanwhile
+
+    with Checkpointer({"model": model, "optimizer": opt}, local=ckpt_dir, write=CHUNK) as ck:
+        held.set()
+        ck.save(0).wait()
+        held.clear()
+        h = ck.save(1)
+        with torch.no_grad():
+            model[0].weight.mul_(0)
+        held.set()
+        with pytest.raises(StateChangedError, match=r"model/0\.weight changed after save\(1\), before it was copied"):
+            h.wait()
+        monkeypatch.setattr(tiercheck.save.pipeline, "copy_pieces", racing)
+        with pytest.raises(StateChangedError, match=r"model/1\.weight changed after save\(2\), while it was being"):
+            ck.save(2).wait()
+        monkeypatch.undo()
+        ck.save(3).wait()
+        assert ck.steps() == [0, 3] and ck.stats()["state_changed"] == 2
