@@ -212,6 +212,7 @@ class Checkpointer:
                 handle=handle,
                 t_call=t_call,
                 ready=record_ready(leaves),
+                watch=self.lazy,
             )
             self._attempts[step] += 1
             handle.timings["plan_s"] = time.perf_counter() - t_call

@@ -104,11 +104,12 @@ class SaveJob:
     t_write0: float = 0.0
     t_write1: float = 0.0
     seq: int = -1  # this save's place among the pipeline's saves: commits follow it
+    watch: bool = True  # a lazy save: its copies check the tensors did not change (an eager one copies in save())
     versions: list[int | None] = field(init=False)  # each lazy leaf's version at save() (``versions_of``)
 
     def __post_init__(self) -> None:
         # Built inside save(): what a lazy copy must still find (see ``changed``).
-        self.versions = versions_of([leaf.watch for leaf in self.leaves])
+        self.versions = versions_of([leaf.watch for leaf in self.leaves]) if self.watch else []
 
     def changed(self, tasks: Iterable[ChunkTask], *, copying: bool) -> StateChangedError | None:
         """The error for the first of ``tasks``' lazy tensors whose version counter moved since
@@ -118,6 +119,8 @@ class SaveJob:
         after the copy, so the change may have landed in the middle of it. A tensor replaced (a new
         Parameter assigned) leaves the one save() took as it was: no error. Not seen: changes
         through ``.data`` (a new counter), numpy views, CUDA graph replays, inference tensors."""
+        if not self.watch:
+            return None
         leaves = self.leaves
         index = [t.leaf for t in tasks]
         then = [self.versions[i] for i in index]
