@@ -4,6 +4,7 @@ tensor-parallel on 2 gloo ranks, exported, and loaded back by ``from_pretrained`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ import tiercheck
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError
 from tiercheck.format.paths import step_dir
 from tiercheck.integrations import hf
+from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, flip_chunk_byte
@@ -267,6 +269,39 @@ def test_load_pretrained_is_all_or_nothing(published: Any, tmp_path: Path) -> No
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "../escape.safetensors"}}))
     with pytest.raises(tiercheck.errors.UnsafeCheckpointError, match="not a file of the directory"):
         hf.load_pretrained(broken, fresh)
+
+
+def test_load_pretrained_reads_into_the_live_tensors_and_says_what_a_failure_left(
+    published: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default (a job's first state) each whole tensor is read straight into its own memory; a
+    read that fails part way (EIO on the third tensor here) raises PartlyRestoredError naming the
+    tensors already overwritten. in_place=False reads everything first: the state stays as it was."""
+    directory, weights = published
+    state = {k: torch.zeros_like(v) for k, v in weights.items()}
+    where = {k: v.data_ptr() for k, v in state.items()}
+    hf.load_pretrained(directory, state)
+    assert all(torch.equal(state[k], v) and state[k].data_ptr() == where[k] for k, v in weights.items())
+
+    calls = {"n": 0}
+    read_into = LocalTier.read_into
+
+    def failing(self: LocalTier, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalTier, "read_into", failing)
+    fresh = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with pytest.raises(tiercheck.PartlyRestoredError, match="load_pretrained had already read into tensor"):
+        hf.load_pretrained(directory, fresh, io_threads=1)
+    calls["n"] = 0
+    untouched = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with pytest.raises(OSError, match="Input/output error") as info:
+        hf.load_pretrained(directory, untouched, io_threads=1, in_place=False)
+    assert not isinstance(info.value, tiercheck.PartlyRestoredError)
+    assert all(not v.any() for v in untouched.values())
 
 
 def _load_3(rank: int, world: int, directory: str, ckpt: str) -> int:

@@ -6,9 +6,10 @@ Each rank reads only what its tensors hold: a ``tiercheck.Shard`` or DTensor rea
 slice spans (one read each, ranged GETs in parallel on an object store); a slice of columns reads
 its own runs from a local file (one ``preadv`` each), its rows whole from an object store. Every
 header, the index and each tensor's shape and dtype are checked against the state before a byte
-of tensor data is read; every slice is read into new memory, and the live tensors are written
-only once every rank has read all of its own (all or nothing, as ``restore()``; a whole tensor
-then takes that memory over, as there: no copy).
+of tensor data is read. A job's first state, it is read as ``restore()`` reads at a job start:
+straight into the live CPU tensors where their slice is one run of the file (``in_place``), else
+into new memory, which the live tensors take over (a whole tensor: no copy) once every rank has
+read all of its own; ``in_place=False`` reads all of it that way (all or nothing).
 A safetensors file carries no checksums: what is checked is its structure, not its bytes.
 """
 
@@ -27,7 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    PartlyRestoredError,
+    TiercheckError,
+)
 from tiercheck.integrations.hf.files import (
     INDEX_FILE,
     MAX_INDEX_BYTES,
@@ -65,6 +72,7 @@ def load_pretrained(
     storage_options: dict[str, Any] | None = None,
     io_threads: int = 8,
     process_group: Any = None,
+    in_place: bool = True,
 ) -> list[str]:
     """Fill ``state``'s tensors from the safetensors directory ``source`` (local, or a remote URL:
     ``s3://``, ``az://``, ``file://``). Returns the state names filled.
@@ -74,20 +82,37 @@ def load_pretrained(
     becomes a Hugging Face name as ``export`` maps it (``drop_prefix``, then ``names``; None: not
     loaded). With ``strict``, every tensor must be in the files. A dtype that differs from the
     file's is refused unless ``cast``. Under ``torch.distributed``, every rank of ``process_group``
-    calls this: none writes its tensors unless all read theirs.
+    calls this.
+
+    It loads a job's first state, so by default (``in_place``), as ``restore()`` at a job start, a
+    CPU tensor of the file's dtype whose slice spans whole rows is read straight into its own
+    memory: no second copy, and no new memory to fault in. Where a read then fails, on any rank,
+    ``PartlyRestoredError`` names the tensors already overwritten. ``in_place=False``: every slice
+    is read into new memory first, and no rank writes its tensors unless all read theirs.
     """
     where = os.fspath(source)
     tier = open_tier(where, storage_options=storage_options)
+    written: list[str] = []  # read in place so far (a failure leaves them partly loaded)
+    fills: list[_Fill] = []
     try:
         fills = _plan(tier, _tensors(state), drop_prefix=drop_prefix, names=names, strict=strict, cast=cast,
                       where=where)  # fmt: skip
-        staged = _read_all(tier, fills, io_threads=io_threads, where=where)
+        staged = _read_all(tier, fills, io_threads=io_threads, where=where, into=written if in_place else None)
         error: BaseException | None = None
     except (TiercheckError, OSError) as e:
         error, staged = e, []
-    _agree(error, process_group)
+    try:
+        _agree(error, process_group)
+    except (TiercheckError, OSError) as e:
+        if written:
+            names_ = ", ".join(sorted(written)[:8]) + (f" and {len(written) - 8} more" if len(written) > 8 else "")
+            raise PartlyRestoredError(
+                f"{e}; load_pretrained had already read into tensor(s) {names_} in place: load again, or "
+                "rebuild them, before using them (in_place=False reads all first)"
+            ) from e
+        raise
     # as a restore hands its staged data over: a whole tensor takes the new memory over, others are copied into
-    copy_in([(f.local, data, True) for f, data in zip(fills, staged, strict=True)])
+    copy_in([(f.local, data, True) for f, data in zip(fills, staged, strict=True) if data is not f.local])
     return [f.name for f in fills]
 
 
@@ -178,10 +203,45 @@ def _header(tier: Tier, file: str, size: int, *, where: str) -> dict[str, Tensor
     return parse_header(bytes(tier.read_range(file, 8, n)), size, where=where)
 
 
-def _read_all(tier: Tier, fills: list[_Fill], *, io_threads: int, where: str) -> list[torch.Tensor]:
-    """Every fill's slice, read into new memory of the live tensor's dtype (and device)."""
+def _read_all(
+    tier: Tier, fills: list[_Fill], *, io_threads: int, where: str, into: list[str] | None
+) -> list[torch.Tensor]:
+    """Every fill's slice, read into new memory of the live tensor's dtype (and device); with
+    ``into`` (a list), each one that can be read straight into its live tensor is (that tensor
+    itself is returned for it), its name added to ``into`` before the first byte lands."""
+
+    def read(f: _Fill) -> torch.Tensor:
+        if into is not None and _in_place(f):
+            into.append(f.name)
+            return _read_in_place(tier, f, where=where)
+        return _read_slice(tier, f, where=where)
+
     with ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="tiercheck-hf-read") as pool:
-        return list(pool.map(lambda f: _read_slice(tier, f, where=where), fills))
+        return list(pool.map(read, fills))
+
+
+def _in_place(f: _Fill) -> bool:
+    """Whether ``f``'s slice can be read straight into its live tensor: on the CPU, contiguous, of
+    the file's dtype, spanning whole rows (its bytes are one run of the file)."""
+    t, shape = f.local, f.entry.shape
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.numel() > 0
+        and t.dtype == torch_dtype(f.entry.dtype)
+        and (not shape or tuple(t.shape[1:]) == shape[1:])
+    )
+
+
+def _read_in_place(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
+    shape, nbytes = f.entry.shape, f.local.numel() * f.local.element_size()
+    row = f.entry.nbytes // max(shape[0], 1) if shape else f.entry.nbytes
+    lo = f.offsets[0] if shape else 0
+    memory = f.local.detach().view(-1).view(torch.uint8).numpy().data
+    n, _ = tier.read_into(f.file, memory, offset=f.entry.start + lo * row, length=nbytes)
+    if n != nbytes:
+        raise CorruptCheckpointError(f"{where}/{f.file}: {f.entry.name}: the file ends inside its data")
+    return f.local
 
 
 def _read_slice(tier: Tier, f: _Fill, *, where: str) -> torch.Tensor:
