@@ -125,8 +125,8 @@ def dcp_save_consolidate(root: str, out: str, size_gib: float) -> dict[str, Any]
 
 
 def tiercheck_import(directory: str, size_gib: float) -> dict[str, Any]:
-    """``load_pretrained`` of an exported directory into zeroed tensors of the state's shapes (all or nothing:
-    read into new memory, then copied in)."""
+    """``load_pretrained`` of an exported directory into zeroed tensors of the state's shapes (its default:
+    read straight into the live tensors, as a job's first load; before f491da8, into new memory first)."""
     from tiercheck.integrations import hf
 
     state = {k: torch.zeros_like(v) for k, v in llama_state(size_gib).items()}
