@@ -22,3 +22,9 @@ def ranges(ranks: list[int]) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def some(names: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``names``, and how many more: for messages that name what they are about."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+

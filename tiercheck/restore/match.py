@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, StagingError
+from tiercheck.fmt import some
 from tiercheck.format.manifest import JSON, ArrayRecord, Manifest
 from tiercheck.restore.stage import ReadItem
 from tiercheck.state.flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
@@ -181,13 +182,9 @@ def _check_module_keys(module: torch.nn.Module, saved: JSON, key: str, where: st
     own = set(module.state_dict())
     missing, unexpected = sorted(own - set(saved)), sorted(set(saved) - own)
     if missing or unexpected:
-
-        def shown(names: list[str]) -> str:
-            return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
         why = "; ".join(
-            ([f"missing from the checkpoint: {shown(missing)}"] if missing else [])
-            + ([f"in the checkpoint, not in the module: {shown(unexpected)}"] if unexpected else [])
+            ([f"missing from the checkpoint: {some([repr(n) for n in missing])}"] if missing else [])
+            + ([f"in the checkpoint, not in the module: {some([repr(n) for n in unexpected])}"] if unexpected else [])
         )
         raise IncompatibleStateError(
             f"{where}: {key}: {type(module).__name__}.load_state_dict would refuse the saved state ({why})"
@@ -226,8 +223,7 @@ def _check_no_missing_tensors(live: Any, saved: JSON, key: str, where: str) -> N
         saved_paths.add(path)
     missing = [leaf.path for leaf in probe.leaves if leaf.path not in saved_paths]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise IncompatibleStateError(f"{where}: tensors of the state are missing from the checkpoint: {shown}")
+        raise IncompatibleStateError(f"{where}: tensors of the state are missing from the checkpoint: {some(missing)}")
 
 
 def _update_in_place(live: Any, new: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 from tiercheck.cluster.coordination import Coordinator, drive, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
-from tiercheck.fmt import fmt_steps, plural
+from tiercheck.fmt import fmt_steps, plural, some
 from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
@@ -157,9 +157,8 @@ def restore_state(
 
 def _overwritten(touched: dict[int, dict[int, str]]) -> str:
     paths = sorted({path for dests in touched.values() for path in dests.values()})
-    names = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
     return (
-        f"the restore had already read parts of step(s) {fmt_steps(sorted(touched))} into tensor(s) {names} "
+        f"the restore had already read parts of step(s) {fmt_steps(sorted(touched))} into tensor(s) {some(paths, 8)} "
         "(it read into the state's own memory: a job start, or in_place=True); restore a whole step, or "
         "rebuild them, before using them"
     )
@@ -181,8 +180,7 @@ def _say_mixed(touched: dict[int, dict[int, str]], step: int) -> None:
             if s != step and memory not in final:
                 left.setdefault(path, []).append(s)
     if left:
-        shown = sorted(left)
-        names = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        names = some(sorted(left))
         steps = sorted({s for ss in left.values() for s in ss})
         log.error(
             "restore(in_place=True) fell back to step %d after it began to read into the state: tensor(s) "

@@ -35,6 +35,7 @@ from tiercheck.errors import (
     PartlyRestoredError,
     TiercheckError,
 )
+from tiercheck.fmt import some
 from tiercheck.integrations.hf.files import (
     INDEX_FILE,
     MAX_INDEX_BYTES,
@@ -105,10 +106,9 @@ def load_pretrained(
         _agree(error, process_group)
     except (TiercheckError, OSError) as e:
         if written:
-            names_ = ", ".join(sorted(written)[:8]) + (f" and {len(written) - 8} more" if len(written) > 8 else "")
             raise PartlyRestoredError(
-                f"{e}; load_pretrained had already read into tensor(s) {names_} in place: load again, or "
-                "rebuild them, before using them (in_place=False reads all first)"
+                f"{e}; load_pretrained had already read into tensor(s) {some(sorted(written), 8)} in place: "
+                "load again, or rebuild them, before using them (in_place=False reads all first)"
             ) from e
         raise
     # as a restore hands its staged data over: a whole tensor takes the new memory over, others are copied into
@@ -163,7 +163,7 @@ def _plan(
             entries[n] = (file, e)
     missing = sorted(n for n in wanted if n not in entries and not _tied(tensors, wanted[n], entries, wanted))
     if missing and strict:
-        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = some([repr(n) for n in missing])
         raise IncompatibleStateError(f"{where}: the state's tensors {shown} are not in the files")
     fills = []
     for hf, name in wanted.items():
