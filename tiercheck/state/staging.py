@@ -53,14 +53,10 @@ def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     has no ``posix_memalign``, torch's own memory (64-byte aligned: read through the page cache).
     Memory this machine cannot give is ``StagingError``."""
     nbytes = math.prod(shape) * dtype.itemsize
-    address = ctypes.c_void_p()
     if libc is None or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
-        raise StagingError(f"cannot allocate {nbytes:,} bytes of page-aligned host memory for a {dtype}{list(shape)}")
-    memory = (ctypes.c_char * nbytes).from_address(address.value)
-    weakref.finalize(memory, libc.free, address.value).atexit = False  # tensors may outlive it at exit
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # holds ``memory``
+    address = _memalign(nbytes, f"for a {dtype}{list(shape)}")
+    return _owning(address, nbytes, libc.free, address).view(dtype).view(shape)
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
@@ -73,24 +69,38 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     cudart = torch.cuda.cudart() if torch.cuda.is_available() else None
     if cudart is None or libc is None or nbytes == 0:
         return aligned_empty(nbytes, pin_memory=True)
-    address = ctypes.c_void_p()
-    if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
-        raise StagingError(f"cannot allocate {nbytes:,} bytes of page-aligned host memory to page-lock")
-    status = cudart.cudaHostRegister(address.value, nbytes, 0)
+    address = _memalign(nbytes, "to page-lock")
+    status = cudart.cudaHostRegister(address, nbytes, 0)
     if int(getattr(status, "value", status)) != 0:
-        libc.free(address.value)
+        libc.free(address)
         log.warning("could not page-lock %d bytes with cudaHostRegister (%s); using torch's pinned memory",
                     nbytes, status)  # fmt: skip
         return aligned_empty(nbytes, pin_memory=True)
-    memory = (ctypes.c_char * nbytes).from_address(address.value)
-    weakref.finalize(memory, _unregister_and_free, cudart, address.value).atexit = False
-    return torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``
+    return _owning(address, nbytes, _unregister_and_free, cudart, address)
 
 
 def _unregister_and_free(cudart: object, address: int) -> None:
     cudart.cudaHostUnregister(address)  # type: ignore[attr-defined]
     assert libc is not None
     libc.free(address)
+
+
+def _memalign(nbytes: int, what: str) -> int:
+    """The address of ``nbytes`` of the C library's memory, starting on a page (``StagingError``
+    where this machine cannot give them)."""
+    assert libc is not None
+    address = ctypes.c_void_p()
+    if libc.posix_memalign(ctypes.byref(address), ALIGN, nbytes) != 0 or not address.value:
+        raise StagingError(f"cannot allocate {nbytes:,} bytes of page-aligned host memory {what}")
+    return address.value
+
+
+def _owning(address: int, nbytes: int, release: Callable[..., None], *args: object) -> torch.Tensor:
+    """A uint8 tensor over C memory at ``address`` that holds it, and calls ``release(*args)``
+    with the last reference to it (not at exit: tensors may outlive it there)."""
+    memory = (ctypes.c_char * nbytes).from_address(address)
+    weakref.finalize(memory, release, *args).atexit = False
+    return torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``
 
 
 NO_POOL = {"pool_capacity_bytes": 0, "pool_peak_bytes": 0, "pool_allocations": 0, "pool_pinned": False,
