@@ -1,5 +1,7 @@
-"""The CUDA path: pinned pool, side-stream copies, lazy staging fenced before optimizer.step(), and
-restores staged on the GPU through page-locked bounce buffers.
+"""The CUDA path: pinned pool, side-stream copies, lazy staging fenced before optimizer.step(),
+job-start restores streamed into GPU tensors through page-locked bounce buffers, and all-or-nothing
+restores staged on the GPU where it has room, else on the host and copied up through a page-locked
+ring (issue 43).
 
 Runs only where a CUDA device exists (marker ``gpu``); elsewhere pytest reports these as skipped.
 """
@@ -14,9 +16,9 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tests.ondisk import evict_packs, flip_chunk_byte
-from tiercheck import Checkpointer, CorruptCheckpointError, StagingOptions, WriteOptions
+from tiercheck import Checkpointer, CorruptCheckpointError, PartlyRestoredError, StagingOptions, WriteOptions
 from tiercheck.format.paths import step_dir
-from tiercheck.restore import stage
+from tiercheck.restore import stage, upload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,26 +74,80 @@ def _saved_cold(ckpt_dir: Path, seed: int) -> tuple[dict[str, torch.Tensor], dic
     return {k: v.cpu() for k, v in saved.items()}, {k: torch.zeros_like(v) for k, v in saved.items()}
 
 
-def test_a_fresh_restore_stages_gpu_tensors_on_the_gpu_and_reads_around_the_cache(
-    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A restarted job: a new Checkpointer restores CUDA tensors through a few page-locked bounce
-    buffers into spare GPU memory (not a page-locked copy of the whole state), with O_DIRECT reads
-    of a cold pack, and waits for its own copies only, never the whole device."""
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
+def _no_device_sync(*args: object, **kwargs: object) -> None:
+    raise AssertionError("restore waited for the whole device")
+
+
+def test_a_job_start_restore_streams_into_the_gpu_tensors(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted job: a new Checkpointer reads each run of a cold pack around the page cache into
+    a page-locked bounce buffer, verifies it, and copies it up into the live GPU tensors
+    themselves: nothing staged, no new GPU memory, and no wait for the whole device."""
     expected, live = _saved_cold(ckpt_dir, seed=0)
     pointers = {k: v.data_ptr() for k, v in live.items()}
-
-    def no_device_sync(*args: object, **kwargs: object) -> None:
-        raise AssertionError("restore waited for the whole device")
-
     with Checkpointer({"s": live}, local=ckpt_dir) as ck:
         with monkeypatch.context() as m:
-            m.setattr(torch.cuda, "synchronize", no_device_sync)
+            m.setattr(torch.cuda, "synchronize", _no_device_sync)
             assert ck.restore() == 1
         stats = ck.stats()
     assert_identical(expected, {k: v.cpu() for k, v in live.items()})
+    assert {k: v.data_ptr() for k, v in live.items()} == pointers
+    assert stats["restore_in_place_bytes"] == _nbytes(expected)
+    assert stats["restore_staged_on_device"] == stats["restore_copied_up_bytes"] == 0
+    assert stats["restore_read_direct_bytes"] >= 4 << 20
+
+
+def test_a_damaged_chunk_mid_stream_falls_back_to_the_older_step_bit_identically(ckpt_dir: Path) -> None:
+    """Step 2's third chunk of "big" is damaged: the job-start restore has streamed parts of step 2
+    into the GPU tensors by then, and the older step 1 overwrites every one of them."""
+    one, two = _cuda_state(4), _cuda_state(5)
+    state = {k: v.clone() for k, v in one.items()}
+    with Checkpointer({"s": state}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+        for k in state:
+            state[k].copy_(two[k])
+        ck.save(2).wait()
+    flip_chunk_byte(ckpt_dir / step_dir(2), "s/big", "c.2.0", 100)
+    live = {k: torch.zeros_like(v) for k, v in one.items()}
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck:
+        assert ck.restore() == 1
+        stats = ck.stats()
+    assert_identical({k: v.cpu() for k, v in one.items()}, {k: v.cpu() for k, v in live.items()})
+    assert stats["restore_in_place_bytes"] == _nbytes(one)
+
+
+def test_a_job_start_restore_with_no_whole_step_names_the_gpu_tensors_it_overwrote(ckpt_dir: Path) -> None:
+    saved = _cuda_state(6)
+    with Checkpointer({"s": saved}, local=ckpt_dir, write=WriteOptions(chunk_bytes=1 << 20)) as ck:
+        ck.save(1).wait()
+    flip_chunk_byte(ckpt_dir / step_dir(1), "s/big", "c.3.0", 100)
+    live = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck, pytest.raises(PartlyRestoredError) as info:
+        ck.restore()
+    assert "no older committed step is whole to restore" in str(info.value)
+    assert "parts of step(s) 1 into tensor(s)" in str(info.value) and "s/big" in str(info.value)
+
+
+def test_an_all_or_nothing_restore_stages_gpu_tensors_on_the_gpu_and_reads_around_the_cache(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``in_place=False`` at a job start: every chunk is verified in spare GPU memory before the
+    live tensors are copied into, with O_DIRECT reads of a cold pack, and only the restore's own
+    copies are waited for."""
+    expected, live = _saved_cold(ckpt_dir, seed=0)
+    pointers = {k: v.data_ptr() for k, v in live.items()}
+    with Checkpointer({"s": live}, local=ckpt_dir) as ck:
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "synchronize", _no_device_sync)
+            assert ck.restore(in_place=False) == 1
+        stats = ck.stats()
+    assert_identical(expected, {k: v.cpu() for k, v in live.items()})
     assert {k: v.data_ptr() for k, v in live.items()} == pointers  # copied into, memory kept
-    assert stats["restore_staged_on_device"] == sum(v.numel() * v.element_size() for v in expected.values())
+    assert stats["restore_staged_on_device"] == _nbytes(expected)
+    assert stats["restore_in_place_bytes"] == 0
     assert stats["restore_read_direct_bytes"] >= 4 << 20
 
 
@@ -103,17 +159,18 @@ def test_a_damaged_chunk_leaves_gpu_tensors_as_they_were(ckpt_dir: Path) -> None
     live = _cuda_state(2)
     before = {k: v.cpu() for k, v in live.items()}
     with Checkpointer({"s": live}, local=ckpt_dir) as ck, pytest.raises(CorruptCheckpointError, match="c.2.0"):
-        ck.restore()
+        ck.restore(in_place=False)
     assert_identical(before, {k: v.cpu() for k, v in live.items()})
 
 
-@pytest.mark.parametrize("room", [4 << 20, 0], ids=["room-for-one", "no-room"])
-def test_a_gpu_without_room_stages_the_rest_in_host_memory(
+@pytest.mark.parametrize("room", [4 << 20, 0], ids=["room-for-one", "full"])
+def test_a_full_gpu_stages_the_rest_in_host_memory_and_copies_it_up_through_a_pinned_ring(
     ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, room: int
 ) -> None:
     """A GPU too full to stage the whole state stages what fits there; the other tensors are
     staged in ordinary host memory (pinning it would cost more than the one copy up it speeds)
-    and copied up once every chunk is verified."""
+    and, once every chunk is verified, go up through a ring of two page-locked buffers of 1 MiB
+    (small here, so that it wraps around), with no wait for the whole device."""
     expected, live = _saved_cold(ckpt_dir, seed=3)
     pinned: list[object] = []
     real_empty = torch.empty
@@ -125,12 +182,17 @@ def test_a_gpu_without_room_stages_the_rest_in_host_memory(
 
     monkeypatch.setattr(stage, "device_room", lambda items: {torch.device("cuda", torch.cuda.current_device()): room})
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(upload, "RING_PIECE", 1 << 20)
+    monkeypatch.setattr(upload, "RING_BUFFERS", 2)
     with Checkpointer({"s": live}, local=ckpt_dir) as ck:
-        assert ck.restore() == 1
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "synchronize", _no_device_sync)
+            assert ck.restore(in_place=False) == 1
         stats = ck.stats()
     assert_identical(expected, {k: v.cpu() for k, v in live.items()})
     assert all(v.is_cuda for v in live.values())
     assert stats["restore_staged_on_device"] == (4 << 20 if room else 0)  # "big" fits, nothing else then
+    assert stats["restore_copied_up_bytes"] == _nbytes(expected) - stats["restore_staged_on_device"]
     assert pinned == []
 
 

@@ -331,13 +331,13 @@ class Checkpointer:
         restore is all or nothing: every chunk is read into new memory (or the idle save pool) and
         verified before the state changes, so a failed restore leaves it as it was; that takes a
         second copy of the state's host memory while it runs. Before that (a job start: the state
-        is what the job just built), a restore reads the state's CPU tensors straight into their
-        own memory, each chunk verified as it lands: no second copy, and no new memory to fault
-        in. A damaged newest step then still falls back to the newest older whole step, which
+        is what the job just built), a restore reads the state's tensors, CPU or GPU, straight
+        into their own memory, each chunk verified as it lands: no second copy, and no new memory
+        to fault in. A damaged newest step then still falls back to the newest older whole step, which
         overwrites every tensor it holds (with ``strict``, all of them); where no step is whole,
         ``PartlyRestoredError`` names the tensors already overwritten. ``in_place=True`` or
         ``False`` chooses either way regardless (``stats()["restore_in_place_bytes"]`` says how
-        much went straight into the state). GPU tensors are staged either way.
+        much went straight into the state; a GPU's chunks go up through page-locked buffers).
         """
         self._check_open()
         self._drop_prefault()  # before the lock: pre-faulting plans under it
@@ -390,8 +390,8 @@ class Checkpointer:
         last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
         (received through shared memory), ``restore_unstaged_bytes`` (filled straight from shared
         memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
-        ``restore_staged_on_device``, ``restore_read_direct_bytes`` (read with ``O_DIRECT``) and
-        ``restore_in_place_bytes`` (read straight into the state's own memory).
+        ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
+        (read straight into the state) and ``restore_copied_up_bytes`` (staged on the host for a GPU).
         With an object-store remote: ``drain_part_buffer_bytes`` (the bound on memory its parts
         hold) and ``drain_part_bytes_peak``.
         """

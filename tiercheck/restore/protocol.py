@@ -69,6 +69,7 @@ class Restored:
     held_here: list[int]  # saving ranks whose files this node holds
     passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
     read_in_place: int = 0  # bytes read straight into the state's own tensors (no staging copy)
+    copied_up: int = 0  # bytes staged in host memory for GPU tensors, copied up through page-locked buffers
 
     def counters(self) -> dict[str, int]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
@@ -83,6 +84,7 @@ class Restored:
             "restore_staged_on_device": self.staged_on_device,
             "restore_read_direct_bytes": self.read_direct,
             "restore_in_place_bytes": self.read_in_place,
+            "restore_copied_up_bytes": self.copied_up,
         }
 
 
@@ -110,7 +112,7 @@ def restore_state(
     ``pool`` is the idle save pool, staged into where it is big enough.
 
     All or nothing: every chunk is read into staging memory and verified, on every rank, before
-    the first byte reaches the state; with ``in_place``, CPU tensors are read into as they are
+    the first byte reaches the state; with ``in_place``, the state's tensors are read into as they are
     (see ``Checkpointer.restore``). When the chosen step turns out damaged (a bad checksum, a
     missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
     step instead, with a warning; a requested step is never swapped for another."""
@@ -166,8 +168,9 @@ def _overwritten(touched: dict[int, dict[int, str]]) -> str:
 
 def _in_place(item: ReadItem) -> bool:
     """Whether an in-place restore reads ``item`` into the state's own memory: a tensor of the
-    state on the CPU (a GPU one is staged in host memory either way)."""
-    return not item.fresh and item.dest.device.type == "cpu"
+    state on the CPU, or on a GPU (its chunks then go up through the page-locked bounce buffers
+    as each run is verified: ``read.move_chunks``)."""
+    return not item.fresh and item.dest.device.type in ("cpu", "cuda")
 
 
 def _say_mixed(touched: dict[int, dict[int, str]], step: int) -> None:
@@ -228,8 +231,8 @@ def _restore_step(
 ) -> Restored | None:
     """One attempt at one step: agree on it, prepare the reads (``_prepare``, ``_plan_reads``),
     move and verify the bytes (``_read``), then hand them to the state. With ``touched`` (a dict),
-    CPU tensors of the state are read into in place, and ``step`` is added to it, with those
-    tensors, before the first byte is."""
+    the state's tensors are read into in place, and ``step`` is added to it, with those tensors,
+    before the first byte is."""
     coord, tier, remote = job.coord, job.tier, job.remote
     choice = drive(
         coord,
@@ -250,7 +253,7 @@ def _restore_step(
     plan = _plan_reads(job, request, prepared, name=name)
     items = prepared.items
     read_in_place = 0
-    if touched is not None and any(_in_place(i) for i in items):  # the state's CPU tensors are read into
+    if touched is not None and any(_in_place(i) for i in items):  # the state's tensors are read into
         touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
         read_in_place = sum(i.dest.numel() * i.dest.element_size() for i in items if _in_place(i))
         items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
@@ -281,6 +284,7 @@ def _restore_step(
         read_direct=moved.get("direct_bytes", 0),
         from_remote=choice.from_remote,
         read_in_place=read_in_place,
+        copied_up=moved.get("copied_up_bytes", 0),
         held_here=sorted(prepared.st.here),
         passed_over=_passed_over(choice, step) if request.step is None else {},
     )
@@ -428,7 +432,8 @@ def _read(
         finally:
             _leave(coord, name, prepared.st.claimed)
         fill_deferred(sharing)
-        copy_in(live, swap=arena is None)  # the arena goes back to the pool: copied out of, never handed over
+        # The arena goes back to the pool: copied out of, never handed over.
+        moved["copied_up_bytes"] = copy_in(live, swap=arena is None)
     return nbytes, moved, in_pool, on_device
 
 

@@ -19,6 +19,7 @@ import torch
 from tiercheck.cluster.assign import Need, Read
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
+from tiercheck.restore.upload import Ring, ring_worthy
 from tiercheck.state.staging import aligned_empty, page_aligned_empty, pinned_empty
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES
@@ -49,9 +50,9 @@ def staged(items: Sequence[ReadItem], arena: torch.Tensor | None = None) -> tupl
     leaves the live state as it was. The tensors are carved out of ``arena`` (uint8 memory the
     process holds resident, at least ``staging_bytes(items)``) where given, else new. A GPU
     tensor is staged on its GPU while the GPU has room (``device_room``; chunks are copied up as
-    they are verified, see ``read.move_chunks``), the rest in new host memory, copied up at the end.
-    That memory is not page-locked: pinning runs at 1-3 GB/s, slower than the one copy from
-    ordinary memory it would speed up (13-14 GB/s on an H200 host)."""
+    they are verified, see ``read.move_chunks``), the rest in new host memory, copied up at the end
+    through a few page-locked buffers (``upload.Ring``). That memory is not page-locked itself:
+    pinning runs at 1-3 GB/s, slower than the one copy it would speed up."""
     out: list[ReadItem] = []
     pairs: list[StagedCopy] = []
     pos = 0
@@ -115,26 +116,38 @@ def _arena_align(pos: int, n: int) -> int:
     return -(-pos // align) * align
 
 
-def copy_in(pairs: Sequence[StagedCopy], *, swap: bool = True) -> None:
+def copy_in(pairs: Sequence[StagedCopy], *, swap: bool = True) -> int:
     """Hand verified, staged data to the live tensors (see ``staged``): with ``swap`` (staged in
     new memory, not an arena), a live CPU tensor that is the whole of its memory takes the staged
     memory over (``_swappable``: every tensor that shares that memory, a module's parameter behind a
     ``state_dict()`` alias, sees the restored values, and nothing is copied); the others are copied
     into. So is a tensor over a numpy array's memory (not ownable): the array would go on pointing
-    at its old memory, which only the tensor's storage would have let go."""
-    with torch.no_grad():
-        for live, buf, ownable in pairs:
-            if swap and ownable and _swappable(live, buf):
-                live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
-                torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
-            else:
-                live.copy_(buf, non_blocking=live.is_cuda)
-    for device in {live.device for live, _, _ in pairs if live.is_cuda}:
-        # Only these copies are waited for (the staged memory goes back to its owner after),
-        # never the whole device: the current stream's own event, not torch.cuda.synchronize().
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        done.synchronize()
+    at its old memory, which only the tensor's storage would have let go. A GPU tensor staged in
+    ordinary host memory goes up through a ``Ring`` of page-locked buffers. Returns the bytes that
+    went up that way."""
+    rings: dict[torch.device, Ring] = {}
+    try:
+        with torch.no_grad():
+            for live, buf, ownable in pairs:
+                if swap and ownable and _swappable(live, buf):
+                    live.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
+                    torch.autograd.graph.increment_version(live)  # as copy_ would: autograd sees the change
+                elif ring_worthy(live, buf):
+                    if live.device not in rings:
+                        rings[live.device] = Ring(live.device)
+                    rings[live.device].put(live, buf)  # copies into views of ``live``: its version moves on
+                else:
+                    live.copy_(buf, non_blocking=live.is_cuda)
+    finally:
+        for ring in rings.values():
+            ring.close()
+        for device in {live.device for live, _, _ in pairs if live.is_cuda}:
+            # Only these copies are waited for (the staged memory and the rings' buffers are freed
+            # after), never the whole device: the current stream's own event, not torch.cuda.synchronize().
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()
+    return sum(ring.copied for ring in rings.values())
 
 
 def _swappable(live: torch.Tensor, buf: torch.Tensor) -> bool:
@@ -190,6 +203,9 @@ class Bounce:
     def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        # A live tensor read into in place (a job start) may still be written by the job's queued
+        # work (its initialisation): that comes first.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.nbytes = nbytes
         self.made = 0  # buffers page-locked so far
         self._count = count  # at most
