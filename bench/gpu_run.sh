@@ -9,9 +9,12 @@
 #    then pays no library a compile that an installed one never pays;
 # 2. prints the GPU, Python and torch versions, /dev/shm and the disk;
 # 3. runs the CUDA tests (tests/test_cuda.py) -> $OUT/test_cuda.log;
-# 4. runs bench/gpu_bench.py --out $OUT -> $OUT/gpu-<device>.json and $OUT/gpu_bench.log,
+# 4. runs bench/gpu_restart.py --out $OUT (a job restart with room on the GPU and with the GPU full,
+#    issue 43; RESTART_ROUNDS rounds, default 2, within RESTART_BUDGET_S seconds, default 200)
+#    -> $OUT/gpu-restart-<device>.json and $OUT/gpu_restart.log;
+# 5. runs bench/gpu_bench.py --out $OUT -> $OUT/gpu-<device>.json and $OUT/gpu_bench.log,
 #    whatever the tests gave. Extra arguments go to gpu_bench.py.
-# Exit status: the benchmark's, or 3 when only the tests failed.
+# Exit status: the first benchmark's that failed, or 3 when only the tests failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
@@ -51,9 +54,14 @@ python3 -m compileall -q tiercheck "$SITE" >/dev/null || echo "compileall failed
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 tests_rc=$?
 
+PYTHONUNBUFFERED=1 python3 bench/gpu_restart.py --out "$OUT" --rounds "${RESTART_ROUNDS:-2}" \
+    --budget-s "${RESTART_BUDGET_S:-200}" 2>&1 | tee "$OUT/gpu_restart.log"
+restart_rc=$?
+
 PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=$?
-echo "tests rc=$tests_rc, bench rc=$bench_rc" | tee -a "$OUT/gpu_bench.log"
+echo "tests rc=$tests_rc, restart rc=$restart_rc, bench rc=$bench_rc" | tee -a "$OUT/gpu_bench.log"
+if ((restart_rc != 0)); then exit "$restart_rc"; fi
 if ((bench_rc != 0)); then exit "$bench_rc"; fi
 if ((tests_rc != 0)); then exit 3; fi
 exit 0

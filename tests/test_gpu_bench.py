@@ -81,3 +81,23 @@ def test_restore_probe_dry_run(tmp_path: Path) -> None:
     assert phases["read_vectored"]["bytes"] >= restore["stats"]["restore_bytes_read"] > 0
     assert phases["move_chunks"]["calls"] == phases["copy_in"]["calls"] == 1
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("probe-scratch")] == []
+
+
+def test_gpu_restart_dry_run(tmp_path: Path) -> None:
+    """bench/gpu_restart.py (issue 43): a fresh-process restore per variant, on CPU with tiny sizes;
+    the GPU-full rows and the pinned bytes need CUDA, and say so."""
+    cmd = [sys.executable, str(REPO / "bench" / "gpu_restart.py"), "--dry-run", "--device", "cpu", "--rounds", "1"]
+    cmd += ["--out", str(tmp_path), "--dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    report = json.loads((tmp_path / "gpu-restart-cpu-dry-run.json").read_text())
+    assert report["status"] == "complete" and report["config"]["fills"] == ["room"]
+    (only,) = report["rounds"]
+    for variant in ("tiercheck", "tiercheck.in_place=False", "dcp.load"):
+        assert only["room"][variant]["bit_identical"] is True, only["room"][variant]
+    stats = only["room"]["tiercheck"]["tiercheck_stats"]
+    assert stats["restore_in_place_bytes"] > 0  # the default at a job start: read into the state itself
+    assert only["room"]["tiercheck.in_place=False"]["tiercheck_stats"]["restore_in_place_bytes"] == 0
+    assert "room/tiercheck" in report["summary"]["rows"]
+    assert "| room | tiercheck |" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("gpu_restart-")] == []
