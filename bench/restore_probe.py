@@ -11,8 +11,10 @@ Usage::
 2. Reads the step's files from a dropped page cache each way in ``--disk`` (buffered or
    ``O_DIRECT``, threads, block size; into page-locked memory on CUDA): what the disk gives.
 3. Restores the step in a fresh process per variant in ``--variants`` (``io_threads:run MiB``, and
-   optionally ``:host`` for a GPU without room to stage anything, or ``:pinned`` for that with the
-   host staging memory page-locked, as restores did before), each from a dropped cache, bit-checked, with the restore's phases timed by wrapping its
+   optionally ``:staged`` for an all-or-nothing restore (``in_place=False``) staged on the GPU,
+   ``:host`` for one on a GPU without room to stage anything, or ``:pinned`` for that with the
+   host staging memory page-locked, as restores did before; by default a job start's restore,
+   streamed into the live tensors), each from a dropped cache, bit-checked, with the restore's phases timed by wrapping its
    functions: the time to the first read, the reads' busy time and overlap, what follows the last.
 
 Writes ``<out>/restore-probe-<device>.json`` (``-dry-run`` added for ``--dry-run``) and logs a line per
@@ -131,7 +133,7 @@ def fresh_restore(device: str, width: int, layers: int, batch: int, root: str, s
     from tiercheck.tiers.local import LocalTier
 
     read.READ_RUN_BYTES = run_mib * MiB
-    if room != "gpu":  # no room on the GPU: everything staged in host memory
+    if room in ("host", "pinned"):  # no room on the GPU: everything staged in host memory
         stage.device_room = lambda items: {}
     if room == "pinned":
         stage.host_read_buffer = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -152,7 +154,7 @@ def fresh_restore(device: str, width: int, layers: int, batch: int, root: str, s
         write=tiercheck.WriteOptions(io_threads=io_threads),
     )
     t1 = time.perf_counter()
-    got = ckpt.restore(step)
+    got = ckpt.restore(step, in_place=None if room == "gpu" else False)
     g.sync(device)
     t2 = time.perf_counter()
     stats = {k: v for k, v in ckpt.stats().items() if k.startswith("restore_") and isinstance(v, int)}
