@@ -131,8 +131,13 @@ class HostPool:
 
     @property
     def pinned_bytes(self) -> int:
-        """Host memory the pool holds page-locked: its capacity (rounded to a page), or 0."""
-        return self.capacity if self.pin_memory else 0
+        """Host memory the pool holds page-locked: its capacity (rounded to a page) where it is
+        registered at that size (``pinned_empty``); where torch's allocator gave it instead, the
+        power of two that rounds the request up to; 0 when it is not page-locked."""
+        if not self.pin_memory or self._buf is None:
+            return 0
+        held = self._buf.untyped_storage().nbytes()
+        return held if held == self.capacity else 1 << (held - 1).bit_length()
 
     @classmethod
     def for_tensors(cls, tensors: Iterable[torch.Tensor], pin_memory: bool | None) -> HostPool:
