@@ -325,11 +325,13 @@ class _Moves:
             _, offset = rec.location(job.chunk.key)
             assert offset is not None
             key = (job.path, job.chunk.coords)
-            target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in self.sends)
-            if target is None and self.outbox is not None and key in self.shared_out:
-                # Read straight into the memory the ranks of this host take it from, then filled from there.
+            if self.outbox is not None and key in self.shared_out:
+                # Read straight into the memory the ranks of this host take it from, then filled from
+                # there, its own destinations too: a copy out of that memory costs less than one into
+                # it (its pages are new), and this reader's copy overlaps the other ranks'.
                 slots.append(Slot(job, offset, chunk_nbytes(rec), self.outbox.slot(key), filled=False))
             else:
+                target = direct_target(rec, job.chunk, by_path.get(job.path, ()), whole=key in self.sends)
                 slots.append(Slot(job, offset, chunk_nbytes(rec), target))
         file, _ = records[run[0].path].location(run[0].chunk.key)
         layout = (RunLayout.unbuffered(slots) if src.direct_io else None) or RunLayout.buffered(slots)
