@@ -11,11 +11,15 @@ intra-op threads) while the copy engine empties the one before, on a stream of i
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
 
+from tiercheck.errors import TiercheckError
 from tiercheck.state.staging import pinned_empty
+
+log = logging.getLogger("tiercheck")
 
 RING_PIECE = 16 << 20  # bytes of each page-locked buffer
 RING_BUFFERS = 4  # page-locked buffers per GPU: one filled on the CPU while the others go up
@@ -32,6 +36,7 @@ class Ring:
         # The live tensors' pending work (a job's initialisation) comes before the copies into them.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self.made = 0
+        self._most = RING_BUFFERS  # fewer once page-locked memory is refused
         self.copied = 0  # bytes put
         self._lent: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # filled, their copies queued
         self._buf: torch.Tensor | None = None
@@ -46,7 +51,9 @@ class Ring:
         while lo < n:
             if self._buf is None or self._pos == RING_PIECE:
                 self._next()
-            assert self._buf is not None
+            if self._buf is None:  # no page-locked memory to be had: straight from ordinary memory
+                up[lo:].copy_(down[lo:])
+                break
             m = min(n - lo, RING_PIECE - self._pos)
             part = self._buf[self._pos : self._pos + m]
             part.copy_(down[lo : lo + m])
@@ -58,15 +65,22 @@ class Ring:
 
     def _next(self) -> None:
         """Hand the buffer being filled to the copy engine, and take the next: a new one while
-        fewer than ``RING_BUFFERS`` are made, else the oldest, once its copies are done."""
+        fewer than ``RING_BUFFERS`` are made, else the oldest, once its copies are done. None
+        where page-locked memory is refused before any is made: the verified data must still
+        reach every live tensor, so a restore never stops half copied in for want of it."""
         self._hand_over()
-        if self.made < RING_BUFFERS:
-            self.made += 1
-            self._buf = pinned_empty(RING_PIECE)
-        else:
+        self._pos = 0
+        if self.made < self._most:
+            try:
+                self._buf = pinned_empty(RING_PIECE)
+                self.made += 1
+                return
+            except (RuntimeError, TiercheckError) as e:
+                log.warning("no page-locked memory to copy a restore up through (%s); copying from ordinary memory", e)
+                self._most = self.made
+        if self._lent:
             self._buf, done = self._lent.popleft()
             done.synchronize()
-        self._pos = 0
 
     def _hand_over(self) -> None:
         if self._buf is not None:
