@@ -76,8 +76,9 @@ class Ring:
                 self.made += 1
                 return
             except (RuntimeError, TiercheckError) as e:
-                log.warning("no page-locked memory to copy a restore up through (%s); copying from ordinary memory", e)
-                self._most = self.made
+                log.warning("no more page-locked memory to copy a restore up through (%s); going on with %s",
+                            e, f"the {self.made} buffer(s) made" if self.made else "copies from ordinary memory")
+                self._most = self.made  # fmt: skip
         if self._lent:
             self._buf, done = self._lent.popleft()
             done.synchronize()
