@@ -4,7 +4,8 @@ are all or nothing (DESIGN invariant 7; issue 43 item 1).
 Before a Checkpointer has saved or restored, its state is what the job just built: a restore reads
 the CPU tensors straight into their own memory, verifying each chunk as it lands, with no second
 copy. A damaged newest step still falls back to an older whole one, which overwrites every tensor;
-where no step is whole, the error names the tensors already overwritten.
+where no step is whole, the error names the tensors already overwritten. Data-parallel replicas
+fill from the reader's shared memory as each chunk is verified. (GPU tensors: tests/test_cuda.py.)
 """
 
 from __future__ import annotations
