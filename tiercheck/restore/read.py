@@ -7,8 +7,9 @@ any box of a global array: a whole tensor, a tensor-parallel shard, a ZeRO parti
 read is copied into the part of every destination it overlaps; a chunk some rank needs but does
 not read (its file is on another node, or another rank of its node reads it) arrives from the rank
 that reads it: through shared memory from a rank of the same host (``restore.share``), else
-point-to-point over the process group. A live CPU tensor whose every chunk is in shared memory is
-filled from there only once every rank has verified every chunk (``deferrable``, ``fill_deferred``).
+point-to-point over the process group. All or nothing, a live CPU tensor whose every chunk is in
+shared memory is filled from there only once every rank has verified every chunk (``deferrable``,
+``fill_deferred``); in place (a job start), as each chunk is verified.
 """
 
 
