@@ -45,15 +45,23 @@ def verify(ckpt_dir: Path, step: int) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def restores_step_2(ckpt_dir: Path, states: dict[int, dict[str, torch.Tensor]], message: str) -> None:
-    """A restore of step 3 is refused with ``message``; a restore of the newest whole step passes step 3
-    over for step 2, every tensor step 2's."""
+def damage_seen_everywhere(
+    ckpt_dir: Path, states: dict[int, dict[str, torch.Tensor]], message: str, caplog: pytest.LogCaptureFixture
+) -> str:
+    """Step 3 is refused with ``message`` by ``load``, ``verify`` and a restore of step 3; a restore
+    of the newest whole step passes step 3 over for step 2, every tensor step 2's. Returns the
+    warning that restore logged of step 3."""
+    with pytest.raises(CorruptCheckpointError, match=message):
+        tiercheck.load(ckpt_dir, 3)
+    code, output = verify(ckpt_dir, 3)
+    assert code == 1 and re.search(message, output), output
     live = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
     with Checkpointer(live, local=ckpt_dir) as ck:
         with pytest.raises(CorruptCheckpointError, match=message):
             ck.restore(3)
         assert ck.restore() == 2
     assert_identical(live, states[2])
+    return next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
 
 
 def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_load_and_verify(
@@ -74,12 +82,7 @@ def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_l
         r"packs/rank-000000\.bin: array 'w' chunk c\.[\d.]+ \(offset [\d,]+, [\d,]+ bytes\) overlaps "
         r"array 'w' chunk c\.[\d.]+ \(offset [\d,]+\)"
     )
-    with pytest.raises(CorruptCheckpointError, match=message):
-        tiercheck.load(ckpt_dir, 3)
-    code, output = verify(ckpt_dir, 3)
-    assert code == 1 and re.search(message, output), output
-    restores_step_2(ckpt_dir, states, message)
-    warning = next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
+    warning = damage_seen_everywhere(ckpt_dir, states, message, caplog)
     assert re.search(message + r" \(the offsets in manifest/rank-000000\.json\)", warning), warning
 
 
@@ -109,12 +112,7 @@ def test_an_arrays_file_relabelling_a_dtype_is_damage_to_restore_load_and_verify
     record, and restore falls back to step 2."""
     states = save_steps_2_and_3(ckpt_dir)
     reseal(ckpt_dir / step_dir(3) / shard_file(0), lambda doc: doc["arrays"]["w"].update(dtype=dtype))
-    with pytest.raises(CorruptCheckpointError, match=message):
-        tiercheck.load(ckpt_dir, 3)
-    code, output = verify(ckpt_dir, 3)
-    assert code == 1 and re.search(message, output), output
-    restores_step_2(ckpt_dir, states, message)
-    warning = next(r.getMessage() for r in caplog.records if "cannot restore step 3" in r.getMessage())
+    warning = damage_seen_everywhere(ckpt_dir, states, message, caplog)
     assert re.search(message, warning), warning
 
 
