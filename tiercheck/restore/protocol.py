@@ -111,11 +111,11 @@ def restore_state(
     same ``name``. Returns None when no tier holds a committed step (and none was requested).
     ``pool`` is the idle save pool, staged into where it is big enough.
 
-    All or nothing: every chunk is read into staging memory and verified, on every rank, before
-    the first byte reaches the state; with ``in_place``, the state's tensors are read into as they are
-    (see ``Checkpointer.restore``). When the chosen step turns out damaged (a bad checksum, a
-    missing or unreadable file) on every tier, the ranks agree to restore the newest older whole
-    step instead, with a warning; a requested step is never swapped for another."""
+    All or nothing, or with ``in_place`` into the state's tensors as they are: when each applies is
+    explained once, in docs/concepts/restore.md (invariant 7 of docs/design.md). When the chosen
+    step turns out damaged (a bad checksum, a missing or unreadable file) on every tier, the ranks
+    agree to restore the newest older whole step instead, with a warning; a requested step is never
+    swapped for another."""
     requested = request.step
     # Steps read into the state's own memory (in place) so far: each tensor read into (by its
     # memory), and its array.
