@@ -327,7 +327,7 @@ def _run(protocols: list[Any], seconds: list[float]) -> list[Any]:
 
 
 def _restore_plan(coord: Coordinator, tier: LocalTier, nodes: Nodes, descs: Sequence[LeafDesc]) -> Any:
-    """What ``restore.restore_state`` runs before moving bytes, for a rank restoring the layout it
+    """What ``restore.protocol.restore_state`` runs before moving bytes, for a rank restoring the layout it
     saved (the live state is not built: its needs are the pieces it holds)."""
     choice = yield from agree_on_step(coord, "restore0/step", tier, nodes, requested=None, remote_steps=list)
     assert choice.step is not None

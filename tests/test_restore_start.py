@@ -1,5 +1,5 @@
 """A restore at a job start streams into the live tensors; once the job holds progress, restores
-are all or nothing (DESIGN invariant 7; issue 43 item 1).
+are all or nothing (invariant 7 of docs/design.md; issue 43 item 1).
 
 Before a Checkpointer has saved or restored, its state is what the job just built: a restore reads
 the CPU tensors straight into their own memory, verifying each chunk as it lands, with no second

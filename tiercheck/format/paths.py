@@ -62,7 +62,7 @@ def owners_file(rank: int) -> str:
 def refs_file(rank: int) -> str:
     """A saving rank's zarr keys as a kerchunk reference map: its chunks' byte ranges in its pack,
     and the ``zarr.json`` documents of the arrays it coordinated. Plain zarr reads a step through
-    the union of these (see the README); tiercheck itself reads the sealed parts, never these."""
+    the union of these (see docs/format.md); tiercheck itself reads the sealed parts, never these."""
     return f"{REFS_DIR}/rank-{rank:06d}.json"
 
 

@@ -14,7 +14,7 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
 3. **Plan reads** (``plan_restore``): each rank posts what it needs of each array to the array's
    coordinator (a rank on the node holding the array's shard, which reads the shard from disk);
    each coordinator decides who reads each needed chunk and who sends it to whom
-   (``dist.assign.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
+   (``cluster.assign.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
    receives, with the checksum of each chunk it reads taken from the writer's part on its node.
 """
 

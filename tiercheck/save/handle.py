@@ -90,7 +90,7 @@ class SaveJob:
     tree: JSON
     metadata: JSON
     attempt: int  # how many earlier saves of this step number this Checkpointer started
-    save_id: str  # names this save in every file it writes (``format.manifest.new_save_id``)
+    save_id: str  # names this save in every file it writes (``format.saveid.new_save_id``)
     handle: SaveHandle
     t_call: float
     ready: torch.cuda.Event | None = None  # recorded on the training stream at save()

@@ -11,7 +11,7 @@ name modulo the world size), and the plan is made in four rounds, each closed by
    disagreement or a hole) and writes one offer per digest: the chunks those pieces hold, each
    with the full group of ranks holding that chunk;
 3. each rank reads its offers and splits the offers of every group of holders as every other
-   member does (largest first, least loaded; ``dist.assign.assign_owners``): the members see the same
+   member does (largest first, least loaded; ``cluster.assign.assign_owners``): the members see the same
    offers, so they agree without another exchange. It tells each coordinator which of its chunks
    it took (only the ranks that took some do);
 4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,

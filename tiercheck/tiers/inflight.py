@@ -1,4 +1,4 @@
-"""Parts in flight under one bound: the remote tier's uploads and ranged reads (DESIGN invariant 12).
+"""Parts in flight under one bound: the remote tier's uploads and ranged reads (invariant 12, docs/design.md).
 
 A tier has one ``Inflight``: every upload through it shares ``concurrency`` slots. A slot is taken
 before a part is read from its source and given back when the part is sent (or fails), so the

@@ -1,4 +1,4 @@
-"""Objects moved in parts, many in flight (DESIGN invariant 12): the object stores' own protocols.
+"""Objects moved in parts, many in flight (invariant 12, docs/design.md): the object stores' own protocols.
 
 One stream to S3 or Azure moves ~100-300 MB/s; a node's link and the store take several GB/s
 with tens of parts in flight. An upload here is a multipart upload (S3) or staged blocks plus a
