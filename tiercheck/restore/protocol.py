@@ -115,20 +115,26 @@ class Restore:
     calls the steps below in this order, on every rank; each step meets the other ranks in the
     store (never in the training's collectives), so no rank may skip one:
 
-    1. ``agree(name, below)``: every rank learns the same step (``restore.agree``): rank 0 picks
+    1. ``agree(name, below)``: every rank learns the same step (``restore.agree``). Each node's
+       first rank posts the steps its directory holds (``messages.HeldPost``); rank 0 alone picks
        the newest whole across the nodes or committed on the remote tier (older than ``below``
-       when given); None: no tier holds one, and ``run`` returns None.
-    2. ``prepare(choice, name)``: who holds the step's files (``restore.holders``), the part of
-       its manifest this rank needs (``restore.needed``), matched to the state
-       (``restore.match``): keys, shapes and dtypes on every rank, and any rank's mismatch fails
-       all of them, before anything is overwritten.
-    3. ``plan(prepared, name)``: who reads which chunk where, and sends it to whom
-       (``restore.plan``).
-    4. ``read(prepared, plan, items, name)``: the chunks read, verified and passed between the
-       ranks (``restore.read.move_chunks``) into staging memory, or with ``in_place`` the state's
-       own; every rank agrees that all were verified before any staged byte is copied in.
-    5. ``apply`` (in ``attempt``): the plain values handed to the state (``restore.match.apply``),
-       and what the restore did returned (``Restored``).
+       when given) and sets one ``StepDecision``, which every rank reads. None: no tier holds a
+       step, and ``run`` returns None.
+    2. ``prepare(choice, name)``: each node's first rank claims the saving ranks whose files the
+       node holds (``restore.holders``: a ``HolderClaim`` each, its ``NodeHolds`` for the node's
+       other ranks); every rank gets the part of the step's manifest it needs (``restore.needed``:
+       from its node's directory, the remote tier, or the store, where the holding node's first
+       rank serves it) and matches it to the state (``restore.match``): keys, shapes and dtypes,
+       any rank's mismatch failing all of them before anything is overwritten.
+    3. ``plan(prepared, name)``: every rank posts what it needs of each array to the array's
+       coordinator (a ``NeedsPost``); each coordinator decides who reads each chunk and who sends
+       it to whom, and posts every rank its ``ReadWork`` (``restore.plan``): a ``RestorePlan``.
+    4. ``read(prepared, plan, items, name)``: every rank reads its chunks, verifies them and
+       sends and receives its transfers (``restore.read.move_chunks``), into staging memory or,
+       with ``in_place``, the state's own; every rank agrees that all were verified before any
+       staged byte is copied in.
+    5. ``apply`` (in ``attempt``): every rank hands the plain values to its state
+       (``restore.match.apply``) and returns what its restore did (``Restored``).
 
     ``attempt`` runs 1 to 5 once. Where 2, 3 or 4 find the step damaged on every tier (a bad
     checksum, a missing or unreadable file, on any rank), every rank raises ``_Damaged`` at the
