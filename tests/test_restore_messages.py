@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_coordination import job, save
 from tiercheck.cluster.assign import Need
-from tiercheck.cluster.coordination import Coordinator, dumps, lockstep
+from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError
 from tiercheck.restore.agree import agree_on_step
@@ -109,3 +109,10 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
     assert str(outcomes[target]).startswith(f"r/reads/needs/{target}: field 'needs[0][2]'")
     assert f"rank {target} failed" in str(outcomes[0])
+
+
+def test_a_reported_failure_reads_back_as_it_was_and_a_garbled_one_names_its_key() -> None:
+    failed = Failure(5, "CorruptCheckpointError", "node1: step 1: bad")
+    assert Failure.from_json(dumps(failed.to_json()).encode(), where="k") == failed
+    with pytest.raises(CoordinationError, match=re.escape("t/r/error: field 'failure' is not [rank, kind, text]")):
+        Failure.from_json(b'[true, "X", "y"]', where="t/r/error")
