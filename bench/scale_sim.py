@@ -41,7 +41,7 @@ from tiercheck.format.shards import owners_bytes, shard_bytes
 from tiercheck.restore.agree import agree_on_step, settle
 from tiercheck.restore.holders import find_holders
 from tiercheck.restore.needed import manifest_for
-from tiercheck.restore.plan import plan_restore
+from tiercheck.restore.plan import ReadRequest, plan_restore
 from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
@@ -329,16 +329,15 @@ def _run(protocols: list[Any], seconds: list[float]) -> list[Any]:
 def _restore_plan(coord: Coordinator, tier: LocalTier, nodes: Nodes, descs: Sequence[LeafDesc]) -> Any:
     """What ``restore.protocol.restore_state`` runs before moving bytes, for a rank restoring the layout it
     saved (the live state is not built: its needs are the pieces it holds)."""
-    choice = yield from agree_on_step(coord, "restore0/step", tier, nodes, requested=None, remote_steps=list)
+    job = Job(coord=coord, nodes=nodes, tier=tier)
+    choice = yield from agree_on_step(job, "restore0/step", requested=None, remote_steps=list)
     assert choice.step is not None
     here = choice.held[str(choice.step)][0]
-    st = yield from find_holders(coord, "restore0", tier, nodes, choice.step, here, remote=None, from_remote=False)
-    manifest = yield from manifest_for(coord, "restore0", tier, nodes, st, None, {}, others=False)
+    st = yield from find_holders(job, "restore0", choice.step, here, from_remote=False)
+    manifest = yield from manifest_for(job, "restore0", st, {}, others=False)
     yield from settle(coord, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in descs]
-    plan = yield from plan_restore(
-        coord, "restore0", "restore0/reads", tier, st, None, needs, manifest.arrays, read_once=False
-    )
+    plan = yield from plan_restore(job, "restore0", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False))
     return plan
 
 

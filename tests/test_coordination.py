@@ -28,7 +28,7 @@ from tiercheck.format.steps import read_manifest
 from tiercheck.restore.agree import agree_on_step
 from tiercheck.restore.holders import find_holders
 from tiercheck.restore.needed import manifest_for
-from tiercheck.restore.plan import plan_restore
+from tiercheck.restore.plan import ReadRequest, plan_restore
 from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
 from tiercheck.tiers.local import LocalTier
@@ -84,12 +84,13 @@ def restore_plan(world: int, root: Path, needs: list[list[Need]]) -> tuple[list[
     coords, tiers, nodes = job(world, root)
 
     def one(c: Coordinator) -> Any:
-        tier, node = tiers[c.rank], nodes[c.rank]
-        choice = yield from agree_on_step(c, "r/step", tier, node, requested=None, remote_steps=list)
+        rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
+        choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
         here = choice.held.get(str(choice.step), [[], 0])[0]
-        st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
-        manifest = yield from manifest_for(c, "r", tier, node, st, None, {}, others=False)
-        plan = yield from plan_restore(c, "r", "r/reads", tier, st, None, needs[c.rank], manifest.arrays, read_once=False)
+        st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
+        manifest = yield from manifest_for(rank_job, "r", st, {}, others=False)
+        asked = ReadRequest(needs=needs[c.rank], records=manifest.arrays, read_once=False)
+        plan = yield from plan_restore(rank_job, "r", st, asked)
         return manifest, plan
 
     return lockstep([one(c) for c in coords]), coords
@@ -153,10 +154,11 @@ def test_a_damaged_part_on_one_node_fails_every_rank_alike(tmp_path: Path) -> No
 
 
 def _restore_until_manifest(c: Coordinator, tier: LocalTier, node: Any) -> Any:
-    choice = yield from agree_on_step(c, "r/step", tier, node, requested=None, remote_steps=list)
+    rank_job = Job(coord=c, nodes=node, tier=tier)
+    choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
     here = choice.held.get(str(choice.step), [[], 0])[0]
-    st = yield from find_holders(c, "r", tier, node, choice.step, here, remote=None, from_remote=False)
-    return (yield from manifest_for(c, "r", tier, node, st, None, {}, others=False))
+    st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
+    return (yield from manifest_for(rank_job, "r", st, {}, others=False))
 
 
 def _merged(root: Path, world: int) -> LocalTier:

@@ -46,6 +46,30 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """One rank's failure at a point of a protocol, as every rank reads it (``report``, ``check``):
+    the rank, its exception's class name, and its message."""
+
+    rank: int
+    kind: str
+    text: str
+
+    def to_json(self) -> list[object]:
+        return [self.rank, self.kind, self.text]
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, where: str) -> Failure:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        match doc:
+            case [int(rank), str(kind), str(text)] if not isinstance(rank, bool):
+                return cls(rank, kind, text)
+        raise CoordinationError(f"{where}: field 'failure' is not [rank, kind, text]: {raw[:80]!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class Barrier:
     """A point a protocol waits at: until ``key`` exists in the store."""
 
@@ -223,7 +247,7 @@ class Coordinator:
     def report(self, name: str, error: BaseException) -> None:
         """Record that this rank failed at ``name`` (the first report wins); every rank learns of
         it with ``check(name)`` after the next barrier."""
-        self.decide(self.key(name, "error"), dumps([self.rank, type(error).__name__, str(error)]))
+        self.decide(self.key(name, "error"), dumps(Failure(self.rank, type(error).__name__, str(error)).to_json()))
 
     def check(self, name: str, own: BaseException | None = None, *, shared: tuple[type[Exception], ...] = ()) -> None:
         """Raise this rank's own failure, else the first failure any rank reported at ``name``: as
@@ -234,11 +258,12 @@ class Coordinator:
         key = self.key(name, "error")
         if not self.has(key):
             return
-        rank, kind, text = json.loads(self.get(key))
+        failed = Failure.from_json(self.get(key), where=key)
         for cls in shared:
-            if cls.__name__ == kind:
-                raise cls(text)
-        raise CoordinationError(f"rank {rank} failed, so rank {self.rank} stops too: {kind}: {text}")
+            if cls.__name__ == failed.kind:
+                raise cls(failed.text)
+        stops = f"rank {failed.rank} failed, so rank {self.rank} stops too"
+        raise CoordinationError(f"{stops}: {failed.kind}: {failed.text}")
 
     def post(self, bucket: str, value: str | bytes) -> int:
         """Put ``value`` into ``bucket``, for the rank that ``collect``s it after a barrier; returns
@@ -270,7 +295,8 @@ def drive(coord: Coordinator, protocol: Exchange[T]) -> T:
             else:
                 barrier = protocol.send(None)
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        value: T = stop.value  # what the protocol returned: an Exchange[T] returns a T
+        return value
 
 
 def shard_of(path: str, shards: int) -> int:

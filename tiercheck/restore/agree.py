@@ -5,18 +5,19 @@ fall back together."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps
+from tiercheck.cluster.coordination import Coordinator, Exchange, dumps
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.manifest import JSON
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
+from tiercheck.restore.messages import HeldPost, StepDecision, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -54,10 +55,8 @@ class StepChoice:
 
 
 def agree_on_step(
-    coord: Coordinator,
+    job: Job,
     name: str,
-    tier: Tier,
-    nodes: Nodes,
     *,
     requested: int | None,
     remote_steps: Callable[[], list[int]],
@@ -65,46 +64,47 @@ def agree_on_step(
 ) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
     when given. ``remote_steps`` is called on rank 0 only."""
+    coord, tier, nodes = job.coord, job.tier, job.nodes
     damaged: dict[int, str] = {}
     held = held_steps(tier, damaged) if coord.rank == nodes.leader else {}
     if coord.rank == nodes.leader:
-        coord.post(f"{name}/held", dumps({"ranks": list(nodes.ranks), "held": held}))
+        coord.post(f"{name}/held", dumps(HeldPost(nodes.ranks, held).to_json()))
     yield coord.arrive(f"{name}/held", what="every node to list its committed steps")
     answer = coord.key(name, "step")
     if coord.rank == 0:
-        per_node = [json.loads(v) for v in coord.collect(f"{name}/held")]
+        where = f"{name}/held"
+        per_node = [HeldPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
         remote = set(remote_steps())
         if below is not None:
             remote = {s for s in remote if s < below}
-            for node in per_node:
-                node["held"] = {s: v for s, v in node["held"].items() if int(s) < below}
+            per_node = [replace(n, held={s: v for s, v in n.held.items() if int(s) < below}) for n in per_node]
         try:
             step = choose_step(per_node, requested, remote, world=coord.world_size, where=tier.url)
-            coord.set(answer, dumps({"step": step, "remote": step is not None and step in remote}))
+            coord.set(answer, dumps(StepDecision(step, step is not None and step in remote).to_json()))
         except CheckpointNotFoundError as e:
-            coord.set(answer, dumps({"error": str(e)}))
+            coord.set(answer, dumps(StepDecision(None, error=str(e)).to_json()))
     yield coord.arrive(f"{name}/chosen", what="rank 0 to choose the step to restore")
-    decision = json.loads(coord.get(answer))
-    if "error" in decision:
-        raise CheckpointNotFoundError(decision["error"])
+    decision = StepDecision.from_json(loads(coord.get(answer), where=answer), where=answer)
+    if decision.error is not None:
+        raise CheckpointNotFoundError(decision.error)
     if coord.rank != nodes.leader:
         held = held_steps(tier, damaged, check_replicas=False)
-    return StepChoice(decision["step"], bool(decision.get("remote")), held, damaged)
+    return StepChoice(decision.step, decision.remote, held, damaged)
 
 
 def choose_step(
-    per_node: list[dict[str, JSON]], requested: int | None, remote: set[int], *, world: int, where: str
+    per_node: list[HeldPost], requested: int | None, remote: set[int], *, world: int, where: str
 ) -> int | None:
     """The step to restore: committed on the remote tier, or whole across the nodes' local
-    directories. ``per_node`` holds each node's ``{"ranks": its ranks, "held": held_steps}``."""
+    directories. ``per_node`` holds each node's ranks and ``held_steps``."""
     have: dict[int, set[int]] = defaultdict(set)  # step -> saving ranks whose files some node holds
     saved_world: dict[int, int] = {}
     holders: dict[int, set[int]] = defaultdict(set)  # step -> restoring ranks holding a copy
     for node in per_node:
-        for s, (saving, ws, *_) in node["held"].items():
+        for s, (saving, ws, *_) in node.held.items():
             have[int(s)].update(saving)
             saved_world[int(s)] = ws
-            holders[int(s)].update(node["ranks"])
+            holders[int(s)].update(node.ranks)
 
     def missing(s: int) -> list[int]:
         return sorted(set(range(saved_world[s])) - have[s])

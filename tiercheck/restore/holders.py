@@ -6,12 +6,12 @@ the same save.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
+from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
@@ -19,6 +19,7 @@ from tiercheck.format.manifest import parse_manifest_doc, parse_rank_part
 from tiercheck.format.paths import part_file, step_dir
 from tiercheck.format.saveid import check_file_save, save_id_of
 from tiercheck.format.steps import manifest_file, read_index, read_marker, read_small
+from tiercheck.restore.messages import HolderClaim, NodeHolds, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -41,16 +42,7 @@ class Step:
 
 
 def find_holders(
-    coord: Coordinator,
-    root: str,
-    tier: Tier,
-    nodes: Nodes,
-    step: int,
-    here: Sequence[int],
-    written: Sequence[int] = (),
-    *,
-    remote: Tier | None,
-    from_remote: bool,
+    job: Job, root: str, step: int, here: Sequence[int], written: Sequence[int] = (), *, from_remote: bool
 ) -> Exchange[Step]:
     """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
     claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
@@ -59,10 +51,11 @@ def find_holders(
     The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
     nothing when its manifest files are damaged and the remote tier has the step); the other ranks
     of the node take ``here`` and ``written`` from it, so a node never disagrees with itself."""
+    coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
     claimed: list[str] = []
-    members = dumps(list(nodes.ranks))
+    members = dumps(HolderClaim(nodes.ranks).to_json())
 
     def claim(ranks: Sequence[int]) -> None:
         for w in ranks:
@@ -76,7 +69,7 @@ def find_holders(
             if index is None:
                 here, written = (), ()
             if len(nodes.ranks) > 1:
-                coord.set(node_key, dumps({"here": sorted(here), "written": sorted(written)}))
+                coord.set(node_key, dumps(NodeHolds(tuple(here), tuple(written)).to_json()))
                 claimed.append(node_key)
             if index is not None:
                 if coord.decide(index_key, index.decode()) == index.decode():
@@ -88,8 +81,8 @@ def find_holders(
     yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
     coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
     if coord.rank != nodes.leader:
-        mine = json.loads(coord.get(node_key))
-        here, written = mine["here"], mine["written"]
+        mine = NodeHolds.from_json(loads(coord.get(node_key), where=node_key), where=node_key)
+        here, written = mine.here, mine.written
     copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
         claim(copies)
@@ -175,7 +168,10 @@ def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: 
     else:  # the step is whole across the nodes: every saving rank has a holder
         present = list(zip(wanted, keys, strict=True))
     values = coord.multi_get([k for _, k in present])
-    return {w: json.loads(v) for (w, _), v in zip(present, values, strict=True)}
+    return {
+        w: list(HolderClaim.from_json(loads(v, where=k), where=k).ranks)
+        for (w, k), v in zip(present, values, strict=True)
+    }
 
 
 def read_manifest_file(tier: Tier, d: str, f: FileId) -> bytes:

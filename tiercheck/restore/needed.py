@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, shard_of
+from tiercheck.cluster.coordination import Exchange, shard_of
+from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import Manifest, RankPart
@@ -17,7 +18,6 @@ from tiercheck.restore.holders import Step
 from tiercheck.restore.match import covers
 from tiercheck.restore.plan import fetch, index_of
 from tiercheck.state.flatten import tensor_paths
-from tiercheck.tiers.base import Tier
 
 DAMAGE = (CorruptCheckpointError,)
 """Failures every rank raises as they are (not as another rank's ``CoordinationError``): each rank
@@ -25,28 +25,20 @@ then agrees the step is damaged, and they try an older one together."""
 
 
 def manifest_for(
-    coord: Coordinator,
-    root: str,
-    tier: Tier,
-    nodes: Nodes,
-    st: Step,
-    remote: Tier | None,
-    state: Mapping[str, Any],
-    *,
-    others: bool,
-    parts: dict[int, RankPart] | None = None,
+    job: Job, root: str, st: Step, state: Mapping[str, Any], *, others: bool, parts: dict[int, RankPart] | None = None
 ) -> Exchange[Manifest]:
     """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
     the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
     records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
     The saving ranks' parts it parses are left in ``parts`` (``plan_restore`` takes checksums there)."""
+    coord, tier = job.coord, job.tier
     parts = {} if parts is None else parts
     where = f"{tier.url}: step {st.step}"
     if whole_manifest(st.format_version):
         return Manifest.from_bytes(st.index, where=where)
     ix = index_of(st, where=where)
     own = coord.rank if coord.rank < ix.world_size else 0
-    got = yield from fetch(coord, root, f"{root}/tree", tier, nodes, st, remote, {("rank", own)})
+    got = yield from fetch(job, root, st, {("rank", own)}, what="tree")
     failure: TiercheckError | None = None
     more: set[tuple[str, int]] = set()
     try:
@@ -55,7 +47,7 @@ def manifest_for(
     except TiercheckError as e:
         failure = e
     yield from settle(coord, f"{root}/tree", failure, shared=DAMAGE)
-    got |= yield from fetch(coord, root, f"{root}/trees", tier, nodes, st, remote, more)
+    got |= yield from fetch(job, root, st, more, what="trees")
     paths: set[str] = set()
     try:
         trees = assemble(ix, got, where=where, parts=parts).trees
@@ -64,7 +56,7 @@ def manifest_for(
         failure = e
     yield from settle(coord, f"{root}/paths", failure, shared=DAMAGE)
     shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
-    got |= yield from fetch(coord, root, f"{root}/arrays", tier, nodes, st, remote, shards)
+    got |= yield from fetch(job, root, st, shards, what="arrays")
     manifest: Manifest | None = None
     try:
         manifest = assemble(ix, {f: b for f, b in got.items() if b}, where=where, only=paths, owners=False, parts=parts)

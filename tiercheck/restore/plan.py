@@ -14,28 +14,28 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
 3. **Plan reads** (``plan_restore``): each rank posts what it needs of each array to the array's
    coordinator (a rank on the node holding the array's shard, which reads the shard from disk);
    each coordinator decides who reads each needed chunk and who sends it to whom
-   (``cluster.assign.assign_reads``), and posts every rank its work. A rank learns its reads, sends and
+   (``cluster.assign.assign_reads``), and posts every rank its work (``restore.messages``: a
+   ``NeedsPost`` to the coordinator, a ``ReadWork`` back). A rank learns its reads, sends and
    receives, with the checksum of each chunk it reads taken from the writer's part on its node.
 """
 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercheck.cluster.assign import Need, Read, Transfer, assign_reads, needed_chunks
-from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, dumps, shard_of
-from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError
+from tiercheck.cluster.coordination import Exchange, dumps, shard_of
+from tiercheck.cluster.job import Job
+from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes
-from tiercheck.format.layout import chunk_at
+from tiercheck.format.layout import Chunk, chunk_at
 from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import (
-    JSON,
     ArrayRecord,
     ManifestIndex,
     RankPart,
@@ -45,26 +45,21 @@ from tiercheck.format.manifest import (
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.restore.holders import FileId, Step, holders_of, read_manifest_file
+from tiercheck.restore.messages import ArrayShape, AssignedMove, AssignedRead, NeedsPost, ReadWork, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
 
 
 
-def fetch(
-    coord: Coordinator,
-    root: str,
-    name: str,
-    tier: Tier,
-    nodes: Nodes,
-    st: Step,
-    remote: Tier | None,
-    wanted: set[FileId],
-) -> Exchange[dict[FileId, bytes]]:
-    """Round 2 (run once per kind of file a rank wants): the manifest files in ``wanted``, as stored.
+def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> Exchange[dict[FileId, bytes]]:
+    """Round 2 (run once per kind of file a rank wants, ``what``): the manifest files in ``wanted``,
+    as stored.
 
     A shard that does not exist (its rank coordinated nothing) comes back empty. A file that
     cannot be read fails every rank (the reader with its own error, the others quoting it)."""
+    coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
+    name = f"{root}/{what}"
     d = step_dir(st.step)
     got: dict[FileId, bytes] = {}
     away = sorted(f for f in wanted if f[1] not in st.here)
@@ -121,48 +116,51 @@ class RestorePlan:
     read_bytes: int
 
 
-def plan_restore(
-    coord: Coordinator,
-    root: str,
-    name: str,
-    tier: Tier,
-    st: Step,
-    remote: Tier | None,
-    needs: Sequence[Need],
-    records: Mapping[str, ArrayRecord],
-    *,
-    read_once: bool,
-    parts: Mapping[int, RankPart] | None = None,
-    node: int | None = None,
-    host: str | None = None,
-) -> Exchange[RestorePlan]:
-    """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work.
-    ``parts``: saving ranks' manifest parts already parsed (the checksums are taken there).
-    ``node``: this rank's node (its first rank; default: a node of its own), whose ranks read each
-    chunk once; ``host``: its host key (``restore.share.host_key``), None to share no memory."""
+@dataclass(frozen=True, kw_only=True)
+class ReadRequest:
+    """What one rank brings to the read plan (``plan_restore``): the boxes of global arrays it
+    needs, the records of those arrays as it parsed them, the saving ranks' manifest parts it
+    parsed already (the checksums are taken there), and how the job reads: ``read_once`` (one rank
+    in the job reads each chunk, else one per node needing it), ``node`` (this rank's node, its
+    first rank; None: a node of its own), whose ranks read each chunk once, and ``host`` (its host
+    key, ``restore.read.share_key``; None: it shares no memory)."""
+
+    needs: Sequence[Need]
+    records: Mapping[str, ArrayRecord]
+    read_once: bool
+    parts: Mapping[int, RankPart] = field(default_factory=dict)
+    node: int | None = None
+    host: str | None = None
+
+
+def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchange[RestorePlan]:
+    """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work."""
+    coord = job.coord
+    name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
-    shards = sorted({shard_of(n.path, st.world_size) for n in needs})
+    shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
-    by_coord: dict[int, list[list[object]]] = defaultdict(list)
-    for n in needs:
+    by_coord: dict[int, list[Need]] = defaultdict(list)
+    for n in request.needs:
         s = shard_of(n.path, st.world_size)
-        by_coord[coordinator_of(s, shard_holders.get(s), world)].append([n.path, list(n.offsets), list(n.shape)])
+        by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
     for c, items in sorted(by_coord.items()):
-        doc: dict[str, object] = {"rank": rank, "needs": items}
-        if node is not None and node != rank:  # left out where they say nothing: posted to every coordinator
-            doc["node"] = node
-        if host is not None:
-            doc["host"] = host
-        coord.post(f"{name}/needs/{c}", dumps(doc))
+        post = NeedsPost(rank, tuple(items), request.node, request.host)
+        coord.post(f"{name}/needs/{c}", dumps(post.to_json()))
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
 
     # As a coordinator: plan the reads of my arrays, post each rank its work.
-    posted = [json.loads(v) for v in coord.collect(f"{name}/needs/{rank}")]
+    where, garbled = f"{name}/needs/{rank}", None
+    try:
+        posted = [NeedsPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
+    except CoordinationError as e:  # said to every rank, which would otherwise wait for its work
+        garbled, posted = e, []
+        coord.report(name, e)
     if posted:
-        _coordinate_reads(coord, root, name, tier, st, remote, posted, records, read_once=read_once)
+        _coordinate_reads(job, root, st, posted, request.records, read_once=request.read_once)
     del posted, by_coord
     yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
-    coord.check(name, shared=(IncompatibleStateError, CorruptCheckpointError))
+    coord.check(name, garbled, shared=(IncompatibleStateError, CorruptCheckpointError))
 
     # My work: what to read (with each chunk's checksum from its writer's part), send, receive. A
     # rank that cannot make it out (a part that lacks a checksum it should hold) still arrives at
@@ -170,7 +168,7 @@ def plan_restore(
     plan: RestorePlan | None = None
     failure: TiercheckError | None = None
     try:
-        plan = _my_work(coord, name, tier, st, remote, records, parts or {})
+        plan = _my_work(job, name, st, request.records, request.parts)
     except TiercheckError as e:
         failure = e
         coord.report(f"{name}/done", e)
@@ -181,33 +179,29 @@ def plan_restore(
 
 
 def _my_work(
-    coord: Coordinator,
-    name: str,
-    tier: Tier,
-    st: Step,
-    remote: Tier | None,
-    records: Mapping[str, ArrayRecord],
-    parts: Mapping[int, RankPart],
+    job: Job, name: str, st: Step, records: Mapping[str, ArrayRecord], parts: Mapping[int, RankPart]
 ) -> RestorePlan:
     """This rank's reads, sends and receives, as its coordinators posted them, with the checksum
     of every chunk it reads."""
+    coord, tier, remote = job.coord, job.tier, job.remote
     rank = coord.rank
     out_reads: list[Read] = []
     out_moves: dict[int, Transfer] = {}
     recs: dict[str, ArrayRecord] = {}
     owners_of: dict[tuple[str, str], int] = {}
-    for value in coord.collect(f"{name}/work/{rank}"):
-        w = json.loads(value)
-        for short in w["records"]:  # shape and chunks: as this rank parsed them where it did
-            if short[0] not in recs:
-                recs[short[0]] = records.get(short[0]) or _from_short(short)
-        for path, cc, from_remote, owner in w["reads"]:
-            chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
-            out_reads.append(Read(path, chunk, bool(from_remote)))
-            owners_of[path, chunk.key] = int(owner)
-        for path, cc, src, dst, tag, *shared in w["moves"]:  # shared: [1], or left out
-            chunk = chunk_at(recs[path].shape, recs[path].chunks, tuple(cc))
-            out_moves[tag] = Transfer(path, chunk, src, dst, tag, bool(shared))
+    where = f"{name}/work/{rank}"
+    for value in coord.collect(where):
+        w = ReadWork.from_json(loads(value, where=where), where=where)
+        for short in w.records:  # shape and chunks: as this rank parsed them where it did
+            if short.path not in recs:
+                recs[short.path] = records.get(short.path) or short.record()
+        for x in w.reads:
+            chunk = _chunk(recs, x.path, x.coords, where=where)
+            out_reads.append(Read(x.path, chunk, x.remote))
+            owners_of[x.path, chunk.key] = x.owner
+        for m in w.moves:
+            chunk = _chunk(recs, m.path, m.coords, where=where)
+            out_moves[m.tag] = Transfer(m.path, chunk, m.src, m.dst, m.tag, m.shared)
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
     for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts, recs).items():
@@ -230,32 +224,23 @@ def _my_work(
 
 
 def _coordinate_reads(
-    coord: Coordinator,
-    root: str,
-    name: str,
-    tier: Tier,
-    st: Step,
-    remote: Tier | None,
-    posted: list[JSON],
-    known: Mapping[str, ArrayRecord],
-    *,
-    read_once: bool,
+    job: Job, root: str, st: Step, posted: list[NeedsPost], known: Mapping[str, ArrayRecord], *, read_once: bool
 ) -> None:
     """Plan the reads of the arrays whose needs were posted to this rank; post every rank its work
     (or report why the plan cannot be made). ``known``: records this rank parsed already from the
     same shards (its own manifest's, without owners): where they cover a shard's needed arrays,
     the shard is not parsed again (format 4 keeps the owners apart)."""
+    coord, tier, remote = job.coord, job.tier, job.remote
+    name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
     failure: TiercheckError | None = None
     d = step_dir(st.step)
     wanted: dict[int, list[Need]] = defaultdict(list)
     node_of: dict[int, int] = {}
     host_of: dict[int, str | None] = {}  # a rank that needs none of these arrays: None (shares no memory)
-    for doc in posted:
-        r = int(doc["rank"])
-        wanted[r].extend(Need(p, tuple(o), tuple(s)) for p, o, s in doc["needs"])
-        node_of[r], host = int(doc.get("node", r)), doc.get("host")
-        host_of[r] = host if isinstance(host, str) else None
+    for post in posted:
+        wanted[post.rank].extend(post.needs)
+        node_of[post.rank], host_of[post.rank] = post.node_or_rank, post.host
     try:
         mine: dict[str, ArrayRecord] = {}
         by_shard: dict[int, set[str]] = defaultdict(set)
@@ -303,21 +288,22 @@ def _coordinate_reads(
     except TiercheckError as e:
         failure = e
         reads, transfers = {}, []
-    work: dict[int, dict[str, list[object]]] = defaultdict(lambda: {"reads": [], "moves": [], "records": []})
+    work_reads: dict[int, list[AssignedRead]] = defaultdict(list)
+    work_moves: dict[int, list[AssignedMove]] = defaultdict(list)
     used: dict[int, set[str]] = defaultdict(set)
     for r, rs in reads.items():
         for x in rs:
-            work[r]["reads"].append([x.path, list(x.chunk.coords), x.remote, mine[x.path].owner(x.chunk.key)])
+            work_reads[r].append(AssignedRead(x.path, x.chunk.coords, x.remote, mine[x.path].owner(x.chunk.key)))
             used[r].add(x.path)
     for t in transfers:
-        move = [t.path, list(t.chunk.coords), t.src, t.dst, t.tag, *([1] if t.shared else [])]
+        move = AssignedMove(t.path, t.chunk.coords, t.src, t.dst, t.tag, t.shared)
         for r in (t.src, t.dst):
-            work[r]["moves"].append(move)
+            work_moves[r].append(move)
             used[r].add(t.path)
-    for r, paths in used.items():
-        work[r]["records"] = [_short(mine[p]) for p in sorted(paths)]
-    for r, w in sorted(work.items()):
-        coord.post(f"{name}/work/{r}", dumps(w))
+    for r, paths in sorted(used.items()):
+        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted(paths))
+        w = ReadWork(tuple(work_reads[r]), tuple(work_moves[r]), shapes)
+        coord.post(f"{name}/work/{r}", dumps(w.to_json()))
     if failure is not None:
         coord.report(name, failure)
 
@@ -379,13 +365,14 @@ def _checksums(
     return out
 
 
-def _short(rec: ArrayRecord) -> list[object]:
-    return [rec.path, rec.dtype, rec.kind, list(rec.shape), list(rec.chunks)]
-
-
-def _from_short(doc: list[object]) -> ArrayRecord:
-    path, dtype, kind, shape, chunks = doc
-    return ArrayRecord(path=str(path), dtype=str(dtype), kind=str(kind), shape=tuple(shape), chunks=tuple(chunks))  # type: ignore[arg-type]
+def _chunk(recs: Mapping[str, ArrayRecord], path: str, coords: tuple[int, ...], *, where: str) -> Chunk:
+    """The chunk at ``coords`` of array ``path``, which the same message gave the shape of."""
+    rec = recs.get(path)
+    if rec is None or len(coords) != len(rec.shape):
+        raise CoordinationError(
+            f"{where}: field 'reads' or 'moves': chunk {list(coords)} of array {path!r}, of no shape the message gave"
+        )
+    return chunk_at(rec.shape, rec.chunks, coords)
 
 
 def index_of(st: Step, *, where: str) -> ManifestIndex:

@@ -1,20 +1,9 @@
 """Restoring a step: agree on it, gather its manifest, match it to the state, move the bytes.
 
-Every rank of the job calls ``restore_state`` together (a single process is a job of one). The
-ranks meet in the store, never in the training's collectives:
-
-1. **Agree on the step** (``agree_on_step``): the first rank of each node posts the steps its
-   directory holds (and the saving ranks whose files are there); rank 0 alone reads those, one
-   per node, picks the newest step whole across the nodes or committed on the remote tier, and
-   posts that one answer.
-2. **Gather the manifest** (``gather_manifest``): from the remote tier when the step comes from
-   there; otherwise the first node holding each saving rank's part of the manifest posts it, and
-   each rank reads the parts its own directory lacks.
-3. **Match** the saved tree to the live state (``prepare``): shapes, dtypes and keys are checked
-   on every rank, and any rank's mismatch fails all of them, before anything is overwritten.
-4. **Move the bytes** (``restore.read.move_chunks``): each chunk is read where its file is, once per
-   node, verified against its checksum, and passed to the ranks that need it (through shared
-   memory on one host); then the decoded values are handed to the state (``apply``).
+Every rank of the job calls ``restore_state`` together (a single process is a job of one). It runs
+a ``Restore``, whose docstring numbers the steps, which ranks do what in each, and how a step
+found damaged falls back to an older one. The ranks meet in the store, never in the training's
+collectives; what they send each other there is in ``restore.messages``.
 """
 
 
@@ -38,8 +27,8 @@ from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, set
 from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for
 from tiercheck.restore.needed import DAMAGE, manifest_for
-from tiercheck.restore.plan import plan_restore
-from tiercheck.restore.read import deferrable, fill_deferred, move_chunks, share_key
+from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
+from tiercheck.restore.read import ReadCounts, deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused
@@ -116,45 +105,291 @@ def restore_state(
     step turns out damaged (a bad checksum, a missing or unreadable file) on every tier, the ranks
     agree to restore the newest older whole step instead, with a warning; a requested step is never
     swapped for another."""
-    requested = request.step
-    # Steps read into the state's own memory (in place) so far: each tensor read into (by its
-    # memory), and its array.
-    touched: dict[int, dict[int, str]] = {}
-    try:
-        below: int | None = None
-        attempt = name
-        damaged: list[_Damaged] = []
-        for n in itertools.count(1):
+    return Restore(state, job, request, name=name, pool=pool).run()
+
+
+class Restore:
+    """One rank's restore of a step into ``state`` (``restore_state``: build one, call ``run``).
+
+    Call order. Every rank of the job builds one with the same ``name`` and calls ``run``, which
+    calls the steps below in this order, on every rank; each step meets the other ranks in the
+    store (never in the training's collectives), so no rank may skip one:
+
+    1. ``agree(name, below)``: every rank learns the same step (``restore.agree``). Each node's
+       first rank posts the steps its directory holds (``messages.HeldPost``); rank 0 alone picks
+       the newest whole across the nodes or committed on the remote tier (older than ``below``
+       when given) and sets one ``StepDecision``, which every rank reads. None: no tier holds a
+       step, and ``run`` returns None.
+    2. ``prepare(choice, name)``: each node's first rank claims the saving ranks whose files the
+       node holds (``restore.holders``: a ``HolderClaim`` each, its ``NodeHolds`` for the node's
+       other ranks); every rank gets the part of the step's manifest it needs (``restore.needed``:
+       from its node's directory, the remote tier, or the store, where the holding node's first
+       rank serves it) and matches it to the state (``restore.match``): keys, shapes and dtypes,
+       any rank's mismatch failing all of them before anything is overwritten.
+    3. ``plan(prepared, name)``: every rank posts what it needs of each array to the array's
+       coordinator (a ``NeedsPost``); each coordinator decides who reads each chunk and who sends
+       it to whom, and posts every rank its ``ReadWork`` (``restore.plan``): a ``RestorePlan``.
+    4. ``read(prepared, plan, items, name)``: every rank reads its chunks, verifies them and
+       sends and receives its transfers (``restore.read.move_chunks``), into staging memory or,
+       with ``in_place``, the state's own; every rank agrees that all were verified before any
+       staged byte is copied in.
+    5. ``apply`` (in ``attempt``): every rank hands the plain values to its state
+       (``restore.match.apply``) and returns what its restore did (``Restored``).
+
+    ``attempt`` runs 1 to 5 once. Where 2, 3 or 4 find the step damaged on every tier (a bad
+    checksum, a missing or unreadable file, on any rank), every rank raises ``_Damaged`` at the
+    same point, and ``run`` goes back to 1 under a new name with that step as ``below``: the newest
+    older whole step, with a warning. A requested step is never swapped for another."""
+
+    def __init__(
+        self, state: Mapping[str, Any], job: Job, request: RestoreRequest, *, name: str, pool: HostPool | None
+    ) -> None:
+        self.state, self.job, self.request, self.name, self.pool = state, job, request, name, pool
+        # Steps read into the state's own memory (in place) so far: each tensor read into (by its
+        # memory), and its array.
+        self.touched: dict[int, dict[int, str]] = {}
+
+    def run(self) -> Restored | None:
+        """Attempts from the newest step down until one restores (see the class's call order)."""
+        touched = self.touched
+        try:
+            below: int | None = None
+            attempt = self.name
+            damaged: list[_Damaged] = []
+            for n in itertools.count(1):
+                try:
+                    done = self.attempt(attempt, below)
+                except _Damaged as d:
+                    if self.request.step is not None:
+                        raise d.error from None
+                    if self.job.coord.rank == 0:
+                        log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
+                    damaged.append(d)
+                    below, attempt = d.step, f"{self.name}.{n}"
+                    continue
+                if done is None and damaged:
+                    more = [d.step for d in damaged[1:]]
+                    also = f"; step(s) {fmt_steps(more)} are damaged too" if more else ""
+                    raise CorruptCheckpointError(
+                        f"{damaged[0].error} (no older committed step is whole to restore{also})"
+                    )
+                if done is not None and set(touched) - {done.step}:
+                    _say_mixed(touched, done.step)
+                if done is not None and damaged:
+                    done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
+                return done
+        except CorruptCheckpointError as e:  # no step whole: say what the ones tried overwrote
+            if touched:
+                raise PartlyRestoredError(f"{e}; {_overwritten(touched)}") from e
+            raise
+        except BaseException as e:
+            if touched:
+                _say_partly_restored(e, sorted(touched))
+            raise
+        raise AssertionError("unreachable")
+
+    def attempt(self, name: str, below: int | None) -> Restored | None:
+        """One attempt at one step, steps 1 to 5. In place, the step is added to ``touched``, with
+        the state's tensors it reads into, before the first byte is."""
+        job, request = self.job, self.request
+        coord, tier, remote = job.coord, job.tier, job.remote
+        choice = self.agree(name, below)
+        if choice.step is None:
+            return None
+        step = choice.step
+        prepared = self.prepare(choice, name)
+        plan = self.plan(prepared, name)
+        items = prepared.items
+        read_in_place = 0
+        if request.in_place and any(_in_place(i) for i in items):  # the state's tensors are read into
+            self.touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
+            read_in_place = sum(i.dest.numel() * i.dest.element_size() for i in items if _in_place(i))
+            items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
+        # All or nothing, a live CPU tensor whose every chunk passes through the host's shared memory is
+        # filled from there once all is verified (no staging); in place, as each chunk is verified (the
+        # copies overlap the reads: DP=2 0.97x dcp.load's time against 1.12x deferred, dist_bench).
+        defer = deferrable(items, plan.transfers, coord.rank)
+        items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
+        unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
+        moved = self.read(prepared, plan, items, name)
+        apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}")
+        log.info(
+            "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
+            step,
+            plural(len(items), "array"),
+            moved.counts.remote_reads,
+            remote.url if remote is not None else "no remote tier",
+            moved.counts.fallbacks,
+        )
+        return Restored(
+            step=step,
+            arrays=len(items),
+            bytes_read=moved.nbytes,
+            chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
+            chunks_shared=sum(t.dst == coord.rank and t.shared for t in plan.transfers),
+            unstaged=unstaged,
+            remote_reads=moved.counts.remote_reads,
+            fallbacks=moved.counts.fallbacks,
+            staged_in_pool=moved.staged_in_pool,
+            staged_on_device=moved.staged_on_device,
+            read_direct=moved.counts.direct_bytes,
+            from_remote=choice.from_remote,
+            read_in_place=read_in_place,
+            copied_up=moved.copied_up,
+            held_here=sorted(prepared.st.here),
+            passed_over=_passed_over(choice, step) if request.step is None else {},
+        )
+
+    def agree(self, name: str, below: int | None) -> StepChoice:
+        """Step 1: the step every rank restores, older than ``below`` when given."""
+        remote = self.job.remote
+        return drive(
+            self.job.coord,
+            agree_on_step(
+                self.job, f"{name}/step", requested=self.request.step, below=below,
+                remote_steps=lambda: remote_steps(remote),
+            ),
+        )  # fmt: skip
+
+    def prepare(self, choice: StepChoice, name: str) -> _Prepared:
+        """Step 2: find who holds the agreed step, fetch its manifest, and match it to the state:
+        what each tensor reads (``items``) and the plain values (``decoded``). A damaged index,
+        manifest file or tree is the step's damage as much as a bad chunk (``_Damaged``, on every
+        rank)."""
+        state, job, request = self.state, self.job, self.request
+        coord, tier, remote = job.coord, job.tier, job.remote
+        assert choice.step is not None
+        step = choice.step
+        here, _, own = choice.held.get(str(step), [[], 0, []])
+        where = f"{tier.url}: step {step}"
+        claimed: tuple[str, ...] = ()
+        failure: TiercheckError | None = None
+        items: list[ReadItem] = []
+        decoded: dict[str, Any] = {}
+        view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
+        parts: dict[int, RankPart] = {}
+        try:
+            st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote))
+            claimed = st.claimed
+            others = request.others
+            manifest = drive(coord, manifest_for(job, name, st, state, others=bool(others), parts=parts))
             try:
-                into = touched if request.in_place else None
-                done = _restore_step(state, job, request, name=attempt, below=below, pool=pool, touched=into)
-            except _Damaged as d:
-                if requested is not None:
-                    raise d.error from None
-                if job.coord.rank == 0:
-                    log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
-                damaged.append(d)
-                below, attempt = d.step, f"{name}.{n}"
-                continue
-            if done is None and damaged:
-                also = (
-                    f"; step(s) {fmt_steps([d.step for d in damaged[1:]])} are damaged too" if len(damaged) > 1 else ""
+                if others:
+                    add_entries(view, manifest, others, where=where)
+                    if len(view) > len(state) and not isinstance(state, MutableMapping):
+                        raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
+                tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
+                items, decoded = prepare(
+                    view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where,
+                    before_refusing=_damaged_record(tier, remote, st),
+                )  # fmt: skip
+            except TiercheckError as e:
+                if coord.world_size == 1:
+                    raise
+                failure = e
+            drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
+        except CorruptCheckpointError as e:
+            _leave(coord, name, claimed)
+            raise _Damaged(step, e) from None
+        return _Prepared(
+            step=step, st=st, manifest=manifest, items=items, decoded=decoded, parts=parts,
+            from_remote=choice.from_remote,
+        )  # fmt: skip
+
+    def plan(self, prepared: _Prepared, name: str) -> RestorePlan:
+        """Step 3: which rank reads which chunk where, and sends it to whom (``plan.plan_restore``).
+        An arrays or owners file, or a part of a chunk's writer, damaged or of another save, is the
+        step's damage."""
+        job, request = self.job, self.request
+        asked = ReadRequest(
+            needs=[i.need for i in prepared.items],
+            records=prepared.manifest.arrays,
+            read_once=request.read_once,
+            parts=prepared.parts,
+            node=job.nodes.leader,
+            host=share_key(job.group) if request.share_memory else None,
+        )
+        try:
+            return drive(job.coord, plan_restore(job, name, prepared.st, asked))
+        except CorruptCheckpointError as e:
+            _leave(job.coord, name, prepared.st.claimed)
+            raise _Damaged(prepared.step, e) from None
+
+    def read(self, prepared: _Prepared, plan: RestorePlan, items: list[ReadItem], name: str) -> ReadOutcome:
+        """Step 4: move the step's bytes (``move_chunks``) into staging memory (the idle save pool
+        where it is big enough) or, for items read in place, the state's own; every rank agrees
+        they all verified before any staged byte is copied in."""
+        job, request = self.job, self.request
+        coord, tier, step = job.coord, job.tier, prepared.step
+        counts = ReadCounts()
+        nbytes = 0
+        failure: TiercheckError | None = None
+        with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
+            arena = stack.enter_context(self.pool.lend(staging_bytes(items))) if self.pool is not None else None
+            sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
+            reads, live = staged(items, arena)
+            pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
+            in_pool = sum(
+                b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory
+            )
+            on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
+            try:
+                nbytes = move_chunks(
+                    tier,
+                    step,
+                    plan.records,
+                    reads,
+                    plan.reads,
+                    plan.transfers,
+                    rank=coord.rank,
+                    group=job.group,
+                    io_threads=request.io_threads,
+                    remote=job.remote if prepared.from_remote else None,
+                    counts=counts,
+                    sharing=sharing,
                 )
-                raise CorruptCheckpointError(f"{damaged[0].error} (no older committed step is whole to restore{also})")
-            if done is not None and set(touched) - {done.step}:
-                _say_mixed(touched, done.step)
-            if done is not None and damaged:
-                done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
-            return done
-    except CorruptCheckpointError as e:  # no step whole: say what the ones tried overwrote
-        if touched:
-            raise PartlyRestoredError(f"{e}; {_overwritten(touched)}") from e
-        raise
-    except BaseException as e:
-        if touched:
-            _say_partly_restored(e, sorted(touched))
-        raise
-    raise AssertionError("unreachable")
+            except TiercheckError as e:
+                failure = e
+            try:
+                if coord.world_size > 1:
+                    drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+                elif failure is not None:
+                    raise failure
+            except CorruptCheckpointError as e:
+                raise _Damaged(step, e) from None
+            finally:
+                _leave(coord, name, prepared.st.claimed)
+            fill_deferred(sharing)
+            # The arena goes back to the pool: copied out of, never handed over.
+            copied_up = copy_in(live, swap=arena is None)
+        return ReadOutcome(
+            nbytes=nbytes, counts=counts, staged_in_pool=in_pool, staged_on_device=on_device, copied_up=copied_up
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """A step agreed on, its holders found and its manifest matched to the state (``Restore.prepare``)."""
+
+    step: int
+    st: Step
+    manifest: Manifest
+    items: list[ReadItem]
+    decoded: dict[str, Any]
+    parts: dict[int, RankPart]  # saving ranks' manifest parts, parsed once
+    from_remote: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOutcome:
+    """What ``Restore.read`` moved on this rank: the bytes read, what the reads counted, and the
+    bytes staged in the idle save pool, on the device, and in host memory copied up to a GPU."""
+
+    nbytes: int
+    counts: ReadCounts
+    staged_in_pool: int
+    staged_on_device: int
+    copied_up: int
 
 
 def _overwritten(touched: dict[int, dict[int, str]]) -> str:
@@ -217,227 +452,6 @@ class _Damaged(Exception):
 
     def __init__(self, step: int, error: CorruptCheckpointError) -> None:
         self.step, self.error = step, error
-
-
-def _restore_step(
-    state: Mapping[str, Any],
-    job: Job,
-    request: RestoreRequest,
-    *,
-    name: str,
-    below: int | None,
-    pool: HostPool | None,
-    touched: dict[int, dict[int, str]] | None,
-) -> Restored | None:
-    """One attempt at one step: agree on it, prepare the reads (``_prepare``, ``_plan_reads``),
-    move and verify the bytes (``_read``), then hand them to the state. With ``touched`` (a dict),
-    the state's tensors are read into in place, and ``step`` is added to it, with those tensors,
-    before the first byte is."""
-    coord, tier, remote = job.coord, job.tier, job.remote
-    choice = drive(
-        coord,
-        agree_on_step(
-            coord,
-            f"{name}/step",
-            tier,
-            job.nodes,
-            requested=request.step,
-            below=below,
-            remote_steps=lambda: remote_steps(remote),
-        ),
-    )
-    if choice.step is None:
-        return None
-    step = choice.step
-    prepared = _prepare(state, job, request, choice, name=name)
-    plan = _plan_reads(job, request, prepared, name=name)
-    items = prepared.items
-    read_in_place = 0
-    if touched is not None and any(_in_place(i) for i in items):  # the state's tensors are read into
-        touched[step] = {i.dest.data_ptr(): i.record.path for i in items if _in_place(i) and i.dest.numel()}
-        read_in_place = sum(i.dest.numel() * i.dest.element_size() for i in items if _in_place(i))
-        items = [ReadItem(i.record, i.dest, i.offsets, fresh=True) if _in_place(i) else i for i in items]
-    # All or nothing, a live CPU tensor whose every chunk passes through the host's shared memory is
-    # filled from there once all is verified (no staging); in place, as each chunk is verified (the
-    # copies overlap the reads: DP=2 0.97x dcp.load's time against 1.12x deferred, dist_bench).
-    defer = deferrable(items, plan.transfers, coord.rank)
-    items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
-    unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
-    nbytes, moved, in_pool, on_device = _read(job, request, prepared, plan, items, pool, name=name)
-    apply(state, prepared.decoded, where=f"{tier.url}: step {step}")
-    log.info(
-        "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
-        step,
-        plural(len(items), "array"),
-        moved.get("remote_reads", 0),
-        remote.url if remote is not None else "no remote tier",
-        moved.get("fallbacks", 0),
-    )
-    return Restored(
-        step=step,
-        arrays=len(items),
-        bytes_read=nbytes,
-        chunks_received=sum(t.dst == coord.rank for t in plan.transfers),
-        chunks_shared=sum(t.dst == coord.rank and t.shared for t in plan.transfers),
-        unstaged=unstaged,
-        remote_reads=moved.get("remote_reads", 0),
-        fallbacks=moved.get("fallbacks", 0),
-        staged_in_pool=in_pool,
-        staged_on_device=on_device,
-        read_direct=moved.get("direct_bytes", 0),
-        from_remote=choice.from_remote,
-        read_in_place=read_in_place,
-        copied_up=moved.get("copied_up_bytes", 0),
-        held_here=sorted(prepared.st.here),
-        passed_over=_passed_over(choice, step) if request.step is None else {},
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Prepared:
-    """A step agreed on, its holders found and its manifest matched to the state (``_prepare``)."""
-
-    step: int
-    st: Step
-    manifest: Manifest
-    items: list[ReadItem]
-    decoded: dict[str, Any]
-    parts: dict[int, RankPart]  # saving ranks' manifest parts, parsed once
-    from_remote: bool
-
-
-def _prepare(
-    state: Mapping[str, Any], job: Job, request: RestoreRequest, choice: StepChoice, *, name: str
-) -> _Prepared:
-    """Find who holds the agreed step, fetch its manifest, and match it to the state: what each
-    tensor reads (``items``) and the plain values (``decoded``). A damaged index, manifest file or
-    tree is the step's damage as much as a bad chunk (``_Damaged``, on every rank)."""
-    coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
-    assert choice.step is not None
-    step = choice.step
-    here, _, own = choice.held.get(str(step), [[], 0, []])
-    where = f"{tier.url}: step {step}"
-    claimed: tuple[str, ...] = ()
-    failure: TiercheckError | None = None
-    items: list[ReadItem] = []
-    decoded: dict[str, Any] = {}
-    view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
-    parts: dict[int, RankPart] = {}
-    try:
-        st = drive(
-            coord,
-            find_holders(coord, name, tier, nodes, step, here, own, remote=remote, from_remote=choice.from_remote),
-        )
-        claimed = st.claimed
-        others = request.others
-        manifest = drive(
-            coord, manifest_for(coord, name, tier, nodes, st, remote, state, others=bool(others), parts=parts)
-        )
-        try:
-            if others:
-                add_entries(view, manifest, others, where=where)
-                if len(view) > len(state) and not isinstance(state, MutableMapping):
-                    raise TypeError(f"{where}: restoring other ranks' entries needs a mutable state mapping")
-            tree = tree_for(manifest, coord.rank, coord.world_size, view, extra=request.extra)
-            items, decoded = prepare(
-                view, manifest, tree, strict=request.strict, allow_pickle=request.allow_pickle, where=where,
-                before_refusing=_damaged_record(tier, remote, st),
-            )  # fmt: skip
-        except TiercheckError as e:
-            if coord.world_size == 1:
-                raise
-            failure = e
-        drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
-    except CorruptCheckpointError as e:
-        _leave(coord, name, claimed)
-        raise _Damaged(step, e) from None
-    return _Prepared(
-        step=step, st=st, manifest=manifest, items=items, decoded=decoded, parts=parts, from_remote=choice.from_remote
-    )
-
-
-def _plan_reads(job: Job, request: RestoreRequest, prepared: _Prepared, *, name: str) -> Any:
-    """Which rank reads which chunk where, and sends it to whom (``plan.plan_restore``). An arrays
-    or owners file, or a part of a chunk's writer, damaged or of another save, is the step's damage."""
-    coord = job.coord
-    try:
-        return drive(
-            coord,
-            plan_restore(
-                coord,
-                name,
-                f"{name}/reads",
-                job.tier,
-                prepared.st,
-                job.remote,
-                [i.need for i in prepared.items],
-                prepared.manifest.arrays,
-                read_once=request.read_once,
-                parts=prepared.parts,
-                node=job.nodes.leader,
-                host=share_key(job.group) if request.share_memory else None,
-            ),
-        )
-    except CorruptCheckpointError as e:
-        _leave(coord, name, prepared.st.claimed)
-        raise _Damaged(prepared.step, e) from None
-
-
-def _read(
-    job: Job,
-    request: RestoreRequest,
-    prepared: _Prepared,
-    plan: Any,
-    items: list[ReadItem],
-    pool: HostPool | None,
-    *,
-    name: str,
-) -> tuple[int, dict[str, int], int, int]:
-    """Move the step's bytes (``move_chunks``) into staging memory (the idle save pool where it
-    is big enough) or, for items read in place, the state's own; every rank agrees they all
-    verified before any staged byte is copied in. Returns the bytes read, the read counters, and
-    the bytes staged in the pool and on the device."""
-    coord, tier, step = job.coord, job.tier, prepared.step
-    moved: dict[str, int] = {}
-    nbytes = 0
-    failure: TiercheckError | None = None
-    with contextlib.ExitStack() as stack:  # staging in the save pool's resident memory where it is idle
-        arena = stack.enter_context(pool.lend(staging_bytes(items))) if pool is not None else None
-        sharing = stack.enter_context(Sharing())  # closed once every rank is past the reads (``settle``)
-        reads, live = staged(items, arena)
-        pool_memory = None if arena is None else arena.untyped_storage().data_ptr()
-        in_pool = sum(b.numel() * b.element_size() for _, b, _ in live if b.untyped_storage().data_ptr() == pool_memory)
-        on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
-        try:
-            nbytes = move_chunks(
-                tier,
-                step,
-                plan.records,
-                reads,
-                plan.reads,
-                plan.transfers,
-                rank=coord.rank,
-                group=job.group,
-                io_threads=request.io_threads,
-                remote=job.remote if prepared.from_remote else None,
-                counters=moved,
-                sharing=sharing,
-            )
-        except TiercheckError as e:
-            failure = e
-        try:
-            if coord.world_size > 1:
-                drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
-            elif failure is not None:
-                raise failure
-        except CorruptCheckpointError as e:
-            raise _Damaged(step, e) from None
-        finally:
-            _leave(coord, name, prepared.st.claimed)
-        fill_deferred(sharing)
-        # The arena goes back to the pool: copied out of, never handed over.
-        moved["copied_up_bytes"] = copy_in(live, swap=arena is None)
-    return nbytes, moved, in_pool, on_device
 
 
 def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[ArrayRecord], None]:

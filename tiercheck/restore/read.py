@@ -22,6 +22,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ def move_chunks(
     group: Any = None,
     io_threads: int = 4,
     remote: Tier | None = None,
-    counters: dict[str, int] | None = None,
+    counts: ReadCounts | None = None,
     sharing: Sharing | None = None,
 ) -> int:
     """Carry out this rank's part of a read plan: ``reads`` (its own) and the ``transfers`` it
@@ -172,12 +173,11 @@ def move_chunks(
 
     A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
     ``shared`` transfers pass through ``sharing``'s memory (``restore.share``), which the caller
-    closes only once every rank is done moving chunks.
+    closes only once every rank is done moving chunks. What the reads count is added to ``counts``.
     """
     moves = _Moves(tier, step, records, items, transfers, rank=rank, group=group, remote=remote, sharing=sharing)
-    if counters is not None:
-        counters.update({k: counters.get(k, 0) for k in moves.counts})
-        moves.counts = counters
+    if counts is not None:
+        moves.counts = counts
     runs = read_runs(tier, records, reads, remote=remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
     # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
     # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
@@ -193,7 +193,7 @@ def move_chunks(
     total = 0
     with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
         for done, direct_bytes in pool.map(moves.read_and_share, runs):
-            moves.counts["direct_bytes"] += direct_bytes
+            moves.counts.direct_bytes += direct_bytes
             for path, c, data in done:
                 total += data.numel()
                 moves.send(path, c, data)
@@ -209,6 +209,15 @@ def move_chunks(
 
 
 Placed = tuple[str, Chunk, torch.Tensor]  # a chunk read: its array, the chunk, its verified bytes
+
+
+@dataclass(slots=True)
+class ReadCounts:
+    """What one rank's reads of a restore counted (``move_chunks`` adds to them as it reads)."""
+
+    remote_reads: int = 0  # chunks read from the remote tier
+    fallbacks: int = 0  # of those, chunks read there after a bad copy on the local tier
+    direct_bytes: int = 0  # bytes read from the local tier around the page cache (O_DIRECT)
 
 
 class _Moves:
@@ -233,7 +242,7 @@ class _Moves:
         self.tier, self.step, self.records, self.remote, self.sharing, self.group = (
             tier, step, records, remote, sharing, group
         )  # fmt: skip
-        self.counts = {"remote_reads": 0, "fallbacks": 0, "direct_bytes": 0}
+        self.counts = ReadCounts()
         self.by_path: dict[str, list[ReadItem]] = defaultdict(list)
         for item in items:
             self.by_path[item.record.path].append(item)
@@ -283,7 +292,7 @@ class _Moves:
         try:
             if job.remote:
                 assert self.remote is not None
-                self.counts["remote_reads"] += 1
+                self.counts.remote_reads += 1
                 raw = read_chunk(self.remote, self.step, rec, c, into)
             else:
                 try:
@@ -292,7 +301,7 @@ class _Moves:
                     if self.remote is None:
                         raise
                     log.warning("%s; reading it from %s instead", e, self.remote.url)
-                    self.counts["fallbacks"] += 1
+                    self.counts.fallbacks += 1
                     raw = read_chunk(self.remote, self.step, rec, c, into)
         except (TiercheckError, OSError) as e:
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
@@ -345,7 +354,7 @@ class _Moves:
         if not whole:
             return [self.read_and_fill(job) for job in run], 0
         if src is self.remote:
-            self.counts["remote_reads"] += len(run)
+            self.counts.remote_reads += len(run)
         for into, scratch in layout.copies:
             into[:] = scratch
         out = []
