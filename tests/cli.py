@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from click.testing import CliRunner
 
+from tests.servers import SeaweedS3
 from tiercheck.cli import main
 
 
@@ -34,3 +35,8 @@ def run(*args: str, check: bool = True, env: Mapping[str, str | None] | None = N
     if check and ran.returncode != 0:
         raise AssertionError(f"tiercheck {' '.join(args)} exited {ran.returncode}:\n{ran.stdout}\n{ran.stderr}")
     return ran
+
+
+def s3_args(server: SeaweedS3) -> list[str]:
+    """The ``-o`` options that point the command at ``server`` with its credentials."""
+    return ["-o", f"endpoint_url={server.endpoint_url}", "-o", f"key={server.key}", "-o", f"secret={server.secret}"]

@@ -17,17 +17,13 @@ import pytest
 import torch
 
 import tiercheck
-from tests.cli import run
+from tests.cli import run, s3_args
 from tests.conftest import assert_identical
 from tests.ondisk import flip_chunk_byte
 from tests.servers import SeaweedS3
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.tiers.remote import open_tier
-
-
-def s3_args(server: SeaweedS3) -> list[str]:
-    return ["-o", f"endpoint_url={server.endpoint_url}", "-o", f"key={server.key}", "-o", f"secret={server.secret}"]
 
 
 def make_state(seed: int) -> dict[str, Any]:

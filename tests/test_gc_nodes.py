@@ -8,14 +8,13 @@ in its node's directory. That step looks whole from node 0, yet the job cannot r
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import tiercheck
+from tests.cli import Ran, run
 from tests.distributed import run_ranks
 from tiercheck.format.paths import part_file, step_dir
 from tiercheck.format.steps import list_steps
@@ -59,8 +58,8 @@ def _damaged_job(tmp_path: Path) -> tuple[Path, Path]:
     return n0, n1
 
 
-def gc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tiercheck", "gc", *args], capture_output=True, text=True, timeout=120)
+def gc(*args: str) -> Ran:
+    return run("gc", *args, check=False)
 
 
 def test_gc_of_one_node_cannot_see_the_others_and_deletes_nothing(tmp_path: Path) -> None:
