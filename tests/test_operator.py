@@ -1,7 +1,8 @@
 """What a new user meets first: messages, logging they see without configuring any, options where
 the README puts them, the RNG state saved right, and the object stores as optional extras.
 
-The ``tiercheck`` command runs as a subprocess (its logging setup and exit codes are the process's).
+The ``tiercheck`` command runs in-process (``tests/cli.py``), and as a subprocess where the process is the
+point: logging left unconfigured, a client module blocked from import, no torch imported, stderr a terminal.
 """
 
 from __future__ import annotations
@@ -21,16 +22,15 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import Ran, run
 from tests.servers import SeaweedS3
 from tiercheck.errors import RemoteStorageError
 from tiercheck.format.paths import step_dir
 from tiercheck.tiers.remote import RemoteTier
 
 
-def tiercheck_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+def tiercheck_cli(*args: str) -> Ran:
+    return run(*args, check=False)
 
 
 def closed_port() -> int:
