@@ -138,6 +138,37 @@ def test_inspect_sorts_numbered_names_by_number(tmp_path: Path) -> None:
     assert text.index("optim/state/2 ") < text.index("optim/state/10 ")
 
 
+class Opaque:
+    """A value only pickle stores."""
+
+
+def test_inspect_shows_the_plain_values_and_never_unpickles(tmp_path: Path) -> None:
+    """``inspect`` listed tensors and metadata only: a progress dict or the learning rate saved
+    in the state did not show, even with --json."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # momentum buffers: the optimizer's state holds tensors, its param_groups plain values
+    state = {"model": model, "optim": opt, "progress": {"epoch": 3, "batch": 120, "loss": float("nan")},
+             "lr": 1e-3, "betas": (0.9, 0.999), "ids": {0: "a"}, "opaque": Opaque()}  # fmt: skip
+    with tiercheck.Checkpointer(state, local=tmp_path / "ck", allow_pickle=True) as ck:
+        ck.save(7)
+    result = run("inspect", str(tmp_path / "ck"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "this tier holds the files of rank 0" in text and "1 rank on 1 node" in text, text
+    for line in ("progress = {'epoch': 3, 'batch': 120, 'loss': nan}", "lr = 0.001", "betas = (0.9, 0.999)",
+                 "ids = {0: 'a'}", "opaque = <a pickled object: not unpickled>", "optim/param_groups = [{'lr': 0.5"):
+        assert f"    {line}" in text, (line, text)  # fmt: skip
+    doc = json.loads(run("inspect", str(tmp_path / "ck"), "--json").stdout)
+    assert doc["values_of_rank"] == 0
+    values = doc["values"]
+    assert values["progress"] == {"epoch": 3, "batch": 120, "loss": {"$float": "nan"}}
+    assert values["lr"] == 1e-3 and values["betas"] == {"$tuple": [0.9, 0.999]}
+    assert list(values["opaque"]) == ["$pickle"]  # as stored: never unpickled
+    assert not any(path.startswith("model") for path in values)  # tensors are in "arrays"
+
+
 def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None:
     before = sorted(p.relative_to(saved) for p in saved.rglob("*"))
     text = run("gc", str(saved), "--keep-last", "1", "--dry-run").stdout
