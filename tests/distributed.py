@@ -1,16 +1,17 @@
 """Run a test body in N real processes joined by a gloo ``torch.distributed`` process group (CPU only).
 
 ``fn`` must be a module-level function importable from the tests package (e.g. ``tests.test_x._body``); it is called
-as ``fn(rank, world_size, *args, **kwargs)`` in each spawned process and its return value comes back pickled.
+as ``fn(rank, world_size, *args, **kwargs)`` in each rank's process and its return value comes back pickled.
 
 The rendezvous TCPStore is hosted by the calling (pytest) process, as torchrun's agent hosts it, so it outlives any
 rank, and no port is picked and then released (no race for a free port). Each rank writes its outcome to a file in a
 temporary directory before it exits; the parent waits on the process sentinels, so there is no polling and no sleep.
 
-Start-up cost is importing torch in every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores).
-``start_method="forkserver"`` imports torch once in a fork server (its first launch ~2 s) and forks ranks from it
-(later launches ~0.2 s for 8 ranks); its ranks inherit the environment of the fork server, not the current one, so
-pass environment variables through ``env``.
+Ranks fork from a fork server (``start_method="forkserver"``, the default) that imported torch once (its first
+launch ~2 s; later launches ~0.2 s for 8 ranks). ``start_method="spawn"`` starts each rank as a fresh interpreter,
+importing torch in every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores): pass it only where a
+test needs ranks that share nothing with the fork server. Fork-server ranks inherit the environment of the fork
+server, not the current one, so pass environment variables through ``env``.
 """
 
 from __future__ import annotations
@@ -119,10 +120,10 @@ def run_ranks(
     pg_timeout: float = 60,
     env: Mapping[str, str] | None = None,
     check: bool = True,
-    start_method: Literal["spawn", "forkserver"] = "spawn",
+    start_method: Literal["spawn", "forkserver"] = "forkserver",
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` spawned processes; return results by rank.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` processes; return results by rank.
 
     ``check=True``: the first rank that raises or dies ends the launch (the others are killed) with
     :class:`RankFailed` naming the rank and carrying its traceback / exit code. ``check=False``: wait for every rank

@@ -1,14 +1,15 @@
-"""The ``tiercheck`` command, run as a subprocess against a local directory and the real S3 server."""
+"""The ``tiercheck`` command against a local directory and the real S3 server, run in-process (``tests/cli.py``)
+except where the process is the point: ``python -m tiercheck``, a copy killed with SIGKILL, imports."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +17,13 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run, s3_args
 from tests.conftest import assert_identical
 from tests.ondisk import flip_chunk_byte
 from tests.servers import SeaweedS3
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.tiers.remote import open_tier
-
-
-def run(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"tiercheck {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def s3_args(server: SeaweedS3) -> list[str]:
-    return ["-o", f"endpoint_url={server.endpoint_url}", "-o", f"key={server.key}", "-o", f"secret={server.secret}"]
 
 
 def make_state(seed: int) -> dict[str, Any]:
@@ -62,9 +51,13 @@ def saved(tmp_path: Path) -> Path:
 
 
 def test_help_lists_every_subcommand() -> None:
-    text = run("--help").stdout
-    for sub in ("ls", "inspect", "verify", "restore", "drain", "gc", "plan"):
-        assert f"  {sub} " in text, sub
+    # ``python -m tiercheck``, in a process of its own, is this same command (under the name it was called by)
+    done = subprocess.run([sys.executable, "-m", "tiercheck", "--help"], capture_output=True, text=True, check=False)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("Usage: python -m tiercheck [OPTIONS] COMMAND [ARGS]...")
+    for text in (run("--help").stdout, done.stdout):
+        for sub in ("ls", "inspect", "verify", "restore", "drain", "gc", "plan"):
+            assert f"  {sub} " in text, sub
     assert "Pre-stage" in run("restore", "--help").stdout
 
 
@@ -145,6 +138,37 @@ def test_inspect_sorts_numbered_names_by_number(tmp_path: Path) -> None:
     assert text.index("optim/state/2 ") < text.index("optim/state/10 ")
 
 
+class Opaque:
+    """A value only pickle stores."""
+
+
+def test_inspect_shows_the_plain_values_and_never_unpickles(tmp_path: Path) -> None:
+    """``inspect`` listed tensors and metadata only: a progress dict or the learning rate saved
+    in the state did not show, even with --json."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # momentum buffers: the optimizer's state holds tensors, its param_groups plain values
+    state = {"model": model, "optim": opt, "progress": {"epoch": 3, "batch": 120, "loss": float("nan")},
+             "lr": 1e-3, "betas": (0.9, 0.999), "ids": {0: "a"}, "opaque": Opaque()}  # fmt: skip
+    with tiercheck.Checkpointer(state, local=tmp_path / "ck", allow_pickle=True) as ck:
+        ck.save(7)
+    result = run("inspect", str(tmp_path / "ck"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "this tier holds the files of rank 0" in text and "1 rank on 1 node" in text, text
+    for line in ("progress = {'epoch': 3, 'batch': 120, 'loss': nan}", "lr = 0.001", "betas = (0.9, 0.999)",
+                 "ids = {0: 'a'}", "opaque = <a pickled object: not unpickled>", "optim/param_groups = [{'lr': 0.5"):
+        assert f"    {line}" in text, (line, text)  # fmt: skip
+    doc = json.loads(run("inspect", str(tmp_path / "ck"), "--json").stdout)
+    assert doc["values_of_rank"] == 0
+    values = doc["values"]
+    assert values["progress"] == {"epoch": 3, "batch": 120, "loss": {"$float": "nan"}}
+    assert values["lr"] == 1e-3 and values["betas"] == {"$tuple": [0.9, 0.999]}
+    assert list(values["opaque"]) == ["$pickle"]  # as stored: never unpickled
+    assert not any(path.startswith("model") for path in values)  # tensors are in "arrays"
+
+
 def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None:
     before = sorted(p.relative_to(saved) for p in saved.rglob("*"))
     text = run("gc", str(saved), "--keep-last", "1", "--dry-run").stdout
@@ -198,6 +222,7 @@ def test_a_committed_copy_under_another_name_is_no_step(saved: Path, caplog: pyt
     proc = run("ls", str(saved), "--json")
     assert [s["step"] for s in json.loads(proc.stdout)["steps"]] == [10, 20, 30]
     assert "ignoring step-000000040" in proc.stderr
+    caplog.clear()  # the command ran in this process: what follows is the library's own warning, not its echo
     state = make_state(0)
     with tiercheck.Checkpointer(state, local=saved) as ck:
         assert ck.steps() == [10, 20, 30] and ck.restore() == 30
@@ -237,47 +262,63 @@ def test_restore_prestages_from_s3_and_the_job_then_reads_locally(
     assert_identical(state, make_state(2))
 
 
-def test_an_interrupted_restore_resumes(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
+# A ``tiercheck restore`` whose copy into a local directory stops, for good, at a given point: once the
+# pack's stream has yielded its first piece (its temporary is on disk, the pack is not), or once the pack is
+# whole (renamed into place) and before the step is committed. It says so on stdout, and is killed there.
+_HELD_COPY = """
+import sys, threading
+from tiercheck.cli import main
+from tiercheck.tiers.local import LocalTier
+
+write_stream = LocalTier.write_stream
+
+def hold(what):
+    print(what, flush=True)
+    threading.Event().wait()
+
+def held_write_stream(self, path, pieces, *, size=None):
+    if "/packs/" not in path:
+        return write_stream(self, path, pieces, size=size)
+    if sys.argv[1] == "half-written pack":
+        def first_then_hold():
+            for piece in pieces():
+                yield piece
+                hold("held")
+        return write_stream(self, path, first_then_hold, size=size)
+    write_stream(self, path, pieces, size=size)
+    hold("held")
+
+LocalTier.write_stream = held_write_stream
+main(sys.argv[2:], prog_name="tiercheck")
+"""
+
+
+@pytest.mark.parametrize(("cut", "kept"), [("half-written pack", 0), ("whole pack", 1)])
+def test_an_interrupted_restore_resumes(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str, cut: str, kept: int
+) -> None:
+    """Killed with SIGKILL mid-copy, the step is not committed; run again, the copy finishes bit-identical, keeping
+    a whole pack the kill left (read back and checked) and never a half-written one, whose temporary goes."""
     url = f"s3://{s3_bucket}/run"
     save_steps(tmp_path / "old-node", [1], remote=url, remote_options=s3_server.storage_options())
     new_node = tmp_path / "new-node"
-    # Killed while copying: SIGKILL once the pack's first bytes are there (its temporary, or the pack).
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tiercheck",
-            *s3_args(s3_server),
-            "restore",
-            url,
-            "--to",
-            str(new_node),
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = 60.0
-        t0 = time.monotonic()
-        while not any(new_node.glob("step-*/packs/*")) and proc.poll() is None:
-            assert time.monotonic() - t0 < deadline, "no file was copied"
-            time.sleep(0.01)  # polling for a file to appear, not standing in for synchronisation
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
-    pack_whole = any(new_node.glob("step-*/packs/rank-*.bin"))  # renamed into place only when whole
-    if proc.returncode == -signal.SIGKILL:
-        assert list_steps(open_tier(str(new_node))).committed == []  # not committed: incomplete
-        assert list_steps(open_tier(str(new_node))).partial == [1]
-    text = run(*s3_args(s3_server), "restore", url, "--to", str(new_node)).stdout
+    restore = [*s3_args(s3_server), "restore", url, "--to", str(new_node), "--threads", "1"]
+    with subprocess.Popen([sys.executable, "-c", _HELD_COPY, cut, *restore], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == "held\n", "the copy ended before the point it was to be held at"
+            packs = new_node / step_dir(1) / "packs"
+            assert list_steps(open_tier(str(new_node))).committed == []  # incomplete: not committed
+            assert list_steps(open_tier(str(new_node))).partial == [1]
+            assert (packs / "rank-000000.bin").exists() == (cut == "whole pack")
+            assert bool(list(packs.glob(".rank-000000.bin.tmp-*"))) == (cut == "half-written pack")
+        finally:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    text = run(*restore).stdout
     assert "restored step 1" in text
-    if proc.returncode == -signal.SIGKILL:
-        already = int(text.split("files copied")[1].split(",")[1].split()[0])
-        # A whole pack the kill left is kept once read back and checked; a half-written one never is,
-        # and every smaller file goes again.
-        assert already == (1 if pack_whole else 0), text
+    already = re.search(r" files copied \([^)]*\), (\d+) already there", text)
+    assert already is not None and already[1] == str(kept), text
     assert not list(new_node.rglob(".*.tmp-*"))  # the killed copy's temporary is gone
     assert_identical(tiercheck.load(new_node), make_state(1))
 

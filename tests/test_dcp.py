@@ -367,10 +367,10 @@ def _load_fsdp(rank: int, world: int, root: str, shard: bool) -> dict[int, Any]:
 
 def test_fsdp2_save_on_2_ranks_load_on_1_and_4(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")  # one node: every rank shares the directory
-    saved = run_ranks(_save_fsdp, 2, root, start_method="forkserver")
+    saved = run_ranks(_save_fsdp, 2, root)
     _equal(saved[0], saved[1])  # the gathered full state is the same on both ranks
     for world, shard in ((1, False), (4, True)):
-        loaded = run_ranks(_load_fsdp, world, root, shard, start_method="forkserver")
+        loaded = run_ranks(_load_fsdp, world, root, shard)
         for rank, got in enumerate(loaded):
             for step in (100, 200):
                 state, live_model = got[step]
@@ -399,7 +399,7 @@ def _layout_changes(rank: int, world: int, root: str) -> list[bool]:
 
 
 def test_layout_change_on_one_rank_replans_every_rank(tmp_path: Path) -> None:
-    assert run_ranks(_layout_changes, 2, str(tmp_path / "ckpt"), start_method="forkserver") == [[True] * 3] * 2
+    assert run_ranks(_layout_changes, 2, str(tmp_path / "ckpt")) == [[True] * 3] * 2
 
 
 # ------------------------------------------------------------------------------- a writer per call, and exit
@@ -435,7 +435,7 @@ def test_a_writer_per_call_shares_one_checkpointer_and_exit_drains(tmp_path: Pat
     """A new writer per ``dcp.save`` / ``dcp.async_save`` on 2 ranks saves as one writer does (it was refused with
     DirectoryInUseError); with no writer closed, interpreter exit drains every step to the remote tier."""
     root, remote = str(tmp_path / "ckpt"), (tmp_path / "remote").as_uri()
-    saved = run_ranks(_save_writer_per_call, 2, root, remote, start_method="forkserver")
+    saved = run_ranks(_save_writer_per_call, 2, root, remote)
     for out in saved:
         assert out["shared"] and out["plans_made"] == 1
     for step in (100, 200, 300):
@@ -484,7 +484,7 @@ def test_exit_after_an_error_on_one_rank_waits_at_most_timeout_s(tmp_path: Path)
     processes exit, the one left within DistributedOptions.timeout_s (10 s) of reaching exit, and it says what it
     abandoned; its queued commits each waited 10 s for the failed rank (50 s) before."""
     root = tmp_path / "ckpt"
-    outcomes = run_ranks(_raise_on_one_rank, 2, str(root), str(tmp_path), check=False, timeout=150, start_method="forkserver")
+    outcomes = run_ranks(_raise_on_one_rank, 2, str(root), str(tmp_path), check=False, timeout=150)
     exited = time.time() - float((tmp_path / "exit").read_text())
     assert [o.exitcode for o in outcomes] == [0, 1], outcomes
     assert "training failed on rank 1" in (outcomes[1].error or "")

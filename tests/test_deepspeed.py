@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.cli import run
 from tests.distributed import RankFailed, run_ranks
 
 _BUILD_LIMIT_S = 900
@@ -272,9 +273,7 @@ def _switch_formats(rank: int, world_size: int, tmp: str) -> None:
 def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
     _launch(_switch_formats, 1, str(tmp_path), timeout=120)
     # the same export from the command line gives the same files
-    cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "node0"), str(tmp_path / "cli")]
-    done = subprocess.run(cli, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
+    done = run("export-deepspeed", str(tmp_path / "node0"), str(tmp_path / "cli"))
     assert "exported step 4 as DeepSpeed checkpoint 'mine'" in done.stdout
     assert (tmp_path / "cli" / "latest").read_text() == "mine"
     names = sorted(p.name for p in (tmp_path / "exported" / "mine").iterdir())
@@ -282,7 +281,7 @@ def test_switch_between_deepspeed_and_tiercheck_formats(tmp_path: Path) -> None:
     for name in names:  # files this test wrote itself: full unpickling is fine here
         a, b = (torch.load(tmp_path / d / "mine" / name, weights_only=False) for d in ("exported", "cli"))
         _assert_identical(_clone(a), _clone(b))
-    missing = subprocess.run([*cli[:4], str(tmp_path / "nowhere"), "x"], capture_output=True, text=True, check=False)
+    missing = run("export-deepspeed", str(tmp_path / "nowhere"), "x", check=False)
     assert missing.returncode == 1 and missing.stderr.startswith("tiercheck: error: no such directory")
 
 
@@ -598,8 +597,7 @@ def _escaping_tag(rank: int, world_size: int, tmp: str) -> None:
 
 def test_a_tag_that_leaves_the_directory_is_refused(tmp_path: Path) -> None:
     _launch(_escaping_tag, 1, str(tmp_path / "run"), timeout=120)
-    cli = [sys.executable, "-m", "tiercheck", "export-deepspeed", str(tmp_path / "run" / "node0"), str(tmp_path / "x")]
-    done = subprocess.run(cli, capture_output=True, text=True, check=False)
+    done = run("export-deepspeed", str(tmp_path / "run" / "node0"), str(tmp_path / "x"), check=False)
     assert done.returncode != 0
     assert "'/tmp/absolute' is not a plain directory name" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written beside it

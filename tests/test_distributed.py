@@ -153,7 +153,7 @@ SAVED = Layout(tp=2, pp=2, dp=2)
 def saved_8(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Steps 1 and 2 saved by TP=2 x PP=2 x DP=2 on 8 ranks, two ranks per node (4 node dirs)."""
     root = str(tmp_path_factory.mktemp("tp2pp2dp2"))
-    run_ranks(_save, 8, SAVED, root, 2, [1, 2], 2, start_method="forkserver")
+    run_ranks(_save, 8, SAVED, root, 2, [1, 2], 2)
     return root
 
 
@@ -180,7 +180,7 @@ def test_restore_onto_another_layout_is_bit_identical(
     for j in range(4):
         _merge_into(Path(saved_8) / f"node{j}", tmp_path / f"node{j % n_nodes}")
     results = run_ranks(
-        _restore, layout.world, layout, root, per_node, 2, read_once, in_place, share_memory, start_method="forkserver"
+        _restore, layout.world, layout, root, per_node, 2, read_once, in_place, share_memory
     )
     for rank, (step, n, info, _, _, _) in enumerate(results):
         assert step == 2
@@ -261,7 +261,7 @@ def _restore_embed_only(rank: int, world: int, root: str) -> tuple[bool, int]:
 def test_only_the_chunks_a_rank_needs_are_read(saved_8: str, tmp_path: Path) -> None:
     for j in range(4):
         _merge_into(Path(saved_8) / f"node{j}", tmp_path / "node0")
-    [(ok, nbytes)] = run_ranks(_restore_embed_only, 1, str(tmp_path), start_method="forkserver")
+    [(ok, nbytes)] = run_ranks(_restore_embed_only, 1, str(tmp_path))
     assert ok
     assert nbytes == 8 * HIDDEN * 4  # the one saved TP shard (rows 8-15) that holds rows 8-11; nothing else
 
@@ -292,10 +292,10 @@ def _zero(rank: int, world: int, root: str, save: bool) -> bool:
 
 def test_zero1_partitions_over_4_ranks_restore_on_2(tmp_path: Path) -> None:
     old, new = tmp_path / "old", tmp_path / "new"
-    assert run_ranks(_zero, 4, str(old), True, start_method="forkserver") == [True] * 4
+    assert run_ranks(_zero, 4, str(old), True) == [True] * 4
     for j in range(4):  # node k of the 2-rank job holds what nodes k and k+2 of the 4-rank job wrote
         _merge_into(old / f"node{j}", new / f"node{j % 2}")
-    assert run_ranks(_zero, 2, str(new), False, start_method="forkserver") == [True] * 2
+    assert run_ranks(_zero, 2, str(new), False) == [True] * 2
 
 
 def _merge_into(src: Path, dst: Path) -> None:
@@ -339,9 +339,9 @@ def _dtensor(
 
 def test_dtensor_2d_mesh_restores_onto_a_1d_mesh(tmp_path: Path) -> None:
     root = str(tmp_path)
-    assert run_ranks(_dtensor, 4, root, 2, [2, 2], ["S0", "S1"], True, start_method="forkserver") == [True] * 4
+    assert run_ranks(_dtensor, 4, root, 2, [2, 2], ["S0", "S1"], True) == [True] * 4
     # The 2-rank job runs on the same two nodes, one rank each.
-    assert run_ranks(_dtensor, 2, root, 1, [2], ["S1"], False, start_method="forkserver") == [True] * 2
+    assert run_ranks(_dtensor, 2, root, 1, [2], ["S1"], False) == [True] * 2
 
 
 # ------------------------------------------------------------------------------ failures and loss
@@ -376,7 +376,7 @@ def _save_and_die(rank: int, world: int, root: str, victim: int) -> str:
 
 @pytest.mark.parametrize("victim", [0, 3], ids=["node-leader", "other-rank"])
 def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_restores(tmp_path: Path, victim: int) -> None:
-    outcomes = run_ranks(_save_and_die, 4, str(tmp_path), victim, check=False, start_method="forkserver")
+    outcomes = run_ranks(_save_and_die, 4, str(tmp_path), victim, check=False)
     assert outcomes[victim].exitcode == 17
     for o in outcomes:
         if o.rank != victim:
@@ -384,7 +384,7 @@ def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_restores(t
             assert o.result.startswith("failed: "), o.result
             assert "step 2 was not committed" in o.result
     assert not list(tmp_path.glob("node*/step-00000002/COMMIT"))
-    results = run_ranks(_restore, 4, SMALL, str(tmp_path), 2, 1, start_method="forkserver")
+    results = run_ranks(_restore, 4, SMALL, str(tmp_path), 2, 1)
     assert [r[0] for r in results] == [1, 1, 1, 1]  # values checked bit for bit against step 1 inside
 
 
@@ -400,13 +400,13 @@ def _restore_or_error(rank: int, world: int, root: str) -> tuple[int | None, str
 
 
 def test_a_wiped_node_makes_ranks_agree_on_an_older_step_or_say_what_is_missing(tmp_path: Path) -> None:
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1)
     # Node 1 lost its copy of step 2 only: step 1 is whole everywhere, so every rank takes it.
     shutil.rmtree(tmp_path / "node1" / "step-00000002")
-    assert run_ranks(_restore_or_error, 4, str(tmp_path), start_method="forkserver") == [(1, "")] * 4
+    assert run_ranks(_restore_or_error, 4, str(tmp_path)) == [(1, "")] * 4
     # Node 1 was replaced (empty directory): no step is whole, and every rank says what is missing.
     shutil.rmtree(tmp_path / "node1")
-    for step, message in run_ranks(_restore_or_error, 4, str(tmp_path), start_method="forkserver"):
+    for step, message in run_ranks(_restore_or_error, 4, str(tmp_path)):
         assert step is None
         assert "no committed step is whole" in message
         assert "newest: step 2: the files of saving rank(s) 2-3 are on no rank's local tier" in message
@@ -430,8 +430,8 @@ def _restore_mismatch(rank: int, world: int, root: str, case: str) -> tuple[str,
 
 @pytest.mark.parametrize("case", ["shape", "absent"])
 def test_an_incompatible_rank_fails_every_rank_before_anything_is_overwritten(tmp_path: Path, case: str) -> None:
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
-    results = run_ranks(_restore_mismatch, 4, str(tmp_path), case, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1)
+    results = run_ranks(_restore_mismatch, 4, str(tmp_path), case)
     kind, message = results[1]
     assert kind == "IncompatibleStateError"
     if case == "shape":
@@ -455,14 +455,14 @@ def _restore_expect_failure(rank: int, world: int, root: str) -> tuple[str, str]
 
 
 def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: Path) -> None:
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1)
     # A chunk written by a rank of node 1 that node 0's ranks need too (replicated norm, or a TP shard):
     # rank 2's part of the manifest, in node 1's directory, lists the checksums of what rank 2 wrote.
     raw = (tmp_path / "node1" / "step-00000001" / part_file(2)).read_bytes()
     written = parse_rank_part(unseal(raw, where="test"), where="test", save=None).checksums
     path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)
     flip_chunk_byte(tmp_path / "node1" / "step-00000001", path, key, 0)
-    results = run_ranks(_restore_expect_failure, 4, str(tmp_path), timeout=60, start_method="forkserver")
+    results = run_ranks(_restore_expect_failure, 4, str(tmp_path), timeout=60)
     kinds = {kind for kind, _ in results}
     assert kinds <= {"CorruptCheckpointError", "CoordinationError"} and "CorruptCheckpointError" in kinds
     assert all(f"array {path!r} chunk {key}" in message for _, message in results), results
@@ -501,10 +501,10 @@ def _train(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
 
 
 def test_data_parallel_replicas_with_adam_resume_bit_identically(tmp_path: Path) -> None:
-    first = run_ranks(_train, 2, str(tmp_path / "a"), "first", start_method="forkserver")
+    first = run_ranks(_train, 2, str(tmp_path / "a"), "first")
     for j in range(2):
         shutil.rmtree(tmp_path / "a" / f"node{j}" / "step-00000006")  # resume from step 3
-    resumed = run_ranks(_train, 2, str(tmp_path / "a"), "resume", start_method="forkserver")
+    resumed = run_ranks(_train, 2, str(tmp_path / "a"), "resume")
     for a, b in zip(first, resumed, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -532,7 +532,7 @@ def _relayout(rank: int, world: int, root: str) -> tuple[int | None, bool, bool]
 
 
 def test_a_layout_change_on_every_rank_makes_a_new_plan(tmp_path: Path) -> None:
-    assert run_ranks(_relayout, 4, str(tmp_path), start_method="forkserver") == [(2, True, True)] * 4
+    assert run_ranks(_relayout, 4, str(tmp_path)) == [(2, True, True)] * 4
 
 
 # --------------------------------------------------------------------------------- remote tier
@@ -556,7 +556,7 @@ def _restore_remote(rank: int, world: int, root: str, remote: str) -> tuple[int 
 
 def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remote(tmp_path: Path) -> None:
     remote = f"file://{tmp_path / 'shared'}"
-    statuses = run_ranks(_save_drain, 4, str(tmp_path), remote, start_method="forkserver")
+    statuses = run_ranks(_save_drain, 4, str(tmp_path), remote)
     uploaded = [s["files_uploaded"] for s in statuses]
     assert uploaded[1] == uploaded[3] == 0 and uploaded[0] > 0 and uploaded[2] > 0  # one uploader per node
     marker = json.loads((tmp_path / "shared" / "step-00000001" / "COMMIT").read_text())
@@ -566,7 +566,7 @@ def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remot
         assert torch.equal(full["model"][name], t), name
 
     shutil.rmtree(tmp_path / "node1")  # node 1 was replaced: an empty local directory
-    results = run_ranks(_restore_remote, 4, str(tmp_path), remote, start_method="forkserver")
+    results = run_ranks(_restore_remote, 4, str(tmp_path), remote)
     assert [step for step, _ in results] == [1, 1, 1, 1]  # values checked against step 1 inside
     assert results[2][1] > 0 and results[3][1] > 0  # the replaced node's ranks read from the remote
 
@@ -574,7 +574,7 @@ def test_nodes_drain_their_own_files_and_a_replaced_node_restores_from_the_remot
     # from the remote, as the replaced node did: the damage is one tier's, not the step's.
     part = tmp_path / "node0" / "step-00000001" / "manifest" / "rank-000001.json"
     part.write_bytes(part.read_bytes()[:-1])
-    results = run_ranks(_restore_remote, 4, str(tmp_path), remote, start_method="forkserver")
+    results = run_ranks(_restore_remote, 4, str(tmp_path), remote)
     assert [step for step, _ in results] == [1, 1, 1, 1]
     assert results[0][1] > 0 and results[1][1] > 0
 
@@ -594,7 +594,7 @@ def _two_groups(rank: int, world: int, root: str) -> tuple[int, float]:
 
 
 def test_checkpointers_on_different_process_groups_do_not_mix(tmp_path: Path) -> None:
-    assert run_ranks(_two_groups, 4, str(tmp_path), start_method="forkserver") == [(1, 0.0)] * 2 + [(1, 5.0)] * 2
+    assert run_ranks(_two_groups, 4, str(tmp_path)) == [(1, 0.0)] * 2 + [(1, 5.0)] * 2
 
 
 def _alone(rank: int, world: int, root: str) -> float | None:
@@ -610,7 +610,7 @@ def _alone(rank: int, world: int, root: str) -> float | None:
 
 
 def test_a_rank_may_checkpoint_alone(tmp_path: Path) -> None:
-    assert run_ranks(_alone, 2, str(tmp_path), start_method="forkserver") == [3.0, None]
+    assert run_ranks(_alone, 2, str(tmp_path)) == [3.0, None]
 
 
 def test_verify_and_load_on_one_node_directory(saved_8: str, tmp_path: Path) -> None:
@@ -674,7 +674,7 @@ def _commit_out_of_write_order(rank: int, world: int, root: str) -> list[int]:
 def test_saves_commit_in_save_order_whatever_order_their_writes_end(tmp_path: Path) -> None:
     """Committing step 2 first on a rank whose writes of it ended first deadlocked the job: the other
     ranks were waiting for that rank at step 1's commit."""
-    assert run_ranks(_commit_out_of_write_order, 2, str(tmp_path), start_method="forkserver") == [[1, 2], [1, 2]]
+    assert run_ranks(_commit_out_of_write_order, 2, str(tmp_path)) == [[1, 2], [1, 2]]
 
 
 def _drain_fails_on_one_node(rank: int, world: int, root: str, remote: str) -> str:
@@ -698,7 +698,7 @@ def test_a_node_whose_drain_fails_tells_the_others_at_once(tmp_path: Path) -> No
     """The other nodes waited for the remote commit that node's files would complete until the retry
     deadline (900 s by default); it now tells them it will not come."""
     remote = (tmp_path / "remote").as_uri()
-    errors = run_ranks(_drain_fails_on_one_node, 4, str(tmp_path), remote, start_method="forkserver")
+    errors = run_ranks(_drain_fails_on_one_node, 4, str(tmp_path), remote)
     # The uploading node's own error: a file:// remote's OSError, as the library's (the cause's text kept).
     assert errors[2].startswith("RemoteStorageError: ") and errors[2].endswith("access denied to the bucket")
     for rank in (0, 1, 3):  # rank 0 waited for the commit; 1 and 3 follow their node's uploader
@@ -732,13 +732,13 @@ def test_two_ranks_files_swapped_in_a_node_directory_fail_every_rank_at_once(tmp
     whole timeout. Now every rank learns of it at once: they fall back together, or, with no
     older step, all fail with the damage, well within a timeout of 120 s."""
     names = {"parts": part_file, "packs": pack_file}[swapped]
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1)
     _swap(tmp_path / "node0" / "step-00000002", names)
-    fell_back = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    fell_back = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200)
     assert [(kind, text) for kind, text, _ in fell_back] == [("restored", "1")] * 4, fell_back
     assert all(took < 30 for _, _, took in fell_back), fell_back
     _swap(tmp_path / "node0" / "step-00000001", names)
-    failed = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    failed = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200)
     assert {kind for kind, _, _ in failed} == {"CorruptCheckpointError"}, failed
     assert all("no older committed step is whole to restore; step(s) 1 are damaged too" in t for _, t, _ in failed)
     assert all(took < 30 for _, _, took in failed), failed
@@ -747,13 +747,13 @@ def test_two_ranks_files_swapped_in_a_node_directory_fail_every_rank_at_once(tmp
 def test_an_index_naming_another_world_size_is_refused_at_once_on_every_rank(tmp_path: Path) -> None:
     """Step 2's manifest.json says 8 ranks saved it, in a 4-rank job whose COMMITs say 4: every
     rank once blocked in the store instead of falling back."""
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1, 2], 1)
     for node in ("node0", "node1"):
         step = tmp_path / node / "step-00000002"
         index = json.loads((step / "manifest.json").read_bytes())
         index["world_size"] = index["topology"]["world_size"] = 8
         resign_index(step, json.dumps(index).encode())
-    results = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200, start_method="forkserver")
+    results = run_ranks(_restore_timed, 4, str(tmp_path), 120.0, timeout=200)
     assert [(kind, text) for kind, text, _ in results] == [("restored", "1")] * 4, results
     assert all(took < 30 for _, _, took in results), results
 
@@ -773,13 +773,13 @@ def _fall_back_then_save_again(rank: int, world: int, root: str) -> tuple[int | 
 def test_a_step_passed_over_on_every_node_is_set_aside_when_the_run_saves_its_number_again(tmp_path: Path) -> None:
     """One chunk of step 2 rotted on node 1: every rank falls back to step 1, and saving step 2
     again (on both nodes: node 0's copy is no whole step either) once raised StepExistsError."""
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1, start_method="forkserver")
-    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [2], 2, True, start_method="forkserver")
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [1], 1)
+    run_ranks(_save, 4, SMALL, str(tmp_path), 2, [2], 2, True)
     step2 = tmp_path / "node1" / "step-00000002"
     written = step_parts(step2)[0].checksums
     path, key = next((p, k) for p, crcs in sorted(written.items()) for k in crcs)
     flip_chunk_byte(step2, path, key, 0)
-    results = run_ranks(_fall_back_then_save_again, 4, str(tmp_path), start_method="forkserver")
+    results = run_ranks(_fall_back_then_save_again, 4, str(tmp_path))
     assert [(fell_back, again) for fell_back, again, _ in results] == [(1, 2)] * 4  # values checked inside
     for node in ("node0", "node1"):
         assert [p.name.split(".")[0] for p in (tmp_path / node / "set-aside").iterdir()] == ["step-00000002"]
@@ -811,15 +811,15 @@ def test_data_parallel_replicas_of_one_host_restore_from_shared_memory_all_or_no
     chunk is verified. A damaged chunk fails the step on every rank before any tensor changes, and
     the older step restores whole."""
     root = str(tmp_path)
-    run_ranks(_save_dp4, 4, root, start_method="forkserver")
-    results = run_ranks(_restore_dp4, 4, root, 2, start_method="forkserver")
+    run_ranks(_save_dp4, 4, root)
+    results = run_ranks(_restore_dp4, 4, root, 2)
     for step, unstaged, held, shared in results:
         assert (step, unstaged) == (2, held) and shared > 0
     written = _written(tmp_path / "node1", 1)
     path = sorted(written)[0]
     flip_chunk_byte(tmp_path / "node1" / "step-00000002", path, sorted(written[path])[0], 0)
-    assert run_ranks(_restore_dp4_damaged, 4, root, start_method="forkserver") == [True] * 4
-    fallback = run_ranks(_restore_dp4, 4, root, 1, start_method="forkserver")  # step 1's values, bit for bit
+    assert run_ranks(_restore_dp4_damaged, 4, root) == [True] * 4
+    fallback = run_ranks(_restore_dp4, 4, root, 1)  # step 1's values, bit for bit
     assert [r[0] for r in fallback] == [1, 1, 1, 1]
 
 

@@ -37,6 +37,10 @@ def _hang(rank: int, world_size: int) -> None:
     threading.Event().wait()
 
 
+def _getenv(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_results_in_rank_order(start_method: Literal["spawn", "forkserver"]) -> None:
     assert run_ranks(_all_reduce, 4, 100, start_method=start_method) == [(r, 4 * 100 + 6) for r in range(4)]
@@ -61,3 +65,10 @@ def test_dead_rank_reported_with_exit_code() -> None:
 def test_timeout_kills_all() -> None:
     with pytest.raises(RankFailed, match=r"timed out after 5s; ranks \[0, 1\] still running were killed"):
         run_ranks(_hang, 2, timeout=5, check=False)
+
+
+def test_env_reaches_ranks_forked_from_a_fork_server_started_before_it() -> None:
+    """Fork-server ranks inherit the server's environment, started at the first launch: ``env`` is how a
+    variable set later reaches them."""
+    run_ranks(_all_reduce, 2, 0)  # the fork server runs from here on
+    assert run_ranks(_getenv, 2, "TIERCHECK_LAUNCHER_PROBE", env={"TIERCHECK_LAUNCHER_PROBE": "set"}) == ["set"] * 2

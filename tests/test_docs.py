@@ -145,3 +145,15 @@ def test_the_site_builds_strict_and_shows_every_name(tmp_path: Path) -> None:
             )
     for png in ("gpu-stall.png", "gpu-durable.png", "gpu-restore.png", "remote.png"):
         assert (site / "img" / png).stat().st_size > 1000
+
+
+def test_the_dcp_example_recipe_writes_into_a_temporary_directory() -> None:
+    """The recipe in examples/dcp_train.py's docstring wrote a.pt and b.pt into the repository root."""
+    doc = (ROOT / "examples" / "dcp_train.py").read_text().split('"""')[1]
+    commands = [line.strip() for line in doc.splitlines() if line.strip().startswith("python examples/")]
+    assert len(commands) == 3 and "d=$(mktemp -d)" in doc
+    for command in commands:
+        words = command.split()
+        for flag in ("--ckpt-dir", "--out"):
+            if flag in words:
+                assert words[words.index(flag) + 1].startswith("$d/"), command

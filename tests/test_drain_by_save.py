@@ -8,8 +8,6 @@ own saves, whichever tool resumes the drain.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +15,9 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run, s3_args
 from tests.conftest import assert_identical
 from tests.servers import SeaweedS3
-from tests.test_cli import s3_args
 from tiercheck import Checkpointer, DrainOptions, RetentionOptions
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import read_marker
@@ -78,12 +76,11 @@ def test_a_job_drains_the_steps_whose_save_the_remote_lacks(tmp_path: Path, s3_s
 def test_the_drain_command_drains_by_save(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
     url, options = f"s3://{s3_bucket}/ckpt", s3_server.storage_options()
     local = rolled_back(tmp_path, url, options)
-    cli = [sys.executable, "-m", "tiercheck", *s3_args(s3_server), "drain", str(local), "--to", url]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    cli = [*s3_args(s3_server), "drain", str(local), "--to", url]
+    run(*cli)
     for step, seed in ((2, 22), (3, 23)):
         assert_identical(tiercheck.load(url, step=step, storage_options=options), state_of(seed))
-    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    again = run(*cli)
     assert "nothing to drain" in again.stdout, again.stdout + again.stderr
 
 

@@ -8,14 +8,13 @@ in its node's directory. That step looks whole from node 0, yet the job cannot r
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import tiercheck
+from tests.cli import Ran, run
 from tests.distributed import run_ranks
 from tiercheck.format.paths import part_file, step_dir
 from tiercheck.format.steps import list_steps
@@ -52,15 +51,15 @@ def _restore_and_save(rank: int, world: int, root: str, remote: str | None = Non
 
 
 def _damaged_job(tmp_path: Path) -> tuple[Path, Path]:
-    run_ranks(_save, 2, str(tmp_path), [1, 2], start_method="forkserver")
+    run_ranks(_save, 2, str(tmp_path), [1, 2])
     n0, n1 = tmp_path / "n0", tmp_path / "n1"
     part = n1 / step_dir(2) / part_file(1)
     part.write_bytes(part.read_bytes()[:20])
     return n0, n1
 
 
-def gc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tiercheck", "gc", *args], capture_output=True, text=True, timeout=120)
+def gc(*args: str) -> Ran:
+    return run("gc", *args, check=False)
 
 
 def test_gc_of_one_node_cannot_see_the_others_and_deletes_nothing(tmp_path: Path) -> None:
@@ -79,7 +78,7 @@ def test_gc_of_every_node_keeps_the_step_the_job_can_restore(tmp_path: Path) -> 
     assert f"damaged: step 2: {n1}" in done.stderr
     assert list_steps(LocalTier(n0)).committed == [1, 2]
     assert list_steps(LocalTier(n1)).committed == [1, 2]
-    results = run_ranks(_restore_and_save, 2, str(tmp_path), start_method="forkserver")
+    results = run_ranks(_restore_and_save, 2, str(tmp_path))
     assert [(got, value) for got, value, _ in results] == [(1, 1.0), (1, 2.0)]
 
 
@@ -89,7 +88,7 @@ def test_retention_in_the_job_keeps_the_step_the_job_restored(tmp_path: Path) ->
     its step 3 commits, the older steps may go."""
     n0, _n1 = _damaged_job(tmp_path)
     remote = (tmp_path / "remote").as_uri()
-    results = run_ranks(_restore_and_save, 2, str(tmp_path), remote, start_method="forkserver")
+    results = run_ranks(_restore_and_save, 2, str(tmp_path), remote)
     assert [(got, value) for got, value, _ in results] == [(1, 1.0), (1, 2.0)]
     assert all(1 in after for _, _, after in results)
     # Step 1 goes once step 3 commits; step 2, whose drain failed (node 1's copy is damaged), stays.

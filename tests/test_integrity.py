@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run
 from tests.conftest import assert_identical
 from tests.ondisk import as_format4
 from tiercheck import Checkpointer
@@ -200,14 +199,10 @@ def test_a_drained_object_of_another_save_counts_for_nothing(tmp_path: Path) -> 
     assert_identical(tiercheck.load(f"file://{remote}", step=2), make_state(9))
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=120)
-
-
 def test_restore_to_refuses_a_directory_holding_another_save_of_the_step(tmp_path: Path) -> None:
     save(tmp_path / "first", {2: 2})
     save(tmp_path / "second", {2: 9})
-    proc = cli("restore", str(tmp_path / "second"), "--to", str(tmp_path / "first"), "--step", "2")
+    proc = run("restore", str(tmp_path / "second"), "--to", str(tmp_path / "first"), "--step", "2", check=False)
     assert proc.returncode == 1, proc.stderr
     assert "holds another save of step 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert_identical(tiercheck.load(tmp_path / "first", step=2), make_state(2))  # untouched
@@ -217,10 +212,10 @@ def test_restore_to_takes_the_directorys_writer_lock(tmp_path: Path) -> None:
     save(tmp_path / "src", {2: 2})
     node = tmp_path / "node"
     with Checkpointer(make_state(0), local=node):
-        proc = cli("restore", str(tmp_path / "src"), "--to", str(node))
+        proc = run("restore", str(tmp_path / "src"), "--to", str(node), check=False)
         assert proc.returncode == 1 and "in use by another tiercheck writer" in proc.stderr, proc.stderr
         assert not (node / step_dir(2)).exists()
-    assert cli("restore", str(tmp_path / "src"), "--to", str(node)).returncode == 0
+    run("restore", str(tmp_path / "src"), "--to", str(node))
     assert_identical(tiercheck.load(node, step=2), make_state(2))
 
 
@@ -228,7 +223,7 @@ def test_restore_to_takes_the_directorys_writer_lock(tmp_path: Path) -> None:
 def test_restore_to_commits_no_copy_of_a_step_missing_a_manifest_file(tmp_path: Path, lost: str) -> None:
     save(tmp_path / "src", {2: 2})
     (tmp_path / "src" / step_dir(2) / FILES[lost][0]).unlink()
-    proc = cli("restore", str(tmp_path / "src"), "--to", str(tmp_path / "node"))
+    proc = run("restore", str(tmp_path / "src"), "--to", str(tmp_path / "node"), check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert FILES[lost][0] in proc.stderr or "arrays-000000.json" in proc.stderr, proc.stderr
     assert list_steps(LocalTier(tmp_path / "node")).committed == []

@@ -172,7 +172,7 @@ def test_a_dtensor_changed_before_its_lazy_copy_fails_the_save(tmp_path: Path) -
     from tests.distributed import run_ranks
 
     (r0, steps0, counted0), (r1, steps1, counted1) = run_ranks(
-        _dtensor_changed, 2, str(tmp_path), start_method="forkserver"
+        _dtensor_changed, 2, str(tmp_path)
     )
     assert "model/weight changed after save(1)" in r0 and counted0
     assert "model/bias changed after save(1)" in r1 and counted1

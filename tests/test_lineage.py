@@ -9,8 +9,6 @@ prefix over.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,9 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run, s3_args
 from tests.conftest import assert_identical
 from tests.servers import SeaweedS3
-from tests.test_cli import s3_args
 from tiercheck import Checkpointer, LineageError, RetentionOptions, WriteOptions
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import LINEAGE_FILE
@@ -144,13 +142,12 @@ def test_the_drain_command_refuses_another_lineages_prefix(tmp_path: Path) -> No
     lineage.forget_all()
     with Checkpointer(state_of(30), local=tmp_path / "b") as ck:  # no remote: B's steps stay local
         ck.save(1)
-    cli = [sys.executable, "-m", "tiercheck", "drain", str(tmp_path / "b"), "--to", url]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    cli = ["drain", str(tmp_path / "b"), "--to", url]
+    done = run(*cli, check=False)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "did not restore" in done.stderr and str(tmp_path / "remote") in done.stderr
     assert_identical(tiercheck.load(url, step=1), state_of(11))
-    done = subprocess.run([*cli, "--take-over"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run(*cli, "--take-over")
     assert_identical(tiercheck.load(url, step=1), state_of(30))
 
 
@@ -170,9 +167,7 @@ def test_restore_to_carries_the_lineage(tmp_path: Path, s3_server: SeaweedS3, s3
     url, options = f"s3://{s3_bucket}/staged", s3_server.storage_options()
     job(tmp_path / "a", url, (1,), 10, remote_options=options)
     node = tmp_path / "node"
-    cli = [sys.executable, "-m", "tiercheck", *s3_args(s3_server), "restore", url, "--to", str(node)]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run(*s3_args(s3_server), "restore", url, "--to", str(node))
     staged, source = read_lineage(LocalTier(node)), read_lineage(open_tier(url, storage_options=options))
     assert staged is not None and source is not None and staged.id == source.id
     assert job(node, url, (2,), 10, restore=True, remote_options=options) == 1

@@ -56,7 +56,7 @@ def _preloaded_forkserver() -> None:
 
 
 def _launch(fn: Any, world: int, *args: Any) -> list[Any]:
-    return run_ranks(fn, world, *args, start_method="forkserver", timeout=120)
+    return run_ranks(fn, world, *args, timeout=120)
 
 
 def _cpu_only() -> None:

@@ -1,13 +1,15 @@
 """What a new user meets first: messages, logging they see without configuring any, options where
 the README puts them, the RNG state saved right, and the object stores as optional extras.
 
-The ``tiercheck`` command runs as a subprocess (its logging setup and exit codes are the process's).
+The ``tiercheck`` command runs in-process (``tests/cli.py``), and as a subprocess where the process is the
+point: logging left unconfigured, a client module blocked from import, no torch imported, stderr a terminal.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import socket
@@ -21,16 +23,22 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import Ran, run
 from tests.servers import SeaweedS3
-from tiercheck.errors import RemoteStorageError
+from tiercheck.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    NotADirectoryTierError,
+    RemoteStorageError,
+    TiercheckError,
+    UnsupportedValueError,
+)
 from tiercheck.format.paths import step_dir
 from tiercheck.tiers.remote import RemoteTier
 
 
-def tiercheck_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tiercheck", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+def tiercheck_cli(*args: str) -> Ran:
+    return run(*args, check=False)
 
 
 def closed_port() -> int:
@@ -105,6 +113,94 @@ def test_bad_option_values_get_one_line(saved: Path) -> None:
         assert proc.stderr.count("\n") == 1, (args, proc.stderr)  # no usage block, no traceback
         assert proc.stderr.startswith("tiercheck: error: ") and message in proc.stderr, (args, proc.stderr)
         assert "--help')" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["gc", "DIR", "--keep-last", "0"], "--keep-last"),
+        (["gc", "DIR", "--keep-last", "-1"], "--keep-last"),
+        (["gc", "DIR", "--keep-every", "0"], "--keep-every"),
+        (["gc", "DIR", "--keep-last", "1", "--grace-hours", "-1"], "--grace-hours"),
+        (["gc", "DIR", "--keep-last", "1", "--grace-hours", "nan"], "--grace-hours"),
+        (["plan", "--params", "7e9", "--tp", "0"], "--tp"),
+        (["plan", "--params", "7e9", "--pp", "-2"], "--pp"),
+        (["plan", "--params", "7e9", "--dp", "0"], "--dp"),
+        (["plan", "--params", "7e9", "--gpus-per-node", "0"], "--gpus-per-node"),
+        (["plan", "--params", "7e9", "--restart-s", "-5"], "--restart-s"),
+        (["plan", "--params", "7e9", "--node-mtbf-hours", "0"], "--node-mtbf-hours"),
+        (["plan", "--params", "7e9", "--tier", "nvme:-1:1:node"], "--tier"),
+        (["plan", "--params", "7e9", "--tier", "nvme:nan:1:node"], "--tier"),
+        (["plan", "--layers", "0", "--hidden", "8", "--vocab", "10"], "--layers"),
+        (["plan", "--layers", "2", "--hidden", "-8", "--vocab", "10"], "--hidden"),
+        (["plan", "--layers", "2", "--hidden", "8", "--vocab", "0"], "--vocab"),
+        (["plan", "--layers", "2", "--hidden", "8", "--vocab", "10", "--ffn", "0"], "--ffn"),
+        (["plan", "--params", "0"], "--params"),
+        (["plan", "--params", "7X"], "--params"),
+        (["plan", "--params", "1e400"], "--params"),
+        (["export", "DIR", "--to", "OUT", "--max-shard-size", "0"], "--max-shard-size"),
+        (["export", "DIR", "--to", "OUT", "--max-shard-size", "lots"], "--max-shard-size"),
+        (["--retry-deadline", "0", "ls", "DIR"], "--retry-deadline"),
+        (["verify", "DIR", "--threads", "0"], "--threads"),
+        (["verify", "DIR", "--step", "-3"], "--step"),
+    ],
+)
+def test_a_numeric_option_out_of_range_is_a_usage_error_naming_it(args: list[str], option: str) -> None:
+    """``gc --keep-last 0`` exited 1 with ``RetentionOptions.keep_last must be at least 1``: the
+    library's name for it, and the status of a failed run."""
+    result = run(*args, check=False)
+    assert result.returncode == 2, (args, result.stdout + result.stderr)
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"tiercheck: error: Invalid value for '{option}'"), line
+
+
+def test_ls_without_credentials_names_the_bucket_the_prefix_and_where_it_looked(tmp_path: Path) -> None:
+    """``tiercheck ls s3://no-such-bucket/run`` said ``listing /: NoCredentialsError``."""
+    missing = str(tmp_path / "none")
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=missing, AWS_CONFIG_FILE=missing)
+    secret = "AKIDNOTTOBESHOWN"
+    for options in ([], ["-o", f"key={secret}"]):
+        proc = run("--retry-deadline", "5", "ls", "s3://no-such-bucket/run", *options, env=env, check=False)
+        assert proc.returncode == 1, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(
+            "tiercheck: error: s3://no-such-bucket/run: listing bucket 'no-such-bucket' prefix 'run': no credentials"
+        ), line
+        assert "AWS_ACCESS_KEY_ID" in line and "~/.aws/credentials" in line and "-o KEY=VALUE" in line, line
+        assert ("key given" in line) == bool(options), line
+        assert "AWS_CONFIG_FILE set" in line and secret not in line, line
+
+
+def test_bad_arguments_raise_tiercheck_errors_that_keep_the_builtin_base(tmp_path: Path) -> None:
+    """The README says every error derives from TiercheckError; ``save("epoch-3")`` raised a plain
+    ValueError and ``local=`` a file a plain NotADirectoryError."""
+    state = {"w": torch.zeros(2)}
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(NotADirectoryTierError, match="exists and is not a directory") as e:
+        tiercheck.Checkpointer(state, local=afile)
+    assert isinstance(e.value, NotADirectoryError) and isinstance(e.value, TiercheckError)
+    with pytest.raises(UnsupportedValueError, match="must be a mapping") as t:
+        tiercheck.Checkpointer([torch.zeros(2)], local=tmp_path / "ck")  # type: ignore[arg-type]
+    assert isinstance(t.value, TypeError)
+    for options in (lambda: tiercheck.RetentionOptions(keep_last=0), lambda: tiercheck.WriteOptions(io_threads=0)):
+        with pytest.raises(InvalidArgumentError) as v:
+            options()
+        assert isinstance(v.value, ValueError)
+    ck = tiercheck.Checkpointer(state, local=tmp_path / "ck")
+    for step in ("epoch-3", -1, 3.0, True):
+        with pytest.raises(InvalidArgumentError, match="step must be a non-negative int") as s:
+            ck.save(step)  # type: ignore[arg-type]
+        assert isinstance(s.value, ValueError)
+    with pytest.raises(InvalidArgumentError, match="no remote tier"):
+        ck.drain()
+    ck.close()
+    with pytest.raises(ClosedError, match="closed") as c:
+        ck.save(1)
+    assert isinstance(c.value, RuntimeError)
+    with pytest.raises(InvalidArgumentError, match="does not fit"):
+        tiercheck.Shard(torch.zeros(2), global_shape=(2,), offsets=(1,))
 
 
 def test_inspect_answers_for_20000_arrays(tmp_path: Path) -> None:

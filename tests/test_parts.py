@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run
 from tests.conftest import assert_identical
 from tests.faultproxy import FaultProxy
 from tests.ondisk import step_parts
@@ -372,28 +373,21 @@ def test_a_resumed_copy_into_a_directory_reads_back_what_it_keeps(tmp_path: Path
 
 
 def test_restore_to_with_verify_replaces_a_damaged_committed_copy(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     local = saved_locally(tmp_path, big_state(10))
     dst = tmp_path / "node"
-    cli = [sys.executable, "-m", "tiercheck", "restore", str(local), "--to", str(dst), "--verify"]
-    assert subprocess.run(cli, capture_output=True, text=True, timeout=120).returncode == 0
+    cli = ["restore", str(local), "--to", str(dst), "--verify"]
+    run(*cli)
     spans = step_parts(local / step_dir(1))[0].spans()
     raw = bytearray((dst / step_dir(1) / pack_file(0)).read_bytes())
     raw[spans[2][0] + 9] ^= 0x20
     (dst / step_dir(1) / pack_file(0)).write_bytes(bytes(raw))
-    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stdout + again.stderr
+    again = run(*cli)
     assert "damaged" in again.stderr and "copying it again" in " ".join(again.stderr.split())
     assert f"ok: step 1 intact in {dst}" in " ".join(again.stdout.split())
     assert_identical(tiercheck.load(str(dst)), big_state(10))
 
 
 def test_restore_to_of_a_damaged_newest_step_names_the_step_restore_would_use(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     local = tmp_path / "local"
     state = big_state(11)
     with Checkpointer(state, local=local) as ck:
@@ -401,13 +395,12 @@ def test_restore_to_of_a_damaged_newest_step_names_the_step_restore_would_use(tm
         ck.save(2)
     pack = local / step_dir(2) / pack_file(0)
     pack.write_bytes(pack.read_bytes()[: 5 * MiB])  # cut short
-    cli = [sys.executable, "-m", "tiercheck", "restore", str(local), "--to", str(tmp_path / "node")]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    cli = ["restore", str(local), "--to", str(tmp_path / "node")]
+    done = run(*cli, check=False)
     said = " ".join(done.stderr.split())  # as one line, however the console wrapped it
     assert done.returncode == 1
     assert "restore() would fall back to step 1" in said and "--step 1" in said, said
-    again = subprocess.run([*cli, "--step", "1"], capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stderr
+    run(*cli, "--step", "1")
     assert_identical(tiercheck.load(str(tmp_path / "node"), step=1), big_state(11))
 
 

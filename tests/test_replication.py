@@ -57,7 +57,7 @@ def _restore(rank: int, world: int, root: str, remote: str | None) -> dict[str, 
 
 
 def _saved(root: Path, replicas: int, remote: str | None = None) -> list[dict[str, Any]]:
-    return run_ranks(_save, 8, str(root), replicas, remote, start_method="forkserver", timeout=240)
+    return run_ranks(_save, 8, str(root), replicas, remote, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_each_node_holds_its_peers_replica_and_drains_only_its_own_files(replica
 def test_a_wiped_node_restores_from_its_peer_without_a_remote(replicated_1: Path, tmp_path: Path) -> None:
     root = _copy(replicated_1, tmp_path / "job")
     shutil.rmtree(root / "node1")  # replaced: an empty directory
-    results = run_ranks(_restore, 8, str(root), None, start_method="forkserver", timeout=240)
+    results = run_ranks(_restore, 8, str(root), None, timeout=240)
     _check_restored(results, wiped=[1])
 
 
@@ -118,10 +118,10 @@ def test_two_wiped_nodes_of_one_clique_fail_naming_the_lost_ranks_or_fall_back_t
     root = _copy(replicated_1, tmp_path / "job")
     shutil.rmtree(root / "node1")
     shutil.rmtree(root / "node2")  # node 1's only copy was on node 2
-    for r in run_ranks(_restore, 8, str(root), None, start_method="forkserver", timeout=240):
+    for r in run_ranks(_restore, 8, str(root), None, timeout=240):
         assert r["step"] is None
         assert "the files of saving rank(s) 2-3 are on no rank's local tier" in r["error"], r["error"]
-    results = run_ranks(_restore, 8, str(root), (replicated_1 / "remote").as_uri(), start_method="forkserver")
+    results = run_ranks(_restore, 8, str(root), (replicated_1 / "remote").as_uri())
     for rank, r in enumerate(results):
         assert r["step"] == 2 and r["tensors"] > 0 and r["info"]["rank"] == rank
 
@@ -133,7 +133,7 @@ def test_two_replicas_survive_two_lost_nodes(tmp_path: Path) -> None:
     assert placement(0, NODES, tiercheck.ReplicationOptions(replicas=2)) == ([1, 2], [3, 2])
     shutil.rmtree(root / "node0")
     shutil.rmtree(root / "node2")  # node 0's copies were on nodes 1 and 2; node 2's on 3 and 0
-    _check_restored(run_ranks(_restore, 8, str(root), None, start_method="forkserver", timeout=240), wiped=[0, 2])
+    _check_restored(run_ranks(_restore, 8, str(root), None, timeout=240), wiped=[0, 2])
     assert sum(t.nbytes for t in global_tensors(2).values()) > 0
 
 
@@ -167,14 +167,14 @@ def _save_and_die_receiving(rank: int, world: int, root: str) -> bool:
 
 
 def test_a_crash_while_receiving_leaves_no_replica_that_counts(tmp_path: Path) -> None:
-    outcomes = run_ranks(_save_and_die_receiving, 8, str(tmp_path), start_method="forkserver", check=False, timeout=120)
+    outcomes = run_ranks(_save_and_die_receiving, 8, str(tmp_path), check=False, timeout=120)
     assert outcomes[2].exitcode == 17
     assert outcomes[0].result is False  # node 0's copy never arrived whole: its sender says so
     node1 = LocalTier(tmp_path / "node1")
     assert not list((tmp_path / "node1" / step_dir(1)).glob("REPLICA-*"))
     assert held_steps(node1)["1"] == [[2, 3], 8, [2, 3]]  # only its own files count
     # Every node's own files are whole: the step restores bit for bit (node 1's half-received pack is ignored).
-    _check_restored(run_ranks(_restore, 8, str(tmp_path), None, start_method="forkserver", timeout=240), [], step=1)
+    _check_restored(run_ranks(_restore, 8, str(tmp_path), None, timeout=240), [], step=1)
 
 
 def test_ls_shows_replica_coverage_and_verify_checks_replicas(replicated_1: Path, tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_a_replica_holding_an_earlier_steps_files_is_not_restored_as_the_newer_s
     no tier holds step 2 of ranks 2-3 whole: the restore falls back to step 1, and never returns step 1's
     bits as step 2. ``manifest``: only the parts/arrays/owners/refs swapped, the packs left as they were."""
     root = tmp_path / "job"
-    assert all(run_ranks(_save_two_trajectories, 8, str(root), start_method="forkserver", timeout=240))
+    assert all(run_ranks(_save_two_trajectories, 8, str(root), timeout=240))
     holder = root / "node2"
     stale, fresh = holder / step_dir(1), holder / step_dir(2)
     names = [n for r in (2, 3) for n in rank_files(r) if (stale / n).exists()]
@@ -246,7 +246,7 @@ def test_a_replica_holding_an_earlier_steps_files_is_not_restored_as_the_newer_s
     listing = CliRunner().invoke(main, ["ls", str(holder), "--json"])
     (row,) = [r for r in json.loads(listing.stdout)["steps"] if r["step"] == 2]
     assert next(iter(row["tiers"].values()))["replica_ranks"] == []
-    for r in run_ranks(_restore_any, 8, str(root), start_method="forkserver", timeout=240):
+    for r in run_ranks(_restore_any, 8, str(root), timeout=240):
         assert r["step"] == 1 and r["tensors"] > 0, r  # step 1, bit for bit (seed 3): not step 2
 
 

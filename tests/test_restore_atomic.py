@@ -285,7 +285,7 @@ def test_a_failed_in_place_restore_says_the_state_may_hold_parts_of_the_step(
 def test_ranks_rolling_back_in_process_each_stage_in_their_own_save_pool(tmp_path: Path) -> None:
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     for rank, (restored, staged_in_pool, kept_memory, steps) in enumerate(
-        run_ranks(_roll_back_in_process, 2, roots, start_method="forkserver")
+        run_ranks(_roll_back_in_process, 2, roots)
     ):
         assert torch.equal(restored, torch.full((128, 64), 10.0 + rank))
         assert staged_in_pool == 128 * 64 * 4 and kept_memory
@@ -294,10 +294,10 @@ def test_ranks_rolling_back_in_process_each_stage_in_their_own_save_pool(tmp_pat
 
 def _refused_as_asked_then_fell_back_together(roots: list[str]) -> None:
     """Step 2 asked for: both ranks refuse, their state untouched; none asked for: both restore step 1."""
-    refused = run_ranks(_restore_on_two_nodes, 2, roots, 2, start_method="forkserver")
+    refused = run_ranks(_restore_on_two_nodes, 2, roots, 2)
     assert refused == [("CorruptCheckpointError", True)] * 2, refused
 
-    fell_back = run_ranks(_restore_on_two_nodes, 2, roots, None, start_method="forkserver")
+    fell_back = run_ranks(_restore_on_two_nodes, 2, roots, None)
     for rank, (step, w, half) in enumerate(fell_back):
         assert step == 1
         assert torch.equal(w, torch.full((64, 64), 1.0))
@@ -306,7 +306,7 @@ def _refused_as_asked_then_fell_back_together(roots: list[str]) -> None:
 
 def test_two_ranks_agree_to_fall_back_when_one_ranks_chunk_is_damaged(tmp_path: Path) -> None:
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
+    run_ranks(_save_on_two_nodes, 2, roots)
     step2 = Path(roots[1]) / "step-00000002"  # only node 1's copy is bad, and only one of its chunks
     flip_chunk_byte(step2, "rows", chunks_of(step2, "rows")[-1], 3)
 
@@ -317,7 +317,7 @@ def test_two_ranks_agree_to_fall_back_when_one_ranks_manifest_part_is_damaged(tm
     """Damage found while the manifest is fetched (not while chunks are read) is the step's damage
     too: the rank reading the part and the rank waiting on it both fall back, to the same step."""
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run_ranks(_save_on_two_nodes, 2, roots, start_method="forkserver")
+    run_ranks(_save_on_two_nodes, 2, roots)
     part = Path(roots[1]) / "step-00000002" / part_file(1)
     part.write_bytes(part.read_bytes()[:-9] + b"garbage!!")
 

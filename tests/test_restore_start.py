@@ -114,12 +114,12 @@ def test_a_job_start_restore_through_shared_memory_falls_back_bit_identically(tm
     memory as each chunk is verified. A damaged chunk of step 2, written and read by rank 1, stops
     both ranks after some of step 2 reached their tensors; both fall back to step 1, which
     overwrites every tensor bit for bit."""
-    run_ranks(_save_seeds, 2, DP2, str(tmp_path), start_method="forkserver")
+    run_ranks(_save_seeds, 2, DP2, str(tmp_path))
     raw = (tmp_path / "node1" / "step-00000002" / part_file(1)).read_bytes()
     written = parse_rank_part(unseal(raw, where="test"), where="test", save=None).checksums
     path, key = sorted((p, k) for p, crcs in written.items() for k in crcs)[-1]
     flip_chunk_byte(tmp_path / "node1" / "step-00000002", path, key, 0)
-    results = run_ranks(_restore_at_job_start, 2, DP2, str(tmp_path), timeout=60, start_method="forkserver")
+    results = run_ranks(_restore_at_job_start, 2, DP2, str(tmp_path), timeout=60)
     for step, checked, in_place, _ in results:
         assert step == 1 and checked == 1 + 3 * LAYERS
         assert in_place > 0

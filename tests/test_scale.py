@@ -88,7 +88,7 @@ RESTORE = Layout(tp=8, pp=1, dp=2)  # 16 ranks, 2 a node: the same nodes 0-7
 @pytest.mark.timeout(420)  # ~40 s here (2 cores); each launch below is bounded at 180 s
 def test_32_ranks_on_8_nodes_restore_onto_16_ranks_with_another_layout(tmp_path: Path) -> None:
     root = str(tmp_path)
-    planned = run_ranks(_save, SAVE.world, SAVE, root, 4, timeout=180, pg_timeout=120, start_method="forkserver")
+    planned = run_ranks(_save, SAVE.world, SAVE, root, 4, timeout=180, pg_timeout=120)
     unique = sum(t.nbytes for t in global_tensors(2).values()) + flat_buffer(2).nbytes
     # Every chunk is written once, replicas or not. The flat buffer's chunks are its DP parts (251 elements), and
     # zarr stores the short last one (248) full size.
@@ -98,7 +98,7 @@ def test_32_ranks_on_8_nodes_restore_onto_16_ranks_with_another_layout(tmp_path:
     assert committed == [f"node{j}" for j in range(8)]
 
     results = run_ranks(
-        _restore, RESTORE.world, RESTORE, root, 2, timeout=180, pg_timeout=120, start_method="forkserver"
+        _restore, RESTORE.world, RESTORE, root, 2, timeout=180, pg_timeout=120
     )
     for rank, r in enumerate(results):
         assert r["step"] == 2

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run
 from tests.servers import SeaweedS3, open_s3fs
 from tiercheck.cli.sizing import (
     DEFAULT_TIERS,
@@ -343,3 +344,31 @@ def test_measure_s3(s3_server: SeaweedS3, s3_bucket: str) -> None:
     assert tier.write_bytes_per_s > 0 and tier.read_bytes_per_s > 0
     with open_s3fs(**options) as fs:
         assert fs.find(s3_bucket) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [("7B", 7_000_000_000), ("7b", 7_000_000_000), ("70e9", 70_000_000_000), ("1.5T", 1_500_000_000_000),
+     ("350M", 350_000_000), ("125k", 125_000), ("6738415616", 6_738_415_616), ("1_000", 1000)],
+)  # fmt: skip
+def test_plan_takes_a_parameter_count_as_people_write_it(text: str, count: int) -> None:
+    result = run("plan", "--params", text, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["model"]["n_params"] == count
+
+
+def test_plan_prints_one_unit_per_column_and_counts_in_words() -> None:
+    result = run("plan", "--params", "7B")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("TP=1 PP=1 DP=1 on 1 GPU, 1 node"), lines[0]
+    header = next(line for line in lines if line.startswith("tier "))
+    for heading in ("write (GB/s)", "read (GB/s)", "save (s)", "restore (s)", "lost work (%)"):
+        assert heading in header, header
+    rows = lines[lines.index(header) + 1 : lines.index(header) + 4]
+    for row in rows:  # units live in the headings: a cell is a number
+        _, scope, *cells = row.replace("per node", "per-node").split()
+        assert scope in ("per-node", "shared"), row
+        assert all(cell.replace(".", "").isdigit() for cell in cells), row
+    gpt3 = run("plan", "--layers", "96", "--hidden", "12288", "--vocab", "50257", "--tp", "8", "--pp", "16", "--dp", "8")
+    assert "on 1024 GPUs, 128 nodes" in gpt3.stdout and "async interval (min)" in gpt3.stdout, gpt3.stdout

@@ -185,7 +185,7 @@ def _rank_with_a_full_disk(rank: int, world_size: int, roots: list[str]) -> str:
 def test_a_full_disk_on_one_node_stops_every_rank_at_once(tmp_path: Path) -> None:
     """Before, the other ranks waited for the failed one for DistributedOptions.timeout_s (300 s here)."""
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    results = run_ranks(_rank_with_a_full_disk, 2, roots, timeout=120, start_method="forkserver")
+    results = run_ranks(_rank_with_a_full_disk, 2, roots, timeout=120)
     assert results[1].startswith("StorageError: ") and roots[1] in results[1], results
     assert results[0].startswith("CoordinationError: rank 1 failed") and "StorageError" in results[0], results
 

@@ -158,16 +158,16 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
     remote_dir = tmp_path / "remote"
     remote = remote_dir.as_uri()
     whole = run_ranks(_train, 2, str(tmp_path / "a"), (tmp_path / "ra").as_uri(), str(tmp_path / "a" / "ckpt"),
-                      async_mode, TOTAL, start_method="forkserver", timeout=150)  # fmt: skip
+                      async_mode, TOTAL, timeout=150)  # fmt: skip
     assert [w["resumed"] for w in whole] == [False, False]
 
     run, local = tmp_path / "b", tmp_path / "b" / "ckpt"
     # Killed at step 7: step 5 is committed locally; step 10 never happened.
-    outcomes = run_ranks(_train, 2, str(run), remote, str(local), async_mode, 7, start_method="forkserver",
+    outcomes = run_ranks(_train, 2, str(run), remote, str(local), async_mode, 7,
                          check=False, timeout=150)  # fmt: skip
     assert all(o.exitcode == 0 for o in outcomes), [o.error for o in outcomes]
     assert _steps(local) == [5]
-    resumed = run_ranks(_train, 2, str(run), remote, str(local), async_mode, TOTAL, start_method="forkserver",
+    resumed = run_ranks(_train, 2, str(run), remote, str(local), async_mode, TOTAL,
                         timeout=150)  # fmt: skip
     for rank in range(2):
         assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
@@ -179,7 +179,7 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
     # Two new nodes: empty local directories, the remote tier alone.
     shutil.rmtree(local)
     fresh = run_ranks(_restore_only, 2, str(tmp_path / "c"), remote, str(tmp_path / "c" / "ckpt"),
-                      start_method="forkserver", timeout=150)  # fmt: skip
+                      timeout=150)  # fmt: skip
     for rank in range(2):
         assert fresh[rank]["step"] == TOTAL
         for key in ("model", "optim", "lr", "next_batch"):

@@ -109,6 +109,6 @@ def _open_node(rank: int, world_size: int, roots: list[str]) -> str:
 def test_when_one_nodes_directory_is_taken_every_rank_of_the_job_is_refused(tmp_path: Path) -> None:
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     with Checkpointer({"w": torch.zeros(4)}, local=roots[1]):  # another job on node 1
-        results = run_ranks(_open_node, 2, roots, start_method="forkserver")
+        results = run_ranks(_open_node, 2, roots)
     assert results[0] == results[1]
     assert f"pid {os.getpid()}" in results[0] and roots[1] in results[0]

@@ -1,7 +1,8 @@
-"""Steps forged by hand and re-sealed (every checksum the format keeps recomputed, as an attacker or a
-careless tool with write access could): ``restore``, ``load`` and ``verify`` agree that such a step is
-damaged, name the file and the field, and a restore passes it over for the newest older whole step as
-it does a bad chunk (issue 42, items 11 and 12)."""
+"""The files of a step are checked against each other, not only against their own checksums: a step edited
+by hand and re-sealed (every checksum the format keeps recomputed, as an attacker or a careless tool with
+write access could) so that two of its records disagree is damaged to ``restore``, ``load`` and ``verify``
+alike; each names the file and the field, and a restore passes it over for the newest older whole step as
+it does a bad chunk."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import tiercheck
+from tests.cli import run
 from tests.conftest import assert_identical
 from tests.ondisk import resign_index
 from tiercheck import Checkpointer, WriteOptions
-from tiercheck.cli import main
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import seal, unseal
 from tiercheck.format.paths import part_file, shard_file, step_dir
@@ -41,8 +41,8 @@ def reseal(file: Path, edit: object) -> None:
 
 
 def verify(ckpt_dir: Path, step: int) -> tuple[int, str]:
-    result = CliRunner().invoke(main, ["verify", str(ckpt_dir), "--step", str(step)])
-    return result.exit_code, result.output
+    done = run("verify", str(ckpt_dir), "--step", str(step), check=False)
+    return done.returncode, done.stdout + done.stderr
 
 
 def damage_seen_everywhere(
@@ -67,7 +67,7 @@ def damage_seen_everywhere(
 def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_load_and_verify(
     ckpt_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Item 11: a rank part whose chunk takes another chunk's offset and CRC32C. load and verify
+    """A rank part whose chunk takes another chunk's offset and CRC32C. load and verify
     refused it (two chunks overlapping in the pack); restore read the other chunk's bytes, which
     check out, into the tensor: mixed tensors. Restore now runs the same extent check."""
     states = save_steps_2_and_3(ckpt_dir)
@@ -106,7 +106,7 @@ def test_a_part_whose_chunk_points_at_another_chunk_is_damage_to_restore_as_to_l
 def test_an_arrays_file_relabelling_a_dtype_is_damage_to_restore_load_and_verify(
     ckpt_dir: Path, caplog: pytest.LogCaptureFixture, dtype: str, message: str
 ) -> None:
-    """Item 12: an arrays file relabelling float32 as another dtype, re-sealed. restore refused the
+    """An arrays file relabelling float32 as another dtype, re-sealed. restore refused the
     state as incompatible without trying the older step, load returned the relabelled tensor, and
     verify called the step intact (int32). Now each names the file and field that contradict the
     record, and restore falls back to step 2."""
@@ -117,7 +117,7 @@ def test_an_arrays_file_relabelling_a_dtype_is_damage_to_restore_load_and_verify
 
 
 def test_a_step_renamed_with_its_index_rewritten_is_refused_by_verify_and_load(ckpt_dir: Path) -> None:
-    """Item 12: step 3's directory renamed to step 5, its manifest.json and COMMIT rewritten to say 5
+    """Step 3's directory renamed to step 5, its manifest.json and COMMIT rewritten to say 5
     (and re-signed). verify called it intact; its reference map still says step 3."""
     save_steps_2_and_3(ckpt_dir)
     renamed = ckpt_dir / step_dir(5)
