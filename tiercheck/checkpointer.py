@@ -46,7 +46,7 @@ from tiercheck.tiering.retention import set_aside_on_node
 from tiercheck.tiers.base import Tier
 from tiercheck.version import __version__
 
-__all__ = ["Checkpointer", "exit_deadline", "load"]
+__all__ = ["Checkpointer", "load"]
 
 log = logging.getLogger("tiercheck")
 
@@ -313,7 +313,7 @@ class Checkpointer:
 
         Args:
             step: the step to restore; None: the newest step every rank can get.
-            strict: every tensor of the state must be in the checkpoint.
+            strict: every tensor of the state must be in the checkpoint (False: plain entries may lack some).
             allow_pickle: overrides the Checkpointer's ``allow_pickle`` for this restore (None: the
                 Checkpointer's).
             populate_local: a node that lacked part of the step copies all of it from the remote tier

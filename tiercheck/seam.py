@@ -12,12 +12,14 @@ Restoring through a ``Checkpointer``
     (DeepSpeed's ranks read each other's entries, Megatron's state says exactly what it needs).
     ``FreshShard``: a read buffer made for one restore, read into without staging (DCP's reader).
     ``host_read_buffer``: new host memory for such a buffer, page-aligned where it is big.
-    ``exit_deadline``: how long a close at interpreter exit may take (DCP's shared Checkpointer).
+    ``exit_deadline``: when waiting at interpreter exit must end, one bound for every exit hook
+    (DCP's shared Checkpointer closes within it).
 
 Reading a committed step without a ``Checkpointer``
     ``open_step``: a source's tier, the step, its manifest and commit marker (``load``'s opening).
     ``read_regions``: regions of a step's arrays into given tensors, every chunk verified (HF export).
-    ``check_extents``: that a step's chunks are all there, before reading any.
+    ``check_extents``: that the chunks a manifest gives some arrays are backed by the step's files,
+    before any buffer is sized from those records.
     ``copy_in``: verified, staged data handed to live tensors (HF ``load_pretrained``).
 
 Steps and tiers
@@ -52,10 +54,10 @@ import torch
 from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.fmt import fmt_steps, some
 from tiercheck.format.codec import itemsize
+from tiercheck.format.extents import check_extents
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
-from tiercheck.format.verify import check_extents
 from tiercheck.lifecycle import exit_deadline
 from tiercheck.restore.load import open_step
 from tiercheck.restore.match import FreshShard

@@ -74,9 +74,9 @@ def copy_step(
     concurrency: int = 8,
     progress: Progress | None = None,
 ) -> CopyReport:
-    """Copy committed ``step`` from ``src`` to ``dst``: all of it, or with ``ranks`` only the chunk
-    files those saving ranks wrote (a node's share: its restore gets the rest from other ranks
-    or the remote tier). ``src`` must hold the files asked for."""
+    """Copy committed ``step`` from ``src`` to ``dst``: every saving rank's files, or with ``ranks``
+    those ranks' only (a node's share: its restore gets the rest from other ranks or the remote
+    tier), as ``files.files_of_ranks`` decides. ``src`` must hold the files asked for."""
     t0 = time.perf_counter()
     d = step_dir(step)
     marker = read_marker(src, step)
