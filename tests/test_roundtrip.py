@@ -171,27 +171,6 @@ def test_restore_returns_none_on_empty_tier_and_steps_are_listed(ckpt_dir: Path)
         assert ck.restore(5) == 5 and state["x"][0] == 5
 
 
-def test_restore_adds_saved_entries_unless_told_not_to_and_others_are_picked_by_name(ckpt_dir: Path) -> None:
-    saved = {"m": {"a": torch.arange(4.0), "b": torch.arange(1000.0), "c": 3}, "top": torch.ones(2)}
-    with Checkpointer(saved, local=ckpt_dir) as ck:
-        ck.save(1).wait()
-    exact: dict[str, Any] = {"m": {"a": torch.zeros(4)}}
-    with Checkpointer(exact, local=ckpt_dir) as ck:
-        assert ck.restore(1, extra=False) == 1
-        assert set(exact) == {"m"} and set(exact["m"]) == {"a"} and torch.equal(exact["m"]["a"], saved["m"]["a"])
-        assert ck.stats()["restore_bytes_read"] == 16  # m/b was not read
-    grown: dict[str, Any] = {"m": {"a": torch.zeros(4)}}
-    with Checkpointer(grown, local=ckpt_dir) as ck:
-        assert ck.restore(1) == 1  # as a fresh optimizer gets its saved state
-        assert (
-            set(grown) == {"m"} and set(grown["m"]) == {"a", "b", "c"} and torch.equal(grown["m"]["b"], saved["m"]["b"])
-        )
-    picked: dict[str, Any] = {}
-    with Checkpointer(picked, local=ckpt_dir) as ck:
-        assert ck.restore(1, others=lambda names: [n for n in names if n != "m"]) == 1
-        assert set(picked) == {"top"} and torch.equal(picked["top"], saved["top"])
-
-
 def test_saving_a_committed_step_again_is_refused(ckpt_dir: Path) -> None:
     with Checkpointer({"x": torch.zeros(3)}, local=ckpt_dir) as ck:
         ck.save(4).wait()

@@ -46,7 +46,7 @@ from tiercheck.tiering.retention import set_aside_on_node
 from tiercheck.tiers.base import Tier
 from tiercheck.version import __version__
 
-__all__ = ["Checkpointer", "exit_deadline", "load"]
+__all__ = ["Checkpointer", "load"]
 
 log = logging.getLogger("tiercheck")
 
@@ -304,41 +304,41 @@ class Checkpointer:
         strict: bool = True,
         allow_pickle: bool | None = None,
         populate_local: bool = False,
-        others: bool | Callable[[list[str]], Iterable[str]] = False,
-        extra: bool = True,
         in_place: bool | None = None,
     ) -> int | None:
-        """Restore ``step`` (default: the newest step every rank can get) into the state, in place.
+        """Restore a committed step into the state, in place; under ``torch.distributed`` every rank
+        calls it, and the saved layout may differ from the current one. On the saving world size,
+        items saved inside the state's entries that it lacks are added (a fresh optimizer gets its
+        saved state). All or nothing, or in place at a job start: see docs/concepts/restore.md.
 
-        Returns the restored step, or None when no tier holds a committed step (and ``step`` was
-        not given). With ``strict``, every tensor of the state must be in the checkpoint. Under
-        ``torch.distributed`` every rank calls it; the saved layout may differ from the current one.
-        With ``populate_local``, a node that lacked part of the step copies all of it from the
-        remote tier into its local directory in the background, so the next restart reads locally.
-        ``allow_pickle`` overrides the Checkpointer's for this restore (None: the Checkpointer's).
+        Args:
+            step: the step to restore; None: the newest step every rank can get.
+            strict: every tensor of the state must be in the checkpoint (False: plain entries may lack some).
+            allow_pickle: overrides the Checkpointer's ``allow_pickle`` for this restore (None: the
+                Checkpointer's).
+            populate_local: a node that lacked part of the step copies all of it from the remote tier
+                into its local directory in the background, so the next restart reads locally.
+            in_place: True reads straight into the state's tensors, False all or nothing; None: in
+                place only before this Checkpointer has saved or restored.
 
-        ``others`` is for frameworks whose ranks save different top-level entries (DeepSpeed's
-        per-rank files) and read each other's: entries of the saved state that this state lacks are
-        added to it (the state must be a mutable mapping) and restored too: all of them with
-        ``True``, or those a callable picks from the list of their names.
+        Returns:
+            The restored step, or None when no tier holds a committed step and ``step`` was None.
 
-        On the saving world size, items this rank saved inside the state's entries that the state
-        lacks are added (a fresh optimizer gets its saved state); ``extra=False`` restores only
-        what the state holds, for frameworks that describe exactly what each rank needs (Megatron,
-        whose layout may change at the same world size).
-
-        Once this Checkpointer has saved or restored, the state holds training progress, and a
-        restore is all or nothing: every chunk is read into new memory (or the idle save pool) and
-        verified before the state changes, so a failed restore leaves it as it was; that takes a
-        second copy of the state's host memory while it runs. Before that (a job start: the state
-        is what the job just built), a restore reads the state's tensors, CPU or GPU, straight
-        into their own memory, each chunk verified as it lands: no second copy, and no new memory
-        to fault in. A damaged newest step then still falls back to the newest older whole step, which
-        overwrites every tensor it holds (with ``strict``, all of them); where no step is whole,
-        ``PartlyRestoredError`` names the tensors already overwritten. ``in_place=True`` or
-        ``False`` chooses either way regardless (``stats()["restore_in_place_bytes"]`` says how
-        much went straight into the state; a GPU's chunks go up through page-locked buffers).
+        Raises:
+            CheckpointNotFoundError: ``step`` is committed on no tier this rank can read.
+            IncompatibleStateError: the state does not match the step (names, shapes, dtypes).
+            CorruptCheckpointError: the step is damaged everywhere (``PartlyRestoredError``, a
+                subclass, where tensors were already overwritten in place).
+            CoordinationError: another rank failed; its error is quoted.
         """
+        return self._restore(step, strict=strict, allow_pickle=allow_pickle, populate_local=populate_local,
+                             in_place=in_place, others=False, extra=True)  # fmt: skip
+
+    def _restore(
+        self, step: int | None, *, strict: bool, allow_pickle: bool | None, populate_local: bool,
+        in_place: bool | None, others: bool | Callable[[list[str]], Iterable[str]], extra: bool,
+    ) -> int | None:  # fmt: skip
+        """``restore``, choosing how the saved tree maps onto the state: see ``seam.restore_tree``."""
         self._check_open()
         self._drop_prefault()  # before the lock: pre-faulting plans under it
         with self._lock:

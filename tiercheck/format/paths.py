@@ -123,19 +123,9 @@ REPLICA_PREFIX = "REPLICA-"
 
 
 def rank_files(rank: int) -> list[str]:
-    """The files of one saving rank in a step directory (format 4), those that exist for it."""
+    """The files the manifest index names for one saving rank (format 4 on), whether or not they
+    exist; which of a directory's files are a set of ranks' is ``files.files_of_ranks``'s to say."""
     return [part_file(rank), shard_file(rank), owners_file(rank), refs_file(rank), pack_file(rank)]
-
-
-RANK_FILE = re.compile(
-    rf"^(?:{PARTS_DIR}/(?:rank|arrays|owners)|{REFS_DIR}/rank)-([0-9]{{6,}})\.json$|^{PACKS_DIR}/rank-([0-9]{{6,}})\.bin$"
-)
-
-
-def file_rank(name: str) -> int | None:
-    """The saving rank a file of a step directory belongs to (one of ``rank_files``), else None."""
-    m = RANK_FILE.match(name)
-    return None if m is None else int(m.group(1) or m.group(2))
 
 
 def replica_marker(first_rank: int) -> str:

@@ -2,7 +2,7 @@
 where each node's copies go. No torch here: ``tiercheck ls`` and ``verify`` read these too.
 
 A replica of node B's files in node A's directory of step N is B's saving ranks' files, under their own
-names (``rank_files``), plus ``REPLICA-<B's first rank>.json`` naming the ranks, each file's size and
+names (``files.files_of_ranks``), plus ``REPLICA-<B's first rank>.json`` naming the ranks, each file's size and
 CRC32C, and B's node directory. The marker is written last, once every file is durable and checked.
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
+from tiercheck.format.files import files_of_ranks
 from tiercheck.format.paths import (
     is_replica_marker,
     pack_owner,
-    rank_files,
     step_dir,
 )
 from tiercheck.format.steps import read_small
@@ -54,7 +54,6 @@ class Replica:
             ok = isinstance(doc, dict) and doc.get("format") == _FORMAT and doc.get("step") == step
             ranks = tuple(int(r) for r in doc["ranks"]) if ok and isinstance(doc.get("ranks"), list) else ()
             world = doc.get("world_size") if ok else None
-            allowed = {f for r in ranks for f in rank_files(r)}
             files = {
                 str(n): (int(v[0]), int(v[1]))
                 for n, v in (doc.get("files") or {}).items()
@@ -67,7 +66,7 @@ class Replica:
             and ranks
             and isinstance(world, int)
             and all(0 <= r < world for r in ranks)
-            and set(files) <= allowed
+            and files_of_ranks(dict.fromkeys(files, 0), ranks).keys() == files.keys()
             and len(files) == len(doc["files"])
             and all(size >= 0 and 0 <= crc < 2**32 for size, crc in files.values())
             and isinstance(doc.get("node"), str)

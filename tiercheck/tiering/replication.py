@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -40,7 +40,8 @@ import torch.distributed as dist
 from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, _own_client, drive
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
-from tiercheck.format.paths import COMMIT_FILE, rank_files, replica_marker, step_dir
+from tiercheck.format.files import files_of_ranks
+from tiercheck.format.paths import COMMIT_FILE, replica_marker, step_dir
 from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement
 from tiercheck.format.steps import read_marker
 from tiercheck.options import ReplicationOptions
@@ -66,6 +67,12 @@ def number_nodes(coord: Coordinator, nodes: Nodes) -> Exchange[int | None]:
         coord.delete(key)
     coord.finish("replicate")
     return number
+
+
+def replica_files(tier: LocalTier, step: int, ranks: Iterable[int]) -> list[tuple[str, int]]:
+    """The files of saving ranks ``ranks`` of ``step`` that a replica of them carries, by name and
+    size: the ranks' files as the manifest names them (``files.files_of_ranks``), nothing else."""
+    return list(files_of_ranks(tier.sizes(step_dir(step)), ranks).items())
 
 
 class _Pair:
@@ -219,8 +226,7 @@ class Replicator:
         start = time.monotonic()
         d = step_dir(step)
         marker = read_marker(self.tier, step)
-        sizes = self.tier.sizes(d)
-        files = [(f, sizes[f]) for r in marker.ranks for f in rank_files(r) if f in sizes]
+        files = replica_files(self.tier, step, marker.ranks)
         header = {
             "step": step,
             "ranks": list(marker.ranks),
@@ -286,13 +292,13 @@ class Replicator:
         ranks = [int(r) for r in header["ranks"]]
         world = int(header["world_size"])
         files = [(str(n), int(s)) for n, s in header["files"]]
-        allowed = {f for r in ranks for f in rank_files(r)}
+        named = {n: s for n, s in files}
         problem = None
         if header["step"] != step:
             problem = f"the peer sent step {header['step']}"
         elif not ranks or not all(0 <= r < world for r in ranks) or own & set(ranks):
             problem = f"ranks {ranks} are out of range or this node's own"
-        elif not {n for n, _ in files} <= allowed or len(files) > MAX_FILES_PER_RANK * len(ranks):
+        elif files_of_ranks(named, ranks) != named or len(files) > MAX_FILES_PER_RANK * len(ranks):
             problem = "the peer named files that are not its ranks' files"
         elif not self.tier.exists(f"{d}/{COMMIT_FILE}"):
             problem = "the step is not committed here (deleted, or its save failed on this node)"

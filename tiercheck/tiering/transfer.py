@@ -29,11 +29,11 @@ import numpy as np
 from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
+from tiercheck.format.files import files_of_ranks, named_chunk_files
 from tiercheck.format.legacy import chunk_files_with_parts, has_packs
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
     CHUNK_FILE,
-    COMMIT_FILE,
     MANIFEST_FILE,
     PARTS_DIR,
     REFS_DIR,
@@ -74,9 +74,9 @@ def copy_step(
     concurrency: int = 8,
     progress: Progress | None = None,
 ) -> CopyReport:
-    """Copy committed ``step`` from ``src`` to ``dst``: all of it, or with ``ranks`` only the chunk
-    files those saving ranks wrote (a node's share: its restore gets the rest from other ranks
-    or the remote tier). ``src`` must hold the files asked for."""
+    """Copy committed ``step`` from ``src`` to ``dst``: every saving rank's files, or with ``ranks``
+    those ranks' only (a node's share: its restore gets the rest from other ranks or the remote
+    tier), as ``files.files_of_ranks`` decides. ``src`` must hold the files asked for."""
     t0 = time.perf_counter()
     d = step_dir(step)
     marker = read_marker(src, step)
@@ -94,17 +94,11 @@ def copy_step(
     for rec in manifest.arrays.values():
         for key in rec.checksums:
             chunk_records[f"{rec.path}/{key}"] = (rec, key)
-    files = {
-        f: n
-        for f, n in src.sizes(d).items()
-        if f not in (COMMIT_FILE, MANIFEST_FILE)
-        and not f.startswith("__")
-        and not is_temporary(f)
-        and (f not in chunk_records or chunk_records[f][0].owner(chunk_records[f][1]) in wanted)
-        and (f in chunk_records or not CHUNK_FILE.search(f))  # a chunk file the manifest does not name is no part
-    }
-    files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
-    files = {f: n for f, n in files.items() if not is_replica_marker(f) or _with_its_files(src, step, f, files)}
+    listing = src.sizes(d)
+    files = files_of_ranks(listing, wanted, chunk_files=named_chunk_files(manifest, wanted))
+    # A peer's replica marker is no rank's file, but the copy of its ranks' files carries it along.
+    markers = [f for f in listing if is_replica_marker(f)]
+    files.update({f: listing[f] for f in markers if _with_its_files(src, step, f, files)})
     absent = sorted(
         f
         for f, (rec, key) in chunk_records.items()

@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tiercheck.format.files import files_of_ranks
 from tiercheck.format.paths import (
     COMMIT_FILE,
     DRAINED_PREFIX,
     MANIFEST_FILE,
     drained_marker,
-    file_rank,
-    is_replica_marker,
     pack_owner,
     step_dir,
 )
@@ -35,7 +34,6 @@ from tiercheck.tiering.transfer import (
     copy_chunk_file,
     copy_pack,
     finish_copy,
-    is_temporary,
     resumable,
 )
 from tiercheck.tiers.base import Tier
@@ -72,19 +70,10 @@ def upload_step(
     if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
-    files = local.sizes(d)
-    own = set(marker.ranks)
-    files = {
-        f: n
-        for f, n in files.items()
-        if f not in (COMMIT_FILE, MANIFEST_FILE)
-        and not is_temporary(f)  # a replica being received, say
-        and not is_replica_marker(f)
-        and file_rank(f) in (None, *own)  # peers' replicas are theirs to upload
-    }
+    crcs = chunk_file_crcs(local, step, list(marker.ranks))
+    files = files_of_ranks(local.sizes(d), marker.ranks, chunk_files=crcs or ())  # peers' replicas: theirs to upload
     there = resumable(local, remote, step, save, marker.ranks[0], files)
     todo = sorted(f for f in files if f not in there)
-    crcs = chunk_file_crcs(local, step, list(marker.ranks))
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:

@@ -41,9 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan
 
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError
-from tiercheck.format.manifest import JSON
-from tiercheck.format.metadata import MAX_BYTES
-from tiercheck.state.flatten import dtype_name, torch_dtype
+from tiercheck.seam import JSON, MAX_METADATA_BYTES, dtype_name, torch_dtype
 
 __all__ = ["FORMAT", "VERSION", "describe_metadata", "describe_plans", "layout_digest", "step_of", "to_metadata"]
 
@@ -52,7 +50,7 @@ log = logging.getLogger("tiercheck")
 FORMAT = "tiercheck-dcp"
 VERSION = 1
 _DIGITS = re.compile(r"^[0-9]+$")
-_ROOM = MAX_BYTES - 4096  # what the rest of the commit metadata may take
+_ROOM = MAX_METADATA_BYTES - 4096  # what the rest of the commit metadata may take
 
 
 def step_of(checkpoint_id: str | os.PathLike[str] | int) -> int:

@@ -30,18 +30,12 @@ from tiercheck.errors import (
     TiercheckError,
     UnsafeCheckpointError,
 )
-from tiercheck.fmt import fmt_steps
-from tiercheck.format.steps import read_index
 from tiercheck.integrations.dcp.metadata import step_of, to_metadata
 from tiercheck.integrations.dcp.regions import item_start, memory_span, own_target, read_box, state_memory
 from tiercheck.integrations.dcp.shared import Shared, acquire, checked_options, release
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
-from tiercheck.restore.match import FreshShard
-from tiercheck.restore.stage import host_read_buffer
-from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import LocalTier
-from tiercheck.tiers.remote import open_tier
+from tiercheck.seam import FreshShard, LocalTier, Tier, fmt_steps, host_read_buffer, open_tier, read_index, restore_tree
 
 __all__ = ["TiercheckReader"]
 
@@ -170,7 +164,7 @@ class TiercheckReader(StorageReader):
             shared.state.clear()
             shared.state.update(values)
             try:
-                shared.ckpt.restore(self._step, strict=True, extra=False, allow_pickle=False)
+                restore_tree(shared.ckpt, self._step, strict=True, extra=False, allow_pickle=False)
                 restored = dict(shared.state)
             finally:
                 shared.state.clear()

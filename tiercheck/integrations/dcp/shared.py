@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiercheck.checkpointer import Checkpointer, exit_deadline
+from tiercheck import Checkpointer
 from tiercheck.errors import DirectoryInUseError
 from tiercheck.options import DistributedOptions
+from tiercheck.seam import exit_deadline
 
 __all__ = [
     "CHECKPOINTER_OPTIONS",

@@ -16,10 +16,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tiercheck.errors import CoordinationError, TiercheckError
-from tiercheck.format.steps import list_steps
 from tiercheck.integrations._collectives import all_gather_object
-from tiercheck.tiers.local import LocalTier
-from tiercheck.tiers.remote import open_tier
+from tiercheck.seam import LocalTier, list_steps, open_tier
 
 __all__ = ["restorable_steps"]
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiercheck.checkpointer import Checkpointer
+from tiercheck import Checkpointer, Shard
 from tiercheck.errors import UnsupportedValueError
 from tiercheck.integrations.dcp.metadata import describe_metadata, describe_plans, layout_digest, step_of
 from tiercheck.integrations.dcp.shared import (
@@ -35,7 +35,6 @@ from tiercheck.integrations.dcp.shared import (
     release,
     writer_made,
 )
-from tiercheck.state.sharding import Shard
 
 __all__ = ["TiercheckWriter"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.checkpointer import Checkpointer, load
+from tiercheck import Checkpointer, load
 from tiercheck.errors import CheckpointNotFoundError, StepExistsError, TiercheckError
 from tiercheck.integrations._collectives import all_gather_object
 from tiercheck.integrations.deepspeed.compat import SAFE_GLOBALS, CheckpointEngine, commit_info
@@ -41,7 +41,7 @@ from tiercheck.integrations.deepspeed.files import (
     write_atomically,
     write_pointers,
 )
-from tiercheck.tiers.base import Tier
+from tiercheck.seam import Tier, restore_tree
 
 __all__ = ["TiercheckCheckpointEngine"]
 
@@ -224,7 +224,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
                 + f" has it, and {os.path.join(load_dir, tag)} does not exist"
             )
         self._state.clear()
-        got = ckpt.restore(step, strict=False, others=self._wanted)
+        got = restore_tree(ckpt, step, strict=False, others=self._wanted)
         if got is None:
             self._state.clear()
             return None

@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercheck.checkpointer import Checkpointer, load
+from tiercheck import Checkpointer, load
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError, UnsafeCheckpointError
-from tiercheck.format.steps import list_steps, read_manifest
 from tiercheck.integrations.deepspeed.compat import SAFE_GLOBALS
-from tiercheck.tiers.base import Tier
+from tiercheck.seam import Tier, list_steps, read_manifest
 
 log = logging.getLogger("tiercheck.deepspeed")
 

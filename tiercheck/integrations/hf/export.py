@@ -2,7 +2,7 @@
 ``transformers``' ``from_pretrained``.
 
 Each exported tensor is assembled from the step's chunks by the restore path's own reader
-(``restore.read.move_chunks``: every chunk's checksum verified, whatever TP/PP/DP/ZeRO layout saved
+(``seam.read_regions``: every chunk's checksum verified, whatever TP/PP/DP/ZeRO layout saved
 it), a band of chunk rows at a time, into a reused buffer; cast if asked, and appended to its shard.
 Reading the next batch overlaps writing the last, and memory stays at two batches (``buffer_bytes``
 each, or one band of chunk rows where that is larger) whatever the model's size.
@@ -32,20 +32,23 @@ from typing import Any
 
 import torch
 
-from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import IncompatibleStateError
-from tiercheck.format.codec import itemsize
-from tiercheck.format.manifest import ArrayRecord, CommitMarker
-from tiercheck.format.verify import check_extents
 from tiercheck.integrations.hf.files import INDEX_FILE, encode_header, index_document, parse_size, shard_name
 from tiercheck.integrations.hf.names import NameMap, exported_arrays
-from tiercheck.restore.load import open_step
-from tiercheck.restore.read import move_chunks
-from tiercheck.restore.stage import ReadItem
-from tiercheck.state.flatten import torch_dtype
-from tiercheck.state.staging import aligned_empty
-from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import BLOCK, LocalTier
+from tiercheck.seam import (
+    BLOCK,
+    ArrayRecord,
+    CommitMarker,
+    LocalTier,
+    Region,
+    Tier,
+    aligned_empty,
+    check_extents,
+    itemsize,
+    open_step,
+    read_regions,
+    torch_dtype,
+)
 
 CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what ``dtype`` converts; other dtypes stay
 
@@ -290,7 +293,7 @@ class _Reader:
         buffer_bytes: int,
     ) -> None:
         self.tier, self.step, self.records, self.io_threads = tier, step, records, io_threads
-        self.readable = [frozenset(marker.ranks)]
+        self.holders = frozenset(marker.ranks)
         self.buffer_bytes = buffer_bytes
         self._buffers: list[list[torch.Tensor]] = [[torch.empty(0, dtype=torch.uint8)] * 2 for _ in range(2)]
         self._turn = 0
@@ -331,7 +334,8 @@ class _Reader:
         out = self._buffer(1, lead + end - begin)
         casts = [p for p in batch if p.tensor.dtype != p.tensor.record.dtype]
         stored = self._buffer(0, sum(_aligned(p.stored_bytes) for p in casts)) if casts else None
-        items, copies, pos = [], [], 0
+        regions: list[Region] = []
+        copies, pos = [], 0
         for p in batch:
             rec = p.tensor.record
             at = lead + starts[p.tensor.name] + p.lo * p.row_bytes - begin
@@ -344,11 +348,8 @@ class _Reader:
                 dest = view
             if dest.numel():
                 offsets = (p.lo, *([0] * (len(rec.shape) - 1))) if rec.shape else ()
-                items.append(ReadItem(rec, dest, offsets, fresh=True))
-        records = {i.record.path: i.record for i in items}
-        plan = assign_all_reads(records, [[i.need for i in items]], self.readable, read_once=True)
-        move_chunks(self.tier, self.step, records, items, plan.reads[0], plan.transfers, rank=0,
-                    io_threads=self.io_threads)  # fmt: skip
+                regions.append((rec, dest, offsets))
+        read_regions(self.tier, self.step, regions, holders=self.holders, io_threads=self.io_threads)
         for dest, view in copies:
             dest.copy_(view)
         self._turn ^= 1

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError
-from tiercheck.format.manifest import JSON, Manifest
-from tiercheck.state.flatten import decode
+from tiercheck.seam import JSON, Manifest, decode
 
 NameMap = Mapping[str, str | None] | Callable[[str], str | None]
 

@@ -35,7 +35,6 @@ from tiercheck.errors import (
     PartlyRestoredError,
     TiercheckError,
 )
-from tiercheck.fmt import some
 from tiercheck.integrations.hf.files import (
     INDEX_FILE,
     MAX_INDEX_BYTES,
@@ -46,11 +45,7 @@ from tiercheck.integrations.hf.files import (
     parse_index,
 )
 from tiercheck.integrations.hf.names import NameMap, rename
-from tiercheck.restore.stage import copy_in
-from tiercheck.state.flatten import dtype_name, is_stateful, torch_dtype
-from tiercheck.state.sharding import placement_of
-from tiercheck.tiers.base import Tier
-from tiercheck.tiers.remote import open_tier
+from tiercheck.seam import Tier, copy_in, dtype_name, is_stateful, open_tier, placement_of, some, torch_dtype
 
 
 @dataclass(frozen=True, slots=True)

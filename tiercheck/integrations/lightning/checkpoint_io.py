@@ -19,13 +19,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tiercheck.checkpointer import Checkpointer, load
+from tiercheck import Checkpointer, load
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from tiercheck.integrations.dcp.shared import CHECKPOINTER_OPTIONS
 from tiercheck.integrations.lightning import pointer
 from tiercheck.integrations.lightning.compat import CheckpointIO, global_rank, lightning_load
 from tiercheck.options import DistributedOptions, RetentionOptions
-from tiercheck.state.flatten import decode, flatten
+from tiercheck.seam import decode, flatten, restore_tree
 
 __all__ = ["TiercheckCheckpointIO"]
 
@@ -245,7 +245,7 @@ class TiercheckCheckpointIO(CheckpointIO):
         with self._lock:
             ckpt = self._checkpointer()
             try:
-                ckpt.restore(step, strict=False, others=True)
+                restore_tree(ckpt, step, strict=False, others=True)
                 return dict(self._state)
             finally:
                 self._state.clear()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.state.flatten import Leaf, dtype_name, torch_dtype
+from tiercheck.seam import Leaf, dtype_name, torch_dtype
 
 __all__ = ["FORMAT", "MAX_BYTES", "SMALL", "decode_small", "encode_small", "is_pointer", "read", "write"]
 

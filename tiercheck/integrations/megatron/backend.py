@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.checkpointer import Checkpointer
+from tiercheck import Checkpointer
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError, UnsupportedValueError
 from tiercheck.integrations._collectives import all_gather_object, raise_first
 from tiercheck.integrations.megatron.compat import (
@@ -37,7 +37,7 @@ from tiercheck.integrations.megatron.compat import (
 from tiercheck.integrations.megatron.files import POINTER_FORMAT, VERSION, AwaitCommit, read_pointer, write_pointer
 from tiercheck.integrations.megatron.layout import KeyLayout, layouts_of, merge_layouts, tensor_state
 from tiercheck.integrations.megatron.strategies import TiercheckLoadStrategy, TiercheckSaveStrategy
-from tiercheck.state.flatten import flatten
+from tiercheck.seam import flatten, restore_tree
 from tiercheck.version import __version__
 
 __all__ = ["TiercheckBackend"]
@@ -222,7 +222,7 @@ class TiercheckBackend:
             root.state.clear()
             root.state.update(tensors=tree, objects=values)
             # only what this rank's layout holds, though the world size is the saver's (TP2 -> PP2)
-            root.ckpt.restore(pointer["step"], allow_pickle=self.allow_pickle, extra=False)
+            restore_tree(root.ckpt, pointer["step"], allow_pickle=self.allow_pickle, extra=False)
         finally:
             root.state.clear()
             if root.one_shot:

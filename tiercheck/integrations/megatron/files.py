@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from tiercheck import SaveHandle
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tiercheck.save.handle import SaveHandle
 
 BACKEND = "tiercheck"
 VERSION = 1

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from tiercheck import Shard
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, UnsupportedValueError
-from tiercheck.state.flatten import dtype_name
-from tiercheck.state.sharding import Shard
+from tiercheck.seam import dtype_name
 
 __all__ = ["KeyLayout", "layouts_of", "merge_layouts", "shard_pieces", "tensor_state"]
 

@@ -34,7 +34,7 @@ from tiercheck.integrations.megatron.files import (
     write_common_state,
 )
 from tiercheck.integrations.megatron.layout import KeyLayout
-from tiercheck.state.flatten import torch_dtype
+from tiercheck.seam import torch_dtype
 
 __all__ = ["TiercheckLoadStrategy", "TiercheckSaveStrategy"]
 

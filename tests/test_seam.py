@@ -1,0 +1,63 @@
+"""``tiercheck.seam``, the internal interface the bundled integrations build on: how a framework's
+restore maps the saved tree onto its state (``restore_tree``), and reading regions of a step's
+arrays outside a restore (``read_regions``). ``Checkpointer.restore`` keeps only what users pass."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tests.ondisk import flip_chunk_byte
+from tiercheck import Checkpointer
+from tiercheck.seam import open_step, read_regions, restore_tree
+
+
+def test_restore_adds_saved_entries_unless_told_not_to_and_others_are_picked_by_name(ckpt_dir: Path) -> None:
+    saved = {"m": {"a": torch.arange(4.0), "b": torch.arange(1000.0), "c": 3}, "top": torch.ones(2)}
+    with Checkpointer(saved, local=ckpt_dir) as ck:
+        ck.save(1).wait()
+    exact: dict[str, Any] = {"m": {"a": torch.zeros(4)}}
+    with Checkpointer(exact, local=ckpt_dir) as ck:
+        assert restore_tree(ck, 1, extra=False) == 1
+        assert set(exact) == {"m"} and set(exact["m"]) == {"a"} and torch.equal(exact["m"]["a"], saved["m"]["a"])
+        assert ck.stats()["restore_bytes_read"] == 16  # m/b was not read
+    grown: dict[str, Any] = {"m": {"a": torch.zeros(4)}}
+    with Checkpointer(grown, local=ckpt_dir) as ck:
+        assert ck.restore(1) == 1  # as a fresh optimizer gets its saved state
+        assert (
+            set(grown) == {"m"} and set(grown["m"]) == {"a", "b", "c"} and torch.equal(grown["m"]["b"], saved["m"]["b"])
+        )
+    picked: dict[str, Any] = {}
+    with Checkpointer(picked, local=ckpt_dir) as ck:
+        assert restore_tree(ck, 1, others=lambda names: [n for n in names if n != "m"]) == 1
+        assert set(picked) == {"top"} and torch.equal(picked["top"], saved["top"])
+
+
+def test_checkpointer_restore_takes_and_documents_only_what_users_pass() -> None:
+    params = [p for p in inspect.signature(Checkpointer.restore).parameters if p != "self"]
+    assert params == ["step", "strict", "allow_pickle", "populate_local", "in_place"]
+    doc = inspect.getdoc(Checkpointer.restore) or ""
+    args = doc.split("Args:", 1)[1].split("Returns:", 1)[0]
+    assert all(f"\n    {p}: " in f"\n{args}" for p in params), args
+    assert "Raises:" in doc
+
+
+def test_read_regions_reads_rows_of_an_array_verified(ckpt_dir: Path) -> None:
+    w = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)
+    write = tiercheck.WriteOptions(chunk_bytes=4096)  # many chunks: rows 10-30 cross two
+    with Checkpointer({"w": w}, local=ckpt_dir, write=write) as ck:
+        ck.save(1).wait()
+    tier, step, manifest, marker = open_step(ckpt_dir, None)
+    record = manifest.arrays["w"]
+    rows = torch.empty(20, 64)
+    read = read_regions(tier, step, [(record, rows, (10, 0))], holders=frozenset(marker.ranks), io_threads=2)
+    assert torch.equal(rows, w[10:30]) and read >= rows.numel() * 4
+
+    flip_chunk_byte(ckpt_dir / "step-00000001", "w", next(iter(record.checksums)), 0)
+    with pytest.raises(tiercheck.CorruptCheckpointError):
+        read_regions(tier, step, [(record, torch.empty(256, 64), (0, 0))], holders=frozenset(marker.ranks), io_threads=2)

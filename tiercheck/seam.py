@@ -1,0 +1,160 @@
+"""The internal interface the bundled integrations (``tiercheck.integrations``) build on: NOT the
+public API. Nothing here is promised to users; it may change in any release, together with the
+integrations that use it. Users import ``tiercheck`` (its ``__all__``), ``tiercheck.errors`` and
+``tiercheck.options``.
+
+The integrations import the public names and this module, nothing else of the package (an
+import-linter contract in ``pyproject.toml`` checks it), so that the stages below can change
+without reaching into the integrations, and what the integrations need of them is one list here:
+
+Restoring through a ``Checkpointer``
+    ``restore_tree``: ``Checkpointer.restore`` choosing how the saved tree maps onto the state
+    (DeepSpeed's ranks read each other's entries, Megatron's state says exactly what it needs).
+    ``FreshShard``: a read buffer made for one restore, read into without staging (DCP's reader).
+    ``host_read_buffer``: new host memory for such a buffer, page-aligned where it is big.
+    ``exit_deadline``: when waiting at interpreter exit must end, one bound for every exit hook
+    (DCP's shared Checkpointer closes within it).
+
+Reading a committed step without a ``Checkpointer``
+    ``open_step``: a source's tier, the step, its manifest and commit marker (``load``'s opening).
+    ``read_regions``: regions of a step's arrays into given tensors, every chunk verified (HF export).
+    ``check_extents``: that the chunks a manifest gives some arrays are backed by the step's files,
+    before any buffer is sized from those records.
+    ``copy_in``: verified, staged data handed to live tensors (HF ``load_pretrained``).
+
+Steps and tiers
+    ``Tier``, ``LocalTier``, ``open_tier``: where steps live (a local directory, an fsspec URL).
+    ``BLOCK``: the block size of ``LocalTier``'s direct I/O, which buffers written by it align to.
+    ``list_steps``, ``read_index``, ``read_manifest``: the steps on a tier, a step's ``manifest.json``
+    and its whole manifest.
+
+The format
+    ``JSON``, ``Manifest``, ``ArrayRecord``, ``CommitMarker``: the manifest's types.
+    ``MAX_METADATA_BYTES``: the most JSON ``save(metadata=)`` takes (DCP keeps its metadata there).
+    ``itemsize``: bytes per element of a stored dtype.
+
+The state tree
+    ``flatten``, ``decode``, ``Leaf``: a state as the saved tree's leaves, and a saved tree back.
+    ``dtype_name``, ``torch_dtype``: a torch dtype as the format names it, and back.
+    ``is_stateful``, ``placement_of``: whether a value has a ``state_dict``; where a tensor sits in
+    its global tensor (a ``Shard``, a DTensor).
+    ``aligned_empty``: page-aligned host memory (direct I/O reads and writes into it).
+
+Formatting
+    ``some``, ``fmt_steps``: a few of many items, and a list of steps, for error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiercheck.cluster.assign import assign_all_reads
+from tiercheck.fmt import fmt_steps, some
+from tiercheck.format.codec import itemsize
+from tiercheck.format.extents import check_extents
+from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
+from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
+from tiercheck.format.steps import list_steps, read_index, read_manifest
+from tiercheck.lifecycle import exit_deadline
+from tiercheck.restore.load import open_step
+from tiercheck.restore.match import FreshShard
+from tiercheck.restore.read import move_chunks
+from tiercheck.restore.stage import ReadItem, copy_in, host_read_buffer
+from tiercheck.state.flatten import Leaf, decode, dtype_name, flatten, is_stateful, torch_dtype
+from tiercheck.state.sharding import placement_of
+from tiercheck.state.staging import aligned_empty
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import BLOCK, LocalTier
+from tiercheck.tiers.remote import open_tier
+
+if TYPE_CHECKING:
+    from tiercheck.checkpointer import Checkpointer
+
+Region = tuple[ArrayRecord, torch.Tensor, tuple[int, ...]]
+"""Part of a saved array to read: its record, the tensor to read it into (its shape is the part's),
+and where that part starts in the array."""
+
+
+def restore_tree(
+    checkpointer: Checkpointer,
+    step: int | None = None,
+    *,
+    strict: bool = True,
+    allow_pickle: bool | None = None,
+    others: bool | Callable[[list[str]], Iterable[str]] = False,
+    extra: bool = True,
+) -> int | None:
+    """``checkpointer.restore(step, strict=, allow_pickle=)`` choosing how the saved tree maps onto
+    the state, where a framework needs other than what users get.
+
+    Args:
+        checkpointer: the Checkpointer whose state is restored.
+        step: as ``Checkpointer.restore``.
+        strict: as ``Checkpointer.restore``.
+        allow_pickle: as ``Checkpointer.restore``.
+        others: for frameworks whose ranks save different top-level entries (DeepSpeed's per-rank
+            files) and read each other's: entries of the saved state that this state lacks are added
+            to it (the state must be a mutable mapping) and restored too; all of them with True, or
+            those a callable picks from the list of their names.
+        extra: False restores only what the state holds, for frameworks that describe exactly what
+            each rank needs (Megatron, whose layout may change at the same world size); True (what
+            users get) adds, on the saving world size, the items this rank saved inside the state's
+            entries that the state lacks.
+
+    Returns:
+        The restored step, or None when no tier holds a committed step and ``step`` was None.
+    """
+    return checkpointer._restore(step, strict=strict, allow_pickle=allow_pickle, populate_local=False,
+                                 in_place=None, others=others, extra=extra)  # fmt: skip
+
+
+def read_regions(
+    tier: Tier, step: int, regions: Sequence[Region], *, holders: frozenset[int], io_threads: int
+) -> int:
+    """Read ``regions`` of committed ``step`` on ``tier`` into their tensors in this process, as a
+    restore reads them: each chunk once, its checksum verified, from the pack of the saving rank
+    that wrote it (``holders``: the saving ranks whose files ``tier`` holds). The tensors are new
+    memory no one else uses (nothing is staged). Returns the bytes read."""
+    items = [ReadItem(rec, dest, offsets, fresh=True) for rec, dest, offsets in regions]
+    records = {i.record.path: i.record for i in items}
+    plan = assign_all_reads(records, [[i.need for i in items]], [holders], read_once=True)
+    return move_chunks(tier, step, records, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
+
+
+__all__ = [
+    "BLOCK",
+    "JSON",
+    "MAX_METADATA_BYTES",
+    "ArrayRecord",
+    "CommitMarker",
+    "FreshShard",
+    "Leaf",
+    "LocalTier",
+    "Manifest",
+    "Region",
+    "Tier",
+    "aligned_empty",
+    "check_extents",
+    "copy_in",
+    "decode",
+    "dtype_name",
+    "exit_deadline",
+    "flatten",
+    "fmt_steps",
+    "host_read_buffer",
+    "is_stateful",
+    "itemsize",
+    "list_steps",
+    "open_step",
+    "open_tier",
+    "placement_of",
+    "read_index",
+    "read_manifest",
+    "read_regions",
+    "restore_tree",
+    "some",
+    "torch_dtype",
+]
