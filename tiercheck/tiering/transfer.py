@@ -29,7 +29,6 @@ import numpy as np
 from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
-from tiercheck.format.legacy import chunk_files_with_parts, has_packs
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
     CHUNK_FILE,
@@ -46,7 +45,7 @@ from tiercheck.format.paths import (
 )
 from tiercheck.format.replicas import Replica
 from tiercheck.format.saveid import REFS_STAMP, check_file_save
-from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
+from tiercheck.format.steps import commit_step, rank_parts, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
 from tiercheck.tiers.parts import composite_of
@@ -118,8 +117,7 @@ def copy_step(
     lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
     if lost:
         raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
-    if has_packs(manifest.format_version):
-        check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
+    check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
     there = resumable(src, dst, step, save, min(wanted), files)
     todo = sorted(f for f in files if f not in there)
     total = sum(files[f] for f in todo)
@@ -129,7 +127,7 @@ def copy_step(
         if pack_owner(f) is not None:
             return copy_pack(src, dst, step, f, files[f], save=save)
         if f not in chunk_records:  # manifest parts checked against their seals and save; the rest bounded
-            return copy_chunk_file(src, dst, step, f, None, save=save)
+            return copy_file(src, dst, step, f, save=save)
         rec, key = chunk_records[f]
         nbytes = chunk_nbytes(rec)
         data = src.read_range(f"{d}/{f}", 0, nbytes + CHECKSUM_BYTES + 1)  # one byte past: too long shows
@@ -239,7 +237,7 @@ def finish_copy(dst: Tier, step: int, first: int) -> None:
 
 
 def check_complete(src: Tier, step: int, manifest: Manifest, parts: dict[int, RankPart], wanted: set[int]) -> None:
-    """Every manifest file a restore of the ``wanted`` ranks' share of a format 4+ step needs is
+    """Every manifest file a restore of the ``wanted`` ranks' share of a step needs is
     there: each array their chunks belong to has its record (arrays file) and chunk owners
     (owners file) where the step keeps them, so no copy commits what ``load`` would refuse."""
     world = manifest.world_size
@@ -365,28 +363,10 @@ class _Ring:
             self._free.append(buf)
 
 
-def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | None:
-    """The checksum of each chunk file (format 3: each chunk its own file) that ``ranks`` wrote
-    in ``step``, by its path inside the step; None for a format that keeps no such files to check
-    this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
-    if not chunk_files_with_parts(read_index(src, step)[1]["format_version"]):
-        return None
-    parts = rank_parts(src, step, ranks, save=None)  # format 3 names no save
-    return {
-        f"{path}/{key}": crc
-        for part in parts.values()
-        for path, by in part.checksums.items()
-        for key, crc in by.items()
-    }
-
-
-def copy_chunk_file(
-    src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None, *, save: str | None
-) -> int:
-    """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
-    checked against its checksum as read (one the manifest does not name is refused), and a file
-    of the manifest against its seal and the step's save ``save``: a rotted part, or another
-    save's, is never committed on ``dst``. Returns the bytes copied."""
+def copy_file(src: Tier, dst: Tier, step: int, f: str, *, save: str | None) -> int:
+    """Copy the file ``f`` of ``step``, not a pack (:func:`copy_pack`): a file of the manifest is
+    checked against its seal and the step's save ``save``, so a rotted part, or another save's, is
+    never committed on ``dst``. Returns the bytes copied."""
     d = step_dir(step)
     where = f"{src.url}: {d}/{f}"
     if f.startswith(f"{PARTS_DIR}/"):
@@ -401,10 +381,6 @@ def copy_chunk_file(
         dst.write(f"{d}/{f}", [data])
         return len(data)
     data = src.read_bytes(f"{d}/{f}")
-    if crcs is not None:
-        if f not in crcs:
-            raise CorruptCheckpointError(f"{where}: a chunk file the manifest does not name")
-        verify_chunk(data, expected_crc=crcs[f], nbytes=max(len(data) - CHECKSUM_BYTES, 0), where=where)
     dst.write(f"{d}/{f}", [data])
     return len(data)
 

@@ -28,11 +28,10 @@ from tiercheck.format.paths import (
     pack_owner,
     step_dir,
 )
-from tiercheck.format.steps import commit_step, read_marker, read_small
+from tiercheck.format.steps import commit_step, read_index, read_marker, read_small
 from tiercheck.tiering.lineage import check_remote
 from tiercheck.tiering.transfer import (
-    chunk_file_crcs,
-    copy_chunk_file,
+    copy_file,
     copy_pack,
     finish_copy,
     is_temporary,
@@ -72,6 +71,7 @@ def upload_step(
     if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
+    read_index(local, step)  # a step of another format (or a damaged index) is refused before anything is copied
     files = local.sizes(d)
     own = set(marker.ranks)
     files = {
@@ -84,7 +84,6 @@ def upload_step(
     }
     there = resumable(local, remote, step, save, marker.ranks[0], files)
     todo = sorted(f for f in files if f not in there)
-    crcs = chunk_file_crcs(local, step, list(marker.ranks))
     t0 = time.perf_counter()
 
     def copy(f: str) -> int:
@@ -92,7 +91,7 @@ def upload_step(
             n = copy_pack(local, remote, step, f, files[f], save=save)
             on_file(n)
             return n
-        n = copy_chunk_file(local, remote, step, f, crcs, save=save)  # format 3: each chunk file checked as read
+        n = copy_file(local, remote, step, f, save=save)
         on_file(n)
         return n
 
