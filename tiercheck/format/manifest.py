@@ -270,11 +270,11 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
             for p, by_key in (part.get("offset") or {}).items()
         }
         chunk_bytes = {str(p): file_offset(n) for p, n in (part.get("nbytes") or {}).items()}
-        if offsets and (
+        if (
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
             or not set(offsets) <= set(chunk_bytes)
-        ):
+        ):  # every chunk is in its writer's pack: none is a file of its own (formats before 4)
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
         return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
     except CorruptCheckpointError:

@@ -2,9 +2,9 @@
 of the right size and CRC32C, and every replica file matches its marker.
 
 ``read_stored_chunk`` is the one read-and-check of a chunk: a restore reads its chunks through it
-(``restore.read.read_chunk``) and ``verify_step`` re-reads a whole step with it. Both find the
-chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
-``codec.verify_chunk``/``verify_parts``. Nothing here sees a tensor.
+(``restore.read.read_chunk``) and ``verify_step`` re-reads a whole step with it: a chunk is at its
+offset in its writer's pack (``ArrayRecord.location``; ``verify_step`` takes it from the writer's
+part), checked with ``codec.verify_chunk``/``verify_parts``. Nothing here sees a tensor.
 """
 
 
@@ -21,7 +21,7 @@ from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, v
 from tiercheck.format.extents import check_extents
 from tiercheck.format.layout import grid_size, is_chunk_key
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
-from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, refs_file, step_dir
+from tiercheck.format.paths import PACKS_DIR, pack_file, refs_file, step_dir
 from tiercheck.format.refmaps import document_problems, read_map, stamp_problem
 from tiercheck.format.replicas import read_replicas, replica_problems
 from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker
@@ -33,9 +33,9 @@ Progress = Callable[[int], AbstractContextManager[Callable[[int, int], None]]]
 
 CHUNK_KEY = re.compile(r"c(\.(0|[1-9][0-9]*))*", re.ASCII)
 
-# A chunk to check: array path, chunk key, CRC32C, data bytes (None: unknown, all of its file),
-# and where it is (chunk_location's file and offset).
-_Job = tuple[str, str, int, int | None, str, int | None]
+# A chunk to check: array path, chunk key, CRC32C, data bytes, and where it is (its writer's pack
+# and its offset there).
+_Job = tuple[str, str, int, int, str, int]
 
 
 def read_stored_chunk(
@@ -44,7 +44,7 @@ def read_stored_chunk(
     file: str,
     offset: int | None,
     *,
-    nbytes: int | None,
+    nbytes: int,
     crc: int,
     where: str,
     into: memoryview | None = None,
@@ -52,17 +52,12 @@ def read_stored_chunk(
     """A stored chunk's data, its size and CRC32C checked (``CorruptCheckpointError`` when not).
 
     ``file`` and ``offset`` say where it is (``paths.chunk_location``): at ``offset`` in a pack,
-    or with no offset its own file, which is read one byte past its expected end so that one too
-    long shows. ``nbytes`` None: the size is not known here (a part that gives no size for a
-    chunk outside any pack), so all of the file is the chunk. With ``into``, the chunk's
+    or with no offset a file of its own, which is read one byte past its expected end so that one
+    too long shows. With ``into``, the chunk's
     first ``len(into)`` bytes are read there (see ``Tier.read_into``) and a view of them is
     returned. A missing file raises ``FileNotFoundError`` and an unreadable one ``OSError``: each
     caller words those its own way."""
     path = f"{step_dir(step)}/{file}"
-    if nbytes is None:
-        assert offset is None and into is None
-        raw = tier.read(path)
-        return verify_chunk(raw, expected_crc=crc, nbytes=len(raw) - CHECKSUM_BYTES, where=where)
     length = nbytes + CHECKSUM_BYTES + (offset is None)
     if into is None:
         return verify_chunk(tier.read_range(path, offset or 0, length), expected_crc=crc, nbytes=nbytes, where=where)
@@ -101,13 +96,12 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                         f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
                     )
                 # the part's size is the record's (extents.check_sizes, as read_manifest assembled them)
-                size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
+                size = part.chunk_bytes[path]
                 for key in [k for k in crcs if not _is_key(k, rec)]:  # never a path to read
                     bad.append(f"step {step}: array {path!r}: rank {rank}'s part names {key!r}, not its chunk")
                     del crcs[key]
                 for key, crc in sorted(crcs.items()):
-                    file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
-                    jobs.append((path, key, crc, size, file, offset))
+                    jobs.append((path, key, crc, size, pack_file(rank), part.offsets[path][key]))
     except TiercheckError as e:  # its message names the tier and the step already
         return [*bad, f"step {step}: {re.sub(rf'^(.*?: )?step {step}: ', '', str(e), count=1)}"]
     if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
@@ -125,7 +119,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                 bad.append(str(e))
             except TiercheckError:  # a file not to be read (a symbolic link): each chunk's read below says so
                 pass
-    total = sum(job[3] or 0 for job in jobs)
+    total = sum(job[3] for job in jobs)
 
     def check(job: _Job) -> int:
         path, key, crc, nbytes, file, offset = job
@@ -139,7 +133,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
             bad.append(f"step {step}: array {path!r} chunk {key}: {str(e).rsplit(': ', 1)[-1]}")
         except OSError as e:  # no permission, EIO, a directory in its place
             bad.append(f"step {step}: array {path!r} chunk {key}: cannot read {file}: {e.strerror or e}")
-        return nbytes or 0
+        return nbytes
 
     done = 0
     bar = progress(total) if progress is not None else nullcontext(_no_progress)

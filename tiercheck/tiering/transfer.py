@@ -28,7 +28,7 @@ import numpy as np
 
 from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
+from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, unseal
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
     CHUNK_FILE,
@@ -104,15 +104,6 @@ def copy_step(
     }
     files = {f: n for f, n in files.items() if (r := pack_owner(f)) is None or r in wanted}
     files = {f: n for f, n in files.items() if not is_replica_marker(f) or _with_its_files(src, step, f, files)}
-    absent = sorted(
-        f
-        for f, (rec, key) in chunk_records.items()
-        if key not in rec.offsets and rec.owner(key) in wanted and f not in files
-    )
-    if absent:  # format 3 and before: each chunk its own file
-        raise CorruptCheckpointError(
-            f"{src.url}: step {step}: {len(absent)} chunk file(s) the manifest names are missing, e.g. {absent[0]}"
-        )
     writers = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.offsets}
     lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
     if lost:
@@ -126,14 +117,7 @@ def copy_step(
     def copy(f: str) -> int:
         if pack_owner(f) is not None:
             return copy_pack(src, dst, step, f, files[f], save=save)
-        if f not in chunk_records:  # manifest parts checked against their seals and save; the rest bounded
-            return copy_file(src, dst, step, f, save=save)
-        rec, key = chunk_records[f]
-        nbytes = chunk_nbytes(rec)
-        data = src.read_range(f"{d}/{f}", 0, nbytes + CHECKSUM_BYTES + 1)  # one byte past: too long shows
-        verify_chunk(data, expected_crc=rec.checksums[key], nbytes=nbytes, where=f"{src.url}: step {step}: {f}")
-        dst.write(f"{d}/{f}", [data])
-        return len(data)
+        return copy_file(src, dst, step, f, save=save)  # manifest parts checked against their seals and save
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tiercheck-copy") as pool:
         for n in pool.map(copy, todo):
