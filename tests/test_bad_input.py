@@ -265,6 +265,10 @@ def test_a_step_of_an_older_format_is_refused_by_every_reader_and_kept(ckpt_dir:
     step = ckpt_dir / "step-00000003"
     index = json.loads((step / "manifest.json").read_bytes())
     index["format_version"] = 4
+    del index["save_id"]  # as format 4 wrote them: neither names a save
+    marker = json.loads((step / "COMMIT").read_bytes())
+    del marker["save_id"]
+    (step / "COMMIT").write_text(json.dumps(marker))
     resign_index(step, json.dumps(index).encode())
     files = {p: p.read_bytes() for p in step.rglob("*") if p.is_file()}
     said = (

@@ -66,12 +66,11 @@ def upload_step(
     unless ``take_over``."""
     check_remote(local, remote, take_over=take_over)
     d = step_dir(step)
-    marker = read_marker(local, step)
+    marker, _, _ = read_index(local, step)  # a step of another format (or a damaged index): refused here
     save = marker.save_id
     if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
-    read_index(local, step)  # a step of another format (or a damaged index) is refused before anything is copied
     files = local.sizes(d)
     own = set(marker.ranks)
     files = {
@@ -131,7 +130,7 @@ def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
     except CorruptCheckpointError as e:
         log.warning("drain: %s; replacing it with the local copy of step %d", e, step)
         there = None
-    if there is not None and (save is None or there.save_id == save):
+    if there is not None and there.save_id == save:
         return True
     if there is not None:
         log.warning(
