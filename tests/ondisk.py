@@ -1,5 +1,5 @@
-"""Where a saved chunk lies on disk (format 4: a byte range of its writer's pack), for tests that
-damage one on purpose."""
+"""Where a saved chunk lies on disk (a byte range of its writer's pack), for tests that damage one
+on purpose."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tiercheck.format.codec import CHECKSUM_BYTES, checksum, seal, unseal
+from tiercheck.format.codec import CHECKSUM_BYTES, checksum, unseal
 from tiercheck.format.manifest import RankPart, parse_rank_part
 from tiercheck.format.paths import pack_file
 from tiercheck.tiers.local import LocalTier, resident_pages
@@ -51,50 +51,6 @@ def step_parts(step: Path) -> list[RankPart]:
             parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path), save=None)
         )
     return out
-
-
-def as_format3(step: Path) -> None:
-    """Rewrite the single-node step directory ``step`` as format 3 laid it out: each chunk its own
-    file ``<array>/<key>`` (data and trailer), no packs, the parts without offsets; re-signed."""
-    for part_path in sorted((step / "manifest").glob("rank-*.json")):
-        rank = int(part_path.stem.split("-")[1])
-        doc = json.loads(unseal(part_path.read_bytes(), where=str(part_path)))
-        pack = (step / pack_file(rank)).read_bytes()
-        for array, by_key in doc["offset"].items():
-            for key, offset in by_key.items():
-                out = step / array / key
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(pack[offset : offset + doc["nbytes"][array] + CHECKSUM_BYTES])
-        doc["offset"], doc["nbytes"] = {}, {}
-        part_path.write_bytes(seal(json.dumps(doc).encode()))
-    for d in ("packs", "refs"):
-        for f in (step / d).iterdir():
-            f.unlink()
-        (step / d).rmdir()
-    index = json.loads((step / "manifest.json").read_bytes())
-    index["format_version"] = 3
-    index["parts"].pop("packs", None)
-    index["parts"].pop("refs", None)
-    resign_index(step, json.dumps(index).encode())
-
-
-def as_format4(step: Path) -> None:
-    """Rewrite the step directory ``step`` as format 4 wrote it: as 5, but no file names its save."""
-    for part_path in sorted((step / "manifest").glob("*.json")):
-        doc = json.loads(unseal(part_path.read_bytes(), where=str(part_path)))
-        del doc["save_id"]
-        part_path.write_bytes(seal(json.dumps(doc).encode()))
-    for refs in sorted((step / "refs").glob("*.json")):
-        doc = json.loads(refs.read_bytes())
-        del doc["tiercheck"]
-        refs.write_text(json.dumps(doc))
-    index = json.loads((step / "manifest.json").read_bytes())
-    index["format_version"] = 4
-    del index["save_id"]
-    marker = json.loads((step / "COMMIT").read_bytes())
-    del marker["save_id"]
-    (step / "COMMIT").write_text(json.dumps(marker))
-    resign_index(step, json.dumps(index).encode())
 
 
 def resign_index(step: Path, data: bytes) -> None:

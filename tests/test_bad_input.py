@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from tiercheck.format.paths import part_file, shard_file
 from tiercheck.format.steps import read_manifest
 from tiercheck.restore.read import read_chunk
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.local import LocalTier
 
 
@@ -254,6 +256,52 @@ def test_a_manifest_from_a_newer_format_is_refused_clearly(ckpt_dir: Path) -> No
     assert issubclass(CorruptCheckpointError, TiercheckError)
 
 
+def test_a_step_of_an_older_format_is_refused_by_every_reader_and_kept(ckpt_dir: Path, tmp_path: Path) -> None:
+    """This library reads its own format only: a step whose index states an older one is refused
+    by restore, load, verify, inspect, ls, a copy and a drain, each with the one error naming the
+    step, the file, both formats and what to do; the failed restore leaves the live state as it
+    was, and nothing (a Checkpointer's start, gc) deletes the step."""
+    saved(ckpt_dir)
+    step = ckpt_dir / "step-00000003"
+    index = json.loads((step / "manifest.json").read_bytes())
+    index["format_version"] = 4
+    del index["save_id"]  # as format 4 wrote them: neither names a save
+    marker = json.loads((step / "COMMIT").read_bytes())
+    del marker["save_id"]
+    (step / "COMMIT").write_text(json.dumps(marker))
+    resign_index(step, json.dumps(index).encode())
+    files = {p: p.read_bytes() for p in step.rglob("*") if p.is_file()}
+    said = (
+        f"{LocalTier(ckpt_dir).url}: step 3: manifest.json: manifest format version 4 is older than this tiercheck "
+        f"reads (5 only; the step was written by tiercheck {tiercheck.__version__}): restore it with the tiercheck "
+        "that wrote it and save it again, or delete the step"
+    )
+    exactly = f"^{re.escape(said)}$"
+    with pytest.raises(CorruptCheckpointError, match=exactly):
+        tiercheck.load(ckpt_dir)
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(CorruptCheckpointError, match=f"^{re.escape(said)} \\(no older committed step is whole"),
+    ):
+        ck.restore()
+    assert not live["model"]["w"].any() and not live["model"]["b"].any()
+    with pytest.raises(CorruptCheckpointError, match=exactly):
+        copy_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "copy"), 3)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(CorruptCheckpointError, match=exactly):
+        upload_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "remote"), 3, pool=pool)
+    assert not (tmp_path / "remote" / "step-00000003").exists()
+    runner = CliRunner()
+    for command in ("verify", "inspect", "restore"):
+        more = ["--to", str(tmp_path / "to")] if command == "restore" else []
+        result = runner.invoke(main, [command, str(ckpt_dir), *more])
+        assert result.exit_code == 1 and said.split(": ", 1)[1] in result.output, result.output
+    listed = runner.invoke(main, ["ls", str(ckpt_dir), "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.output)["steps"][0]["tiers"][str(ckpt_dir)] == {"status": "damaged", "error": said}
+    kept = runner.invoke(main, ["gc", str(ckpt_dir), "--keep-last", "1", "--grace-hours", "0"])
+    assert kept.exit_code == 0 and "kept committed step(s): 3" in kept.output, kept.output
+    assert {p: p.read_bytes() for p in step.rglob("*") if p.is_file()} == files
 def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     """Edit a single-rank step's manifest and re-sign it, as an attacker with write access could.
 

@@ -18,7 +18,7 @@ from tiercheck.cluster.assign import LeafDesc, Need
 from tiercheck.cluster.coordination import Coordinator, join_nodes, lockstep
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.format.codec import seal
+from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, seal
 from tiercheck.format.layout import chunks_in_box
 from tiercheck.format.manifest import RankPart
 from tiercheck.format.paths import part_file
@@ -53,11 +53,18 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
     for c in coords:
         plan = plans[c.rank]
         crcs: dict[str, dict[str, int]] = {}
-        for t in plan.tasks:
-            crcs.setdefault(per_rank[c.rank][t.leaf].path, {})[t.chunk.key] = c.rank
+        offsets: dict[str, dict[str, int]] = {}
+        sizes: dict[str, int] = {}
+        end = 0
+        for t in plan.tasks:  # laid end to end in the rank's pack, as a save places them
+            path = per_rank[c.rank][t.leaf].path
+            crcs.setdefault(path, {})[t.chunk.key] = c.rank
+            offsets.setdefault(path, {})[t.chunk.key] = end
+            sizes[path] = chunk_nbytes(plan.records[path])
+            end += sizes[path] + CHECKSUM_BYTES
         tree = {"model": {d.path: {"$tensor": d.path} for d in per_rank[c.rank]}, "rank": c.rank}
         save = new_save_id(nodes[c.rank].run, 1, 0)
-        part = seal(RankPart(tree, crcs, {}, {}, save).to_bytes())
+        part = seal(RankPart(tree, crcs, offsets, sizes, save).to_bytes())
         shard = seal(shard_bytes(plan.shard, save)) if plan.shard else None
         owners = seal(owners_bytes(plan.shard, save)) if plan.shard else None
         commits.append(

@@ -26,7 +26,6 @@ import torch
 import tiercheck
 from tests.cli import run
 from tests.conftest import assert_identical
-from tests.ondisk import as_format4
 from tiercheck import Checkpointer
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.paths import (
@@ -227,19 +226,3 @@ def test_restore_to_commits_no_copy_of_a_step_missing_a_manifest_file(tmp_path: 
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert FILES[lost][0] in proc.stderr or "arrays-000000.json" in proc.stderr, proc.stderr
     assert list_steps(LocalTier(tmp_path / "node")).committed == []
-
-
-def test_a_format4_step_is_still_read_copied_and_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    save(tmp_path / "old", {2: 2})
-    as_format4(tmp_path / "old" / step_dir(2))
-    assert_identical(tiercheck.load(tmp_path / "old", step=2), make_state(2))
-    assert verify_step(LocalTier(tmp_path / "old"), 2) == []
-    state = make_state(0)
-    with Checkpointer(state, local=tmp_path / "old") as ck:
-        assert ck.restore() == 2
-    assert_identical(state, make_state(2))
-    # A resumed copy of a step naming no save trusts nothing it finds: every file is copied again.
-    _interrupted_copy(monkeypatch, LocalTier(tmp_path / "old"), LocalTier(tmp_path / "copy"), 2)
-    report = copy_step(LocalTier(tmp_path / "old"), LocalTier(tmp_path / "copy"), 2)
-    assert report.files_already_there == 0 and report.files_copied > 0
-    assert_identical(tiercheck.load(tmp_path / "copy", step=2), make_state(2))

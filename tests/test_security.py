@@ -6,7 +6,6 @@ import base64
 import json
 import logging
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,13 @@ import pytest
 import torch
 
 import tiercheck
-from tests.ondisk import as_format3, flip_chunk_byte
+from tests.ondisk import flip_chunk_byte
 from tests.test_bad_input import rewrite_manifest, saved
 from tiercheck import Checkpointer
 from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
 from tiercheck.format.codec import seal, unseal
 from tiercheck.format.paths import owners_file
 from tiercheck.tiering.transfer import copy_step
-from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.local import LocalTier
 
 
@@ -224,45 +222,6 @@ def test_an_array_referred_to_by_other_than_a_path_is_refused(ckpt_dir: Path, re
     assert not live["model"]["w"].any()
 
 
-def test_a_format3_copy_commits_only_with_every_chunk_file(ckpt_dir: Path, tmp_path: Path) -> None:
-    saved(ckpt_dir)
-    step = ckpt_dir / "step-00000003"
-    as_format3(step)
-    (step / "model/w/c.1.0").rename(step / "model/w/c.9.0")  # a chunk key rewritten on disk
-    target = tmp_path / "target"
-    with pytest.raises(
-        tiercheck.CorruptCheckpointError, match=r"1 chunk file\(s\) the manifest names are missing, e.g. model/w/c.1.0"
-    ):
-        copy_step(LocalTier(ckpt_dir), LocalTier(target), 3)
-    assert not (target / "step-00000003" / "COMMIT").exists()
-    assert not (target / "step-00000003" / "model/w/c.9.0").exists()
-
-
-def test_a_format3_drain_checks_each_chunk_as_read(ckpt_dir: Path, tmp_path: Path) -> None:
-    saved(ckpt_dir)
-    step = ckpt_dir / "step-00000003"
-    as_format3(step)
-    chunk = step / "model/w/c.2.0"
-    data = bytearray(chunk.read_bytes())
-    data[10] ^= 0x01
-    chunk.write_bytes(bytes(data))
-    remote = LocalTier(tmp_path / "remote")
-    with (
-        ThreadPoolExecutor(2) as pool,
-        pytest.raises(tiercheck.CorruptCheckpointError, match=r"step-00000003/model/w/c.2.0: .*checksum"),
-    ):
-        upload_step(LocalTier(ckpt_dir), remote, 3, pool=pool)
-    assert not (tmp_path / "remote" / "step-00000003" / "COMMIT").exists()
-    data[10] ^= 0x01
-    chunk.write_bytes(bytes(data))
-    (step / "model/w/c.9.0").write_bytes(bytes(data))  # a chunk file no part of the manifest names: no part
-    with ThreadPoolExecutor(2) as pool:
-        upload_step(LocalTier(ckpt_dir), remote, 3, pool=pool)
-    assert (tmp_path / "remote" / "step-00000003" / "COMMIT").exists()
-    assert (tmp_path / "remote" / "step-00000003" / "model/w/c.2.0").read_bytes() == chunk.read_bytes()
-    assert not (tmp_path / "remote" / "step-00000003" / "model/w/c.9.0").exists()
-
-
 @pytest.mark.parametrize("damage", ["chunk", "arrays shard", "owners file"])
 def test_a_rotted_local_step_fails_the_background_and_the_cli_drain_loudly(
     ckpt_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
@@ -310,19 +269,11 @@ def _edit_part(ckpt_dir: Path, edit: Any) -> None:
     part.write_bytes(seal(json.dumps(doc).encode()))
 
 
-@pytest.mark.parametrize("version", [4, 3])
 @pytest.mark.parametrize("key", ["../../outside/c.0", "c.1", "c.00", "c.0.0", "c.\u0660"])
-def test_verify_refuses_a_chunk_key_that_load_refuses(ckpt_dir: Path, key: str, version: int) -> None:
+def test_verify_refuses_a_chunk_key_that_load_refuses(ckpt_dir: Path, key: str) -> None:
     """A rank part naming a chunk that is not one of its array's grid (a path out of the step, a key
-    beyond the grid, another spelling, another rank count): load refuses the step, so verify does.
-    In format 3 each chunk is a file named by its key: verify never opens such a name."""
+    beyond the grid, another spelling, another rank count): load refuses the step, so verify does."""
     saved(ckpt_dir)
-    if version == 3:
-        as_format3(ckpt_dir / "step-00000003")
-        outside = ckpt_dir / "step-00000003" / "model" / "b" / key
-        if outside.resolve().is_relative_to(ckpt_dir) and ".." in key:  # a chunk file where the key points
-            outside.parent.mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / "step-00000003" / "model" / "b" / "c.0").rename(outside)
 
     def rename(doc: dict[str, Any]) -> None:
         for field in ("crc32c", "offset"):

@@ -85,8 +85,3 @@ def test_a_file_counts_only_when_the_manifest_names_it_as_the_ranks() -> None:
         "REPLICA-000002.json": 1,
     }
     assert files_of_ranks(listing, [1]) == {"manifest/rank-000001.json": 10, "packs/rank-000001.bin": 20}
-    assert files_of_ranks(listing, [1], chunk_files={"model/w/c.1"}) == {
-        "manifest/rank-000001.json": 10,
-        "packs/rank-000001.bin": 20,
-        "model/w/c.1": 50,
-    }

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from tiercheck.errors import UnsafeCheckpointError
-from tiercheck.format.manifest import Manifest
+from tiercheck.format.codec import seal
+from tiercheck.format.manifest import ManifestIndex, RankPart
+from tiercheck.format.paths import part_file
+from tiercheck.format.saveid import new_save_id
 from tiercheck.format.steps import commit_step, list_steps, read_manifest, withdraw_step
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
@@ -150,12 +153,13 @@ def test_paths_cannot_leave_the_root(tier: Tier, path: str) -> None:
 
 
 def test_the_commit_protocol_works_on_every_tier(tier: Tier) -> None:
-    manifest = Manifest(
-        step=7, library_version="t", created_unix=0.0, trees=[{}], tree_of_rank=[0], arrays={}
+    save = new_save_id("run", 7, 0)
+    manifest = ManifestIndex(
+        step=7, library_version="t", created_unix=0.0, world_size=1, nodes=1, save_id=save
     ).to_bytes()
-    tier.write("step-00000007/zarr.json", [b"{}"])
+    tier.write(f"step-00000007/{part_file(0)}", [seal(RankPart({}, {}, {}, {}, save).to_bytes())])
     tier.write("step-00000008/zarr.json", [b"{}"])  # never committed
-    commit_step(tier, 7, manifest, save_id=None)  # a format 2 manifest names no save
+    commit_step(tier, 7, manifest, save_id=save)
     listing = list_steps(tier)
     assert (listing.committed, listing.partial) == ([7], [8])
     assert read_manifest(tier, 7).step == 7

@@ -171,8 +171,8 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
             click.echo(json.dumps(doc, indent=2))
             return
         world = manifest.world_size
-        raw = manifest.topology.get("nodes", 1)  # a count since format 3, node ids before
-        nodes = raw if isinstance(raw, int) else (len(set(map(str, raw))) if isinstance(raw, list) else 1) or 1
+        raw = manifest.topology.get("nodes", 1)
+        nodes = raw if isinstance(raw, int) else 1
         out.print(f"step {n} in {doc['location']}: {human(doc['bytes'])} in {len(arrays)} arrays")
         out.print(
             f"  saved {doc['created_utc']} by tiercheck {manifest.library_version} (format {doc['format_version']})"

@@ -47,8 +47,8 @@ def check_spans(file: str, spans: list[Extent], *, where: str, source: str = "")
 
 
 def check_pack(part: RankPart, rank: int, *, where: str) -> None:
-    """No two chunks saving rank ``rank``'s ``part`` places in its pack overlap there (format 4
-    and later; a format-3 part places none). One sort of the part's chunks."""
+    """No two chunks saving rank ``rank``'s ``part`` places in its pack overlap there. One sort
+    of the part's chunks."""
     spans = [
         (offset, part.chunk_bytes[path] + CHECKSUM_BYTES, path, key)
         for path, by_key in part.offsets.items()
@@ -58,9 +58,9 @@ def check_pack(part: RankPart, rank: int, *, where: str) -> None:
 
 
 def check_sizes(part: RankPart, rank: int, records: Mapping[str, ArrayRecord], *, where: str) -> None:
-    """Each array of ``records`` whose chunks saving rank ``rank``'s ``part`` sizes (format 4 and
-    later) has chunks of the size its record makes them: elements times its dtype's itemsize. Looks
-    up the fewer of the two in the other (a whole step's parts against all its records: each once)."""
+    """Each array of ``records`` whose chunks saving rank ``rank``'s ``part`` sizes has chunks of
+    the size its record makes them: elements times its dtype's itemsize. Looks up the fewer of the
+    two in the other (a whole step's parts against all its records: each once)."""
     sizes = part.chunk_bytes
     for path in sizes if len(sizes) <= len(records) else records:
         size, rec = sizes.get(path), records.get(path)

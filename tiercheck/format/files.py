@@ -7,24 +7,19 @@ No torch here, and no I/O: the callers list the directory and pass what the mani
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-from tiercheck.format.manifest import Manifest
 from tiercheck.format.paths import rank_files
 
 
-def files_of_ranks(
-    listing: Mapping[str, int], ranks: Iterable[int], *, chunk_files: Collection[str] = ()
-) -> dict[str, int]:
+def files_of_ranks(listing: Mapping[str, int], ranks: Iterable[int]) -> dict[str, int]:
     """The files of saving ranks ``ranks`` among a step directory's ``listing`` (path inside the
     step -> size), with their sizes, in the manifest's order.
 
     A file counts only if the step's manifest names it as one of these ranks' files: nothing is
     trusted by its name pattern or by being there. The manifest index names each saving rank's
     files (its ``parts``: the rank's manifest part, arrays shard, owners file, reference map and
-    pack, ``paths.rank_files``); formats 3 and before also named each chunk's own file by its array
-    and key, and ``chunk_files`` are those the manifest names as written by ``ranks`` (see
-    :func:`named_chunk_files`). A file the manifest names but the listing lacks is not returned
+    pack, ``paths.rank_files``). A file the manifest names but the listing lacks is not returned
     (a rank writes no owners file when it coordinated no array, say): whether it must be there is
     the caller's check.
 
@@ -32,21 +27,9 @@ def files_of_ranks(
     commit marker and ``manifest.json`` (each caller writes those itself, last), the tier's own
     bookkeeping (``__drained.*``, ``__copying.*``, peer ``REPLICA-*`` markers), temporaries of a
     write in flight (``.name.tmp-*``), the files of other ranks (a peer's replica here is its
-    own node's to drain), a chunk file no manifest names, and anything else put there. None of
-    them is drained, copied or replicated; they go when the step directory is deleted.
+    own node's to drain), a file named like a chunk (formats before 4 kept each chunk in its own
+    file; this library refuses them), and anything else put there. None of them is drained,
+    copied or replicated; they go when the step directory is deleted.
     """
     named = [f for r in sorted(set(ranks)) for f in rank_files(r)]
-    named += sorted(set(chunk_files))
     return {f: listing[f] for f in named if f in listing}
-
-
-def named_chunk_files(manifest: Manifest, ranks: Collection[int]) -> set[str]:
-    """The chunk files (formats 3 and before: each chunk its own file, ``<array>/<key>``) that
-    ``manifest`` names as written by ``ranks``; for a format keeping chunks in packs, the paths
-    the manifest would give them, which a step directory of that format never lists."""
-    return {
-        f"{rec.path}/{key}"
-        for rec in manifest.arrays.values()
-        for key in rec.checksums
-        if key not in rec.offsets and rec.owner(key) in ranks
-    }

@@ -20,7 +20,6 @@ from tiercheck.format.paths import (
     PACKS_DIR,
     PARTS_DIR,
     REFS_DIR,
-    WHOLE_FORMAT,
     chunk_location,
 )
 from tiercheck.format.saveid import check_save, save_field, save_id_of
@@ -81,7 +80,7 @@ class ArrayRecord:
 
     def location(self, key: str) -> tuple[str, int | None]:
         """Where chunk ``key`` is stored, relative to its step: the owner's pack file and the
-        chunk's offset there (format 4), or the chunk's own file (``None``: all of it)."""
+        chunk's offset there, or with no offset a file of its own (``None``: all of it)."""
         return chunk_location(self.path, key, self.owner(key), self.offsets.get(key))
 
     @classmethod
@@ -125,24 +124,8 @@ class Manifest:
     arrays: dict[str, ArrayRecord]
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
-    format_version: int = WHOLE_FORMAT  # as read; 3 for one assembled from its parts
-    save_id: str | None = None  # format 5: the save that wrote the step and every file of it
-
-    def to_bytes(self) -> bytes:
-        """The whole manifest as one document: format 2, which every tiercheck since reads."""
-        doc = {
-            "format": FORMAT_NAME,
-            "format_version": WHOLE_FORMAT,
-            "library_version": self.library_version,
-            "step": self.step,
-            "created_unix": self.created_unix,
-            "topology": self.topology,
-            "metadata": self.metadata,
-            "arrays": {path: rec.to_json() for path, rec in self.arrays.items()},
-            "trees": self.trees,
-            "tree_of_rank": self.tree_of_rank,
-        }
-        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    format_version: int = FORMAT_VERSION  # as read (``parse_manifest_doc`` accepts this library's only)
+    save_id: str | None = None  # the save that wrote the step and every file of it
 
     @property
     def world_size(self) -> int:
@@ -156,40 +139,10 @@ class Manifest:
             raise CheckpointNotFoundError(f"step {self.step}: the manifest part of saving rank {rank} is not here")
         return self.trees[i]
 
-    @classmethod
-    def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
-        """A whole manifest in one document (formats 1 and 2; see ``format.steps.read_manifest``)."""
-        doc = parse_manifest_doc(data, where=where)
-        version = doc["format_version"]
-        if version > WHOLE_FORMAT:
-            raise CorruptCheckpointError(f"{where}: a format {version} manifest is in parts, not in one document")
-        try:
-            arrays_doc = doc["arrays"]
-            if not isinstance(arrays_doc, dict):
-                raise TypeError("arrays must be an object")
-            arrays = {path: ArrayRecord.from_json(path, rec, where=where) for path, rec in arrays_doc.items()}
-            trees = [doc["tree"]] if version < 2 else list(doc["trees"])
-            tree_of_rank = [0] if version < 2 else [int(i) for i in doc["tree_of_rank"]]
-            if not tree_of_rank or any(not 0 <= i < len(trees) for i in tree_of_rank):
-                raise ValueError("tree_of_rank must map every saving rank to one of the trees")
-            return cls(
-                step=nonneg_int(doc["step"]),
-                library_version=str(doc["library_version"]),
-                created_unix=float(doc["created_unix"]),
-                trees=trees,
-                tree_of_rank=tree_of_rank,
-                arrays=arrays,
-                metadata=decode_metadata(doc.get("metadata"), where=where),
-                topology=dict(doc.get("topology") or {}),
-                format_version=version,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from None
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ManifestIndex:
-    """Format 3's ``manifest.json``: what the step is, not what is in it (that is in the parts)."""
+    """``manifest.json``, the step's index: what the step is, not what is in it (that is in the parts)."""
 
     step: int
     library_version: str
@@ -198,7 +151,7 @@ class ManifestIndex:
     nodes: int
     metadata: JSON = None
     format_version: int = FORMAT_VERSION
-    save_id: str | None = None  # format 5: the save that wrote the step (None before)
+    save_id: str | None = None  # the save that wrote the step
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -240,9 +193,11 @@ class ManifestIndex:
 
 
 def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None = None) -> dict[str, JSON]:
-    """``manifest.json`` parsed and its format checked (any version this library reads); with
-    ``step``, it must describe that step (the directory it was read from): an index copied in from
-    another step would otherwise pass for this one."""
+    """``manifest.json`` parsed and its format checked: this library reads its own format
+    (``FORMAT_VERSION``) only, and refuses a step of another, older or newer, here, where every
+    reader of a step (restore, load, verify, a copy, a drain, retention) parses its index first.
+    With ``step``, it must describe that step (the directory it was read from): an index copied in
+    from another step would otherwise pass for this one."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -254,8 +209,16 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None 
         raise CorruptCheckpointError(f"{where}: manifest format version {version!r} is not a format version")
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
-            f"{where}: manifest format version {version} is newer than this tiercheck understands "
+            f"{where}: {MANIFEST_FILE}: manifest format version {version} is newer than this tiercheck understands "
             f"({FORMAT_VERSION}); upgrade tiercheck"
+        )
+    if version < FORMAT_VERSION:
+        written = doc.get("library_version")
+        by = f"tiercheck {written}" if isinstance(written, str) else "an older tiercheck"
+        raise CorruptCheckpointError(
+            f"{where}: {MANIFEST_FILE}: manifest format version {version} is older than this tiercheck reads "
+            f"({FORMAT_VERSION} only; the step was written by {by}): restore it with the tiercheck that wrote it "
+            "and save it again, or delete the step"
         )
     if step is not None and doc.get("step") != step:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} describes step {doc.get('step')!r}, not this step")
@@ -264,14 +227,14 @@ def parse_manifest_doc(data: bytes | bytearray, *, where: str, step: int | None 
 
 @dataclass(frozen=True, slots=True)
 class RankPart:
-    """A saving rank's part of a format-3/4 manifest: its state tree, and the checksum (and in
-    format 4 the offset in its pack) of every chunk it wrote, ``{array path: {chunk key: n}}``."""
+    """A saving rank's part of a step's manifest: its state tree, and the checksum and the offset in
+    its pack of every chunk it wrote, ``{array path: {chunk key: n}}``."""
 
     tree: JSON
     checksums: dict[str, dict[str, int]]
-    offsets: dict[str, dict[str, int]]  # empty in format 3: each chunk is its own file
-    chunk_bytes: dict[str, int]  # format 4: each array's (padded) chunk size, to check a pack alone
-    save_id: str | None = None  # format 5: the save that wrote it (and its pack, via the checksums)
+    offsets: dict[str, dict[str, int]]
+    chunk_bytes: dict[str, int]  # each array's (padded) chunk size, to check a pack alone
+    save_id: str | None = None  # the save that wrote it (and its pack, via the checksums)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -307,11 +270,11 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
             for p, by_key in (part.get("offset") or {}).items()
         }
         chunk_bytes = {str(p): file_offset(n) for p, n in (part.get("nbytes") or {}).items()}
-        if offsets and (
+        if (
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
             or not set(offsets) <= set(chunk_bytes)
-        ):
+        ):  # every chunk is in its writer's pack: none is a file of its own (formats before 4)
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
         return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
     except CorruptCheckpointError:
@@ -329,7 +292,7 @@ class CommitMarker:
     manifest_size: int
     ranks: tuple[int, ...] = (0,)  # saving ranks whose chunk files are in this directory (its node's)
     world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
-    save_id: str | None = None  # format 5: the manifest's; two tiers hold the same save where these agree
+    save_id: str | None = None  # the manifest's; two tiers hold the same save where these agree
 
     def to_bytes(self) -> bytes:
         return json.dumps(

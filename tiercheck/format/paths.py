@@ -9,13 +9,12 @@ import functools
 import re
 
 FORMAT_NAME = "tiercheck"
-FORMAT_VERSION = 5  # 5: every file names its save; 4: chunks in one pack per rank; 3: the manifest in parts
-WHOLE_FORMAT = 2  # the last format with the whole manifest in one document
-MANIFEST_FILE = "manifest.json"  # since format 3 the step's index; before, the whole manifest
+FORMAT_VERSION = 5  # the one format this library writes and reads (docs/format.md); a step of another is refused
+MANIFEST_FILE = "manifest.json"  # the step's index
 COMMIT_FILE = "COMMIT"
-PARTS_DIR = "manifest"  # since format 3: rank-NNNNNN.json (each saving rank's) and arrays-NNNNNN.json
-PACKS_DIR = "packs"  # since format 4: rank-NNNNNN.bin, every chunk a saving rank wrote
-REFS_DIR = "refs"  # since format 4: rank-NNNNNN.json, the zarr keys of a rank's chunks (plain JSON)
+PARTS_DIR = "manifest"  # rank-NNNNNN.json (each saving rank's), arrays-NNNNNN.json and owners-NNNNNN.json
+PACKS_DIR = "packs"  # rank-NNNNNN.bin, every chunk a saving rank wrote
+REFS_DIR = "refs"  # rank-NNNNNN.json, the zarr keys of a rank's chunks (plain JSON)
 
 
 def part_file(rank: int) -> str:
@@ -45,17 +44,16 @@ _PACK = re.compile(rf"^{PACKS_DIR}/rank-([0-9]{{6,}})\.bin$")
 
 def chunk_location(path: str, key: str, writer: int, offset: int | None) -> tuple[str, int | None]:
     """Where chunk ``key`` of array ``path`` is stored, relative to its step: its writer's pack
-    and its offset there (format 4), or with no offset its own file (``None``: all of it)."""
+    and its offset there, or with no offset a file of its own (``None``: all of it)."""
     if offset is None:
         return f"{path}/{key}", None
     return pack_file(writer), offset
 
 
 def owners_file(rank: int) -> str:
-    """Who wrote each chunk of the arrays a saving rank coordinated (format 4; in format 3 this
-    was in the arrays shard). Only the rank planning an array's reads needs it: a restoring rank
-    matching its state reads shapes and dtypes, which stay small when every rank writes a chunk
-    of every array (FSDP2)."""
+    """Who wrote each chunk of the arrays a saving rank coordinated. Only the rank planning an
+    array's reads needs it: a restoring rank matching its state reads shapes and dtypes, which
+    stay small when every rank writes a chunk of every array (FSDP2)."""
     return f"{PARTS_DIR}/owners-{rank:06d}.json"
 
 
@@ -117,13 +115,11 @@ def copying_marker(first_rank: int) -> str:
     there, naming that save: a copy resumed later trusts the files it finds only under its own."""
     return f"{COPYING_PREFIX}{first_rank:06d}.json"
 
-CHUNK_FILE = re.compile(r"(^|/)c([./][0-9]+)*$")  # format 3 and before: a chunk's own file, <array>/c.0.1
-
 REPLICA_PREFIX = "REPLICA-"
 
 
 def rank_files(rank: int) -> list[str]:
-    """The files the manifest index names for one saving rank (format 4 on), whether or not they
+    """The files the manifest index names for one saving rank, whether or not they
     exist; which of a directory's files are a set of ranks' is ``files.files_of_ranks``'s to say."""
     return [part_file(rank), shard_file(rank), owners_file(rank), refs_file(rank), pack_file(rank)]
 

@@ -29,8 +29,8 @@ _DOC = "/zarr.json"
 
 
 def read_map(tier: Tier, step: int, rank: int, *, where: str) -> dict[str, Any] | None:
-    """Saving rank ``rank``'s reference map of ``step``, parsed; None where there is none (formats 3
-    and before, or a rank that wrote nothing). ``CorruptCheckpointError`` (prefixed ``where``, which
+    """Saving rank ``rank``'s reference map of ``step``, parsed; None where there is none (a rank
+    that wrote nothing). ``CorruptCheckpointError`` (prefixed ``where``, which
     names the map) when it cannot be read or is not a reference map."""
     try:
         doc = json.loads(read_small(tier, f"{step_dir(step)}/{refs_file(rank)}", where=f"{tier.url}: step {step}"))
@@ -44,8 +44,8 @@ def read_map(tier: Tier, step: int, rank: int, *, where: str) -> dict[str, Any] 
 
 
 def stamp_problem(doc: Mapping[str, Any], step: int, save: str | None, *, where: str) -> str | None:
-    """Why a map (``doc``) is not ``step``'s of save ``save``, or None. A map names both from format 5
-    (``save`` None: an earlier format, whose maps name neither); a step directory renamed, its index
+    """Why a map (``doc``) is not ``step``'s of save ``save``, or None. A map names both (``save``
+    None: not checked); a step directory renamed, its index
     and marker rewritten to match, still holds maps naming the step it was."""
     stamp = doc.get(REFS_STAMP)
     try:
@@ -128,7 +128,7 @@ def check_documents(
     """Saving rank ``rank``'s map of ``step``, where this tier holds it: naming this step and save
     ``save`` (``stamp_problem``), its documents agreeing with ``records`` (``document_problems``).
     ``CorruptCheckpointError`` naming the map, the document and the fields when not. One read of the
-    map; none where the step's format has no maps (the caller asks ``legacy.has_packs``)."""
+    map."""
     at = f"{where}: {refs_file(rank)}"
     doc = read_map(tier, step, rank, where=at)
     if doc is None:  # verify reports a map missing beside its pack; nothing to compare here

@@ -1,4 +1,4 @@
-"""Save ids (format 5): every file of a step names the save that wrote it, and a reader checks that
+"""Save ids: every file of a step names the save that wrote it, and a reader checks that
 it names the step's save. Step numbers repeat (a rollback saves them again), so a file is bound to its
 step by this id, never by its name, size or presence (invariant 9)."""
 
@@ -12,7 +12,6 @@ import re
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.values import JSON
 
-SAVE_ID_FORMAT = 5  # the first format whose every file names the save that wrote it
 REFS_STAMP = "tiercheck"  # the key of a reference map naming its step and save (kerchunk readers pass it by)
 _SAVE_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -24,12 +23,9 @@ def new_save_id(run: str, step: int, attempt: int) -> str:
     return hashlib.blake2b(f"{run}/{step}/{attempt}".encode(), digest_size=16).hexdigest()
 
 
-def save_id_of(doc: dict[str, JSON], *, where: str) -> str | None:
-    """The save id ``manifest.json`` (or a commit marker) states: required from format 5, None before."""
-    version = doc.get("format_version", SAVE_ID_FORMAT)
+def save_id_of(doc: dict[str, JSON], *, where: str) -> str:
+    """The save id ``manifest.json`` (or a commit marker) states: required."""
     got = doc.get("save_id")
-    if got is None and isinstance(version, int) and version < SAVE_ID_FORMAT:
-        return None
     if not isinstance(got, str) or not _SAVE_ID.fullmatch(got):
         raise CorruptCheckpointError(f"{where}: save_id {str(got)[:80]!r} is not a save id (32 hex digits)")
     return got
@@ -37,7 +33,7 @@ def save_id_of(doc: dict[str, JSON], *, where: str) -> str | None:
 
 def check_save(doc: JSON, save: str | None, *, where: str) -> None:
     """A file of a step (a rank part, arrays or owners file, a reference map) must have been
-    written by the step's save ``save`` (``None``: a format before 5, whose files name none). A
+    written by the step's save ``save`` (``None``: not checked, for a look at one file alone). A
     file that names another save is another step's, another run's or another trajectory's: its
     bits are consistent and wrong."""
     if save is None:
@@ -55,7 +51,7 @@ def check_save(doc: JSON, save: str | None, *, where: str) -> None:
 
 def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
     """A manifest file's document (or a reference map's, whose save is under ``key``) must name
-    the step's save ``save`` (none before format 5): ``check_save`` on the bytes as stored."""
+    the step's save ``save`` (``None``: not checked): ``check_save`` on the bytes as stored."""
     if save is None:
         return
     try:

@@ -1,4 +1,4 @@
-"""The coordinators' files of a format-3+ manifest: each array's record without its checksums (the
+"""The coordinators' files of a step's manifest: each array's record without its checksums (the
 arrays file) and the rank that wrote each chunk (the owners file). Each array has one coordinating rank,
 so a restoring rank reads the files of the arrays it needs, never the whole job's."""
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from tiercheck.format.codec import checksum, unseal
 from tiercheck.format.extents import check_pack, check_sizes
-from tiercheck.format.legacy import saving_world_size
 from tiercheck.format.manifest import (
     JSON,
     ArrayRecord,
@@ -108,8 +107,8 @@ def commit_step(
 
     ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
     ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
-    ``save_id`` is the manifest's (None for a format before 5): two tiers hold the same save of a
-    step where their commit markers name the same one.
+    ``save_id`` is the manifest's: two tiers hold the same save of a step where their commit
+    markers name the same one.
     """
     d = step_dir(step)
     tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
@@ -181,7 +180,8 @@ def read_marker(tier: Tier, step: int) -> CommitMarker:
 
 def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], bytes]:
     """A committed step's commit marker and ``manifest.json`` (parsed, and as stored), checked
-    against each other."""
+    against each other; a step of another format than this library's is refused here
+    (``manifest.parse_manifest_doc``), before any other file of it is read."""
     d = step_dir(step)
     where = f"{tier.url}: step {step}"
     marker = read_marker(tier, step)
@@ -196,7 +196,7 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
     doc = parse_manifest_doc(data, where=where, step=step)
     if save_id_of(doc, where=where) != marker.save_id:
         raise CorruptCheckpointError(f"{where}: {MANIFEST_FILE} and {COMMIT_FILE} name different saves")
-    saved_by = saving_world_size(doc, data, where=where)
+    saved_by = ManifestIndex.from_doc(doc, where=where).world_size
     if saved_by != marker.world_size:  # which ranks' files to look for: a reader must not guess
         raise CorruptCheckpointError(
             f"{where}: {MANIFEST_FILE} says the step was saved by {saved_by} rank(s), its commit marker "
@@ -208,44 +208,41 @@ def read_index(tier: Tier, step: int) -> tuple[CommitMarker, dict[str, JSON], by
 def read_manifest(tier: Tier, step: int) -> Manifest:
     """The manifest of a committed step as this tier holds it, checked against its commit marker.
 
-    A format-3 step's manifest is in parts: each saving rank's (its tree and chunk checksums) and
-    each coordinating rank's (its arrays). A node-local tier holds its own ranks' parts only, so
+    A step's manifest is in parts: each saving rank's (its tree and chunk checksums) and each
+    coordinating rank's (its arrays). A node-local tier holds its own ranks' parts only, so
     what is returned describes those (the other ranks' trees are absent, see ``Manifest.tree``);
     the remote tier, or a copy of the whole step, holds all of them. A peer's replica file here
     (of a saving rank the commit marker does not list) that is damaged or names another save is
     left out with a WARNING: it never makes this node's own step unreadable (``verify`` reports it).
     """
     where = f"{tier.url}: step {step}"
-    marker, doc, data = read_index(tier, step)
-    if doc["format_version"] < 3:
-        manifest = Manifest.from_bytes(data, where=where)
-    else:
-        index = ManifestIndex.from_doc(doc, where=where)
-        files = {}
-        try:
-            names = tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}")
-        except OSError as e:  # a file in its place, no permission
-            raise CorruptCheckpointError(f"{where}: cannot list {PARTS_DIR}/: {e.strerror or e}") from None
-        for name in names:
-            m = _PART.match(name)
-            if m and int(m.group(2)) < index.world_size:
-                raw = read_small(tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where)
-                if int(m.group(2)) not in marker.ranks:  # a peer's replica: used only if it is this save's
-                    here = f"{where}: {PARTS_DIR}/{name}"
-                    try:
-                        check_file_save(unseal(raw, where=here), index.save_id, where=here)
-                    except CorruptCheckpointError as e:
-                        log.warning("ignoring a peer's replica file: %s", e)
-                        continue
-                files[m.group(1), int(m.group(2))] = raw
-        manifest = assemble(index, files, where=where)
+    marker, doc, _ = read_index(tier, step)
+    index = ManifestIndex.from_doc(doc, where=where)
+    files = {}
+    try:
+        names = tier.list_dir(f"{step_dir(step)}/{PARTS_DIR}")
+    except OSError as e:  # a file in its place, no permission
+        raise CorruptCheckpointError(f"{where}: cannot list {PARTS_DIR}/: {e.strerror or e}") from None
+    for name in names:
+        m = _PART.match(name)
+        if m and int(m.group(2)) < index.world_size:
+            raw = read_small(tier, f"{step_dir(step)}/{PARTS_DIR}/{name}", where=where)
+            if int(m.group(2)) not in marker.ranks:  # a peer's replica: used only if it is this save's
+                here = f"{where}: {PARTS_DIR}/{name}"
+                try:
+                    check_file_save(unseal(raw, where=here), index.save_id, where=here)
+                except CorruptCheckpointError as e:
+                    log.warning("ignoring a peer's replica file: %s", e)
+                    continue
+            files[m.group(1), int(m.group(2))] = raw
+    manifest = assemble(index, files, where=where)
     if manifest.step != step or manifest.world_size != marker.world_size:
         raise CorruptCheckpointError(f"{where}: manifest and commit marker disagree (step or world size)")
     return manifest
 
 
 def rank_parts(tier: Tier, step: int, ranks: list[int], *, save: str | None) -> dict[int, RankPart]:
-    """The given saving ranks' parts of a format-3/4/5 manifest on this tier: their trees, and
+    """The given saving ranks' parts of a step's manifest on this tier: their trees, and
     the checksum and place of every chunk they wrote; each written by the step's save ``save``."""
     out: dict[int, RankPart] = {}
     for rank in ranks:
@@ -277,7 +274,7 @@ def assemble(
     owners: bool = True,
     parts: dict[int, RankPart] | None = None,
 ) -> Manifest:
-    """A format-3 manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
+    """A step's manifest from its index and the part files at hand (``("rank"|"arrays", rank)``
     to the file's bytes as stored); with ``only``, the records of those arrays alone, and without
     their chunks' owners unless ``owners`` (see ``parse_shard``). ``parts`` holds the rank parts
     parsed so far (by saving rank): they are taken from there, and those parsed here are added

@@ -2,9 +2,9 @@
 of the right size and CRC32C, and every replica file matches its marker.
 
 ``read_stored_chunk`` is the one read-and-check of a chunk: a restore reads its chunks through it
-(``restore.read.read_chunk``) and ``verify_step`` re-reads a whole step with it. Both find the
-chunk with ``paths.chunk_location`` (``ArrayRecord.location``) and check it with
-``codec.verify_chunk``/``verify_parts``. Nothing here sees a tensor.
+(``restore.read.read_chunk``) and ``verify_step`` re-reads a whole step with it: a chunk is at its
+offset in its writer's pack (``ArrayRecord.location``; ``verify_step`` takes it from the writer's
+part), checked with ``codec.verify_chunk``/``verify_parts``. Nothing here sees a tensor.
 """
 
 
@@ -20,9 +20,8 @@ from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_chunk, verify_parts
 from tiercheck.format.extents import check_extents
 from tiercheck.format.layout import grid_size, is_chunk_key
-from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
-from tiercheck.format.paths import PACKS_DIR, chunk_location, pack_file, refs_file, step_dir
+from tiercheck.format.paths import PACKS_DIR, pack_file, refs_file, step_dir
 from tiercheck.format.refmaps import document_problems, read_map, stamp_problem
 from tiercheck.format.replicas import read_replicas, replica_problems
 from tiercheck.format.steps import rank_parts, read_index, read_manifest, read_marker
@@ -34,9 +33,9 @@ Progress = Callable[[int], AbstractContextManager[Callable[[int, int], None]]]
 
 CHUNK_KEY = re.compile(r"c(\.(0|[1-9][0-9]*))*", re.ASCII)
 
-# A chunk to check: array path, chunk key, CRC32C, data bytes (None: unknown, all of its file),
-# and where it is (chunk_location's file and offset).
-_Job = tuple[str, str, int, int | None, str, int | None]
+# A chunk to check: array path, chunk key, CRC32C, data bytes, and where it is (its writer's pack
+# and its offset there).
+_Job = tuple[str, str, int, int, str, int]
 
 
 def read_stored_chunk(
@@ -45,7 +44,7 @@ def read_stored_chunk(
     file: str,
     offset: int | None,
     *,
-    nbytes: int | None,
+    nbytes: int,
     crc: int,
     where: str,
     into: memoryview | None = None,
@@ -53,17 +52,12 @@ def read_stored_chunk(
     """A stored chunk's data, its size and CRC32C checked (``CorruptCheckpointError`` when not).
 
     ``file`` and ``offset`` say where it is (``paths.chunk_location``): at ``offset`` in a pack,
-    or with no offset its own file, which is read one byte past its expected end so that one too
-    long shows. ``nbytes`` None: the size is not known here (a format-3 chunk file of an array
-    recorded in another directory), so all of the file is the chunk. With ``into``, the chunk's
+    or with no offset a file of its own, which is read one byte past its expected end so that one
+    too long shows. With ``into``, the chunk's
     first ``len(into)`` bytes are read there (see ``Tier.read_into``) and a view of them is
     returned. A missing file raises ``FileNotFoundError`` and an unreadable one ``OSError``: each
     caller words those its own way."""
     path = f"{step_dir(step)}/{file}"
-    if nbytes is None:
-        assert offset is None and into is None
-        raw = tier.read(path)
-        return verify_chunk(raw, expected_crc=crc, nbytes=len(raw) - CHECKSUM_BYTES, where=where)
     length = nbytes + CHECKSUM_BYTES + (offset is None)
     if into is None:
         return verify_chunk(tier.read_range(path, offset or 0, length), expected_crc=crc, nbytes=nbytes, where=where)
@@ -76,9 +70,9 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
     keeps; returns the problems found, one line each (``"step N: ..."``), none when it is intact.
 
     A node's local directory holds only its ranks' chunks and its peers' replicas: those are the
-    ones checked there. Every chunk's checksum is checked, its size where known (in the writer's
-    part, format 4, or where this directory holds the array's record), and that it is where it
-    should be (its own file, or an offset in its writer's pack)."""
+    ones checked there. Every chunk's checksum is checked, its size (in the writer's part, or
+    where this directory holds the array's record), and that it is where it should be (at its
+    offset in its writer's pack)."""
     bad: list[str] = []
     try:
         manifest = read_manifest(tier, step)
@@ -91,34 +85,23 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
         whole = set(marker.ranks) == set(range(marker.world_size))
         if not marker.ranks:  # load refuses it: nothing here is anyone's
             bad.append(f"step {step}: the commit marker names no saving rank")
-        if manifest.format_version >= 3:  # the ranks' parts list every chunk they wrote
-            parts = rank_parts(tier, step, held, save=manifest.save_id)
-            if has_packs(manifest.format_version):
-                for rank, part in sorted(parts.items()):
-                    bad.extend(check_refs(tier, step, rank, part, save=manifest.save_id, records=manifest.arrays))
-            for rank, part in sorted(parts.items()):
-                for path, crcs in sorted(part.checksums.items()):
-                    rec = manifest.arrays.get(path)
-                    if rec is None and whole:  # every shard is here: some record of the array must be
-                        bad.append(
-                            f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
-                        )
-                    # the part's size is the record's (extents.check_sizes, as read_manifest assembled them)
-                    size = part.chunk_bytes.get(path, chunk_nbytes(rec) if rec else None)
-                    for key in [k for k in crcs if not _is_key(k, rec)]:  # never a path to read
-                        bad.append(f"step {step}: array {path!r}: rank {rank}'s part names {key!r}, not its chunk")
-                        del crcs[key]
-                    for key, crc in sorted(crcs.items()):
-                        file, offset = chunk_location(path, key, rank, part.offsets.get(path, {}).get(key))
-                        jobs.append((path, key, crc, size, file, offset))
-        else:
-            ranks = set(marker.ranks)
-            for rec in manifest.arrays.values():
-                for key, crc in sorted(rec.checksums.items()):
-                    if not _is_key(key, rec):  # a chunk's own file: never a path out of its array
-                        bad.append(f"step {step}: array {rec.path!r}: the manifest names {key!r}, not its chunk")
-                    elif rec.owner(key) in ranks:
-                        jobs.append((rec.path, key, crc, chunk_nbytes(rec), *rec.location(key)))
+        parts = rank_parts(tier, step, held, save=manifest.save_id)  # the ranks' parts list every chunk they wrote
+        for rank, part in sorted(parts.items()):
+            bad.extend(check_refs(tier, step, rank, part, save=manifest.save_id, records=manifest.arrays))
+        for rank, part in sorted(parts.items()):
+            for path, crcs in sorted(part.checksums.items()):
+                rec = manifest.arrays.get(path)
+                if rec is None and whole:  # every shard is here: some record of the array must be
+                    bad.append(
+                        f"step {step}: array {path!r}: rank {rank} wrote chunks of it, the manifest has no record"
+                    )
+                # the part's size is the record's (extents.check_sizes, as read_manifest assembled them)
+                size = part.chunk_bytes[path]
+                for key in [k for k in crcs if not _is_key(k, rec)]:  # never a path to read
+                    bad.append(f"step {step}: array {path!r}: rank {rank}'s part names {key!r}, not its chunk")
+                    del crcs[key]
+                for key, crc in sorted(crcs.items()):
+                    jobs.append((path, key, crc, size, pack_file(rank), part.offsets[path][key]))
     except TiercheckError as e:  # its message names the tier and the step already
         return [*bad, f"step {step}: {re.sub(rf'^(.*?: )?step {step}: ', '', str(e), count=1)}"]
     if len(marker.ranks) == marker.world_size:  # every saving rank's part is here: every chunk is named
@@ -136,7 +119,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
                 bad.append(str(e))
             except TiercheckError:  # a file not to be read (a symbolic link): each chunk's read below says so
                 pass
-    total = sum(job[3] or 0 for job in jobs)
+    total = sum(job[3] for job in jobs)
 
     def check(job: _Job) -> int:
         path, key, crc, nbytes, file, offset = job
@@ -150,7 +133,7 @@ def verify_step(tier: Tier, step: int, *, threads: int = 8, progress: Progress |
             bad.append(f"step {step}: array {path!r} chunk {key}: {str(e).rsplit(': ', 1)[-1]}")
         except OSError as e:  # no permission, EIO, a directory in its place
             bad.append(f"step {step}: array {path!r} chunk {key}: cannot read {file}: {e.strerror or e}")
-        return nbytes or 0
+        return nbytes
 
     done = 0
     bar = progress(total) if progress is not None else nullcontext(_no_progress)
@@ -171,7 +154,7 @@ def check_refs(
     tier: Tier, step: int, rank: int, part: RankPart, *, save: str | None, records: Mapping[str, ArrayRecord]
 ) -> list[str]:
     """A saving rank's reference map (``refs/rank-N.json``, read by plain zarr; see ``refmaps``)
-    against its part: written by the step's save ``save`` for this step (format 5), every entry is a
+    against its part: written by the step's save ``save`` for this step, every entry is a
     ``zarr.json`` document or a byte range of this rank's own pack in this step, exactly the range
     of a chunk the part names (offset, and size with its CRC32C), inside the pack; no absolute
     path, no ``..``, no other file; and the documents of arrays in ``records`` agree with them.
@@ -225,8 +208,7 @@ def _no_progress(done: int, total: int) -> None:
 def short_packs(tier: Tier, step: int, manifest: Manifest, ranks: set[int]) -> list[str]:
     """The packs of ``ranks`` (the saving ranks this tier holds) that end before their last chunk does, by the
     manifest's offsets: one listing of the step's ``packs/``, no chunk read (``tiercheck ls`` shows such a step
-    as damaged; ``verify_step`` checks every byte). Empty for formats without packs, and for tiers that cannot
-    list sizes."""
+    as damaged; ``verify_step`` checks every byte). Empty for tiers that cannot list sizes."""
     ends: dict[int, int] = {}
     for rec in manifest.arrays.values():
         size = chunk_nbytes(rec) + CHECKSUM_BYTES
@@ -272,8 +254,7 @@ def step_damage(tier: Tier, step: int, *, depth: Literal["index", "manifest", "c
             return None
         marker = read_marker(tier, step)
         manifest = read_manifest(tier, step)  # the index, and every part file here unsealed
-        if manifest.format_version >= 3:
-            rank_parts(tier, step, sorted(marker.ranks), save=manifest.save_id)  # its saving ranks': none missing
+        rank_parts(tier, step, sorted(marker.ranks), save=manifest.save_id)  # its saving ranks': none missing
     except TiercheckError as e:
         return str(e)
     except OSError as e:  # a directory in a file's place, no permission, EIO

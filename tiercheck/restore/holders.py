@@ -14,10 +14,9 @@ from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_o
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
-from tiercheck.format.legacy import has_packs, saving_world_size, whole_manifest
-from tiercheck.format.manifest import parse_manifest_doc, parse_rank_part
+from tiercheck.format.manifest import ManifestIndex, parse_manifest_doc, parse_rank_part
 from tiercheck.format.paths import part_file, step_dir
-from tiercheck.format.saveid import check_file_save, save_id_of
+from tiercheck.format.saveid import check_file_save
 from tiercheck.format.steps import manifest_file, read_index, read_marker, read_small
 from tiercheck.restore.messages import HolderClaim, NodeHolds, loads
 from tiercheck.tiers.base import Tier
@@ -33,12 +32,11 @@ class Step:
 
     step: int
     index: bytes  # manifest.json as stored
-    format_version: int
     world_size: int  # of the saving job
     here: frozenset[int]  # saving ranks whose files this node holds
     from_remote: bool  # the step is committed on the remote tier
     claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
-    save_id: str | None = None  # format 5: every manifest file read must name this save
+    save_id: str | None = None  # every manifest file read must name this save
 
 
 def find_holders(
@@ -97,10 +95,8 @@ def find_holders(
     else:
         raise CorruptCheckpointError(f"{tier.url}: step {step}: no node shared the step's index")
     where = f"{tier.url}: step {step}"
-    doc = parse_manifest_doc(index, where=where, step=step)
-    world = saving_world_size(doc, index, where=where)
-    save = save_id_of(doc, where=where)
-    return Step(step, index, doc["format_version"], world, frozenset(here), from_remote, tuple(claimed), save)
+    ix = ManifestIndex.from_doc(parse_manifest_doc(index, where=where, step=step), where=where)
+    return Step(step, index, ix.world_size, frozenset(here), from_remote, tuple(claimed), ix.save_id)
 
 
 def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:
@@ -117,22 +113,20 @@ def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None
     d = step_dir(step)
     try:
         _, doc, index = read_index(tier, step)
-        version = doc["format_version"]
-        save = save_id_of(doc, where=where)
-        if not whole_manifest(version):
-            world = saving_world_size(doc, index, where=where)
-            coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
-            for w in sorted(set(here)):
-                at = f"{where}: {part_file(w)}"
-                part = parse_rank_part(unseal(read_manifest_file(tier, d, ("rank", w)), where=at), where=at, save=save)
-                coordinated.update(shard_of(p, world) for p in part.checksums)
-            for w in sorted(set(here)):
-                for kind in ("arrays", "owners") if has_packs(version) else ("arrays",):
-                    raw, at = read_manifest_file(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
-                    if raw:
-                        check_file_save(unseal(raw, where=at), save, where=at)
-                    elif w in coordinated:
-                        raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
+        ix = ManifestIndex.from_doc(doc, where=where)
+        coordinated: set[int] = set()  # ranks whose arrays some chunk written here belongs to
+        for w in sorted(set(here)):
+            at = f"{where}: {part_file(w)}"
+            raw = read_manifest_file(tier, d, ("rank", w))
+            part = parse_rank_part(unseal(raw, where=at), where=at, save=ix.save_id)
+            coordinated.update(shard_of(p, ix.world_size) for p in part.checksums)
+        for w in sorted(set(here)):
+            for kind in ("arrays", "owners"):
+                raw, at = read_manifest_file(tier, d, (kind, w)), f"{where}: {manifest_file(kind, w)}"
+                if raw:
+                    check_file_save(unseal(raw, where=at), ix.save_id, where=at)
+                elif w in coordinated:
+                    raise CorruptCheckpointError(f"{at} is missing, and chunks written here are of its arrays")
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
         if remote is None:
             raise CorruptCheckpointError(str(e)) from None
@@ -179,6 +173,6 @@ def read_manifest_file(tier: Tier, d: str, f: FileId) -> bytes:
     try:
         return read_small(tier, f"{d}/{manifest_file(kind, rank)}", where=tier.url)
     except FileNotFoundError:
-        if kind != "rank":  # a rank that coordinated no array; format 3 has no owners files
+        if kind != "rank":  # a rank that coordinated no array
             return b""
         raise CorruptCheckpointError(f"{tier.url}: {d}/{part_file(rank)} is missing from a committed step") from None

@@ -10,7 +10,6 @@ from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
 from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.extents import check_extents
-from tiercheck.format.legacy import has_packs, whole_manifest
 from tiercheck.format.manifest import ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.refmaps import check_documents
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
@@ -89,18 +88,12 @@ def open_step(
     manifest = read_manifest(tier, step)
     marker = read_marker(tier, step)
     where = f"{tier.url}: step {step}"
-    if set(marker.ranks) != set(range(marker.world_size)):
-        if not whole_manifest(manifest.format_version):  # the other ranks' parts of the manifest are elsewhere too
-            absent = sorted(set(range(marker.world_size)) - set(marker.ranks))
-        else:
-            owners = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.checksums}
-            absent = sorted(owners - set(marker.ranks))
-        if absent:
-            raise CheckpointNotFoundError(
-                f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
-                f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
-            )
-    if has_packs(manifest.format_version):  # a map per saving rank here: each read once, before any buffer
-        for rank in sorted(marker.ranks):
-            check_documents(tier, step, rank, manifest.arrays, save=manifest.save_id, where=where)
+    absent = sorted(set(range(marker.world_size)) - set(marker.ranks))  # their parts of the manifest too
+    if absent:
+        raise CheckpointNotFoundError(
+            f"{where}: the chunks written by saving rank(s) {ranges(absent)} are in other nodes' local "
+            f"directories; this one holds ranks {ranges(sorted(marker.ranks))} of {marker.world_size}"
+        )
+    for rank in sorted(marker.ranks):  # a map per saving rank here: each read once, before any buffer
+        check_documents(tier, step, rank, manifest.arrays, save=manifest.save_id, where=where)
     return tier, step, manifest, marker

@@ -10,7 +10,6 @@ from typing import Any
 from tiercheck.cluster.coordination import Exchange, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
-from tiercheck.format.legacy import whole_manifest
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import settle
@@ -29,13 +28,11 @@ def manifest_for(
 ) -> Exchange[Manifest]:
     """The part of the step's manifest this rank needs: its saving rank's tree (every rank's, when
     the state has entries that tree lacks or ``others`` asks for other ranks' entries) and the
-    records of the arrays those trees refer to. A format 1 or 2 step's manifest is whole already.
+    records of the arrays those trees refer to.
     The saving ranks' parts it parses are left in ``parts`` (``plan_restore`` takes checksums there)."""
     coord, tier = job.coord, job.tier
     parts = {} if parts is None else parts
     where = f"{tier.url}: step {st.step}"
-    if whole_manifest(st.format_version):
-        return Manifest.from_bytes(st.index, where=where)
     ix = index_of(st, where=where)
     own = coord.rank if coord.rank < ix.world_size else 0
     got = yield from fetch(job, root, st, {("rank", own)}, what="tree")

@@ -34,7 +34,6 @@ from tiercheck.errors import CoordinationError, CorruptCheckpointError, Incompat
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes
 from tiercheck.format.layout import Chunk, chunk_at
-from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import (
     ArrayRecord,
     ManifestIndex,
@@ -229,7 +228,7 @@ def _coordinate_reads(
     """Plan the reads of the arrays whose needs were posted to this rank; post every rank its work
     (or report why the plan cannot be made). ``known``: records this rank parsed already from the
     same shards (its own manifest's, without owners): where they cover a shard's needed arrays,
-    the shard is not parsed again (format 4 keeps the owners apart)."""
+    the shard is not parsed again (the owners are in a file of their own)."""
     coord, tier, remote = job.coord, job.tier, job.remote
     name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
@@ -251,7 +250,7 @@ def _coordinate_reads(
             source = tier if s in st.here else remote
             if source is None:
                 raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
-            if has_packs(st.format_version) and paths <= known.keys():
+            if paths <= known.keys():
                 mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
             else:
                 raw = read_manifest_file(source, d, ("arrays", s))
@@ -259,7 +258,7 @@ def _coordinate_reads(
                 if raw:
                     records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
                     for path, rec in records.items():
-                        _check_owners(path, rec.owners, st.world_size, where=where)  # format 3 keeps them here
+                        _check_owners(path, rec.owners, st.world_size, where=where)  # none, unless forged
                     mine.update(records)
             raw = read_manifest_file(source, d, ("owners", s))
             where = f"{source.url}: {d}/{owners_file(s)}"

@@ -20,7 +20,6 @@ from tiercheck.cluster.coordination import Coordinator, drive, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.fmt import fmt_steps, plural, some
-from tiercheck.format.legacy import has_packs
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
@@ -464,8 +463,6 @@ def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[Arra
     step comes from the remote tier (a node holding neither refuses the state as before)."""
 
     def check(rec: ArrayRecord) -> None:
-        if not has_packs(st.format_version):  # no maps before format 4
-            return
         coordinator = shard_of(rec.path, st.world_size)
         source = tier if coordinator in st.here else remote if st.from_remote else None
         if source is not None:

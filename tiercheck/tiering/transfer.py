@@ -28,12 +28,10 @@ import numpy as np
 
 from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
-from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, chunk_nbytes, unseal, verify_chunk
-from tiercheck.format.files import files_of_ranks, named_chunk_files
-from tiercheck.format.legacy import chunk_files_with_parts, has_packs
+from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, unseal
+from tiercheck.format.files import files_of_ranks
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
-    CHUNK_FILE,
     MANIFEST_FILE,
     PARTS_DIR,
     REFS_DIR,
@@ -46,7 +44,7 @@ from tiercheck.format.paths import (
 )
 from tiercheck.format.replicas import Replica
 from tiercheck.format.saveid import REFS_STAMP, check_file_save
-from tiercheck.format.steps import commit_step, rank_parts, read_index, read_manifest, read_marker, read_small
+from tiercheck.format.steps import commit_step, rank_parts, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
 from tiercheck.tiers.parts import composite_of
@@ -90,30 +88,16 @@ def copy_step(
     manifest = read_manifest(src, step)
     save = manifest.save_id
     manifest_bytes = bytes(src.read(f"{d}/{MANIFEST_FILE}"))
-    chunk_records = {}
-    for rec in manifest.arrays.values():
-        for key in rec.checksums:
-            chunk_records[f"{rec.path}/{key}"] = (rec, key)
     listing = src.sizes(d)
-    files = files_of_ranks(listing, wanted, chunk_files=named_chunk_files(manifest, wanted))
+    files = files_of_ranks(listing, wanted)
     # A peer's replica marker is no rank's file, but the copy of its ranks' files carries it along.
     markers = [f for f in listing if is_replica_marker(f)]
     files.update({f: listing[f] for f in markers if _with_its_files(src, step, f, files)})
-    absent = sorted(
-        f
-        for f, (rec, key) in chunk_records.items()
-        if key not in rec.offsets and rec.owner(key) in wanted and f not in files
-    )
-    if absent:  # format 3 and before: each chunk its own file
-        raise CorruptCheckpointError(
-            f"{src.url}: step {step}: {len(absent)} chunk file(s) the manifest names are missing, e.g. {absent[0]}"
-        )
     writers = {rec.owner(k) for rec in manifest.arrays.values() for k in rec.offsets}
     lost = sorted(r for r in writers & wanted if pack_file(r) not in files)
     if lost:
         raise CorruptCheckpointError(f"{src.url}: step {step}: the packs of saving ranks {lost} are missing")
-    if has_packs(manifest.format_version):
-        check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
+    check_complete(src, step, manifest, rank_parts(src, step, sorted(wanted), save=save), wanted)
     there = resumable(src, dst, step, save, min(wanted), files)
     todo = sorted(f for f in files if f not in there)
     total = sum(files[f] for f in todo)
@@ -122,14 +106,7 @@ def copy_step(
     def copy(f: str) -> int:
         if pack_owner(f) is not None:
             return copy_pack(src, dst, step, f, files[f], save=save)
-        if f not in chunk_records:  # manifest parts checked against their seals and save; the rest bounded
-            return copy_chunk_file(src, dst, step, f, None, save=save)
-        rec, key = chunk_records[f]
-        nbytes = chunk_nbytes(rec)
-        data = src.read_range(f"{d}/{f}", 0, nbytes + CHECKSUM_BYTES + 1)  # one byte past: too long shows
-        verify_chunk(data, expected_crc=rec.checksums[key], nbytes=nbytes, where=f"{src.url}: step {step}: {f}")
-        dst.write(f"{d}/{f}", [data])
-        return len(data)
+        return copy_file(src, dst, step, f, save=save)  # manifest parts checked against their seals and save
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tiercheck-copy") as pool:
         for n in pool.map(copy, todo):
@@ -233,7 +210,7 @@ def finish_copy(dst: Tier, step: int, first: int) -> None:
 
 
 def check_complete(src: Tier, step: int, manifest: Manifest, parts: dict[int, RankPart], wanted: set[int]) -> None:
-    """Every manifest file a restore of the ``wanted`` ranks' share of a format 4+ step needs is
+    """Every manifest file a restore of the ``wanted`` ranks' share of a step needs is
     there: each array their chunks belong to has its record (arrays file) and chunk owners
     (owners file) where the step keeps them, so no copy commits what ``load`` would refuse."""
     world = manifest.world_size
@@ -359,46 +336,18 @@ class _Ring:
             self._free.append(buf)
 
 
-def chunk_file_crcs(src: Tier, step: int, ranks: list[int]) -> dict[str, int] | None:
-    """The checksum of each chunk file (format 3: each chunk its own file) that ``ranks`` wrote
-    in ``step``, by its path inside the step; None for a format that keeps no such files to check
-    this way (4: packs, see :func:`copy_pack`; 1-2: one whole manifest)."""
-    if not chunk_files_with_parts(read_index(src, step)[1]["format_version"]):
-        return None
-    parts = rank_parts(src, step, ranks, save=None)  # format 3 names no save
-    return {
-        f"{path}/{key}": crc
-        for part in parts.values()
-        for path, by in part.checksums.items()
-        for key, crc in by.items()
-    }
-
-
-def copy_chunk_file(
-    src: Tier, dst: Tier, step: int, f: str, crcs: dict[str, int] | None, *, save: str | None
-) -> int:
-    """Copy the file ``f`` of ``step``; with ``crcs`` (:func:`chunk_file_crcs`), a chunk file is
-    checked against its checksum as read (one the manifest does not name is refused), and a file
-    of the manifest against its seal and the step's save ``save``: a rotted part, or another
-    save's, is never committed on ``dst``. Returns the bytes copied."""
+def copy_file(src: Tier, dst: Tier, step: int, f: str, *, save: str | None) -> int:
+    """Copy the file ``f`` of ``step``, not a pack (:func:`copy_pack`): a manifest part, arrays
+    shard or owners file, checked against its seal and the step's save ``save``, or a reference
+    map, checked against ``save``; so a rotted file, or another save's, is never committed on
+    ``dst``. Each is small and read bounded. Returns the bytes copied."""
     d = step_dir(step)
     where = f"{src.url}: {d}/{f}"
+    data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
     if f.startswith(f"{PARTS_DIR}/"):
-        data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
         check_file_save(unseal(data, where=where), save, where=where)
-        dst.write(f"{d}/{f}", [data])
-        return len(data)
-    if not CHUNK_FILE.search(f):  # refs/ (plain JSON for outside zarr readers), zarr.json: small, never unbounded
-        data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
-        if f.startswith(f"{REFS_DIR}/"):
-            check_file_save(data, save, where=where, key=REFS_STAMP)
-        dst.write(f"{d}/{f}", [data])
-        return len(data)
-    data = src.read_bytes(f"{d}/{f}")
-    if crcs is not None:
-        if f not in crcs:
-            raise CorruptCheckpointError(f"{where}: a chunk file the manifest does not name")
-        verify_chunk(data, expected_crc=crcs[f], nbytes=max(len(data) - CHECKSUM_BYTES, 0), where=where)
+    elif f.startswith(f"{REFS_DIR}/"):
+        check_file_save(data, save, where=where, key=REFS_STAMP)
     dst.write(f"{d}/{f}", [data])
     return len(data)
 

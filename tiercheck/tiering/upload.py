@@ -27,11 +27,10 @@ from tiercheck.format.paths import (
     pack_owner,
     step_dir,
 )
-from tiercheck.format.steps import commit_step, read_marker, read_small
+from tiercheck.format.steps import commit_step, read_index, read_marker, read_small
 from tiercheck.tiering.lineage import check_remote
 from tiercheck.tiering.transfer import (
-    chunk_file_crcs,
-    copy_chunk_file,
+    copy_file,
     copy_pack,
     finish_copy,
     resumable,
@@ -65,13 +64,12 @@ def upload_step(
     unless ``take_over``."""
     check_remote(local, remote, take_over=take_over)
     d = step_dir(step)
-    marker = read_marker(local, step)
+    marker, _, _ = read_index(local, step)  # a step of another format (or a damaged index): refused here
     save = marker.save_id
     if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
-    crcs = chunk_file_crcs(local, step, list(marker.ranks))
-    files = files_of_ranks(local.sizes(d), marker.ranks, chunk_files=crcs or ())  # peers' replicas: theirs to upload
+    files = files_of_ranks(local.sizes(d), marker.ranks)  # peers' replicas: theirs to upload
     there = resumable(local, remote, step, save, marker.ranks[0], files)
     todo = sorted(f for f in files if f not in there)
     t0 = time.perf_counter()
@@ -81,7 +79,7 @@ def upload_step(
             n = copy_pack(local, remote, step, f, files[f], save=save)
             on_file(n)
             return n
-        n = copy_chunk_file(local, remote, step, f, crcs, save=save)  # format 3: each chunk file checked as read
+        n = copy_file(local, remote, step, f, save=save)
         on_file(n)
         return n
 
@@ -121,7 +119,7 @@ def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
     except CorruptCheckpointError as e:
         log.warning("drain: %s; replacing it with the local copy of step %d", e, step)
         there = None
-    if there is not None and (save is None or there.save_id == save):
+    if there is not None and there.save_id == save:
         return True
     if there is not None:
         log.warning(
