@@ -9,13 +9,13 @@ bench/README.md ("Lazy staging's version checks") has the details.
 
 The state is arrays_bench's: LayerNorm(256) modules and their AdamW state, 8 tensors a LayerNorm.
 One worker (a fresh process) per state runs a training step, then a lazy ``save()``, over and over,
-with the checks on and off in turn (A B B A ...: off is ``SaveJob`` recording nothing and comparing
+with the checks on and off in turn (A B B A ...: off is ``PendingSave`` recording nothing and comparing
 nothing, so drift on a shared host cancels), after 4 untimed saves. Each save is committed before
 the next step, outside the timing. Per arm, medians of: ``save()``'s time on the training thread
 (where the counters are recorded) and the staging time from the call until the last copy (where
 they are compared: what the next ``optimizer.step()`` may wait for). With the checks on, the worker
-also times the recording and the comparisons themselves by wrapping ``SaveJob.__post_init__`` and
-``SaveJob.changed``. Tables on stdout, progress on stderr.
+also times the recording and the comparisons themselves by wrapping ``PendingSave.__post_init__`` and
+``PendingSave.changed``. Tables on stdout, progress on stderr.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def worker(layer_norms: int, root: str, saves: int) -> dict[str, Any]:
     import torch
 
     import tiercheck
-    from tiercheck.save.handle import SaveJob
+    from tiercheck.save.handle import PendingSave
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def worker(layer_norms: int, root: str, saves: int) -> dict[str, Any]:
     def record_nothing(job: Any) -> None:
         job.versions = [None] * len(job.leaves)
 
-    on = (timed("record", SaveJob.__post_init__), timed("compare", SaveJob.changed))
+    on = (timed("record", PendingSave.__post_init__), timed("compare", PendingSave.changed))
     off = (record_nothing, lambda job, tasks, *, copying: None)
     train_step()
     ck = tiercheck.Checkpointer(
@@ -84,7 +84,7 @@ def worker(layer_norms: int, root: str, saves: int) -> dict[str, Any]:
     }
     for i in range(saves + WARMUP):
         arm = "on" if i % 4 in (0, 3) else "off"
-        SaveJob.__post_init__, SaveJob.changed = on if arm == "on" else off  # type: ignore[method-assign, assignment]
+        PendingSave.__post_init__, PendingSave.changed = on if arm == "on" else off  # type: ignore[method-assign, assignment]
         train_step()
         before = dict(spent)
         t0 = time.perf_counter()

@@ -42,8 +42,8 @@ from tiercheck.restore.agree import agree_on_step, settle
 from tiercheck.restore.holders import find_holders
 from tiercheck.restore.needed import manifest_for
 from tiercheck.restore.plan import ReadRequest, plan_restore
-from tiercheck.save.commit import RankOutcome, commit_save
 from tiercheck.save.plan import plan_save
+from tiercheck.save.vote import RankOutcome, commit_save
 from tiercheck.tiers.local import LocalTier
 
 TARGET_CHUNK_BYTES = 64 << 20

@@ -20,7 +20,7 @@ from tiercheck.cli.sizing import (
     HOST_MEMORY_TIER,
     ModelSpec,
     Sizes,
-    Tier,
+    TierProfile,
     daly_interval,
     expected_waste_fraction,
     job_mtbf_s,
@@ -174,9 +174,9 @@ def test_times_per_node_and_shared_tiers() -> None:
 
 def test_tier_refuses_nonpositive_bandwidth() -> None:
     with pytest.raises(ValueError):
-        Tier("x", 0.0, 1.0, shared=False)
+        TierProfile("x", 0.0, 1.0, shared=False)
     with pytest.raises(ValueError):
-        Tier("x", 1.0, math.inf, shared=True)
+        TierProfile("x", 1.0, math.inf, shared=True)
 
 
 # --------------------------------------------------------------------------- intervals and waste
@@ -292,7 +292,7 @@ def test_plan_table_gpt3() -> None:
     # slower than that would set the interval to its own write time. With 1 GB/s aggregate:
     # 2,444,106,964,992 / 1e9 = 2444.1 s > 370.8 s.
     slow = plan_table(
-        GPT3, [Tier("slow", 1e9, 1e9, shared=True)], node_mtbf_hours=1280, restart_s=600, staging=HOST_MEMORY_TIER
+        GPT3, [TierProfile("slow", 1e9, 1e9, shared=True)], node_mtbf_hours=1280, restart_s=600, staging=HOST_MEMORY_TIER
     )
     row = slow["tiers"][0]
     assert row["restart_s"] == 600

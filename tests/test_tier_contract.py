@@ -10,10 +10,11 @@ import pytest
 
 from tiercheck.errors import UnsafeCheckpointError
 from tiercheck.format.codec import seal
+from tiercheck.format.commit import commit_step, withdraw_step
 from tiercheck.format.manifest import ManifestIndex, RankPart
 from tiercheck.format.paths import part_file
 from tiercheck.format.saveid import new_save_id
-from tiercheck.format.steps import commit_step, list_steps, read_manifest, withdraw_step
+from tiercheck.format.steps import list_steps, read_manifest
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier

@@ -34,11 +34,11 @@ from tiercheck.options import (
 )
 from tiercheck.restore.load import load
 from tiercheck.restore.protocol import RestoreRequest, restore_state
-from tiercheck.save.commit import commit_job
-from tiercheck.save.handle import SaveHandle, SaveJob, record_ready, wait_staged
+from tiercheck.save.handle import PendingSave, SaveHandle, record_ready, wait_staged
 from tiercheck.save.pipeline import Pipeline
 from tiercheck.save.plan import Planner
 from tiercheck.save.prefault import Prefaulter
+from tiercheck.save.vote import commit_job
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import NO_POOL, HostPool
 from tiercheck.tiering import lineage
@@ -201,7 +201,7 @@ class Checkpointer:
             pipeline = self._ensure_pipeline(leaves)
             plan = self._planner.for_leaves(leaves)
             handle = SaveHandle(step, nbytes=sum(t.nbytes for t in plan.tasks))
-            job = SaveJob(
+            job = PendingSave(
                 step=step,
                 plan=plan,
                 leaves=leaves,
@@ -274,12 +274,12 @@ class Checkpointer:
             )
         return self._pipeline
 
-    def _commit(self, job: SaveJob) -> None:
+    def _commit(self, job: PendingSave) -> None:
         """Runs on the commit thread once this rank's writes are durable (or failed)."""
         assert self._bg_coord is not None
         commit_job(replace(self._job, coord=self._bg_coord), job, library_version=__version__)
 
-    def _after_commit(self, job: SaveJob) -> None:
+    def _after_commit(self, job: PendingSave) -> None:
         step = job.step
         self._tiers.committed(step, job.handle.replicated, job.handle.drained)
         self._local.add(step)

@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercheck.cluster.assign import assign_all_reads
-from tiercheck.fmt import fmt_steps, some
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
+from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
 from tiercheck.restore.load import open_step
 from tiercheck.restore.match import FreshShard

@@ -20,7 +20,7 @@ import click
 from tiercheck.cli.common import Context, OneLineGroup, configure_logging, parse_options, positive_number
 from tiercheck.cli.copy import drain_command, export_deepspeed_command, gc_command, restore_command
 from tiercheck.cli.hf import export_command
-from tiercheck.cli.plan import plan_command
+from tiercheck.cli.sizing_table import plan_command
 from tiercheck.cli.steps import inspect_command, ls_command, verify_command
 from tiercheck.options import RetryOptions
 from tiercheck.version import __version__

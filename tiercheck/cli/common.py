@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from tiercheck.errors import CheckpointNotFoundError, NotADirectoryTierError, TiercheckError
-from tiercheck.fmt import fmt_steps
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.manifest import Manifest
 from tiercheck.format.paths import step_of
 from tiercheck.format.steps import list_steps
+from tiercheck.humanize import fmt_steps
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.remote import open_tier

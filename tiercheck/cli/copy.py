@@ -38,10 +38,11 @@ from tiercheck.cli.common import (
 )
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.fmt import fmt_steps, ranges
+from tiercheck.format.commit import withdraw_step
 from tiercheck.format.paths import COMMIT_FILE, step_dir
-from tiercheck.format.steps import list_steps, read_manifest, read_marker, withdraw_step
+from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import step_damage, verify_step
+from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.options import RetentionOptions
 from tiercheck.tiering.drain import pending_steps
 from tiercheck.tiering.lineage import carry as carry_lineage

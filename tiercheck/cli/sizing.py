@@ -43,7 +43,7 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "ModelSpec",
     "Sizes",
-    "Tier",
+    "TierProfile",
     "daly_interval",
     "expected_waste_fraction",
     "job_mtbf_s",
@@ -183,7 +183,7 @@ def size(spec: ModelSpec) -> Sizes:
 
 
 @dataclass(frozen=True)
-class Tier:
+class TierProfile:
     """The bandwidth of a place checkpoints go (a profile for sizing, not a storage
     :class:`tiercheck.tiers.base.Tier`). ``shared=True``: the bandwidths are the aggregate of the
     whole job (an object store, a parallel filesystem); ``False``: per node (local NVMe, host memory),
@@ -205,7 +205,7 @@ class Tier:
 #: save the training thread waits for. ASSUMPTION, not a measurement: ~10 GB/s per node, a
 #: conservative figure for device-to-host copies sharing a node's PCIe and memory bandwidth.
 #: Not a storage tier (nothing survives a crash there), so it is not in :data:`DEFAULT_TIERS`.
-HOST_MEMORY_TIER = Tier("host-memory", 10e9, 10e9, shared=False)
+HOST_MEMORY_TIER = TierProfile("host-memory", 10e9, 10e9, shared=False)
 
 #: Typical figures, ASSUMPTIONS to override with your own (or with :func:`measure`):
 #:
@@ -214,14 +214,14 @@ HOST_MEMORY_TIER = Tier("host-memory", 10e9, 10e9, shared=False)
 #: * ``s3``: 10 GB/s write and read *aggregate for the job* (an S3-like object store; real limits
 #:   depend on request rates per prefix, the number of clients and the network);
 #: * ``parallel-fs``: 50 GB/s write and read *aggregate for the job* (a Lustre / GPFS class filesystem).
-DEFAULT_TIERS: list[Tier] = [
-    Tier("local-nvme", 2e9, 3e9, shared=False),
-    Tier("s3", 10e9, 10e9, shared=True),
-    Tier("parallel-fs", 50e9, 50e9, shared=True),
+DEFAULT_TIERS: list[TierProfile] = [
+    TierProfile("local-nvme", 2e9, 3e9, shared=False),
+    TierProfile("s3", 10e9, 10e9, shared=True),
+    TierProfile("parallel-fs", 50e9, 50e9, shared=True),
 ]
 
 
-def times(sizes: Sizes, tier: Tier) -> tuple[float, float]:
+def times(sizes: Sizes, tier: TierProfile) -> tuple[float, float]:
     """(save seconds, restore seconds) of one checkpoint on ``tier``: for a per-node tier every node
     moves its own ``per_node_bytes`` in parallel at the per-node bandwidth; for a shared tier the job
     moves ``total_bytes`` through the aggregate bandwidth. Ignores latency and per-request overheads."""
@@ -276,7 +276,9 @@ def _check_cost_mtbf(checkpoint_cost_s: float, mtbf_s: float) -> None:
         raise ValueError(f"mtbf_s must be a positive finite number, not {mtbf_s}")
 
 
-def measure(url_or_dir: str, *, nbytes: int = 256 * 2**20, storage_options: dict[str, Any] | None = None) -> Tier:
+def measure(
+    url_or_dir: str, *, nbytes: int = 256 * 2**20, storage_options: dict[str, Any] | None = None
+) -> TierProfile:
     """Measure a tier: write ``nbytes`` of random data as one file through tiercheck's own tier
     (:func:`tiercheck.tiers.remote.open_tier`: fsync'd for local paths, a multipart PUT with retries
     for remote URLs), read it back, and delete it. Everything goes under a unique temporary prefix
@@ -313,7 +315,7 @@ def measure(url_or_dir: str, *, nbytes: int = 256 * 2**20, storage_options: dict
     if len(back) != nbytes or back != data:
         raise OSError(f"{tier.url}: the {nbytes} bytes read back differ from those written")
     tiny = 1e-9  # a clock tick, so a very fast tier cannot divide by zero
-    return Tier(
+    return TierProfile(
         f"measured:{tier.url}",
         nbytes / max(write_s, tiny),
         nbytes / max(read_s, tiny),
@@ -323,11 +325,11 @@ def measure(url_or_dir: str, *, nbytes: int = 256 * 2**20, storage_options: dict
 
 def plan_table(
     spec: ModelSpec,
-    tiers: list[Tier],
+    tiers: list[TierProfile],
     *,
     node_mtbf_hours: float,
     restart_s: float | None,
-    staging: Tier | None = None,
+    staging: TierProfile | None = None,
 ) -> dict[str, Any]:
     """Everything ``tiercheck plan`` prints, as a JSON-serializable dict.
 

@@ -33,12 +33,12 @@ from tiercheck.cli.common import (
 )
 from tiercheck.cli.values import plain_values, render
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
-from tiercheck.fmt import fmt_steps, plural, ranges
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.paths import REFS_DIR, step_dir
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import short_packs, verify_step
+from tiercheck.humanize import fmt_steps, plural, ranges
 from tiercheck.tiers.remote import redact
 
 # ----------------------------------------------------------------------------------------- ls

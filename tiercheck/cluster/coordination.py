@@ -10,7 +10,7 @@ Every key lives under ``tiercheck/<namespace>/``; a namespace is one Checkpointe
 Cost stays flat per rank as the job grows: no protocol here has a rank read every rank's keys.
 Ranks meet at counting barriers (one ``add`` each; the last to arrive sets one key everyone waits
 for), post into buckets that one rank collects (``post`` / ``collect``), and hand work to chosen
-ranks under keys both sides can name. The protocols built on these (``save.plan``, ``save.commit``,
+ranks under keys both sides can name. The protocols built on these (``save.plan``, ``save.vote``,
 ``restore.protocol``) are generators that yield a :class:`Barrier` wherever a rank must wait for the
 others: :func:`drive` runs one rank's protocol against the store, and a simulation can run the
 same generators of thousands of simulated ranks in lockstep over one store (``bench/scale_sim.py``).

@@ -1,21 +1,15 @@
-"""Step directories on a tier: naming, the commit protocol, what counts as committed, and
-reading a committed step's manifest back.
-
-A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists, under the step's one name
-(``paths.step_dir``; any other spelling of the number is no step). It is written last, after
-every data file, the manifest and every directory entry are durable, and it pins the manifest
-by size and CRC32C. Deleting a step withdraws the marker first, so a crash half-way through a
-deletion leaves a partial step (cleaned up later), never a damaged committed one.
+"""Step directories on a tier: what counts as committed, and reading a committed step's manifest
+back. How a step becomes committed, and stops being, is ``format.commit``'s: a step is committed
+exactly when ``step-NNNNNNNN/COMMIT`` exists under the step's one name (``paths.step_dir``; any
+other spelling of the number is no step).
 """
 
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import re
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -39,7 +33,6 @@ from tiercheck.format.paths import (
     STEP_PREFIX,
     owners_file,
     part_file,
-    set_aside_dir,
     shard_file,
     step_dir,
     step_of,
@@ -47,7 +40,6 @@ from tiercheck.format.paths import (
 from tiercheck.format.saveid import check_file_save, save_id_of
 from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
 
@@ -92,58 +84,6 @@ def list_steps(tier: Tier) -> StepListing:
             step_dir(2),
         )
     return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())), ignored)
-
-
-def commit_step(
-    tier: Tier,
-    step: int,
-    manifest: bytes,
-    *,
-    save_id: str | None,
-    ranks: tuple[int, ...] = (0,),
-    world_size: int = 1,
-) -> None:
-    """Publish a step whose data files are all durably written (by every saving rank).
-
-    ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
-    ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
-    ``save_id`` is the manifest's: two tiers hold the same save of a step where their commit
-    markers name the same one.
-    """
-    d = step_dir(step)
-    tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
-    tier.sync_dirs(d)
-    marker = CommitMarker(
-        step=step,
-        manifest_crc32c=checksum(manifest),
-        manifest_size=len(manifest),
-        ranks=tuple(ranks),
-        world_size=world_size,
-        save_id=save_id,
-    )
-    tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
-
-
-def withdraw_step(tier: Tier, step: int) -> None:
-    """Delete a step: first its commit marker (durably), then everything else."""
-    d = step_dir(step)
-    tier.delete(f"{d}/{COMMIT_FILE}")
-    tier.delete_tree(d)
-
-
-def set_aside_step(tier: LocalTier, step: int) -> str:
-    """Move a committed step that cannot be restored out of the way, whole, so that a save may
-    write its number again; returns where it went (``paths.set_aside_dir``). Only the directory's
-    writer (the holder of its lock) may call it. The rename is atomic: the step is either still
-    committed under its name or no step at all, never half moved."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    to = set_aside_dir(step, stamp)
-    for n in itertools.count(1):  # set aside twice in one second (saved again, damaged again)
-        if not tier.exists(to):
-            break
-        to = set_aside_dir(step, f"{stamp}-{n}")
-    tier.move(step_dir(step), to)
-    return to
 
 
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest file, part or marker; 16,384 ranks commit 2.75 MiB in all

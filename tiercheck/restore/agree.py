@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
-from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.manifest import JSON
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
+from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.restore.messages import HeldPost, StepDecision, loads
 from tiercheck.tiers.base import Tier
 

@@ -8,11 +8,11 @@ from typing import Any
 
 from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import CheckpointNotFoundError
-from tiercheck.fmt import fmt_steps, ranges
 from tiercheck.format.extents import check_extents
 from tiercheck.format.manifest import ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.refmaps import check_documents
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
+from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.restore.match import apply, prepare
 from tiercheck.restore.read import move_chunks
 from tiercheck.state.flatten import gc_paused

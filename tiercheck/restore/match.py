@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, StagingError
-from tiercheck.fmt import some
 from tiercheck.format.manifest import JSON, ArrayRecord, Manifest
+from tiercheck.humanize import some
 from tiercheck.restore.stage import ReadItem
 from tiercheck.state.flatten import _Encoder, decode, dtype_name, is_stateful, tensor_paths, torch_dtype
 from tiercheck.state.sharding import Shard, placement_of

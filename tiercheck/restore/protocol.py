@@ -19,9 +19,9 @@ from typing import Any
 from tiercheck.cluster.coordination import Coordinator, drive, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
-from tiercheck.fmt import fmt_steps, plural, some
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
+from tiercheck.humanize import fmt_steps, plural, some
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for

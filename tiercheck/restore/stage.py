@@ -19,7 +19,7 @@ import torch
 from tiercheck.cluster.assign import Need, Read
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.restore.upload import Ring, ring_worthy
+from tiercheck.restore.to_device import Ring, ring_worthy
 from tiercheck.state.staging import aligned_empty, page_aligned_empty, pinned_empty
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES
@@ -51,7 +51,7 @@ def staged(items: Sequence[ReadItem], arena: torch.Tensor | None = None) -> tupl
     process holds resident, at least ``staging_bytes(items)``) where given, else new. A GPU
     tensor is staged on its GPU while the GPU has room (``device_room``; chunks are copied up as
     they are verified, see ``read.move_chunks``), the rest in new host memory, copied up at the end
-    through a few page-locked buffers (``upload.Ring``). That memory is not page-locked itself:
+    through a few page-locked buffers (``to_device.Ring``). That memory is not page-locked itself:
     pinning runs at 1-3 GB/s, slower than the one copy it would speed up."""
     out: list[ReadItem] = []
     pairs: list[StagedCopy] = []

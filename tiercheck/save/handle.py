@@ -1,5 +1,5 @@
 """What a save hands back and carries through the pipeline: ``SaveHandle`` (the caller's view:
-staged, committed, drained, timings) and ``SaveJob`` (one step on its way through the threads)."""
+staged, committed, drained, timings) and ``PendingSave`` (one step on its way through the threads)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class SaveHandle:
 
 
 @dataclass(eq=False)
-class SaveJob:
+class PendingSave:
     step: int
     plan: PackPlan
     leaves: list[Leaf]

@@ -24,7 +24,7 @@ import torch
 from tiercheck.errors import CoordinationError, StateChangedError, StepExistsError
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
-from tiercheck.save.handle import SaveJob, WriteRequest
+from tiercheck.save.handle import PendingSave, WriteRequest
 from tiercheck.save.plan import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes, stamp_reference_map
 from tiercheck.state.staging import HostPool, Region, chunk_views, copy_pieces, set_copy_threads
 from tiercheck.tiers.local import LocalTier
@@ -42,8 +42,8 @@ class Pipeline:
         max_host_bytes: int | None,
         nice: int,
         own_dir: bool,
-        commit: Callable[[SaveJob], None],
-        on_commit: Callable[[SaveJob], None],
+        commit: Callable[[PendingSave], None],
+        on_commit: Callable[[PendingSave], None],
     ) -> None:
         self.tier = tier
         self.pool = pool
@@ -51,7 +51,7 @@ class Pipeline:
         self.own_dir = own_dir  # no other rank writes into this tier
         self.commit = commit  # publishes a written save (or reports its failure) and waits for the other ranks
         self.on_commit = on_commit
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[PendingSave | None] = queue.Queue()
         # Absolute target: threads the stager spawns would otherwise inherit its raised niceness.
         self._niceness = (
             min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19) if nice and sys.platform == "linux" else None
@@ -61,9 +61,9 @@ class Pipeline:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-commit")
         self._submitted = 0  # saves submitted so far (each job's seq)
         self._next_commit = 0  # the seq of the save to commit next
-        self._written: dict[int, SaveJob] = {}  # saves whose writes are done, waiting for earlier saves' commits
+        self._written: dict[int, PendingSave] = {}  # saves whose writes are done, waiting for earlier saves' commits
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._inflight: dict[int, SaveJob] = {}
+        self._inflight: dict[int, PendingSave] = {}
         self._inflight_lock = threading.Lock()
         self._idle = threading.Condition(self._inflight_lock)
         # state_changed: failed saves whose lazily staged state changed before it was copied (StateChangedError)
@@ -73,7 +73,7 @@ class Pipeline:
 
     # --- training-thread side -------------------------------------------------------------
 
-    def submit(self, job: SaveJob) -> None:
+    def submit(self, job: PendingSave) -> None:
         with self._inflight_lock:
             self._inflight[job.step] = job
             job.seq, self._submitted = self._submitted, self._submitted + 1
@@ -139,7 +139,7 @@ class Pipeline:
             finally:
                 self._done_one(job)
 
-    def _stage(self, job: SaveJob) -> None:
+    def _stage(self, job: PendingSave) -> None:
         job.t_stage0 = time.perf_counter()
         plan, d = job.plan, step_dir(job.step)
         if self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
@@ -196,10 +196,10 @@ class Pipeline:
             raise job.error
         job.handle.staged.set_result(None)
 
-    def _copy_run(self, job: SaveJob, run: Run, *, lazy: bool) -> torch.cuda.Event | None:
+    def _copy_run(self, job: PendingSave, run: Run, *, lazy: bool) -> torch.cuda.Event | None:
         """Copy ``run``'s chunks into the pool and hand them to the I/O threads; returns the event
         after the copies on CUDA. The tensors of a lazy run are held to their version counters at
-        save() (``SaveJob.changed``) right before the copy and, on the CPU, right after it (on
+        save() (``PendingSave.changed``) right before the copy and, on the CPU, right after it (on
         CUDA once the copy has ended, in ``_stage``): a change fails the save, and bytes copied
         from a changed tensor are never written."""
         stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
@@ -225,7 +225,7 @@ class Pipeline:
         self._submit_write(job, WriteRequest(run.tasks[0].path, staged=(run, region), event=event))
         return event
 
-    def _stage_run(self, job: SaveJob, run: Run, region: Region) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _stage_run(self, job: PendingSave, run: Run, region: Region) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The (destination, source) pairs that copy ``run``'s chunks to their places in
         ``region``; alignment gaps between chunks are zeroed (the pool's memory is reused)."""
         outs, pieces = [], []
@@ -247,7 +247,7 @@ class Pipeline:
             end = at + t.nbytes + CHECKSUM_BYTES
         return outs, pieces
 
-    def _stream_for(self, src: torch.Tensor, job: SaveJob) -> torch.cuda.Stream | None:
+    def _stream_for(self, src: torch.Tensor, job: PendingSave) -> torch.cuda.Stream | None:
         if src.device.type != "cuda":
             return None
         stream = self._streams.get(src.device)
@@ -265,12 +265,12 @@ class Pipeline:
 
     # --- I/O threads ------------------------------------------------------------------------
 
-    def _submit_write(self, job: SaveJob, write: WriteRequest) -> None:
+    def _submit_write(self, job: PendingSave, write: WriteRequest) -> None:
         with job._lock:
             job._pending += 1
         self._io.submit(self._write, job, write)
 
-    def _write(self, job: SaveJob, write: WriteRequest) -> None:
+    def _write(self, job: PendingSave, write: WriteRequest) -> None:
         try:
             if job.error is not None:
                 return
@@ -302,19 +302,19 @@ class Pipeline:
                 self.pool.release(write.staged[1])
             self._done_one(job)
 
-    def _fail(self, job: SaveJob, e: BaseException) -> None:
+    def _fail(self, job: PendingSave, e: BaseException) -> None:
         with job._lock:
             if job.error is None:
                 job.error = e
 
-    def _done_one(self, job: SaveJob) -> None:
+    def _done_one(self, job: PendingSave) -> None:
         with job._lock:
             job._pending -= 1
             last = job._pending == 0
         if last:
             self._finish(job)
 
-    def _finish(self, job: SaveJob) -> None:
+    def _finish(self, job: PendingSave) -> None:
         """Hand a written save to the committer, in the order the saves were made: every rank meets
         the others at each commit in turn. A later save whose writes end first (it had less to
         write on this rank) waits here; committing it first deadlocked a job whose other ranks were
@@ -325,7 +325,7 @@ class Pipeline:
                 self._committer.submit(self._commit, self._written.pop(self._next_commit))
                 self._next_commit += 1
 
-    def _remove_partial(self, job: SaveJob) -> None:
+    def _remove_partial(self, job: PendingSave) -> None:
         """A failed save's files go at once (a full disk gets its space back), where this rank
         alone writes the directory; in a directory shared by a node's ranks, the next start removes
         them. A step with a commit marker, or a newer save of the same step, is never touched."""
@@ -339,7 +339,7 @@ class Pipeline:
             except OSError as e:
                 log.warning("could not remove the partial step %d from %s: %s", step, self.tier.url, e)
 
-    def _commit(self, job: SaveJob) -> None:
+    def _commit(self, job: PendingSave) -> None:
         h = job.handle
         try:
             h.timings["persist_s"] = job.t_write1 - job.t_write0 if job.t_write0 else 0.0

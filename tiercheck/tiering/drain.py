@@ -35,13 +35,14 @@ from tiercheck.errors import (
     RemoteStorageError,
     TiercheckError,
 )
-from tiercheck.fmt import fmt_steps
+from tiercheck.format.commit import withdraw_step
 from tiercheck.format.paths import (
     COMMIT_FILE,
     step_dir,
 )
-from tiercheck.format.steps import list_steps, read_marker, withdraw_step
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.format.verify import step_damage
+from tiercheck.humanize import fmt_steps
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.upload import upload_step

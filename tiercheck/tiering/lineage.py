@@ -21,10 +21,10 @@ from collections.abc import Generator
 from tiercheck.cluster.coordination import Barrier, Coordinator, drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, LineageError, StorageError
-from tiercheck.fmt import fmt_steps
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, write_lineage
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps
+from tiercheck.humanize import fmt_steps
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.refusals import storage_error
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from tiercheck.cluster.coordination import Coordinator, Nodes
 from tiercheck.errors import InvalidArgumentError, RemoteStorageError
-from tiercheck.fmt import fmt_steps
+from tiercheck.humanize import fmt_steps
 from tiercheck.options import DrainOptions, ReplicationOptions
 from tiercheck.tiering.drain import Drainer
 from tiercheck.tiering.replication import Replicator

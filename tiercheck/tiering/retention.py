@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 from tiercheck.cluster.job import Job
 from tiercheck.errors import StepExistsError
+from tiercheck.format.commit import set_aside_step, withdraw_step
 from tiercheck.format.paths import step_dir
-from tiercheck.format.steps import list_steps, set_aside_step, withdraw_step
+from tiercheck.format.steps import list_steps
 from tiercheck.format.verify import step_damage
 from tiercheck.options import RetentionOptions
 from tiercheck.tiers.local import LocalTier

@@ -29,6 +29,7 @@ import numpy as np
 from tiercheck.cluster.coordination import shard_of
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, unseal
+from tiercheck.format.commit import commit_step
 from tiercheck.format.files import files_of_ranks
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.paths import (
@@ -44,7 +45,7 @@ from tiercheck.format.paths import (
 )
 from tiercheck.format.replicas import Replica
 from tiercheck.format.saveid import REFS_STAMP, check_file_save
-from tiercheck.format.steps import commit_step, rank_parts, read_manifest, read_marker, read_small
+from tiercheck.format.steps import rank_parts, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
 from tiercheck.tiers.parts import composite_of

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tiercheck.format.commit import commit_step
 from tiercheck.format.files import files_of_ranks
 from tiercheck.format.paths import (
     COMMIT_FILE,
@@ -27,7 +28,7 @@ from tiercheck.format.paths import (
     pack_owner,
     step_dir,
 )
-from tiercheck.format.steps import commit_step, read_index, read_marker, read_small
+from tiercheck.format.steps import read_index, read_marker, read_small
 from tiercheck.tiering.lineage import check_remote
 from tiercheck.tiering.transfer import (
     copy_file,

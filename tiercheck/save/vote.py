@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError
+from tiercheck.format.commit import commit_step
 from tiercheck.format.manifest import (
     JSON,
     ManifestIndex,
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
-from tiercheck.format.steps import commit_step
-from tiercheck.save.handle import SaveJob
+from tiercheck.save.handle import PendingSave
 
 # ------------------------------------------------------------------------------------ commit
 
@@ -107,7 +107,7 @@ def _verdict(coord: Coordinator, key: str, what: str) -> Exchange[str]:
     return coord.get(key).decode()
 
 
-def commit_job(job: Job, save: SaveJob, *, library_version: str) -> None:
+def commit_job(job: Job, save: PendingSave, *, library_version: str) -> None:
     """Commit a save the pipeline has written (or failed to): this rank's manifest parts, then
     ``commit_save`` with the other ranks. Runs on the commit thread, on its own store connection
     (``job.coord``)."""

@@ -25,7 +25,7 @@ from tiercheck.cli.common import (
     remote_options,
     typed_options,
 )
-from tiercheck.fmt import plural
+from tiercheck.humanize import plural
 from tiercheck.tiers.remote import redact
 
 _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -134,7 +134,7 @@ def _parse_tier(text: str) -> Any:
             f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared with bandwidths above 0, got {text!r}",
             param_hint="'--tier'",
         ) from None
-    return sizing.Tier(name, write * 1e9, read * 1e9, shared=kind == "shared")
+    return sizing.TierProfile(name, write * 1e9, read * 1e9, shared=kind == "shared")
 
 
 def _dur(s: float) -> str:

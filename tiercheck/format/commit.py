@@ -1,0 +1,84 @@
+"""The commit protocol on one tier: how a step becomes visible, and how it stops being.
+
+A step is committed exactly when ``step-NNNNNNNN/COMMIT`` exists under the step's one name
+(``paths.step_dir``). The order that makes that safe at any instant of a crash (invariant 1,
+docs/design.md):
+
+1. Every data file of the step (each saving rank's pack, manifest parts, shards, owners and
+   reference maps) is written and made durable by its writer.
+2. ``commit_step``: the step's index (``manifest.json``) is written, the directory entries made
+   durable, then the commit marker is published, last and atomically (``Tier.publish``: a rename
+   on a directory, a create-only write on an object store). The marker pins the index by size and
+   CRC32C and names the save every other file of the step must name (invariant 9).
+3. ``withdraw_step``: deleting a step removes its marker first, durably, then the rest, so a crash
+   half-way through a deletion leaves a partial step (cleaned up later), never a damaged committed
+   one. ``set_aside_step`` moves a committed step out of the way whole, in one rename.
+
+Across ranks, who calls ``commit_step`` and when (every rank's part durable first, each node's
+first rank for its node, a failure anywhere withdrawing the step everywhere) is the save's vote,
+``save.vote``; copies between tiers (``tiering.transfer``, ``tiering.upload``) commit the same way
+once every file is copied and checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from tiercheck.format.codec import checksum
+from tiercheck.format.manifest import CommitMarker
+from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE, set_aside_dir, step_dir
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.local import LocalTier
+
+
+def commit_step(
+    tier: Tier,
+    step: int,
+    manifest: bytes,
+    *,
+    save_id: str | None,
+    ranks: tuple[int, ...] = (0,),
+    world_size: int = 1,
+) -> None:
+    """Publish a step whose data files are all durably written (by every saving rank).
+
+    ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
+    ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
+    ``save_id`` is the manifest's: two tiers hold the same save of a step where their commit
+    markers name the same one.
+    """
+    d = step_dir(step)
+    tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
+    tier.sync_dirs(d)
+    marker = CommitMarker(
+        step=step,
+        manifest_crc32c=checksum(manifest),
+        manifest_size=len(manifest),
+        ranks=tuple(ranks),
+        world_size=world_size,
+        save_id=save_id,
+    )
+    tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
+
+
+def withdraw_step(tier: Tier, step: int) -> None:
+    """Delete a step: first its commit marker (durably), then everything else."""
+    d = step_dir(step)
+    tier.delete(f"{d}/{COMMIT_FILE}")
+    tier.delete_tree(d)
+
+
+def set_aside_step(tier: LocalTier, step: int) -> str:
+    """Move a committed step that cannot be restored out of the way, whole, so that a save may
+    write its number again; returns where it went (``paths.set_aside_dir``). Only the directory's
+    writer (the holder of its lock) may call it. The rename is atomic: the step is either still
+    committed under its name or no step at all, never half moved."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    to = set_aside_dir(step, stamp)
+    for n in itertools.count(1):  # set aside twice in one second (saved again, damaged again)
+        if not tier.exists(to):
+            break
+        to = set_aside_dir(step, f"{stamp}-{n}")
+    tier.move(step_dir(step), to)
+    return to
