@@ -257,7 +257,7 @@ def assign_all_reads(
     """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
     place (a job plans per array on coordinators, ``restore.plan``, with ``assign_reads``).
 
-    ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
+    ``readable[r]`` is the set of saving ranks whose packs restoring rank ``r`` can read
     on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
     needing it; otherwise each node needing it reads it once (every rank is a node of its own
     unless ``nodes`` says otherwise). A chunk

@@ -78,10 +78,11 @@ class ArrayRecord:
     def owner(self, key: str) -> int:
         return self.owners.get(key, 0)
 
-    def location(self, key: str) -> tuple[str, int | None]:
+    def location(self, key: str) -> tuple[str, int]:
         """Where chunk ``key`` is stored, relative to its step: the owner's pack file and the
-        chunk's offset there, or with no offset a file of its own (``None``: all of it)."""
-        return chunk_location(self.path, key, self.owner(key), self.offsets.get(key))
+        chunk's offset there. ``KeyError`` for a chunk this record gives no offset (it gives one
+        with each checksum)."""
+        return chunk_location(self.owner(key), self.offsets[key])
 
     @classmethod
     def from_json(cls, path: str, doc: JSON, *, where: str, checksums: bool = True, owners: bool = True) -> ArrayRecord:
@@ -274,7 +275,7 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
             or not set(offsets) <= set(chunk_bytes)
-        ):  # every chunk is in its writer's pack: none is a file of its own (formats before 4)
+        ):  # every chunk is in its writer's pack, at an offset this part gives
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
         return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
     except CorruptCheckpointError:
@@ -290,7 +291,7 @@ class CommitMarker:
     step: int
     manifest_crc32c: int
     manifest_size: int
-    ranks: tuple[int, ...] = (0,)  # saving ranks whose chunk files are in this directory (its node's)
+    ranks: tuple[int, ...] = (0,)  # saving ranks whose packs are in this directory (its node's)
     world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
     save_id: str | None = None  # the manifest's; two tiers hold the same save where these agree
 

@@ -51,7 +51,7 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     holds what was read."""
     key = c.key
     where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
-    if key not in rec.checksums:
+    if key not in rec.checksums or key not in rec.offsets:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
     file, offset = rec.location(key)
     try:
@@ -59,7 +59,7 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
             tier, step, file, offset, nbytes=chunk_nbytes(rec), crc=rec.checksums[key], where=where, into=into
         )
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
+        raise CorruptCheckpointError(f"{where}: pack file is missing") from None
     except TiercheckError:
         raise
     except OSError as e:  # unreadable (EIO, a directory in its place, ...): as damaged as a bad checksum
@@ -322,8 +322,8 @@ class _Moves:
         path falls back to the remote tier or reports the chunk. A run planned from the remote
         tier is read from there (ranged GETs in parallel), into host memory."""
         records, by_path = self.records, self.by_path
-        if len(run) == 1 and (run[0].remote or records[run[0].path].location(run[0].chunk.key)[1] is None):
-            return [self.read_and_fill(run[0])], 0  # one chunk, or not in a pack
+        if len(run) == 1 and (run[0].remote or run[0].chunk.key not in records[run[0].path].offsets):
+            return [self.read_and_fill(run[0])], 0  # one chunk, or one the manifest does not place (reported)
         src = self.remote if run[0].remote else self.tier
         assert src is not None
         to_device = any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ()))
@@ -333,7 +333,6 @@ class _Moves:
         for job in run:
             rec = records[job.path]
             _, offset = rec.location(job.chunk.key)
-            assert offset is not None
             key = (job.path, job.chunk.coords)
             if self.outbox is not None and key in self.shared_out:
                 # Read straight into the memory the ranks of this host take it from, then filled from
@@ -400,7 +399,6 @@ class _Moves:
                     rec = self.records[job.path]
                     c, nbytes = job.chunk, chunk_nbytes(rec)
                     _, offset = rec.location(c.key)
-                    assert offset is not None
                     lo = offset - start
                     data = buf[lo : lo + nbytes]
                     rest: memoryview | bytes = views[0][lo + nbytes : lo + nbytes + CHECKSUM_BYTES]
