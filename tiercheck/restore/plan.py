@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiercheck.cluster.assign import Need, Read, Transfer, assign_reads, needed_chunks
+from tiercheck.cluster.assign import Need, Read, ReadAssignment, Transfer, assign_reads, needed_chunks
 from tiercheck.cluster.coordination import Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
@@ -113,6 +113,12 @@ class RestorePlan:
     transfers: list[Transfer]  # those this rank sends or receives
     records: dict[str, ArrayRecord]  # of the arrays it reads or receives, checksums of what it reads
     read_bytes: int
+
+    @classmethod
+    def alone(cls, assignment: ReadAssignment, records: dict[str, ArrayRecord]) -> RestorePlan:
+        """The plan of a process reading on its own (``load``, ``seam.read_regions``): the one
+        restoring rank's part of ``assignment``, made from ``records``."""
+        return cls(assignment.reads[0], assignment.transfers, records, assignment.read_bytes[0])
 
 
 @dataclass(frozen=True, kw_only=True)
