@@ -306,9 +306,9 @@ def test_a_step_of_an_older_format_is_refused_by_every_reader_and_kept(ckpt_dir:
 def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     """Edit a single-rank step's manifest and re-sign it, as an attacker with write access could.
 
-    ``edit`` sees one document as format 2 laid it out (the index's fields, ``arrays`` with their
-    checksums, ``trees``); it is written back as format 3's index, rank part and array shard, each
-    re-sealed, and the commit marker re-signed."""
+    ``edit`` sees the step as one document (the index's fields, ``arrays`` with their checksums,
+    ``trees``); it is written back as the index, rank part and arrays file, each re-sealed, and the
+    commit marker re-signed."""
     d = ckpt_dir / f"step-{step:08d}"
     doc = json.loads((d / "manifest.json").read_bytes())
     part = json.loads(unseal((d / part_file(0)).read_bytes(), where="test"))

@@ -126,7 +126,7 @@ class Manifest:
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION  # as read (``parse_manifest_doc`` accepts this library's only)
-    save_id: str | None = None  # the save that wrote the step and every file of it
+    save_id: str  # the save that wrote the step and every file of it
 
     @property
     def world_size(self) -> int:
@@ -152,7 +152,7 @@ class ManifestIndex:
     nodes: int
     metadata: JSON = None
     format_version: int = FORMAT_VERSION
-    save_id: str | None = None  # the save that wrote the step
+    save_id: str  # the save that wrote the step
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -160,7 +160,7 @@ class ManifestIndex:
             "format_version": self.format_version,
             "library_version": self.library_version,
             "step": self.step,
-            **({"save_id": self.save_id} if self.save_id is not None else {}),
+            "save_id": self.save_id,
             "created_unix": self.created_unix,
             "world_size": self.world_size,
             "topology": {"world_size": self.world_size, "nodes": self.nodes},
