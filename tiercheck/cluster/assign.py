@@ -11,7 +11,7 @@ written once, by the least-loaded of its holders: replicas share the writing, an
 ranks holding the same chunks splits them the same way on every member.
 
 Restoring: each rank asks for boxes of global arrays; the chunks they touch are read by ranks
-whose node directory holds the chunk's file and sent to ranks that need it but cannot read it.
+whose node directory holds the chunk's pack and sent to ranks that need it but cannot read it.
 """
 
 
