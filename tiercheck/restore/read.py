@@ -52,8 +52,10 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     holds what was read."""
     key = c.key
     where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
-    if key not in rec.checksums or key not in rec.offsets:
+    if key not in rec.checksums:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
+    if key not in rec.offsets:  # a part gives both; only a record made by hand lacks one
+        raise CorruptCheckpointError(f"{where}: the manifest gives this chunk no offset in its writer's pack")
     file, offset = rec.location(key)
     try:
         data = read_stored_chunk(
