@@ -237,6 +237,7 @@ def _manifest(plan: WriteAssignment, parts: list[dict[str, Any]], n: int) -> Man
         tree_of_rank=tree_of_rank,
         arrays=records,
         topology={"world_size": n, "nodes": nodes},
+        save_id=new_save_id("scale-sim", 1000, 0),
     )
 
 

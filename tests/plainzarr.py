@@ -14,7 +14,7 @@ import zarr
 
 
 def open_step(url: str, protocol: str = "file", **options: Any) -> zarr.Group:
-    """A committed tiercheck step (format 4) as a read-only zarr group."""
+    """A committed tiercheck step as a read-only zarr group."""
     fs = fsspec.filesystem(protocol, **options)
     refs: dict[str, Any] = {}
     for f in sorted(fs.glob(f"{url}/refs/*.json")):  # one map per saving rank

@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 
 import tiercheck
+from tests.cli import run
 from tests.conftest import assert_identical
 from tests.ondisk import chunk_span, flip_chunk_byte, resign_index
 from tiercheck import Checkpointer, WriteOptions
@@ -305,9 +306,9 @@ def test_a_step_of_an_older_format_is_refused_by_every_reader_and_kept(ckpt_dir:
 def rewrite_manifest(ckpt_dir: Path, step: int, edit: object) -> None:
     """Edit a single-rank step's manifest and re-sign it, as an attacker with write access could.
 
-    ``edit`` sees one document as format 2 laid it out (the index's fields, ``arrays`` with their
-    checksums, ``trees``); it is written back as format 3's index, rank part and array shard, each
-    re-sealed, and the commit marker re-signed."""
+    ``edit`` sees the step as one document (the index's fields, ``arrays`` with their checksums,
+    ``trees``); it is written back as the index, rank part and arrays file, each re-sealed, and the
+    commit marker re-signed."""
     d = ckpt_dir / f"step-{step:08d}"
     doc = json.loads((d / "manifest.json").read_bytes())
     part = json.loads(unseal((d / part_file(0)).read_bytes(), where="test"))
@@ -551,9 +552,7 @@ def test_a_directory_where_a_file_should_be_and_the_reverse_are_reported(
     with Checkpointer(live, local=ckpt_dir) as ck:
         assert ck.restore() == 2  # the damaged newest step does not block the one before it
     assert_identical(live["model"], older)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
-    )
+    proc = run("verify", str(ckpt_dir), check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "step 3" in proc.stderr or "step-00000003" in proc.stderr, proc.stderr
 
@@ -649,9 +648,7 @@ def test_a_chunk_grid_beyond_any_save_is_refused_and_verify_counts_the_chunks(ck
     saved(ckpt_dir)
     _edit_shard(ckpt_dir, "model/b", "chunks", [1])  # 64 chunks, of which the manifest names 1
     _agree_with_shard(ckpt_dir, "model/b")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tiercheck", "verify", str(ckpt_dir)], capture_output=True, text=True, check=False
-    )
+    proc = run("verify", str(ckpt_dir), check=False)
     assert proc.returncode == 1, proc.stdout
     assert "step 3: array 'model/b': the manifest names 1 chunks of its 64" in proc.stderr, proc.stderr
     with pytest.raises(CorruptCheckpointError, match=r"'model/b': the manifest names 1 chunks, not the 64 of its"):
@@ -707,6 +704,8 @@ def test_an_unreadable_step_does_not_block_restoring_an_older_one(ckpt_dir: Path
     saved(ckpt_dir)
     (ckpt_dir / target).chmod(0)
     out = ckpt_dir.parent / "restored.pt"
+    # Each in a process of its own: as root, the child drops the capabilities that read past the
+    # permission bits (``_meet_permission_bits``), which this process cannot drop and keep.
     try:
         child = subprocess.run(
             [sys.executable, "-c", _RESTORE_CHILD, str(ckpt_dir), str(out)],

@@ -2,7 +2,7 @@
 ranks' own (``format.files.files_of_ranks``), whatever else lies in the step directory.
 
 A 4-rank job on 2 simulated nodes (``tests/distributed.py``) saves one step; node 0's directory (ranks
-0 and 1) then gets files no manifest names as its ranks': a ``__`` file, a chunk file, another node's
+0 and 1) then gets files no manifest names as its ranks': a ``__`` file, one named like a chunk, another node's
 pack and manifest part without a replica marker, a stray file and a write in flight.
 """
 
@@ -27,7 +27,7 @@ from .test_distributed import SMALL, model_state, node_dir
 
 JUNK = [
     "__tmp",
-    "model/w/c.0.0",  # a chunk file, as formats 3 and before wrote them, that no manifest names
+    "model/w/c.0.0",  # named like a chunk of a zarr array: every chunk is in a pack, so no manifest names it
     "packs/rank-000002.bin",  # node 1's pack and part, with no replica marker to make them count
     "manifest/rank-000003.json",
     "stray.bin",

@@ -105,7 +105,6 @@ def start(
             replication=replication,
             coord=coord,
             nodes=nodes,
-            leader=leader,
             take_over=write.take_over,
         )
     except BaseException:

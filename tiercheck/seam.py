@@ -61,7 +61,8 @@ from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
 from tiercheck.restore.load import open_step
 from tiercheck.restore.match import FreshShard
-from tiercheck.restore.read import move_chunks
+from tiercheck.restore.plan import RestorePlan
+from tiercheck.restore.read import ReadSource, move_chunks
 from tiercheck.restore.stage import ReadItem, copy_in, host_read_buffer
 from tiercheck.state.flatten import Leaf, decode, dtype_name, flatten, is_stateful, torch_dtype
 from tiercheck.state.sharding import placement_of
@@ -121,7 +122,7 @@ def read_regions(
     items = [ReadItem(rec, dest, offsets, fresh=True) for rec, dest, offsets in regions]
     records = {i.record.path: i.record for i in items}
     plan = assign_all_reads(records, [[i.need for i in items]], [holders], read_once=True)
-    return move_chunks(tier, step, records, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
+    return move_chunks(ReadSource(tier=tier, step=step, io_threads=io_threads), RestorePlan.alone(plan, records), items)
 
 
 __all__ = [

@@ -62,7 +62,7 @@ from tiercheck.tiers.base import Tier
     "--ranks",
     default=None,
     metavar="A-B[,C]",
-    help="Only the chunk files these saving ranks wrote (this node's share, e.g. 0-7).",
+    help="Only the files these saving ranks wrote (this node's share, e.g. 0-7).",
 )
 @click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
 @click.option("--threads", default=8, show_default=True, type=THREADS, help="Files copied at once.")

@@ -11,7 +11,7 @@ written once, by the least-loaded of its holders: replicas share the writing, an
 ranks holding the same chunks splits them the same way on every member.
 
 Restoring: each rank asks for boxes of global arrays; the chunks they touch are read by ranks
-whose node directory holds the chunk's file and sent to ranks that need it but cannot read it.
+whose node directory holds the chunk's pack and sent to ranks that need it but cannot read it.
 """
 
 
@@ -257,7 +257,7 @@ def assign_all_reads(
     """Who reads each needed chunk, and who sends it to whom: the whole job's read plan in one
     place (a job plans per array on coordinators, ``restore.plan``, with ``assign_reads``).
 
-    ``readable[r]`` is the set of saving ranks whose chunk files restoring rank ``r`` can read
+    ``readable[r]`` is the set of saving ranks whose packs restoring rank ``r`` can read
     on its node. With ``read_once``, each chunk is read by one rank and sent to every other rank
     needing it; otherwise each node needing it reads it once (every rank is a node of its own
     unless ``nodes`` says otherwise). A chunk

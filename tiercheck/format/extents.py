@@ -93,7 +93,7 @@ def check_extents(tier: Tier, step: int, arrays: Mapping[str, ArrayRecord], *, w
             )
         for key in rec.checksums:
             file, offset = rec.location(key)
-            spans[file].append((offset or 0, n, rec.path, key))
+            spans[file].append((offset, n, rec.path, key))
     d = step_dir(step)
     for file, ss in sorted(spans.items()):
         check_spans(file, ss, where=where)

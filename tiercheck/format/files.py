@@ -27,8 +27,8 @@ def files_of_ranks(listing: Mapping[str, int], ranks: Iterable[int]) -> dict[str
     commit marker and ``manifest.json`` (each caller writes those itself, last), the tier's own
     bookkeeping (``__drained.*``, ``__copying.*``, peer ``REPLICA-*`` markers), temporaries of a
     write in flight (``.name.tmp-*``), the files of other ranks (a peer's replica here is its
-    own node's to drain), a file named like a chunk (formats before 4 kept each chunk in its own
-    file; this library refuses them), and anything else put there. None of them is drained,
+    own node's to drain), a file named like a chunk (no step of this format has one: every chunk
+    is in its writer's pack), and anything else put there. None of them is drained,
     copied or replicated; they go when the step directory is deleted.
     """
     named = [f for r in sorted(set(ranks)) for f in rank_files(r)]

@@ -78,10 +78,11 @@ class ArrayRecord:
     def owner(self, key: str) -> int:
         return self.owners.get(key, 0)
 
-    def location(self, key: str) -> tuple[str, int | None]:
+    def location(self, key: str) -> tuple[str, int]:
         """Where chunk ``key`` is stored, relative to its step: the owner's pack file and the
-        chunk's offset there, or with no offset a file of its own (``None``: all of it)."""
-        return chunk_location(self.path, key, self.owner(key), self.offsets.get(key))
+        chunk's offset there. ``KeyError`` for a chunk this record gives no offset (it gives one
+        with each checksum)."""
+        return chunk_location(self.owner(key), self.offsets[key])
 
     @classmethod
     def from_json(cls, path: str, doc: JSON, *, where: str, checksums: bool = True, owners: bool = True) -> ArrayRecord:
@@ -125,7 +126,7 @@ class Manifest:
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION  # as read (``parse_manifest_doc`` accepts this library's only)
-    save_id: str | None = None  # the save that wrote the step and every file of it
+    save_id: str  # the save that wrote the step and every file of it
 
     @property
     def world_size(self) -> int:
@@ -151,7 +152,7 @@ class ManifestIndex:
     nodes: int
     metadata: JSON = None
     format_version: int = FORMAT_VERSION
-    save_id: str | None = None  # the save that wrote the step
+    save_id: str  # the save that wrote the step
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -159,7 +160,7 @@ class ManifestIndex:
             "format_version": self.format_version,
             "library_version": self.library_version,
             "step": self.step,
-            **({"save_id": self.save_id} if self.save_id is not None else {}),
+            "save_id": self.save_id,
             "created_unix": self.created_unix,
             "world_size": self.world_size,
             "topology": {"world_size": self.world_size, "nodes": self.nodes},
@@ -274,7 +275,7 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
             set(offsets) != set(checksums)
             or any(set(offsets[p]) != set(crcs) for p, crcs in checksums.items())
             or not set(offsets) <= set(chunk_bytes)
-        ):  # every chunk is in its writer's pack: none is a file of its own (formats before 4)
+        ):  # every chunk is in its writer's pack, at an offset this part gives
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
         return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
     except CorruptCheckpointError:
@@ -290,7 +291,7 @@ class CommitMarker:
     step: int
     manifest_crc32c: int
     manifest_size: int
-    ranks: tuple[int, ...] = (0,)  # saving ranks whose chunk files are in this directory (its node's)
+    ranks: tuple[int, ...] = (0,)  # saving ranks whose packs are in this directory (its node's)
     world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
     save_id: str | None = None  # the manifest's; two tiers hold the same save where these agree
 

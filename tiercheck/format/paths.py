@@ -42,11 +42,8 @@ def pack_owner(path: str) -> int | None:
 _PACK = re.compile(rf"^{PACKS_DIR}/rank-([0-9]{{6,}})\.bin$")
 
 
-def chunk_location(path: str, key: str, writer: int, offset: int | None) -> tuple[str, int | None]:
-    """Where chunk ``key`` of array ``path`` is stored, relative to its step: its writer's pack
-    and its offset there, or with no offset a file of its own (``None``: all of it)."""
-    if offset is None:
-        return f"{path}/{key}", None
+def chunk_location(writer: int, offset: int) -> tuple[str, int]:
+    """Where a chunk is stored, relative to its step: its writer's pack and its offset there."""
     return pack_file(writer), offset
 
 

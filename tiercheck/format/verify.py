@@ -42,7 +42,7 @@ def read_stored_chunk(
     tier: Tier,
     step: int,
     file: str,
-    offset: int | None,
+    offset: int,
     *,
     nbytes: int,
     crc: int,
@@ -51,17 +51,15 @@ def read_stored_chunk(
 ) -> memoryview:
     """A stored chunk's data, its size and CRC32C checked (``CorruptCheckpointError`` when not).
 
-    ``file`` and ``offset`` say where it is (``paths.chunk_location``): at ``offset`` in a pack,
-    or with no offset a file of its own, which is read one byte past its expected end so that one
-    too long shows. With ``into``, the chunk's
-    first ``len(into)`` bytes are read there (see ``Tier.read_into``) and a view of them is
-    returned. A missing file raises ``FileNotFoundError`` and an unreadable one ``OSError``: each
+    ``file`` and ``offset`` say where it is (``paths.chunk_location``): at ``offset`` in a pack.
+    With ``into``, the chunk's first ``len(into)`` bytes are read there (see ``Tier.read_into``)
+    and a view of them is returned. A missing file raises ``FileNotFoundError`` and an unreadable one ``OSError``: each
     caller words those its own way."""
     path = f"{step_dir(step)}/{file}"
-    length = nbytes + CHECKSUM_BYTES + (offset is None)
+    length = nbytes + CHECKSUM_BYTES
     if into is None:
-        return verify_chunk(tier.read_range(path, offset or 0, length), expected_crc=crc, nbytes=nbytes, where=where)
-    n, rest = tier.read_into(path, into, offset=offset or 0, length=length)
+        return verify_chunk(tier.read_range(path, offset, length), expected_crc=crc, nbytes=nbytes, where=where)
+    n, rest = tier.read_into(path, into, offset=offset, length=length)
     return verify_parts(into[:n], rest, expected_crc=crc, nbytes=nbytes, where=where)
 
 

@@ -35,8 +35,8 @@ class Step:
     world_size: int  # of the saving job
     here: frozenset[int]  # saving ranks whose files this node holds
     from_remote: bool  # the step is committed on the remote tier
-    claimed: tuple[str, ...] = ()  # store keys this rank set for the whole restore (deleted at its end)
-    save_id: str | None = None  # every manifest file read must name this save
+    claimed: tuple[str, ...]  # store keys this rank set for the whole restore (deleted at its end)
+    save_id: str  # every manifest file read must name this save
 
 
 def find_holders(

@@ -14,7 +14,8 @@ from tiercheck.format.refmaps import check_documents
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.restore.match import apply, prepare
-from tiercheck.restore.read import move_chunks
+from tiercheck.restore.plan import RestorePlan
+from tiercheck.restore.read import ReadSource, move_chunks
 from tiercheck.state.flatten import gc_paused
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.remote import open_tier
@@ -61,7 +62,8 @@ def load(
         before_allocating=backed_by_the_files,
     )
     plan = assign_all_reads(manifest.arrays, [[i.need for i in items]], [frozenset(marker.ranks)], read_once=True)
-    move_chunks(tier, step, manifest.arrays, items, plan.reads[0], plan.transfers, rank=0, io_threads=io_threads)
+    source = ReadSource(tier=tier, step=step, io_threads=io_threads)
+    move_chunks(source, RestorePlan.alone(plan, manifest.arrays), items)
     apply(out, decoded, where=where)
     return out
 

@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiercheck.cluster.assign import Need, Read, Transfer, assign_reads, needed_chunks
+from tiercheck.cluster.assign import Need, Read, ReadAssignment, Transfer, assign_reads, needed_chunks
 from tiercheck.cluster.coordination import Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
@@ -113,6 +113,12 @@ class RestorePlan:
     transfers: list[Transfer]  # those this rank sends or receives
     records: dict[str, ArrayRecord]  # of the arrays it reads or receives, checksums of what it reads
     read_bytes: int
+
+    @classmethod
+    def alone(cls, assignment: ReadAssignment, records: dict[str, ArrayRecord]) -> RestorePlan:
+        """The plan of a process reading on its own (``load``, ``seam.read_regions``): the one
+        restoring rank's part of ``assignment``, made from ``records``."""
+        return cls(assignment.reads[0], assignment.transfers, records, assignment.read_bytes[0])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,8 +211,7 @@ def _my_work(
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
     for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts, recs).items():
         by_path[path][key] = crc
-        if offset is not None:
-            offsets[path][key] = offset
+        offsets[path][key] = offset
     for path, rec in list(recs.items()):
         mine_crcs = by_path.get(path, {})
         recs[path] = rec.with_chunks(
@@ -334,12 +339,12 @@ def _checksums(
     owners_of: Mapping[tuple[str, str], int],
     parts: Mapping[int, RankPart],
     records: Mapping[str, ArrayRecord],
-) -> dict[tuple[str, str], tuple[int, int | None]]:
-    """The checksum of each chunk this rank reads, and its offset in its writer's pack (format 4),
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """The checksum of each chunk this rank reads, and its offset in its writer's pack,
     from the writer's part of the manifest: in ``parts`` when parsed already, else on this node
     (the reader is on the writer's node) or on the remote tier. Each part is checked as ``load``
     checks it (``format.extents``): its chunks' sizes are their ``records``', none overlaps another."""
-    out: dict[tuple[str, str], tuple[int, int | None]] = {}
+    out: dict[tuple[str, str], tuple[int, int]] = {}
     d = step_dir(st.step)
     by_owner: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for chunk, owner in owners_of.items():
@@ -360,7 +365,7 @@ def _checksums(
         for path, key in chunks:
             if key not in part.checksums.get(path, {}):
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")
-            out[path, key] = part.checksums[path][key], part.offsets.get(path, {}).get(key)
+            out[path, key] = part.checksums[path][key], part.offsets[path][key]  # a part places each chunk it sums
     return out
 
 

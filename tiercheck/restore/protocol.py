@@ -27,7 +27,7 @@ from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for
 from tiercheck.restore.needed import DAMAGE, manifest_for
 from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
-from tiercheck.restore.read import ReadCounts, deferrable, fill_deferred, move_chunks, share_key
+from tiercheck.restore.read import ReadCounts, ReadSource, deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused
@@ -333,20 +333,15 @@ class Restore:
             )
             on_device = sum(b.numel() * b.element_size() for _, b, _ in live if b.is_cuda)
             try:
-                nbytes = move_chunks(
-                    tier,
-                    step,
-                    plan.records,
-                    reads,
-                    plan.reads,
-                    plan.transfers,
+                source = ReadSource(
+                    tier=tier,
+                    step=step,
                     rank=coord.rank,
                     group=job.group,
-                    io_threads=request.io_threads,
                     remote=job.remote if prepared.from_remote else None,
-                    counts=counts,
-                    sharing=sharing,
+                    io_threads=request.io_threads,
                 )
+                nbytes = move_chunks(source, plan, reads, counts=counts, sharing=sharing)
             except TiercheckError as e:
                 failure = e
             try:

@@ -35,6 +35,7 @@ from tiercheck.format.layout import Chunk, chunks_in_box, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
+from tiercheck.restore.plan import RestorePlan
 from tiercheck.restore.runs import RunLayout, Slot, read_runs
 from tiercheck.restore.share import HEADER, Sharing, host_key, unshared
 from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
@@ -53,13 +54,15 @@ def read_chunk(tier: Tier, step: int, rec: ArrayRecord, c: Chunk, into: memoryvi
     where = f"{tier.url}: step {step}: array {rec.path!r} chunk {key}"
     if key not in rec.checksums:
         raise CorruptCheckpointError(f"{where}: the manifest has no checksum for this chunk")
+    if key not in rec.offsets:  # a part gives both; only a record made by hand lacks one
+        raise CorruptCheckpointError(f"{where}: the manifest gives this chunk no offset in its writer's pack")
     file, offset = rec.location(key)
     try:
         data = read_stored_chunk(
             tier, step, file, offset, nbytes=chunk_nbytes(rec), crc=rec.checksums[key], where=where, into=into
         )
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: {'pack' if offset is not None else 'chunk'} file is missing") from None
+        raise CorruptCheckpointError(f"{where}: pack file is missing") from None
     except TiercheckError:
         raise
     except OSError as e:  # unreadable (EIO, a directory in its place, ...): as damaged as a bad checksum
@@ -153,37 +156,46 @@ def _stops(item: ReadItem) -> tuple[int, ...]:
     return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadSource:
+    """Where and how one rank reads a committed step (``move_chunks``): ``step`` on ``tier``, and
+    what is missing or damaged there on ``remote`` when given; as restoring ``rank`` of ``group``
+    (the process group transfers go through; None: the default one), on up to ``io_threads``."""
+
+    tier: Tier
+    step: int
+    rank: int = 0
+    group: Any = None
+    remote: Tier | None = None
+    io_threads: int = 4
+
+
 def move_chunks(
-    tier: Tier,
-    step: int,
-    records: dict[str, ArrayRecord],
+    source: ReadSource,
+    plan: RestorePlan,
     items: Sequence[ReadItem],
-    reads: Sequence[Read],
-    transfers: Sequence[Transfer],
     *,
-    rank: int,
-    group: Any = None,
-    io_threads: int = 4,
-    remote: Tier | None = None,
     counts: ReadCounts | None = None,
     sharing: Sharing | None = None,
 ) -> int:
-    """Carry out this rank's part of a read plan: ``reads`` (its own) and the ``transfers`` it
-    sends or receives: read, send, receive, fill. Returns the bytes read.
+    """Carry out this rank's part of a read ``plan``: its reads and the transfers it sends or
+    receives: read, send, receive, fill into ``items``. Returns the bytes read.
 
-    A chunk missing or damaged on the local tier is read from ``remote`` instead, when given.
-    ``shared`` transfers pass through ``sharing``'s memory (``restore.share``), which the caller
-    closes only once every rank is done moving chunks. What the reads count is added to ``counts``.
+    A chunk missing or damaged on the local tier is read from ``source.remote`` instead, when
+    given. ``shared`` transfers pass through ``sharing``'s memory (``restore.share``), which the
+    caller closes only once every rank is done moving chunks. What the reads count is added to
+    ``counts``.
     """
-    moves = _Moves(tier, step, records, items, transfers, rank=rank, group=group, remote=remote, sharing=sharing)
+    tier, records, reads = source.tier, plan.records, plan.reads
+    moves = _Moves(source, plan, items, sharing)
     if counts is not None:
         moves.counts = counts
-    runs = read_runs(tier, records, reads, remote=remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
+    runs = read_runs(tier, records, reads, remote=source.remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
     # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
     # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
     # (20,000 chunks of 1 KiB: 0.6 s on 4 threads, 0.3 s on one). A thread per run's worth of bytes.
     nbytes = sum(chunk_nbytes(records[r.path]) for r in reads)
-    threads = max(1, min(io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
+    threads = max(1, min(source.io_threads, len(runs), -(-nbytes // READ_RUN_BYTES)))
     moves.bounce = Bounce.for_runs(tier, records, items, runs, threads)
     # A thread of its own, not a pool's: when this rank fails for another reason, it is left
     # waiting (within the process group's timeout) and never holds up the process's exit.
@@ -227,20 +239,11 @@ class _Moves:
     a rank waiting for a chunk always gets the bytes it expects, or it would hang)."""
 
     def __init__(
-        self,
-        tier: Tier,
-        step: int,
-        records: dict[str, ArrayRecord],
-        items: Sequence[ReadItem],
-        transfers: Sequence[Transfer],
-        *,
-        rank: int,
-        group: Any,
-        remote: Tier | None,
-        sharing: Sharing | None,
+        self, source: ReadSource, plan: RestorePlan, items: Sequence[ReadItem], sharing: Sharing | None
     ) -> None:
+        records, transfers, rank, group = plan.records, plan.transfers, source.rank, source.group
         self.tier, self.step, self.records, self.remote, self.sharing, self.group = (
-            tier, step, records, remote, sharing, group
+            source.tier, source.step, records, source.remote, sharing, group
         )  # fmt: skip
         self.counts = ReadCounts()
         self.by_path: dict[str, list[ReadItem]] = defaultdict(list)
@@ -322,8 +325,8 @@ class _Moves:
         path falls back to the remote tier or reports the chunk. A run planned from the remote
         tier is read from there (ranged GETs in parallel), into host memory."""
         records, by_path = self.records, self.by_path
-        if len(run) == 1 and (run[0].remote or records[run[0].path].location(run[0].chunk.key)[1] is None):
-            return [self.read_and_fill(run[0])], 0  # one chunk, or not in a pack
+        if len(run) == 1 and (run[0].remote or run[0].chunk.key not in records[run[0].path].offsets):
+            return [self.read_and_fill(run[0])], 0  # one chunk, or one the manifest does not place (reported)
         src = self.remote if run[0].remote else self.tier
         assert src is not None
         to_device = any(i.dest.is_cuda for job in run for i in by_path.get(job.path, ()))
@@ -333,7 +336,6 @@ class _Moves:
         for job in run:
             rec = records[job.path]
             _, offset = rec.location(job.chunk.key)
-            assert offset is not None
             key = (job.path, job.chunk.coords)
             if self.outbox is not None and key in self.shared_out:
                 # Read straight into the memory the ranks of this host take it from, then filled from
@@ -400,7 +402,6 @@ class _Moves:
                     rec = self.records[job.path]
                     c, nbytes = job.chunk, chunk_nbytes(rec)
                     _, offset = rec.location(c.key)
-                    assert offset is not None
                     lo = offset - start
                     data = buf[lo : lo + nbytes]
                     rest: memoryview | bytes = views[0][lo + nbytes : lo + nbytes + CHECKSUM_BYTES]

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from tiercheck.cluster.assign import Read
-from tiercheck.errors import TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.restore.stage import whole_blocks
@@ -139,20 +138,17 @@ def read_runs(
     """``reads`` in runs to read at once: chunks of one pack on one tier (``tier``, or ``remote``
     for the reads planned from it), in file order, each starting where the one before ends (or
     after its alignment gap), up to ``max_bytes`` and ``max_chunks`` a run, where that tier reads
-    many buffers at once (``vectored_reads``). Everything else (a chunk's own file, overlapping
-    offsets a damaged manifest names) is read alone."""
+    many buffers at once (``vectored_reads``). Everything else (a chunk the record gives no
+    checksum or offset) is read alone, which reports it with the chunk's name."""
     alone: list[list[Read]] = []
     placed: list[tuple[bool, str, int, int, Read]] = []
     for r in reads:
         rec = records[r.path]
-        try:
-            file, offset = rec.location(r.chunk.key)
-        except TiercheckError:  # read alone, which reports it with the chunk's name
-            offset = None
         src = remote if r.remote else tier
-        if src is None or not src.vectored_reads or r.chunk.key not in rec.checksums or offset is None:
+        if src is None or not src.vectored_reads or r.chunk.key not in rec.checksums or r.chunk.key not in rec.offsets:
             alone.append([r])
             continue
+        file, offset = rec.location(r.chunk.key)
         placed.append((r.remote, file, offset, chunk_nbytes(rec) + CHECKSUM_BYTES, r))
     placed.sort(key=lambda p: (p[0], p[1], p[2]))
     runs: list[list[Read]] = []

@@ -178,12 +178,14 @@ def whole_blocks(nbytes: int) -> int:
 
 def run_span(records: dict[str, ArrayRecord], run: Sequence[Read]) -> tuple[str, int, int] | None:
     """Where a run of chunks lies in its pack: (file, start, end), from the block its first chunk
-    starts in to the end of its last chunk's checksum; None for a read that is not in a pack."""
+    starts in to the end of its last chunk's checksum; None for a run read from the remote tier,
+    or a chunk the manifest gives no offset (read alone, which reports it)."""
     first, last = run[0], run[-1]
-    file, start = records[first.path].location(first.chunk.key)
-    _, last_offset = records[last.path].location(last.chunk.key)
-    if first.remote or start is None or last_offset is None:
+    head, tail = records[first.path], records[last.path]
+    if first.remote or first.chunk.key not in head.offsets or last.chunk.key not in tail.offsets:
         return None
+    file, start = head.location(first.chunk.key)
+    _, last_offset = tail.location(last.chunk.key)
     end = last_offset + chunk_nbytes(records[last.path]) + CHECKSUM_BYTES
     return file, start // BLOCK * BLOCK, end
 

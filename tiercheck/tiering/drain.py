@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.coordination import Coordinator, Nodes
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CoordinationError,
@@ -62,8 +62,7 @@ class Drainer:
         options: DrainOptions,
         *,
         coord: Coordinator,
-        node_ranks: tuple[int, ...],
-        uploads: bool,
+        nodes: Nodes,
         on_settled: Callable[[], None] = lambda: None,
         take_over: bool = False,
     ) -> None:
@@ -71,8 +70,8 @@ class Drainer:
         self.remote = remote
         self.options = options
         self.coord = coord
-        self.node_ranks = node_ranks
-        self.uploads = uploads
+        self.node_ranks = nodes.ranks
+        self.uploads = uploads = coord.rank == nodes.leader  # the node's first rank
         self.on_settled = on_settled  # a drain finished or steps were skipped: local retention may act
         self.take_over = take_over  # the remote prefix may hold another lineage's steps (lineage.check_remote)
         self._cond = threading.Condition()

@@ -42,9 +42,9 @@ class TierManager:
         replication: ReplicationOptions | None,
         coord: Coordinator,
         nodes: Nodes,
-        leader: bool,
         take_over: bool = False,
     ) -> None:
+        leader = nodes.leader == coord.rank  # the node's first rank uploads and copies
         self.tier, self.local, self.options, self.leader = tier, local, drain, leader
         self.remote: Tier | None = None
         self.drainer: Drainer | None = None
@@ -68,8 +68,7 @@ class TierManager:
                 self.remote,
                 drain,
                 coord=coord.connect_again(),
-                node_ranks=nodes.ranks,
-                uploads=leader,
+                nodes=nodes,
                 on_settled=local.retain,
                 take_over=take_over,
             )

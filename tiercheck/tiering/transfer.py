@@ -144,13 +144,13 @@ def _with_its_files(src: Tier, step: int, marker: str, files: dict[str, int]) ->
 
 
 def resumable(
-    src: Tier, dst: Tier, step: int, save: str | None, first: int, files: dict[str, int]
+    src: Tier, dst: Tier, step: int, save: str, first: int, files: dict[str, int]
 ) -> dict[str, int]:
     """Before a copy of ``files`` of save ``save`` from ``src`` into ``dst``'s directory of
     ``step`` (a node's share: ``first`` is its first saving rank): the packs a copy of the same
     save left there whose content checks out (``copy_holds``: never by size), with their sizes
     there, which it need not copy again (every other file is small, and copied again). Any
-    file of ``files`` there under another save's marker (or of a format naming none) is deleted,
+    file of ``files`` there under another save's marker (or none) is deleted,
     and so are unfinished uploads of any of ``files``, then the directory is marked as receiving
     ``save``'s files, before the copy writes any."""
     d = step_dir(step)
@@ -162,7 +162,7 @@ def resumable(
         dst.delete(f"{d}/{f}")
     there = {f: n for f, n in there.items() if not is_temporary(f)}
     marker = copying_marker(first)
-    if save is not None and marker in there:
+    if marker in there:
         try:
             doc = json.loads(read_small(dst, f"{d}/{marker}", where=f"{dst.url}: step {step}"))
             if isinstance(doc, dict) and doc.get("save_id") == save:
@@ -181,8 +181,7 @@ def resumable(
         )  # fmt: skip
         for f in stale:
             dst.delete(f"{d}/{f}")
-    if save is not None:
-        dst.write(f"{d}/{marker}", [json.dumps({"save_id": save}).encode()])
+    dst.write(f"{d}/{marker}", [json.dumps({"save_id": save}).encode()])
     return {}
 
 
@@ -233,7 +232,7 @@ def check_complete(src: Tier, step: int, manifest: Manifest, parts: dict[int, Ra
                 )
 
 
-def pack_spans(src: Tier, step: int, f: str, size: int, *, save: str | None) -> tuple[list[Span], int]:
+def pack_spans(src: Tier, step: int, f: str, size: int, *, save: str) -> tuple[list[Span], int]:
     """The chunks of the pack file ``f`` of ``step`` (``size`` bytes at ``src``) in file order, from
     its writer's part of the manifest, each checked to follow the one before; and where the last
     one's checksum ends (what a copy of the pack holds)."""
@@ -253,7 +252,7 @@ def pack_spans(src: Tier, step: int, f: str, size: int, *, save: str | None) -> 
     return spans, end
 
 
-def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> int:
+def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str) -> int:
     """Copy the pack file ``f`` of ``step`` (``size`` bytes at ``src``), streaming it in pieces and
     checking each chunk against its writer's part of the manifest as it is read: a chunk that
     rotted on ``src`` fails the copy, and the half-written copy is never committed. Returns the
@@ -269,7 +268,7 @@ def copy_pack(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str |
     return end
 
 
-def copy_holds(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str | None) -> bool:
+def copy_holds(src: Tier, dst: Tier, step: int, f: str, size: int, *, save: str) -> bool:
     """Whether ``dst``'s copy of the pack file ``f`` (left by a copy of the same save, resumed now)
     holds ``src``'s bytes, never judged by its size: read back and every chunk checked against the
     manifest where ``dst`` is a directory; its parts' checksums, as the store kept them, compared
@@ -337,7 +336,7 @@ class _Ring:
             self._free.append(buf)
 
 
-def copy_file(src: Tier, dst: Tier, step: int, f: str, *, save: str | None) -> int:
+def copy_file(src: Tier, dst: Tier, step: int, f: str, *, save: str) -> int:
     """Copy the file ``f`` of ``step``, not a pack (:func:`copy_pack`): a manifest part, arrays
     shard or owners file, checked against its seal and the step's save ``save``, or a reference
     map, checked against ``save``; so a rotted file, or another save's, is never committed on

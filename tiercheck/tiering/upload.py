@@ -67,6 +67,7 @@ def upload_step(
     d = step_dir(step)
     marker, _, _ = read_index(local, step)  # a step of another format (or a damaged index): refused here
     save = marker.save_id
+    assert save is not None  # read_index found it the index's, which names one
     if same_save_committed(remote, step, save):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)

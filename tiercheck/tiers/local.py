@@ -332,7 +332,7 @@ class PackWriter:
     The whole blocks of a write (from the file's first block boundary in it, where the buffer is
     block-aligned too) go through a second descriptor opened with O_DIRECT (when the tier asks for
     direct I/O), the bytes before and after through the page cache: big chunks bypass the page
-    cache, as they do when each chunk is its own file.
+    cache even though they share a pack with small ones.
     """
 
     def __init__(self, tier: LocalTier, target: Path) -> None:
