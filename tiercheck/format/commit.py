@@ -37,7 +37,7 @@ def commit_step(
     step: int,
     manifest: bytes,
     *,
-    save_id: str | None,
+    save_id: str,
     ranks: tuple[int, ...] = (0,),
     world_size: int = 1,
 ) -> None:
