@@ -163,14 +163,7 @@ def export(
     taken = {shard_name(i, len(shards)) for i in range(len(shards))} | {INDEX_FILE}
     if clash := sorted({e.name for e in extras} & taken):
         raise ValueError(f"include: {clash[0]} would replace a file of the export")
-    target = Path(to)
-    if target.is_symlink():  # written through, the export would land wherever the link points
-        raise InvalidArgumentError(
-            f"{target}: is a symbolic link (to {os.readlink(target)}); export writes its directory itself and "
-            "never through a link: give a new path, or the directory the link points to"
-        )
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
+    target = _check_target(Path(to))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tiercheck-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -205,6 +198,18 @@ def export(
         directory=str(target), step=step, files=files, tensors=len(tensors), total_size=total,
         seconds=time.monotonic() - started, buffer_bytes=reader.peak_bytes,
     )  # fmt: skip
+
+
+def _check_target(target: Path) -> Path:
+    """``target``, if an export may become it: a new path or an empty directory, never a symbolic link."""
+    if target.is_symlink():  # written through, the export would land wherever the link points
+        raise InvalidArgumentError(
+            f"{target}: is a symbolic link (to {os.readlink(target)}); export writes its directory itself and "
+            "never through a link: give a new path, or the directory the link points to"
+        )
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
+    return target
 
 
 def _remove_leftovers(target: Path) -> None:
