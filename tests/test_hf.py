@@ -17,7 +17,7 @@ import tiercheck
 from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError
 from tiercheck.format.paths import step_dir
 from tiercheck.integrations import hf
-from tiercheck.tiers.local import LocalTier
+from tiercheck.integrations.hf.source import ImportDir
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, flip_chunk_byte
@@ -284,15 +284,15 @@ def test_load_pretrained_reads_into_the_live_tensors_and_says_what_a_failure_lef
     assert all(torch.equal(state[k], v) and state[k].data_ptr() == where[k] for k, v in weights.items())
 
     calls = {"n": 0}
-    read_into = LocalTier.read_into
+    read_into = ImportDir.read_into  # how a local directory to import is read
 
-    def failing(self: LocalTier, *args: Any, **kwargs: Any) -> Any:
+    def failing(self: ImportDir, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(errno.EIO, "Input/output error")
         return read_into(self, *args, **kwargs)
 
-    monkeypatch.setattr(LocalTier, "read_into", failing)
+    monkeypatch.setattr(ImportDir, "read_into", failing)
     fresh = {k: torch.zeros_like(v) for k, v in weights.items()}
     with pytest.raises(tiercheck.PartlyRestoredError, match="load_pretrained had already read into tensor"):
         hf.load_pretrained(directory, fresh, io_threads=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
+from tiercheck.errors import CorruptCheckpointError, StepExistsError, UnsafeCheckpointError, UnsupportedValueError
+from tiercheck.format.paths import step_dir
 from tiercheck.integrations.lightning import TiercheckCheckpointIO
 from tiercheck.options import RetentionOptions
 
@@ -148,3 +150,64 @@ def test_values_needing_pickle_are_refused_unless_allowed(tmp_path: Path) -> Non
     refusing.teardown()  # Lightning's, at the end of fit: gives the directory back
     back = TiercheckCheckpointIO(tmp_path / "local", allow_pickle=True).load_checkpoint(tmp_path / "x.ckpt")
     assert back["hyper_parameters"] == {"f": frozenset({1})} and torch.equal(back["state_dict"]["w"], torch.ones(2))
+
+
+def _ckpt(step: int, w: float, score: float) -> dict[str, Any]:
+    return {"global_step": step, "state_dict": {"w": torch.full((64, 64), w)},
+            "callbacks": {"ModelCheckpoint": {"best_model_score": torch.tensor(score)}}}  # fmt: skip
+
+
+def _loaded(io: TiercheckCheckpointIO, path: Path) -> tuple[float, float]:
+    back = io.load_checkpoint(path)
+    return float(back["state_dict"]["w"][0, 0]), float(back["callbacks"]["ModelCheckpoint"]["best_model_score"])
+
+
+def test_pointer_to_a_step_saved_again_after_a_rollback_is_refused(tmp_path: Path) -> None:
+    """Step 3 saved; the operator rolls back (deletes local step 3), the next job loads step 1 and saves step 3
+    again: the old step-3 pointer names a save that is gone and is refused, not loaded as the new weights with
+    its old score; the new pointer loads."""
+    io = TiercheckCheckpointIO(tmp_path / "local")
+    io.save_checkpoint(_ckpt(1, 1.0, 0.1), tmp_path / "one.ckpt")
+    io.save_checkpoint(_ckpt(3, 3.0, 0.3), tmp_path / "three.ckpt")
+    io.teardown()
+    shutil.rmtree(tmp_path / "local" / step_dir(3))
+    io = TiercheckCheckpointIO(tmp_path / "local")
+    assert _loaded(io, tmp_path / "one.ckpt") == (1.0, pytest.approx(0.1))
+    io.save_checkpoint(_ckpt(3, 33.0, 0.33), tmp_path / "three-again.ckpt")
+    io.teardown()
+    reader = TiercheckCheckpointIO(tmp_path / "local")
+    assert _loaded(reader, tmp_path / "three-again.ckpt") == (33.0, pytest.approx(0.33))
+    with pytest.raises(CorruptCheckpointError, match=r"three\.ckpt.*save"):
+        reader.load_checkpoint(tmp_path / "three.ckpt")
+    reader.teardown()
+
+
+def test_saving_a_step_again_after_loading_an_older_pointer_is_not_the_earlier_save(tmp_path: Path) -> None:
+    """One plugin saves steps 1 and 3, loads step 1's pointer, and saves step 3 again with other weights: that
+    save is a new one (refused here, as step 3 is committed), never a pointer naming the earlier step-3 save
+    with the new save's bookkeeping."""
+    io = TiercheckCheckpointIO(tmp_path / "local")
+    io.save_checkpoint(_ckpt(1, 1.0, 0.1), tmp_path / "one.ckpt")
+    io.save_checkpoint(_ckpt(3, 3.0, 0.3), tmp_path / "three.ckpt")
+    io.wait()
+    assert _loaded(io, tmp_path / "one.ckpt") == (1.0, pytest.approx(0.1))
+    with pytest.raises(StepExistsError):
+        io.save_checkpoint(_ckpt(3, 33.0, 0.33), tmp_path / "three-again.ckpt")
+    io.teardown()
+    assert not (tmp_path / "three-again.ckpt").exists()
+
+
+def test_pointer_with_a_forged_step_is_refused(tmp_path: Path) -> None:
+    """A pointer whose "step" was edited to another step's number is refused, never loaded as that step's
+    weights with this pointer's bookkeeping."""
+    io = TiercheckCheckpointIO(tmp_path / "local")
+    io.save_checkpoint(_ckpt(1, 1.0, 0.1), tmp_path / "one.ckpt")
+    io.save_checkpoint(_ckpt(3, 3.0, 0.3), tmp_path / "three.ckpt")
+    io.teardown()
+    forged = tmp_path / "three.ckpt"
+    forged.write_text(forged.read_text().replace('"step":3', '"step":1', 1))
+    reader = TiercheckCheckpointIO(tmp_path / "local")
+    with pytest.raises(CorruptCheckpointError, match=r"three\.ckpt"):
+        reader.load_checkpoint(forged)
+    assert _loaded(reader, tmp_path / "one.ckpt") == (1.0, pytest.approx(0.1))
+    reader.teardown()

@@ -20,7 +20,10 @@ from typing import Any
 import pytest
 import torch
 
+from tiercheck.format.paths import step_dir
+
 from .distributed import run_ranks
+from .ondisk import chunks_of, flip_chunk_byte, step_parts
 from .test_dcp import _equal, _full
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
@@ -184,3 +187,16 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
         assert fresh[rank]["step"] == TOTAL
         for key in ("model", "optim", "lr", "next_batch"):
             _equal(fresh[rank][key], whole[rank][key], f"rank {rank} {key} (from the remote)")
+
+
+def test_load_newest_falls_back_to_the_older_whole_step_when_the_newest_is_damaged(tmp_path: Path) -> None:
+    """``load(step=-1)`` with step 10 damaged on every tier restores step 5, as documented; DCP's
+    ``CheckpointException`` wrapping the damage does not escape."""
+    local = tmp_path / "a" / "ckpt"
+    run_ranks(_train, 2, str(tmp_path / "a"), None, str(local), "disabled", TOTAL, timeout=150)
+    assert _steps(local) == [5, 10]
+    newest = local / step_dir(10)
+    array = sorted(a for part in step_parts(newest) for a in part.offsets)[0]
+    flip_chunk_byte(newest, array, chunks_of(newest, array)[0], 5)
+    fresh = run_ranks(_restore_only, 2, str(tmp_path / "a"), None, str(local), timeout=150)
+    assert [f["step"] for f in fresh] == [INTERVAL, INTERVAL]

@@ -14,13 +14,15 @@ is known, which it is from the manifest before a byte is read.
 
 Nothing is left half-written: everything goes to a hidden directory beside the target (each shard
 under a temporary name, renamed when whole and synced), which is renamed to the target only once
-every file is whole; on any failure it is removed.
+every file is whole; on any failure it is removed, and a later export that succeeds removes those that killed
+exports left. ``to`` is never written through a symbolic link.
 """
 
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import time
@@ -32,9 +34,17 @@ from typing import Any
 
 import torch
 
-from tiercheck.errors import IncompatibleStateError
-from tiercheck.integrations.hf.files import INDEX_FILE, encode_header, index_document, parse_size, shard_name
+from tiercheck.errors import IncompatibleStateError, InvalidArgumentError
+from tiercheck.integrations.hf.files import (
+    INDEX_FILE,
+    METADATA_KEY,
+    encode_header,
+    index_document,
+    parse_size,
+    shard_name,
+)
 from tiercheck.integrations.hf.names import NameMap, exported_arrays
+from tiercheck.integrations.hf.source import read_regular
 from tiercheck.seam import (
     BLOCK,
     ArrayRecord,
@@ -143,14 +153,17 @@ def export(
                for rec in (manifest.arrays[path],)]  # fmt: skip
     if not tensors:
         raise IncompatibleStateError(f"{where}: the entries {', '.join(map(repr, only))} hold no tensor to export")
+    if METADATA_KEY in chosen:
+        raise IncompatibleStateError(
+            f"{where}: {chosen[METADATA_KEY]} would be exported as {METADATA_KEY!r}, the name safetensors keeps for "
+            "a file's metadata (no reader could open the file): give it another name with names="
+        )
     shards = _shards(tensors, limit)
     extras = [Path(e) for e in include]
     taken = {shard_name(i, len(shards)) for i in range(len(shards))} | {INDEX_FILE}
     if clash := sorted({e.name for e in extras} & taken):
         raise ValueError(f"include: {clash[0]} would replace a file of the export")
-    target = Path(to)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
+    target = _check_target(Path(to))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tiercheck-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -169,7 +182,7 @@ def export(
         if len(shards) > 1:
             out.write(INDEX_FILE, [index_document(weight_map, total)])
         for extra in extras:
-            out.write(extra.name, [extra.read_bytes()])
+            out.write(extra.name, [read_regular(extra)])  # a link to a file is followed; a FIFO is refused
         out.sync_dirs("")
         if target.exists():
             target.rmdir()  # empty, checked above: rename replaces only what is not there
@@ -180,10 +193,32 @@ def export(
         raise
     finally:
         reader.close()
+    _remove_leftovers(target)
     return ExportResult(
         directory=str(target), step=step, files=files, tensors=len(tensors), total_size=total,
         seconds=time.monotonic() - started, buffer_bytes=reader.peak_bytes,
     )  # fmt: skip
+
+
+def _check_target(target: Path) -> Path:
+    """``target``, if an export may become it: a new path or an empty directory, never a symbolic link."""
+    if target.is_symlink():  # written through, the export would land wherever the link points
+        raise InvalidArgumentError(
+            f"{target}: is a symbolic link (to {os.readlink(target)}); export writes its directory itself and "
+            "never through a link: give a new path, or the directory the link points to"
+        )
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target}: exists and is not an empty directory; give a new one")
+    return target
+
+
+def _remove_leftovers(target: Path) -> None:
+    """The hidden directories that exports to ``target`` killed before their rename left beside it: now that
+    this one holds the name, none of them can ever be renamed to it."""
+    left = re.compile(rf"\.{re.escape(target.name)}\.tiercheck-[0-9a-f]{{8}}")
+    for entry in os.scandir(target.parent):
+        if left.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _dtype_name(dtype: str | torch.dtype | None) -> str | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tiercheck.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 SINGLE_FILE = "model.safetensors"
+METADATA_KEY = "__metadata__"  # the header's own entry: no tensor may take its name
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_INDEX_BYTES = 64 << 20
@@ -67,6 +68,8 @@ def encode_header(entries: Sequence[tuple[str, str, tuple[int, ...], int]], meta
     doc: dict[str, object] = {"__metadata__": dict(metadata)}
     pos = 0
     for name, dtype, shape, nbytes in entries:
+        if name == METADATA_KEY:  # it would replace the header's metadata: a file no reader opens
+            raise ValueError(f"a tensor cannot be named {METADATA_KEY}: the safetensors header keeps that name")
         doc[name] = {"dtype": st_dtype(dtype, where=name), "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     text = json.dumps(doc, separators=(",", ":")).encode()
@@ -96,7 +99,9 @@ def parse_header(data: bytes, file_size: int, *, where: str) -> dict[str, Tensor
     base = 8 + len(data)
     out: dict[str, TensorEntry] = {}
     for name, rec in doc.items():
-        if name == "__metadata__":
+        if name == METADATA_KEY:
+            if not isinstance(rec, dict) or not all(isinstance(v, str) for v in rec.values()):
+                raise CorruptCheckpointError(f"{where}: {METADATA_KEY} is not a map of strings")
             continue
         here = f"{where}: tensor {name!r}"
         try:
@@ -119,7 +124,28 @@ def parse_header(data: bytes, file_size: int, *, where: str) -> dict[str, Tensor
                 f"{here}: data_offsets end at {base + end:,}, past the end of the file ({file_size:,} bytes)"
             )
         out[name] = TensorEntry(name=name, dtype=TORCH_DTYPES[dtype], shape=dims, start=base + begin, nbytes=nbytes)
+    _check_covered(out, base, file_size, where=where)
     return out
+
+
+def _check_covered(entries: Mapping[str, TensorEntry], base: int, file_size: int, *, where: str) -> None:
+    """The tensors' data, in order of ``data_offsets``, must lie back to back from the data's start (``base``)
+    to the file's end, as the safetensors library requires: an overlap would hand two tensors the same bytes,
+    and a gap or bytes after the last tensor are data no tensor accounts for."""
+    pos = 0
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
+        begin = e.start - base
+        if begin != pos:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {e.name!r}: data_offsets start at {begin:,}, where the previous tensor ends at "
+                f"{pos:,} ({'an overlap' if begin < pos else 'a gap'}, which safetensors refuses)"
+            )
+        pos = begin + e.nbytes
+    if base + pos != file_size:
+        raise CorruptCheckpointError(
+            f"{where}: the tensors' data_offsets end at {pos:,}, and the file holds {file_size - base:,} bytes of "
+            "data: bytes no tensor covers, which safetensors refuses"
+        )
 
 
 def _count(v: object) -> int:

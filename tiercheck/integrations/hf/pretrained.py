@@ -10,7 +10,9 @@ of tensor data is read. A job's first state, it is read as ``restore()`` reads a
 straight into the live CPU tensors where their slice is one run of the file (``in_place``), else
 into new memory, which the live tensors take over (a whole tensor: no copy) once every rank has
 read all of its own; ``in_place=False`` reads all of it that way (all or nothing).
-A safetensors file carries no checksums: what is checked is its structure, not its bytes.
+A safetensors file carries no checksums: what is checked is its structure, not its bytes. A local directory
+is read as files from outside (``source``): links to regular files are followed (the hub cache's layout), and
+anything else where a file should be (a FIFO, a directory) is refused without blocking.
 """
 
 
@@ -45,7 +47,8 @@ from tiercheck.integrations.hf.files import (
     parse_index,
 )
 from tiercheck.integrations.hf.names import NameMap, rename
-from tiercheck.seam import Tier, copy_in, dtype_name, is_stateful, open_tier, placement_of, some, torch_dtype
+from tiercheck.integrations.hf.source import ImportDir, open_regular
+from tiercheck.seam import LocalTier, Tier, copy_in, dtype_name, is_stateful, open_tier, placement_of, some, torch_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,8 @@ def load_pretrained(
     """
     where = os.fspath(source)
     tier = open_tier(where, storage_options=storage_options)
+    if isinstance(tier, LocalTier):  # files from outside: links to regular files followed, nothing else read
+        tier = ImportDir(tier.root)
     written: list[str] = []  # read in place so far (a failure leaves them partly loaded)
     fills: list[_Fill] = []
     try:
@@ -285,7 +290,7 @@ def _read_runs(path: Path, f: _Fill, dtype: torch.dtype, *, where: str) -> torch
     strides = [math.prod(shape[d + 1 :]) * dtype.itemsize for d in range(len(shape))]
     out = torch.empty(f.local.shape, dtype=dtype)
     flat = out.view(-1).view(torch.uint8).numpy().data
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path, where=f"{where}/{f.file}")
     base = f.entry.start + box[cut].start * strides[cut]
     try:
         for i, index in enumerate(outer):

@@ -8,7 +8,8 @@
 
 Each Lightning save becomes tiercheck step ``global_step`` (staged before ``save_checkpoint`` returns, written and
 drained in the background); the file Lightning names (``ckpts/epoch=3-step=400.ckpt``, ``last.ckpt``) is a small
-JSON pointer to it (``pointer``), written once the step is committed. Loading a pointer restores its step through
+JSON pointer to it (``pointer``), naming the step's save, written once the step is committed. Loading a pointer whose
+step holds another save now (saved again after a rollback) is refused; else it restores its step through
 the ``Checkpointer`` on global rank 0, which continues the run's lineage (tiercheck's ``LineageError`` guards a
 directory against a second run that did not restore from it). Retention is tiercheck's, and keeps the steps
 pointers still name: ``save_top_k``'s deletions remove pointers, never the newest restorable step.

@@ -25,7 +25,7 @@ from tiercheck.integrations.dcp.shared import CHECKPOINTER_OPTIONS
 from tiercheck.integrations.lightning import pointer
 from tiercheck.integrations.lightning.compat import CheckpointIO, global_rank, lightning_load
 from tiercheck.options import DistributedOptions, RetentionOptions
-from tiercheck.seam import decode, flatten, restore_tree
+from tiercheck.seam import LocalTier, Tier, decode, flatten, open_tier, read_index, restore_tree
 
 __all__ = ["TiercheckCheckpointIO"]
 
@@ -104,16 +104,18 @@ class TiercheckCheckpointIO(CheckpointIO):
         small = pointer.encode_small(leaves)
         big = {leaf.path: [list(leaf.global_shape), str(leaf.tensor.dtype)] for leaf in leaves}
         big = {p: sig for p, sig in big.items() if p not in small}
-        doc = {"step": step, "local": str(self.local), "remote": self.remote, "tree": tree, "small": small}
+        doc = {"step": step, "save_id": None, "local": str(self.local), "remote": self.remote, "tree": tree,
+               "small": small}  # fmt: skip
         key = str(Path(path).absolute())
         with self._lock:
             handle = self._save_once(step, checkpoint, big, key)
+            tier = self._checkpointer().tier
             self._serial += 1
             self._issued[key] = serial = self._serial
             self._dirs.add(Path(key).parent)
         with self._writing:
             self._pending += 1
-        handle.committed.add_done_callback(lambda f: self._committed(f, key, serial, doc))
+        handle.committed.add_done_callback(lambda f: self._committed(f, key, serial, doc, tier))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Every rank: the checkpoint ``path`` points to (its step's tensors, its own values)."""
@@ -124,7 +126,9 @@ class TiercheckCheckpointIO(CheckpointIO):
         doc = pointer.read(path)
         step = doc["step"]
         self._dirs.add(Path(path).absolute().parent)  # its directory's pointers keep their steps from now on
+        self._check_save(path, step, doc["save_id"])  # before a byte is read
         saved = self._restore(step)
+        self._check_save(path, step, doc["save_id"])  # and the step was not saved again meanwhile
         _, leaves = flatten(saved, allow_pickle=self.allow_pickle)
         by_path = {leaf.path: leaf.tensor for leaf in leaves}
         small = doc["small"]
@@ -138,7 +142,11 @@ class TiercheckCheckpointIO(CheckpointIO):
                 raise CorruptCheckpointError(f"{path}: {array} is neither in the pointer nor in step {step}")
             return t.numpy() if tag == "$ndarray" else t
 
-        return decode(doc["tree"], source, allow_pickle=self.allow_pickle, where=str(path))
+        out = decode(doc["tree"], source, allow_pickle=self.allow_pickle, where=str(path))
+        if isinstance(out, dict) and out.get("global_step", step) != step:
+            raise CorruptCheckpointError(f"{path}: the pointer names step {step}, its values global_step "
+                                         f"{str(out.get('global_step'))[:40]}")  # fmt: skip
+        return out
 
     def remove_checkpoint(self, path: Any) -> None:
         """Global rank 0: remove the file (a pointer not written yet is not written); the step is left to
@@ -213,8 +221,9 @@ class TiercheckCheckpointIO(CheckpointIO):
         self._saved[step] = (handle, big, path)
         return handle
 
-    def _committed(self, f: Future[Any], path: str, serial: int, doc: dict[str, Any]) -> None:
-        """On tiercheck's commit thread: the step is committed; write the pointer, unless it was removed since."""
+    def _committed(self, f: Future[Any], path: str, serial: int, doc: dict[str, Any], tier: Tier) -> None:
+        """On tiercheck's commit thread: the step is committed; write the pointer naming its save, unless the
+        pointer was removed since."""
         try:
             error = f.exception()
             if error is not None:
@@ -223,7 +232,8 @@ class TiercheckCheckpointIO(CheckpointIO):
             with self._lock:
                 wanted = self._issued.get(path) == serial
             if wanted:
-                pointer.write(path, doc)
+                marker, _, _ = read_index(tier, doc["step"])
+                pointer.write(path, {**doc, "save_id": marker.save_id})
         except BaseException as e:  # an unwritable directory: surfaced at the next save or teardown
             self._error = self._error or e
         finally:
@@ -244,11 +254,31 @@ class TiercheckCheckpointIO(CheckpointIO):
                 return load(self.remote, step, allow_pickle=self.allow_pickle, storage_options=opts)
         with self._lock:
             ckpt = self._checkpointer()
+            self._saved.clear()  # later saves continue the restored trajectory: new saves, at any step
             try:
                 restore_tree(ckpt, step, strict=False, others=True)
                 return dict(self._state)
             finally:
                 self._state.clear()
+
+    def _check_save(self, path: Any, step: int, save: str) -> None:
+        """Refuse pointer ``path`` unless step ``step`` holds its save ``save`` where a restore reads it first
+        (the local tier, else the remote): a step saved again after a rollback, or a pointer whose ``step`` was
+        edited, would give another save's tensors with this pointer's values."""
+        tiers: list[Tier] = [LocalTier(self.local)]
+        if self.remote is not None:
+            tiers.append(open_tier(self.remote, storage_options=self.options.get("remote_options")))
+        for tier in tiers:
+            try:
+                marker, _, _ = read_index(tier, step)
+            except (CheckpointNotFoundError, CorruptCheckpointError, FileNotFoundError):
+                continue  # not there whole: the restore reads the next tier, or says why it cannot
+            if marker.save_id != save:
+                raise CorruptCheckpointError(
+                    f"{path}: points at save {save} of step {step}, but {tier.url} holds save {marker.save_id} of "
+                    "it (the step was saved again after a rollback, or the pointer was edited); not loaded"
+                )
+            return
 
     def _named_steps(self) -> set[int]:
         """Steps the pointer files in this plugin's directories name (read from each file's first bytes)."""

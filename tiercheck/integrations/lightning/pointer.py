@@ -7,8 +7,14 @@ in) and its small tensors (callbacks' scores, counters: at most ``SMALL`` elemen
 global step (a top-k file and ``last.ckpt``) each restore their own bookkeeping, while the step holds what cannot
 differ within one global step (weights, optimizer state). Written once the step is committed, atomically::
 
-    {"format": "tiercheck-lightning", "version": 1, "step": 400, "local": "/nvme/ckpt/run1", "remote": "s3://...",
+    {"format": "tiercheck-lightning", "version": 2, "step": 400, "save_id": "<32 hex digits>",
+     "local": "/nvme/ckpt/run1", "remote": "s3://...",
      "tree": {...}, "small": {"callbacks/.../best_model_score": ["float32", [], "<base64>"]}}
+
+``save_id`` names the save of the step the pointer belongs to (the step's commit marker states it): step numbers
+repeat (a rollback saves a step again), so a pointer is bound to its save, never to the number alone, and a
+pointer whose step now holds another save (or whose ``step`` was edited) is refused. Version 1 pointers named
+none and are refused too: save again, or restore the step by number (``tiercheck restore``).
 """
 
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +35,10 @@ from tiercheck.seam import Leaf, dtype_name, torch_dtype
 __all__ = ["FORMAT", "MAX_BYTES", "SMALL", "decode_small", "encode_small", "is_pointer", "read", "write"]
 
 FORMAT = "tiercheck-lightning"
-VERSION = 1
+VERSION = 2
 SMALL = 1024  # elements: a tensor this small is kept in the pointer too
 MAX_BYTES = 64 << 20  # a pointer read back larger than this is refused before it is read
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def encode_small(leaves: list[Leaf]) -> dict[str, Any]:
@@ -105,6 +113,9 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any]:
     step = doc.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CorruptCheckpointError(f"{path}: pointer names no step ({step!r})")
+    save = doc.get("save_id")
+    if not isinstance(save, str) or not _SAVE_ID.fullmatch(save):
+        raise CorruptCheckpointError(f"{path}: pointer names no save of step {step} ({str(save)[:40]!r})")
     if not isinstance(doc.get("tree"), dict) or not isinstance(doc.get("small"), dict):
         raise CorruptCheckpointError(f"{path}: pointer lacks its tree of values")
     return doc

@@ -7,7 +7,8 @@ What changes against torchtitan's own manager, method by method (the rest is tor
 - ``dcp_load``: ``dcp.load`` with a :class:`TiercheckReader` for the manager's own steps; anything else
   (``initial_load_path``, HF weights) is torchtitan's.
 - ``_find_load_step`` / ``_load``: the newest step every rank can restore, committed on every rank's local tier
-  or on the remote tier (one collective): a new node with an empty directory resumes from the remote alone.
+  or on the remote tier (one collective): a new node with an empty directory resumes from the remote alone. Where
+  that step is damaged (DCP's ``CheckpointException`` wraps a ``CorruptCheckpointError``), the next older one.
 - ``_purge_stale_checkpoints``: nothing. ``keep_latest_k`` becomes the local tier's ``RetentionOptions``, which
   never deletes the newest restorable step, a step still draining, or a step another node may lack.
 - ``_close``: waits for the last async save and for the drain to the remote tier.
@@ -27,9 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from tiercheck.errors import CorruptCheckpointError
 from tiercheck.integrations.dcp.reader import TiercheckReader
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
@@ -188,22 +191,42 @@ class TiercheckCheckpointManager(CheckpointManager):
         return max(self._restorable(), default=-1)
 
     def _load(self, step: int = -1) -> bool:
-        """All ranks: resume from ``step`` (-1: the newest restorable step); torchtitan's own start without one."""
+        """All ranks: resume from ``step`` (-1: the newest restorable step, falling back to the next older one
+        where a step is damaged, as ``Checkpointer.restore()`` does); torchtitan's own start without one."""
         steps = self._restorable()
         if step != -1 and step not in steps:
             raise FileNotFoundError(
                 f"--checkpoint.load_step={step} is not committed on every rank's local tier ({self.local}) "
                 f"or on the remote tier ({self.remote}); restorable: {sorted(steps)}"
             )
-        load = step if step != -1 else max(steps, default=-1)
-        if load == -1:
+        if step != -1:
+            self._load_step(step)
+            return True
+        if not steps:
             return super()._load(-1)  # a fresh start, or initial_load_path / HF weights: torchtitan's way
+        damaged: list[str] = []
+        for load in sorted(steps, reverse=True):
+            try:
+                self._load_step(load)
+            except CheckpointException as e:
+                # Every rank raises the same gathered exception, so every rank falls back alike.
+                damage = _damage(e)
+                if damage is None:
+                    raise
+                damaged.append(f"step {load}: {damage}")
+                log.warning("step %d cannot be restored whole (%s); trying an older step", load, damage)
+                continue
+            return True
+        raise CorruptCheckpointError(
+            f"no restorable step of {self.local} / {self.remote} is whole: {'; '.join(damaged)}"
+        )
+
+    def _load_step(self, load: int) -> None:
         begin = time.monotonic()
         states = self._states_to_load(model_only=load == 0)
         self.dcp_load(states, checkpoint_id=self._create_checkpoint_id(load), from_hf=False, from_quantized=False)
         GarbageCollection.collect("GC collection for checkpoint loading.")
         log.info("restored step %d through tiercheck in %.2f s", load, time.monotonic() - begin)
-        return True
 
     # -- closing
 
@@ -242,6 +265,15 @@ class TiercheckCheckpointManager(CheckpointManager):
         if step is None:
             raise ValueError(f"checkpoint_id {checkpoint_id!r} is not {self.folder}/step-N")
         return step
+
+
+def _damage(e: CheckpointException) -> CorruptCheckpointError | None:
+    """The damage among a failed load's ranks' errors (a checksum, a missing or unreadable file), if any:
+    a reason to try an older step, where any other error (a state that does not match) is not."""
+    for error, _ in e.failures.values():
+        if isinstance(error, CorruptCheckpointError):
+            return error
+    return None
 
 
 def _without_purge(config: Any) -> Any:
