@@ -211,7 +211,7 @@ class Restore:
         items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
         unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
         moved = self.read(prepared, plan, items, name)
-        apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}")
+        apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}", strict=request.strict)
         log.info(
             "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
             step,
