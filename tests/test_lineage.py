@@ -18,8 +18,9 @@ import torch
 import tiercheck
 from tests.cli import run, s3_args
 from tests.conftest import assert_identical
+from tests.distributed import run_ranks
 from tests.servers import SeaweedS3
-from tiercheck import Checkpointer, LineageError, RetentionOptions, WriteOptions
+from tiercheck import Checkpointer, LineageError, RetentionOptions, Shard, WriteOptions
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -208,6 +209,38 @@ def test_a_lineage_file_a_restore_cannot_claim_stops_it_before_the_state_is_touc
         ck.restore(in_place=in_place)
     assert torch.equal(state["w"], before) and state["seed"] == 0
     assert outside.read_bytes() == claim
+
+
+def _save_on_my_node(rank: int, world_size: int, roots: list[str]) -> None:
+    state = {"w": Shard(torch.full((8, 4), 1.0 + rank), global_shape=(16, 4), offsets=(8 * rank, 0))}
+    with Checkpointer(state, local=roots[rank]) as ck:
+        ck.save(1).wait()
+
+
+def _restore_on_my_node(rank: int, world_size: int, roots: list[str]) -> tuple[str, str, bool]:
+    mine = torch.zeros(8, 4)
+    state = {"w": Shard(mine, global_shape=(16, 4), offsets=(8 * rank, 0))}
+    with Checkpointer(state, local=roots[rank]) as ck:
+        try:
+            ck.restore()  # at a job start: in place
+        except tiercheck.TiercheckError as e:
+            return type(e).__name__, str(e), bool((mine == 0).all())
+    return "restored", "", bool((mine == 0).all())
+
+
+def test_one_nodes_unclaimable_lineage_file_stops_every_ranks_restore_before_the_state_is_touched(
+    tmp_path: Path,
+) -> None:
+    """Two nodes, node 1's LINEAGE.json a directory: node 1's first rank refuses it in the
+    restore's step 2, and both ranks raise (rank 0 quoting rank 1) with their tensors untouched."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(_save_on_my_node, 2, roots)
+    bad = Path(roots[1]) / LINEAGE_FILE
+    bad.unlink()
+    bad.mkdir()
+    (zero, one) = run_ranks(_restore_on_my_node, 2, roots)
+    assert one[0] == "LineageError" and str(bad) in one[1] and one[2], one
+    assert zero[0] == "CoordinationError" and LINEAGE_FILE in zero[1] and zero[2], zero
 
 
 def test_restore_to_carries_the_lineage(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:
