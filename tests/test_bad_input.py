@@ -577,6 +577,41 @@ def test_a_state_nested_beyond_the_depth_limit_is_refused_on_save_and_on_load(ck
         tiercheck.load(ckpt_dir, 3)
 
 
+@pytest.mark.parametrize(
+    "deep",
+    [
+        "[" * 600 + "]" * 600,
+        '{"a":' * 600 + "1" + "}" * 600,
+        '{"$dict": [[1, ' * 200 + "2" + "]]}" * 200,  # 600 levels of JSON: 200 of the value
+        '{"$tuple": [' * 300 + "]}" * 300,
+    ],
+    ids=["list", "dict", "$dict", "$tuple"],
+)
+def test_a_tree_value_nested_600_deep_is_reported_by_inspect_and_restore_naming_the_file(
+    ckpt_dir: Path, deep: str
+) -> None:
+    """A plain value of the saved tree nested 600 deep (JSON parses it): ``tiercheck inspect`` and
+    a restore refuse it with the library's error naming the step's file, not a RecursionError
+    from walking it, and the state is as it was."""
+    saved(ckpt_dir)
+    part = ckpt_dir / "step-00000003" / part_file(0)
+    doc = json.loads(unseal(part.read_bytes(), where="test"))
+    doc["tree"]["model"]["deep"] = json.loads(deep)
+    part.write_bytes(seal(json.dumps(doc).encode()))
+    for args in (["inspect", str(ckpt_dir), "--step", "3"], ["inspect", str(ckpt_dir), "--step", "3", "--json"]):
+        result = CliRunner().invoke(main, args)
+        assert not isinstance(result.exception, RecursionError), result.exception
+        assert result.exit_code == 1, result.output
+        assert "nested deeper than 100 levels" in result.output and part_file(0) in result.output, result.output
+    live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
+    with (
+        Checkpointer(live, local=ckpt_dir) as ck,
+        pytest.raises(CorruptCheckpointError, match="nested deeper than 100 levels"),
+    ):
+        ck.restore(step=3, strict=False)
+    assert not live["model"]["w"].any()
+
+
 def test_a_device_or_dtype_that_is_not_one_is_reported(ckpt_dir: Path) -> None:
     for tag, value in [("$device", "garbage"), ("$dtype", "garbage"), ("$npscalar", ["<x9", "AA=="])]:
         state = {"model": {"w": torch.ones(2)}, "extra": {"where": torch.device("cpu")}}

@@ -18,8 +18,9 @@ import torch
 import tiercheck
 from tests.cli import run, s3_args
 from tests.conftest import assert_identical
+from tests.distributed import run_ranks
 from tests.servers import SeaweedS3
-from tiercheck import Checkpointer, LineageError, RetentionOptions, WriteOptions
+from tiercheck import Checkpointer, LineageError, RetentionOptions, Shard, WriteOptions
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -159,6 +160,87 @@ def test_a_damaged_lineage_file_is_refused_by_name(tmp_path: Path) -> None:
     refused = pytest.raises(LineageError, match=f"{LINEAGE_FILE}: unreadable")
     with Checkpointer(state_of(0), local=tmp_path / "b", remote=url) as ck, refused:
         ck.save(1)
+
+
+@pytest.mark.parametrize("since", [1e300, float("nan"), float("inf"), -5.0, True], ids=str)
+def test_a_lineage_file_whose_since_is_no_time_is_refused_by_name(tmp_path: Path, since: float) -> None:
+    """Another lineage's file whose "since" no clock can show (1e300, NaN, a bool): the save is
+    refused with the library's LineageError naming the file and the field, not a raw
+    OverflowError or ValueError from formatting the time."""
+    local = tmp_path / "a"
+    with Checkpointer(state_of(1), local=local) as ck:
+        ck.save(1).wait()
+    doc = json.loads((local / LINEAGE_FILE).read_text())
+    (local / LINEAGE_FILE).write_text(json.dumps(doc | {"lineage": "ab" * 8, "since": since}))
+    with pytest.raises(tiercheck.CorruptCheckpointError, match=f"{LINEAGE_FILE}: unreadable.*since"):
+        read_lineage(LocalTier(local))
+    lineage.forget_all()
+    refused = pytest.raises(LineageError, match=f"{LINEAGE_FILE}: unreadable.*since")
+    with Checkpointer(state_of(0), local=local) as ck, refused:
+        ck.save(2)
+    assert list_steps(LocalTier(local)).committed == [1]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "all-or-nothing"])
+@pytest.mark.parametrize("kind", ["directory", "link outside"])
+def test_a_lineage_file_a_restore_cannot_claim_stops_it_before_the_state_is_touched(
+    tmp_path: Path, kind: str, in_place: bool
+) -> None:
+    """LINEAGE.json as a directory, or a link to a file outside the checkpoint: the restore, which
+    would claim the directory for the restored lineage once done, refuses before a byte reaches
+    the state, with the library's error naming the file; the state is as it was."""
+    local = tmp_path / "a"
+    with Checkpointer(state_of(1), local=local) as ck:
+        ck.save(1).wait()
+    path = local / LINEAGE_FILE
+    outside = tmp_path / "outside.json"
+    claim = path.read_bytes()
+    outside.write_bytes(claim)
+    path.unlink()
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(outside)
+    lineage.forget_all()
+    state = state_of(0)
+    before = state["w"].clone()
+    refused = pytest.raises((LineageError, tiercheck.UnsafeCheckpointError), match=LINEAGE_FILE)
+    with Checkpointer(state, local=local) as ck, refused:
+        ck.restore(in_place=in_place)
+    assert torch.equal(state["w"], before) and state["seed"] == 0
+    assert outside.read_bytes() == claim
+
+
+def _save_on_my_node(rank: int, world_size: int, roots: list[str]) -> None:
+    state = {"w": Shard(torch.full((8, 4), 1.0 + rank), global_shape=(16, 4), offsets=(8 * rank, 0))}
+    with Checkpointer(state, local=roots[rank]) as ck:
+        ck.save(1).wait()
+
+
+def _restore_on_my_node(rank: int, world_size: int, roots: list[str]) -> tuple[str, str, bool]:
+    mine = torch.zeros(8, 4)
+    state = {"w": Shard(mine, global_shape=(16, 4), offsets=(8 * rank, 0))}
+    with Checkpointer(state, local=roots[rank]) as ck:
+        try:
+            ck.restore()  # at a job start: in place
+        except tiercheck.TiercheckError as e:
+            return type(e).__name__, str(e), bool((mine == 0).all())
+    return "restored", "", bool((mine == 0).all())
+
+
+def test_one_nodes_unclaimable_lineage_file_stops_every_ranks_restore_before_the_state_is_touched(
+    tmp_path: Path,
+) -> None:
+    """Two nodes, node 1's LINEAGE.json a directory: node 1's first rank refuses it in the
+    restore's step 2, and both ranks raise (rank 0 quoting rank 1) with their tensors untouched."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(_save_on_my_node, 2, roots)
+    bad = Path(roots[1]) / LINEAGE_FILE
+    bad.unlink()
+    bad.mkdir()
+    (zero, one) = run_ranks(_restore_on_my_node, 2, roots)
+    assert one[0] == "LineageError" and str(bad) in one[1] and one[2], one
+    assert zero[0] == "CoordinationError" and LINEAGE_FILE in zero[1] and zero[2], zero
 
 
 def test_restore_to_carries_the_lineage(tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str) -> None:

@@ -30,7 +30,7 @@ from tests.ondisk import flip_chunk_byte
 from tests.plainzarr import open_step
 from tiercheck import Checkpointer
 from tiercheck.errors import CorruptCheckpointError
-from tiercheck.format.paths import copying_marker, step_dir
+from tiercheck.format.paths import copying_marker, pack_file, step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import DrainOptions, RetentionOptions, RetryOptions, WriteOptions
 from tiercheck.tiering.upload import upload_step
@@ -179,6 +179,33 @@ def test_a_fresh_node_restores_from_the_remote(tmp_path: Path, remote: Remote) -
         assert ck.restore() == 10
         assert ck.stats()["restore_remote_reads"] == 0
     assert_identical(again, make_state(7))
+
+
+@pytest.mark.parametrize("damage", ["empty", "missing"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "all-or-nothing"])
+def test_an_empty_or_missing_remote_pack_is_damage_and_a_fresh_node_falls_back(
+    tmp_path: Path, remote: Remote, damage: str, in_place: bool
+) -> None:
+    """A pack on the remote replaced by a 0-byte object (a ranged GET of it is a 416 on S3) or gone
+    altogether is the step's damage, as a truncated one is: a fresh node restores the older whole
+    step, in either restore mode, never an outage's RemoteStorageError."""
+    state = make_state(1)
+    with checkpointer(state, tmp_path / "old-node", remote) as ck:
+        ck.save(1)
+        set_values(state, 2)
+        ck.save(2)
+        ck.drain()
+    tier = remote.tier()
+    pack = f"{step_dir(2)}/{pack_file(0)}"
+    assert tier.exists(pack)
+    if damage == "empty":
+        tier.write(pack, [b""])
+    else:
+        tier.delete(pack)
+    fresh = make_state(0)
+    with checkpointer(fresh, tmp_path / "new-node", remote) as ck:
+        assert ck.restore(in_place=in_place) == 1
+    assert_identical(fresh, make_state(1))
 
 
 def test_a_chunk_that_rotted_on_local_disk_is_never_uploaded_or_committed(tmp_path: Path, remote: Remote) -> None:

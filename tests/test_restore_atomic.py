@@ -407,6 +407,47 @@ def test_an_in_place_fallback_to_a_step_without_a_tensor_says_that_tensor_may_ho
     assert "tensor(s) a," not in errors[0]  # step 1 overwrote all of "a"
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "all-or-nothing"])
+def test_a_non_strict_restore_leaves_the_states_nested_entries_the_checkpoint_lacks_as_they_were(
+    ckpt_dir: Path, in_place: bool
+) -> None:
+    """``strict=False``: a live tensor and a plain value inside a nested dict that the checkpoint
+    does not name stay in the dict, the same objects with the same values; what it names is restored."""
+    with Checkpointer({"model": {"w": torch.arange(64.0)}}, local=ckpt_dir) as ckpt:
+        ckpt.save(1).wait()
+    new, note = torch.full((8,), 7.0), ["keep", "me"]
+    model = {"w": torch.zeros(64), "zz_new": new, "note": note}
+    live = {"model": model}
+    with Checkpointer(live, local=ckpt_dir) as ckpt:
+        assert ckpt.restore(strict=False, in_place=in_place) == 1
+    assert live["model"] is model and torch.equal(model["w"], torch.arange(64.0))
+    assert model["zz_new"] is new and torch.equal(new, torch.full((8,), 7.0))
+    assert model["note"] is note and note == ["keep", "me"]
+
+
+def test_an_in_place_fallback_keeps_a_nested_tensor_the_older_step_lacks_and_names_it(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 2 has a nested tensor step 1 lacks, read into in place before step 2's damage showed:
+    after the fallback to step 1 it is still in the state (the log says it may hold parts of step
+    2), not removed from its dict."""
+    with Checkpointer({"m": {"a": torch.arange(4096.0)}}, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as c:
+        c.save(1).wait()
+    two = {"m": {"a": torch.arange(4096.0) + 1, "extra": torch.full((4096,), 2.0)}}
+    with Checkpointer(two, local=ckpt_dir, write=WriteOptions(chunk_bytes=CHUNK)) as c:
+        c.save(2).wait()
+    step2 = ckpt_dir / "step-00000002"
+    flip_chunk_byte(step2, "m/a", chunks_of(step2, "m/a")[-1], 5)
+    extra = torch.zeros(4096)
+    live = {"m": {"a": torch.zeros(4096), "extra": extra}}
+    with Checkpointer(live, local=ckpt_dir) as c:
+        assert c.restore(in_place=True, strict=False) == 1
+    assert torch.equal(live["m"]["a"], torch.arange(4096.0))
+    assert live["m"]["extra"] is extra
+    errors = [r.message for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "m/extra" in errors[0] and "parts of step(s) 2" in errors[0], errors
+
+
 def _claim_world_size(step: Path, world_size: int) -> None:
     """Make ``step``'s manifest.json say it was saved by ``world_size`` ranks, signed in its COMMIT
     (whose own world size is left as saved)."""

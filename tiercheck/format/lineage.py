@@ -12,17 +12,20 @@ replaced only when a run takes the place over: then it names the lineage it repl
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import stat
 import time
 from dataclasses import dataclass
 
-from tiercheck.errors import CorruptCheckpointError
+from tiercheck.errors import CorruptCheckpointError, LineageError, UnsafeCheckpointError
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.tiers.base import Tier
 
 _ID = re.compile(r"[0-9a-f]{8,64}")
 _MAX_BYTES = 64 << 10
+_LATEST = 253402300799  # 9999-12-31 23:59:59 UTC: the last second every platform's gmtime can show
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +68,11 @@ def read_lineage(tier: Tier) -> Lineage | None:
         if not all(isinstance(i, str) and _ID.fullmatch(i) for i in ids):
             raise ValueError("an id is not 8-64 lowercase hex digits")
         host, since = doc.get("host", ""), doc.get("since", 0.0)
-        if not isinstance(host, str) or len(host) > 255 or not isinstance(since, int | float):
-            raise ValueError("host or since has the wrong type")
+        if not isinstance(host, str) or len(host) > 255:
+            raise ValueError('"host" is not a host name')
+        # A time messages can show (``Lineage.named``): NaN, infinities and 1e300 are none.
+        if isinstance(since, bool) or not isinstance(since, int | float) or not 0 <= since <= _LATEST:
+            raise ValueError(f'"since" is {since!r}, not a unix time from 1970 to 9999')
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{where}: unreadable ({e}); delete it to let the next run that restores from here claim the place"
@@ -85,3 +91,33 @@ def write_lineage(tier: Tier, lineage: Lineage) -> None:
         "previous": lineage.previous,
     }
     tier.publish(LINEAGE_FILE, json.dumps(doc).encode())
+
+
+def check_claimable(tier: Tier) -> None:
+    """Before a restore reads a byte into the state: the claim that follows it (the directory then
+    belongs to the restored step's lineage, ``tiering.lineage.after_restore``) can replace the
+    directory's lineage file, which is absent or a regular file. A directory, a symbolic link
+    (never followed: it may lead out of the checkpoint) or a device there is refused, naming it,
+    while the state is still as it was. A tier without a local path (an object store) is not
+    claimed after a restore."""
+    root = tier.local_path
+    if root is None:
+        return
+    path = root / LINEAGE_FILE
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise LineageError(f"{path}: cannot look at it ({e.strerror or e}); a restore could not claim {root}") from None
+    if stat.S_ISLNK(mode):
+        raise UnsafeCheckpointError(
+            f"{path} is a symbolic link; a checkpoint never holds one, so tiercheck will not follow it "
+            f"(remove it: the run that restores next claims {root} for its lineage)"
+        )
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise LineageError(
+            f"{path} is {kind}, not a lineage file: who owns {root} is unknown, and the restore could not "
+            "record the lineage it continues (remove it: the run that restores next claims the directory)"
+        )

@@ -27,6 +27,7 @@ from tiercheck.format.values import (
     JSON,
     check_array_path,
     check_grid,
+    check_tree_depth,
     crc32c_value,
     file_offset,
     nonneg_int,
@@ -277,6 +278,7 @@ def parse_rank_part(doc: bytes, *, where: str, save: str | None) -> RankPart:
             or not set(offsets) <= set(chunk_bytes)
         ):  # every chunk is in its writer's pack, at an offset this part gives
             raise ValueError("the chunks with offsets and sizes are not the chunks with checksums")
+        check_tree_depth(part["tree"], where=where)  # before any reader walks it
         return RankPart(part["tree"], checksums, offsets, chunk_bytes, save)
     except CorruptCheckpointError:
         raise

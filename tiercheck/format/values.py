@@ -111,3 +111,39 @@ def positive_int(v: object) -> int:
     if n == 0:
         raise ValueError("expected a positive integer, got 0")
     return n
+
+
+MAX_TREE_DEPTH = 100
+"""How deeply a state tree may nest (dicts, lists, tuples, counted as ``state.flatten.decode``
+counts them from each top-level entry): far beyond any training state, and well within what the
+readers that walk a tree (decode, ``tiercheck inspect``) can recurse through."""
+
+
+def check_tree_depth(tree: JSON, *, where: str) -> None:
+    """Refuse a state tree nested deeper than ``MAX_TREE_DEPTH``, walked without recursion, before
+    any reader recurses through it (JSON itself parses 600 levels; a walk of them raised a raw
+    RecursionError). The tree's root is the state's mapping: its entries are level 0."""
+    stack: list[tuple[JSON, int]] = [(tree, -1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in _tree_children(node))
+
+
+def _tree_children(node: JSON) -> list[JSON]:
+    """The nodes one level below ``node``, as decoding meets them: a list's items, a plain dict's
+    values, the items of a tagged tuple or size, the keys and values of a tagged dict."""
+    if isinstance(node, list):
+        return node
+    if not isinstance(node, dict):
+        return []
+    if len(node) == 1:
+        ((tag, val),) = node.items()
+        if isinstance(tag, str) and tag.startswith("$"):
+            if tag == "$dict" and isinstance(val, list):
+                return [x for pair in val if isinstance(pair, list) for x in pair]
+            if tag in ("$tuple", "$size") and isinstance(val, list):
+                return val
+            return []
+    return list(node.values())

@@ -191,9 +191,11 @@ def _check_module_keys(module: torch.nn.Module, saved: JSON, key: str, where: st
         )
 
 
-def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> None:
+def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str, strict: bool = True) -> None:
     """Hand the decoded values (their tensors now filled) to the state. A Stateful that refuses
-    its value (``prepare`` checks what it can beforehand) is the library's error, naming it."""
+    its value (``prepare`` checks what it can beforehand) is the library's error, naming it. Not
+    ``strict``, the entries of the state's plain dicts that the checkpoint does not name are left
+    as they were (``strict``: removed, as the saved dicts lack them)."""
     for key, value in decoded.items():
         live = state.get(key)
         if is_stateful(live):
@@ -203,7 +205,7 @@ def apply(state: Mapping[str, Any], decoded: dict[str, Any], *, where: str) -> N
                 raise IncompatibleStateError(
                     f"{where}: {key}: {type(live).__name__}.load_state_dict refused the saved state: {e}"
                 ) from e
-        elif not _update_in_place(live, value):
+        elif not _update_in_place(live, value, strict=strict):
             if not isinstance(state, MutableMapping):
                 raise IncompatibleStateError(
                     f"{where}: cannot restore {key!r} in place and the state mapping is read-only"
@@ -226,15 +228,20 @@ def _check_no_missing_tensors(live: Any, saved: JSON, key: str, where: str) -> N
         raise IncompatibleStateError(f"{where}: tensors of the state are missing from the checkpoint: {some(missing)}")
 
 
-def _update_in_place(live: Any, new: Any) -> bool:
-    """Make ``live`` equal ``new`` without replacing it. False when only replacement works."""
+def _update_in_place(live: Any, new: Any, *, strict: bool) -> bool:
+    """Make ``live`` hold ``new`` without replacing it. False when only replacement works. A dict's
+    entries ``new`` does not name are removed where ``strict`` (the state's plain dicts become the
+    saved ones; ``prepare`` has refused a tensor the checkpoint lacks), else left as they were: the
+    checkpoint says nothing of them (a restore into a grown state, a tensor an in-place fallback
+    names as holding parts of a damaged step)."""
     if live is new:
         return True
     if isinstance(live, dict) and isinstance(new, dict):
-        for k in [k for k in live if k not in new]:
-            del live[k]
+        if strict:
+            for k in [k for k in live if k not in new]:
+                del live[k]
         for k, v in new.items():
-            if k not in live or not _update_in_place(live[k], v):
+            if k not in live or not _update_in_place(live[k], v, strict=strict):
                 live[k] = v
         return True
     if isinstance(live, list) and isinstance(new, list):
@@ -242,7 +249,7 @@ def _update_in_place(live: Any, new: Any) -> bool:
             live[:] = new
             return True
         for i, v in enumerate(new):
-            if not _update_in_place(live[i], v):
+            if not _update_in_place(live[i], v, strict=strict):
                 live[i] = v
         return True
     return False

@@ -19,6 +19,7 @@ from typing import Any
 from tiercheck.cluster.coordination import Coordinator, drive, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
 from tiercheck.humanize import fmt_steps, plural, some
@@ -211,7 +212,7 @@ class Restore:
         items = [replace(i, deferred=True) if d else i for i, d in zip(items, defer, strict=True)]
         unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
         moved = self.read(prepared, plan, items, name)
-        apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}")
+        apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}", strict=request.strict)
         log.info(
             "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
             step,
@@ -273,6 +274,8 @@ class Restore:
             others = request.others
             manifest = drive(coord, manifest_for(job, name, st, state, others=bool(others), parts=parts))
             try:
+                if job.nodes.leader == coord.rank:  # it claims the directory once the restore is done
+                    check_claimable(tier)
                 if others:
                     add_entries(view, manifest, others, where=where)
                     if len(view) > len(state) and not isinstance(state, MutableMapping):

@@ -41,7 +41,7 @@ from tiercheck.errors import (
 )
 from tiercheck.format.codec import STORAGE_DTYPES
 from tiercheck.format.manifest import JSON
-from tiercheck.format.values import check_array_path
+from tiercheck.format.values import MAX_TREE_DEPTH, check_array_path
 from tiercheck.state.sharding import Shard, is_dtensor, local_tensor, placement_of
 
 
@@ -111,9 +111,10 @@ def _escape(component: str) -> str:
     return text
 
 
-MAX_DEPTH = 100
+MAX_DEPTH = MAX_TREE_DEPTH
 """How deeply a state may nest (dicts, lists, tuples): far beyond any training state, and well
-within what decoding can recurse through. Saving refuses deeper states, loading deeper trees."""
+within what decoding can recurse through. Saving refuses deeper states, loading deeper trees (a
+manifest's are refused as it is parsed: ``format.values.check_tree_depth``)."""
 
 
 class _Encoder:
