@@ -18,7 +18,7 @@ from tests.conftest import assert_identical
 from tests.ondisk import evict_packs, flip_chunk_byte
 from tiercheck import Checkpointer, CorruptCheckpointError, PartlyRestoredError, StagingOptions, WriteOptions
 from tiercheck.format.paths import step_dir
-from tiercheck.restore import stage, upload
+from tiercheck.restore import stage, to_device
 
 pytestmark = [
     pytest.mark.gpu,
@@ -182,8 +182,8 @@ def test_a_full_gpu_stages_the_rest_in_host_memory_and_copies_it_up_through_a_pi
 
     monkeypatch.setattr(stage, "device_room", lambda items: {torch.device("cuda", torch.cuda.current_device()): room})
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(upload, "RING_PIECE", 1 << 20)
-    monkeypatch.setattr(upload, "RING_BUFFERS", 2)
+    monkeypatch.setattr(to_device, "RING_PIECE", 1 << 20)
+    monkeypatch.setattr(to_device, "RING_BUFFERS", 2)
     with Checkpointer({"s": live}, local=ckpt_dir) as ck:
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "synchronize", _no_device_sync)
