@@ -449,6 +449,33 @@ def test_restore_to_commits_no_copy_with_a_missing_or_damaged_source_chunk(
     assert list_steps(open_tier(str(target))).committed == []  # nothing incomplete is committed
 
 
+@pytest.mark.parametrize(
+    ("flip", "said"),
+    [
+        ('"step":30', "its tiercheck.step is 31, not this step (30)"),  # the map names another step
+        ('\\"data_type\\": \\"float32', "data_type 'float33'"),  # a document contradicts its array's record
+        ('\\"chunk_shape\\": [\\n        128', "chunk_shape [129, 96]"),
+    ],
+)
+def test_restore_to_commits_no_copy_whose_reference_map_load_would_refuse(
+    tmp_path: Path, saved: Path, flip: str, said: str
+) -> None:
+    """One flipped byte in a reference map that leaves it valid JSON naming the step's save: ``load`` refuses the
+    step, so the copy must refuse it too, before it commits anything."""
+    refs = saved / step_dir(30) / "refs" / "rank-000000.json"
+    data = bytearray(refs.read_bytes())
+    at = data.index(flip.encode()) + len(flip) - 1
+    data[at] ^= 0x01  # one bit: 0 -> 1, 2 -> 3, 8 -> 9
+    refs.write_bytes(bytes(data))
+    with pytest.raises(tiercheck.CorruptCheckpointError, match=re.escape(said)):
+        tiercheck.load(saved, 30)  # the damage is one load refuses
+    target = tmp_path / "node"
+    proc = run("restore", str(saved), "--to", str(target), "--step", "30", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "refs/rank-000000.json" in proc.stderr and said in proc.stderr, proc.stderr
+    assert list_steps(open_tier(str(target))).committed == []
+
+
 def test_verify_a_hostile_reference_map_names_the_map_not_the_chunks(saved: Path) -> None:
     """Two entries of a reference map swapped (each points at the other chunk's range): the chunks are
     intact, the map is what is damaged, and the summary says so."""
