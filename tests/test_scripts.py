@@ -104,3 +104,4 @@ def test_test_sh_says_each_setup_step_as_it_starts(tmp_path: Path) -> None:
         "==> installing torchtitan 0.3.0 and the modules it needs",
     ], done.stderr
     assert done.stderr.index(said[-1]) < done.stderr.index("ERROR: it broke"), done.stderr
+    assert calls[-1].endswith("--no-deps torchtitan==0.3.0"), calls  # the step named last is the one that failed
