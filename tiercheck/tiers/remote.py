@@ -1,4 +1,4 @@
-"""The remote tier: any fsspec URL (``s3://`` through s3fs, ``az://`` / ``abfs://`` through adlfs).
+"""The remote tier: an object store through fsspec (``s3://`` through s3fs, ``az://`` / ``abfs://`` through adlfs).
 
 Object stores have no directories and no rename, but a PUT is atomic: an object is visible whole
 or not at all, which is all ``publish`` needs. Every call is retried with exponential backoff and
