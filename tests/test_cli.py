@@ -233,7 +233,7 @@ def test_a_committed_copy_under_another_name_is_no_step(saved: Path, caplog: pyt
 
 def test_bad_input_gives_one_line_and_a_nonzero_exit(tmp_path: Path, saved: Path) -> None:
     cases = [
-        (["ls", "s3x://bucket/x"], "Protocol not known: s3x"),
+        (["ls", "s3x://bucket/x"], "s3x://bucket/x: no s3x:// here; tiercheck stores checkpoints in a local directory"),
         (["inspect", str(saved), "--step", "7"], "step 7 is not committed"),
         (["ls", str(tmp_path / "nope")], "no such directory"),
         (["restore", str(tmp_path / "nope"), "--to", str(tmp_path / "x")], "no such directory"),
