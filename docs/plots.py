@@ -37,6 +37,13 @@ def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], fm
     ax.spines[["top", "right"]].set_visible(False)
 
 
+def _legend(ax: Any) -> None:
+    """The legend in a row of its own below the last bar, where it covers no bar's value."""
+    bottom, top = ax.get_ylim()  # inverted: the last bar is at the bottom
+    ax.set_ylim(bottom + 1, top)
+    ax.legend(fontsize=8, loc="lower right")
+
+
 def gpu_plots(out: Path, plt: Any) -> list[str]:
     d = json.loads(GPU.read_text())
     title = f"{d['device']}, {d['methods']['tiercheck.lazy']['state_bytes'] / 2**30:.2f} GiB of fp32 state"
@@ -54,7 +61,7 @@ def gpu_plots(out: Path, plt: Any) -> list[str]:
     _bars(ax, methods, added, colors, "{:.3f} s")
     ax.set_xlim(min(added) / 2, max(added) * 8)
     ax.axvline(step_s, color="grey", ls="--", lw=1, label=f"one training step ({step_s * 1000:.0f} ms)")
-    ax.legend(fontsize=8, loc="lower right")
+    _legend(ax)
     ax.set_xlabel("time added to the training loop per checkpoint, s (log)")
     ax.set_title(f"Stall per checkpoint: {title}", fontsize=10)
     fig.tight_layout()
@@ -67,7 +74,7 @@ def gpu_plots(out: Path, plt: Any) -> list[str]:
     _bars(ax, labels, durable, colors)
     write_s = limits["disk"]["write"]["durable_s"]
     ax.axvline(write_s, color="black", ls="--", lw=1, label=f"raw fsync'd write of the state ({write_s:.2f} s)")
-    ax.legend(fontsize=8, loc="lower right")
+    _legend(ax)
     ax.set_xlabel("save() call to durable on the local disk, s (median of the loop's saves)")
     ax.set_title(f"Time to durable: {title}", fontsize=10)
     fig.tight_layout()
@@ -88,7 +95,7 @@ def gpu_plots(out: Path, plt: Any) -> list[str]:
     _bars(ax, labels, values, cols)
     read_s = limits["disk"]["cold_read"]["s"]
     ax.axvline(read_s, color="black", ls="--", lw=1, label=f"cold read of the state's bytes ({read_s:.2f} s)")
-    ax.legend(fontsize=8, loc="lower right")
+    _legend(ax)
     ax.set_xlabel("restore from a dropped page cache, s")
     ax.set_title(f"Restore: {title}", fontsize=10)
     fig.tight_layout()

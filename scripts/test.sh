@@ -18,26 +18,34 @@ quietly() {  # quietly CMD...: one setup step, its output in $setup_log (kept wh
     fi
 }
 pip_install() { quietly .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+say() { echo "==> $*" >&2; }  # each step as it starts, on stderr: stdout is the checks' and the tests'
+# Material for MkDocs prints a notice about its successor at every build, here and in tests/test_docs.py.
+export NO_MKDOCS_2_WARNING=1
 if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
     quietly python3 -m venv .venv
 fi
 # torch is pinned to 2.13.0, the CPU build this project tests against. On Linux, PyPI's torch==2.13.0 is
 # the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name (2.13.0+cpu), from
 # pip's configured indexes first (a local one, offline), else with PyTorch's CPU index added.
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    say "installing torch 2.13.0 (the CPU build) into .venv"
     .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0+cpu" >>"$setup_log" 2>&1 \
         || pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # DeepSpeed builds from source against that torch: no build isolation (it would fetch another torch)
 # and no compiled ops (DS_BUILD_OPS=0; the CPU tests need none ahead of time).
+say "installing DeepSpeed 0.19.8 (built from source against that torch, no compiled ops)"
 pip_install setuptools wheel
 quietly env DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation \
     deepspeed==0.19.8
 # torchtitan 0.3.0 for tests/test_torchtitan.py, without its dependencies: its datasets pin would downgrade fsspec
 # below s3fs's exact pin (and it pulls wandb, tensorboard, torch_checkpointing). Its checkpointer, optimizer and
 # dataloader modules need only these.
+say "installing torchtitan 0.3.0 and the modules it needs"
 pip_install tyro==1.0.17 spmd_types==0.2.3 torchdata==0.11.0
 pip_install --no-deps torchtitan==0.3.0
+say "installing tiercheck (editable) with its test, frameworks and docs extras"
 pip_install -e '.[test,frameworks,docs]'
 # Azurite, the real Azure Blob server the storage tests start (tests/servers.py), pinned by package-lock.json.
 # npm ci only when node_modules was not installed from this very lock file.
@@ -46,21 +54,29 @@ if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
         echo "scripts/test.sh: npm (Node.js 20 or newer) is needed to install Azurite for the storage tests" >&2
         exit 1
     fi
+    say "installing Azurite, the Azure Blob server the storage tests start (npm ci)"
     quietly npm ci --no-audit --no-fund --loglevel=error
     cp package-lock.json node_modules/.tiercheck-installed-lock
 fi
+say "checking: ruff, mypy, import layers, the documentation site"
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
-.venv/bin/lint-imports  # the package's layers point one way (pyproject.toml, [tool.importlinter])
+# The package's layers point one way (pyproject.toml, [tool.importlinter]); its report (a logo, every
+# contract KEPT) only when one is broken.
+checks_log="$(mktemp)"
+if ! .venv/bin/lint-imports --no-logo >"$checks_log" 2>&1; then
+    cat "$checks_log" >&2
+    echo "scripts/test.sh: lint-imports found an import against the layers (pyproject.toml)" >&2
+    exit 1
+fi
 # The documentation site (docs/, mkdocs.yml): --strict fails on a broken link, anchor or reference;
-# quiet unless it fails (NO_MKDOCS_2_WARNING: Material's banner about its successor).
-docs_log="$(mktemp)"
-if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$root/site" >"$docs_log" 2>&1; then
-    cat "$docs_log" >&2
+# quiet unless it fails.
+if ! .venv/bin/mkdocs build --strict --quiet --site-dir "$root/site" >"$checks_log" 2>&1; then
+    cat "$checks_log" >&2
     echo "scripts/test.sh: mkdocs build --strict failed (docs/, mkdocs.yml)" >&2
     exit 1
 fi
-rm -f "$docs_log"
+rm -f "$checks_log"
 
 # The Megatron lane: megatron-core's current release (0.19, Python 3.12+) in a venv of its own, beside the
 # main suite's 0.16 on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a
@@ -84,10 +100,13 @@ else
     fi
     if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
         rm -rf .venv-megatron
+        say "creating .venv-megatron: torch 2.13.0 for Python 3.12 (the CUDA build: ~2.7 GB, a few minutes)" \
+            "and megatron-core 0.19.2"
         quietly "$py312" -m venv .venv-megatron
         quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
         echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
     fi
+    say "installing tiercheck (editable) into .venv-megatron"
     quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check -e .
     echo "== megatron-core 0.19 lane (Python 3.12): tests/test_megatron.py"
     .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py

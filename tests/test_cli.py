@@ -233,7 +233,7 @@ def test_a_committed_copy_under_another_name_is_no_step(saved: Path, caplog: pyt
 
 def test_bad_input_gives_one_line_and_a_nonzero_exit(tmp_path: Path, saved: Path) -> None:
     cases = [
-        (["ls", "s3x://bucket/x"], "Protocol not known: s3x"),
+        (["ls", "s3x://bucket/x"], "s3x://bucket/x: no s3x:// here; tiercheck stores checkpoints in a local directory"),
         (["inspect", str(saved), "--step", "7"], "step 7 is not committed"),
         (["ls", str(tmp_path / "nope")], "no such directory"),
         (["restore", str(tmp_path / "nope"), "--to", str(tmp_path / "x")], "no such directory"),
@@ -447,6 +447,33 @@ def test_restore_to_commits_no_copy_with_a_missing_or_damaged_source_chunk(
     assert "step-00000030/packs/rank-000000.bin" in proc.stderr or "step 30" in proc.stderr, proc.stderr
     assert said.get(damage, "(truncated)") in proc.stderr, proc.stderr
     assert list_steps(open_tier(str(target))).committed == []  # nothing incomplete is committed
+
+
+@pytest.mark.parametrize(
+    ("flip", "said"),
+    [
+        ('"step":30', "its tiercheck.step is 31, not this step (30)"),  # the map names another step
+        ('\\"data_type\\": \\"float32', "data_type 'float33'"),  # a document contradicts its array's record
+        ('\\"chunk_shape\\": [\\n        128', "chunk_shape [129, 96]"),
+    ],
+)
+def test_restore_to_commits_no_copy_whose_reference_map_load_would_refuse(
+    tmp_path: Path, saved: Path, flip: str, said: str
+) -> None:
+    """One flipped byte in a reference map that leaves it valid JSON naming the step's save: ``load`` refuses the
+    step, so the copy must refuse it too, before it commits anything."""
+    refs = saved / step_dir(30) / "refs" / "rank-000000.json"
+    data = bytearray(refs.read_bytes())
+    at = data.index(flip.encode()) + len(flip) - 1
+    data[at] ^= 0x01  # one bit: 0 -> 1, 2 -> 3, 8 -> 9
+    refs.write_bytes(bytes(data))
+    with pytest.raises(tiercheck.CorruptCheckpointError, match=re.escape(said)):
+        tiercheck.load(saved, 30)  # the damage is one load refuses
+    target = tmp_path / "node"
+    proc = run("restore", str(saved), "--to", str(target), "--step", "30", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "refs/rank-000000.json" in proc.stderr and said in proc.stderr, proc.stderr
+    assert list_steps(open_tier(str(target))).committed == []
 
 
 def test_verify_a_hostile_reference_map_names_the_map_not_the_chunks(saved: Path) -> None:

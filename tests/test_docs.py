@@ -122,6 +122,35 @@ def test_the_plots_draw_from_committed_json() -> None:
         assert sorted(tracked.split()) == sorted(rel), "docs/plots.py reads benchmark JSON that git does not track"
 
 
+def _pages() -> list[Path]:
+    return sorted((ROOT / "docs").rglob("*.md"))
+
+
+def test_the_docs_speak_of_the_project_only() -> None:
+    """docs/performance.md said whether a device was lent to the session that wrote it, and which issue a change
+    came with: how the docs came to be written, not what the project is or does."""
+    how_written = re.compile(r"\bissue \d+|\bsession\b|\blent\b|\bthis benchmark was written\b", re.I)
+    said = [f"{page.relative_to(ROOT)}: {m.group(0)!r}" for page in _pages() for m in how_written.finditer(page.read_text())]
+    assert said == []
+
+
+def test_the_home_page_links_every_page_of_the_site() -> None:
+    """docs/index.md, the map of the site, left out the Lightning and torchtitan pages."""
+    nav = re.findall(r"^\s*-\s+(?:[^:]+:\s+)?([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert "frameworks/lightning.md" in nav and "frameworks/torchtitan.md" in nav, nav
+    linked = set(re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]*)?\)", (ROOT / "docs" / "index.md").read_text()))
+    assert [page for page in nav if page != "index.md" and page not in linked] == []
+
+
+def test_the_site_loads_no_script_from_another_host() -> None:
+    """The tier diagram was a Mermaid block, which Material for MkDocs draws with a script it loads from a CDN
+    when the page is opened: no diagram offline, and a third party on every visit. Diagrams are static."""
+    fences = [str(page.relative_to(ROOT)) for page in _pages() if re.search(r"^```mermaid", page.read_text(), re.M)]
+    assert fences == []
+    assert "mermaid" not in (ROOT / "mkdocs.yml").read_text()
+    assert "extra_javascript" not in (ROOT / "mkdocs.yml").read_text()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="MkDocs not installed (the docs extra)")
 def test_the_site_builds_strict_and_shows_every_name(tmp_path: Path) -> None:
     site = tmp_path / "site"

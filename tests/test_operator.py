@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tiercheck
-from tests.cli import Ran, run
+from tests.cli import Ran, run, s3_args
 from tests.servers import SeaweedS3
 from tiercheck.errors import (
     ClosedError,
@@ -84,6 +84,58 @@ def test_paths_of_the_wrong_kind_are_named_as_such(tmp_path: Path, saved: Path) 
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("tiercheck: error: "), (args, proc.stderr)
         assert message in proc.stderr, (args, proc.stderr)
     assert a_file.read_text() == "x"
+
+
+_WHAT_WORKS = (
+    "tiercheck stores checkpoints in a local directory, file://PATH, s3://BUCKET/PREFIX, az://CONTAINER/PREFIX "
+    "or abfs://CONTAINER/PREFIX"
+)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://example.com/ckpt", "ftp://example.com/ckpt", "hdfs://namenode/ckpt", "gs://bucket/ckpt", "run:1/x"]
+)
+def test_a_url_of_a_scheme_tiercheck_does_not_store_in_names_those_that_work(url: str) -> None:
+    """``http://`` retried a DNS failure for 2 minutes, ``ftp://`` said only ``Name or service not known``,
+    ``hdfs://`` ``No module named 'pyarrow'``, ``gs://`` to install gcsfs: at once, which schemes work."""
+    proc = tiercheck_cli("--retry-deadline", "60", "inspect", url)
+    assert proc.returncode == 1, proc.stderr
+    scheme = url.split(":", 1)[0]
+    assert proc.stderr == f"tiercheck: error: {url}: no {scheme}:// here; {_WHAT_WORKS}\n" or (
+        ":" in url and "://" not in url and _WHAT_WORKS in proc.stderr and f"./{url}" in proc.stderr
+    ), proc.stderr
+
+
+def test_an_upper_case_scheme_is_the_same_scheme(s3_server: SeaweedS3, s3_bucket: str, tmp_path: Path) -> None:
+    """``S3://`` said ``Protocol not known: S3`` and a paragraph about AWS credentials: schemes are case-insensitive."""
+    url = f"s3://{s3_bucket}/run"
+    with tiercheck.Checkpointer({"w": torch.arange(4.0)}, local=tmp_path / "l", remote=url,
+                                remote_options=s3_server.storage_options()) as ck:  # fmt: skip
+        ck.save(3).wait()
+        ck.drain()
+    proc = tiercheck_cli("ls", "--json", f"S3://{s3_bucket}/run", *s3_args(s3_server))
+    assert proc.returncode == 0, proc.stderr
+    assert [s["step"] for s in json.loads(proc.stdout)["steps"]] == [3]
+
+
+def test_a_checkpointer_refuses_an_unsupported_remote_before_it_creates_its_directory(tmp_path: Path) -> None:
+    local = tmp_path / "never"
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"gs://bucket/run: no gs:// here; {_WHAT_WORKS}")):
+        tiercheck.Checkpointer({"w": torch.zeros(2)}, local=local, remote="gs://bucket/run")
+    assert not local.exists()
+
+
+def test_a_host_name_that_does_not_resolve_is_not_retried(tmp_path: Path) -> None:
+    """A DNS failure (no such name: ``.invalid`` never resolves) is the same answer next time: one attempt, and
+    the message says the name does not resolve."""
+    proc = tiercheck_cli(
+        "--retry-deadline", "120", "ls", "s3://bucket/run", "-o", "endpoint_url=http://no-such-host.invalid:9000",
+        "-o", "key=k", "-o", "secret=s",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    [line] = proc.stderr.strip().splitlines()  # no retry warnings
+    assert line.startswith("tiercheck: error: s3://bucket/run: listing bucket 'bucket' prefix 'run': "), line
+    assert "host name 'no-such-host.invalid' does not resolve" in line, line
 
 
 def test_bad_option_values_get_one_line(saved: Path) -> None:

@@ -89,3 +89,19 @@ def test_test_sh_keeps_setup_output_in_a_log_it_names_when_a_step_fails(tmp_path
     assert "ERROR: it broke" in done.stderr
     assert "scripts/test.sh: this setup step failed: env DS_BUILD_OPS=0 .venv/bin/python -m pip install" in done.stderr
     assert done.stderr.rstrip().endswith(f"its whole output, and the earlier steps': {log}"), done.stderr
+
+
+def test_test_sh_says_each_setup_step_as_it_starts(tmp_path: Path) -> None:
+    """scripts/test.sh printed nothing for ~3 minutes while it installed. Each setup step is named on stderr as
+    it starts (stdout stays the checks' and the tests'), in the order the steps run, up to the one that fails."""
+    root = sandbox(tmp_path, "test.sh")
+    done, calls = run_script(root, "test.sh", FAIL_PIP_IF="torchtitan==")
+    assert done.returncode == 1 and done.stdout == "", done
+    said = [line for line in done.stderr.splitlines() if line.startswith("==> ")]
+    assert said == [
+        "==> installing torch 2.13.0 (the CPU build) into .venv",
+        "==> installing DeepSpeed 0.19.8 (built from source against that torch, no compiled ops)",
+        "==> installing torchtitan 0.3.0 and the modules it needs",
+    ], done.stderr
+    assert done.stderr.index(said[-1]) < done.stderr.index("ERROR: it broke"), done.stderr
+    assert calls[-1].endswith("--no-deps torchtitan==0.3.0"), calls  # the step named last is the one that failed

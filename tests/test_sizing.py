@@ -27,6 +27,7 @@ from tiercheck.cli.sizing import (
     measure,
     plan_table,
     size,
+    staging_s,
     times,
     young_daly_interval,
 )
@@ -164,12 +165,42 @@ def test_times_per_node_and_shared_tiers() -> None:
     nvme, s3, pfs = DEFAULT_TIERS
     # local NVMe, per node: 19,094,585,664 B / 2e9 B/s = 9.547292832 s; / 3e9 B/s = 6.364861888 s
     assert times(s, nvme) == pytest.approx((9.547292832, 6.364861888), rel=1e-12)
-    # S3-like, aggregate: 2,444,106,964,992 B / 10e9 B/s = 244.4106964992 s, both ways
+    # S3-like: each node 19,094,585,664 B / 2.5e9 B/s = 7.64 s, but the job's 2,444,106,964,992 B through its
+    # 10e9 B/s ceiling take 244.4106964992 s, both ways: the ceiling sets the time
     assert times(s, s3) == pytest.approx((244.4106964992, 244.4106964992), rel=1e-12)
-    # parallel FS, aggregate: 2,444,106,964,992 / 50e9 = 48.88213929984 s
+    # parallel FS: 19,094,585,664 / 5e9 = 3.82 s per node; the job through 50e9: 48.88213929984 s
     assert times(s, pfs) == pytest.approx((48.88213929984, 48.88213929984), rel=1e-12)
-    # host staging, per node: 19,094,585,664 / 10e9 = 1.9094585664 s
-    assert times(s, HOST_MEMORY_TIER)[0] == pytest.approx(1.9094585664, rel=1e-12)
+    # one node on its own shared tier without a ceiling: its own rate, 19,094,585,664 / 5e9 = 3.8189171328 s
+    assert times(s, TierProfile("pfs", 5e9, 5e9, shared=True))[0] == pytest.approx(3.8189171328, rel=1e-12)
+    # host staging, per GPU: 2,386,823,208 / 25e9 = 0.09547292832 s
+    assert staging_s(s, HOST_MEMORY_TIER) == pytest.approx(0.09547292832, rel=1e-12)
+
+
+def test_a_one_node_job_stalls_less_async_than_blocking_and_gets_a_node_s_share_of_a_shared_tier() -> None:
+    """``tiercheck plan --params 7B``: the async stall (a host copy assumed at 10 GB/s per node: 9.8 s) came out
+    longer than a blocking parallel-filesystem save (1.96 s: the whole filesystem's 50 GB/s to one node), and S3's
+    10 GB/s went to one node too. Each GPU copies its own share to host memory over its own link, and a node
+    reaches a shared tier at its own per-node rate, up to the tier's ceiling for the job."""
+    plan = plan_table(ModelSpec(params=7 * 10**9), DEFAULT_TIERS, node_mtbf_hours=5000, restart_s=None,
+                      staging=HOST_MEMORY_TIER)  # fmt: skip
+    nvme, s3, pfs = plan["tiers"]
+    # 7e9 · 14 B = 98e9 B, all on one GPU of one node. Per node: NVMe 2 GB/s, S3 2.5 GB/s, parallel FS 5 GB/s.
+    assert (nvme["save_s"], s3["save_s"], pfs["save_s"]) == pytest.approx((49.0, 39.2, 19.6), rel=1e-12)
+    # The host copy: 98e9 B over one GPU's link at 25 GB/s = 3.92 s, below every blocking save.
+    assert pfs["async"]["blocking_s"] == pytest.approx(3.92, rel=1e-12)
+    assert all(row["async"]["blocking_s"] < row["save_s"] for row in plan["tiers"])
+    # Every figure says where it comes from: stated here (typical figures), or measured.
+    assert {row["tier"]["source"] for row in plan["tiers"]} == {"stated"}
+    assert plan["staging"]["source"] == "stated"
+    table = run("plan", "--params", "7B").stdout
+    assert "figures" in table and "stated" in table and "per GPU" in table, table
+    # Yours, with a ceiling for the job: 16 nodes (128 GPUs) at 5 GB/s each, at most 20 GB/s in all:
+    # 98e9 / 16 = 6.125e9 B per node / 5e9 = 1.225 s, but 98e9 / 20e9 = 4.9 s through the ceiling.
+    mine = json.loads(run("plan", "--params", "7B", "--dp", "128", "--tier", "pfs:5:5:shared:20", "--json").stdout)
+    [row] = mine["tiers"]
+    assert row["save_s"] == pytest.approx(4.9) and row["tier"]["job_bytes_per_s"] == 20e9
+    refused = run("plan", "--params", "7B", "--tier", "nvme:2:3:node:20", check=False)  # a node's own: no ceiling
+    assert refused.returncode == 2 and "JOB_GBPS" in refused.stderr, refused.stderr
 
 
 def test_tier_refuses_nonpositive_bandwidth() -> None:
@@ -177,6 +208,10 @@ def test_tier_refuses_nonpositive_bandwidth() -> None:
         TierProfile("x", 0.0, 1.0, shared=False)
     with pytest.raises(ValueError):
         TierProfile("x", 1.0, math.inf, shared=True)
+    with pytest.raises(ValueError):
+        TierProfile("x", 1.0, 1.0, shared=True, job_bytes_per_s=0.0)
+    with pytest.raises(ValueError):
+        TierProfile("x", 1.0, 1.0, shared=False, job_bytes_per_s=1.0)  # a node's own tier has no job ceiling
 
 
 # --------------------------------------------------------------------------- intervals and waste
@@ -277,23 +312,25 @@ def test_plan_table_gpt3() -> None:
     assert plan["fastest"]["tier"] == "local-nvme"
     assert plan["fastest"]["daly_interval_s"] == nvme["daly_interval_s"]
 
-    # Async: the training waits only for staging, 19,094,585,664 / 10e9 = 1.9094585664 s;
-    # Young sqrt(2 · 1.9094585664 · 36000) = sqrt(137,481.0167808) = 370.7843 s ≥ the 9.5 s write.
+    # Async: the training waits only for staging, each GPU its 2,386,823,208 B at 25e9 B/s = 0.09547292832 s;
+    # Young sqrt(2 · 0.09547292832 · 36000) = sqrt(6,874.05083904) = 82.9099 s ≥ the 9.5 s write.
     a = nvme["async"]
-    assert a["blocking_s"] == pytest.approx(1.9094585664, rel=1e-12)
-    assert a["interval_s"] == pytest.approx(math.sqrt(137_481.0167808), rel=1e-12)
-    # waste: 1.9095/370.7843 + (185.3922 + 9.5473 + 6.3649)/36000 = 0.0051498 + 0.0055918 = 0.0107416
+    assert a["blocking_s"] == pytest.approx(0.09547292832, rel=1e-12)
+    assert a["interval_s"] == pytest.approx(math.sqrt(6_874.05083904), rel=1e-12)
+    # waste: 0.0955/82.9099 + (41.4549 + 9.5473 + 6.3649)/36000 = 0.0011515 + 0.0015935 = 0.0027450
     assert a["waste_fraction"] == pytest.approx(
-        1.9094585664 / math.sqrt(137_481.0167808)
-        + (math.sqrt(137_481.0167808) / 2 + 9.547292832 + 6.364861888) / 36000,
+        0.09547292832 / math.sqrt(6_874.05083904)
+        + (math.sqrt(6_874.05083904) / 2 + 9.547292832 + 6.364861888) / 36000,
         rel=1e-12,
     )
-    # S3's 244 s write is below Young's 370.8 s for staging, so the interval stays 370.8 s; a tier
-    # slower than that would set the interval to its own write time. With 1 GB/s aggregate:
-    # 2,444,106,964,992 / 1e9 = 2444.1 s > 370.8 s.
+    # S3's 244 s write is above Young's 82.9 s for staging, so its async interval is its own write time:
+    # one save is written before the next. The same with a 1 GB/s ceiling for the job:
+    # 2,444,106,964,992 / 1e9 = 2444.1 s > 82.9 s.
+    assert s3["async"]["interval_s"] == pytest.approx(244.4106964992, rel=1e-12)
     slow = plan_table(
-        GPT3, [TierProfile("slow", 1e9, 1e9, shared=True)], node_mtbf_hours=1280, restart_s=600, staging=HOST_MEMORY_TIER
-    )
+        GPT3, [TierProfile("slow", 1e9, 1e9, shared=True, job_bytes_per_s=1e9)], node_mtbf_hours=1280, restart_s=600,
+        staging=HOST_MEMORY_TIER,
+    )  # fmt: skip
     row = slow["tiers"][0]
     assert row["restart_s"] == 600
     assert row["async"]["interval_s"] == pytest.approx(2444.106964992, rel=1e-12)
@@ -322,7 +359,7 @@ def _everything_under(root: Path) -> list[str]:
 def test_measure_a_local_directory_leaves_nothing(tmp_path: Path) -> None:
     (tmp_path / "keep").write_text("mine")
     tier = measure(str(tmp_path), nbytes=4 * 2**20)
-    assert tier.shared is False
+    assert tier.shared is False and tier.source == "measured"
     assert tier.name == f"measured:{tmp_path}"
     assert 0 < tier.write_bytes_per_s < math.inf and 0 < tier.read_bytes_per_s < math.inf
     assert _everything_under(tmp_path) == ["keep"]  # only what was there before
@@ -340,7 +377,7 @@ def test_measure_s3(s3_server: SeaweedS3, s3_bucket: str) -> None:
     options = s3_server.storage_options()
     # 40 MiB: above the tier's 2 · 16 MiB threshold, so the multipart upload path is measured too
     tier = measure(f"s3://{s3_bucket}/ckpt", nbytes=40 * 2**20, storage_options=options)
-    assert tier.shared is True
+    assert tier.shared is True and tier.source == "measured" and tier.job_bytes_per_s is None
     assert tier.write_bytes_per_s > 0 and tier.read_bytes_per_s > 0
     with open_s3fs(**options) as fs:
         assert fs.find(s3_bucket) == []
@@ -363,12 +400,13 @@ def test_plan_prints_one_unit_per_column_and_counts_in_words() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].endswith("TP=1 PP=1 DP=1 on 1 GPU, 1 node"), lines[0]
     header = next(line for line in lines if line.startswith("tier "))
-    for heading in ("write (GB/s)", "read (GB/s)", "save (s)", "restore (s)", "lost work (%)"):
+    for heading in ("write/node (GB/s)", "read/node (GB/s)", "job max (GB/s)", "save (s)", "restore (s)",
+                    "lost work (%)"):  # fmt: skip
         assert heading in header, header
     rows = lines[lines.index(header) + 1 : lines.index(header) + 4]
     for row in rows:  # units live in the headings: a cell is a number
-        _, scope, *cells = row.replace("per node", "per-node").split()
-        assert scope in ("per-node", "shared"), row
-        assert all(cell.replace(".", "").isdigit() for cell in cells), row
+        _, kind, source, *cells = row.replace("node's own", "own").split()
+        assert kind in ("own", "shared") and source == "stated", row
+        assert all(cell.replace(".", "").isdigit() or cell == "-" for cell in cells), row
     gpt3 = run("plan", "--layers", "96", "--hidden", "12288", "--vocab", "50257", "--tp", "8", "--pp", "16", "--dp", "8")
     assert "on 1024 GPUs, 128 nodes" in gpt3.stdout and "async interval (min)" in gpt3.stdout, gpt3.stdout

@@ -37,6 +37,7 @@ from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.refusals import storage_error
+from tiercheck.tiers.urls import tier_url
 
 log = logging.getLogger("tiercheck")
 
@@ -69,6 +70,8 @@ def start(
     remote_options: dict[str, Any] | None,
 ) -> Started:
     """Every rank of the job calls it, as its Checkpointer starts."""
+    if isinstance(remote, str):
+        tier_url(remote)  # a URL no tier is opened for is refused before the directory is created
     if os.path.exists(local) and not os.path.isdir(local):
         raise NotADirectoryTierError(f"local tier {os.fspath(local)!r} exists and is not a directory")
     rank, world_size, coord = _join(process_group, distributed)

@@ -50,6 +50,7 @@ __all__ = [
     "measure",
     "plan_table",
     "size",
+    "staging_s",
     "times",
     "young_daly_interval",
 ]
@@ -185,48 +186,73 @@ def size(spec: ModelSpec) -> Sizes:
 @dataclass(frozen=True)
 class TierProfile:
     """The bandwidth of a place checkpoints go (a profile for sizing, not a storage
-    :class:`tiercheck.tiers.base.Tier`). ``shared=True``: the bandwidths are the aggregate of the
-    whole job (an object store, a parallel filesystem); ``False``: per node (local NVMe, host memory),
-    so the job's aggregate grows with the number of nodes."""
+    :class:`tiercheck.tiers.base.Tier`). ``write_bytes_per_s`` and ``read_bytes_per_s`` are what one
+    node gets (its link, its clients). ``shared=False``: the tier is the node's own (local NVMe), so
+    the job's aggregate grows with the nodes; ``True``: one service all nodes share (an object store,
+    a parallel filesystem), which gives the whole job at most ``job_bytes_per_s`` (None: no ceiling
+    known, as for a figure measured from one node). ``source``: ``"stated"`` (a figure given: a
+    typical one, or yours) or ``"measured"`` (:func:`measure`)."""
 
     name: str
     write_bytes_per_s: float
     read_bytes_per_s: float
     shared: bool
+    job_bytes_per_s: float | None = None
+    source: str = "stated"
 
     def __post_init__(self) -> None:
-        for name in ("write_bytes_per_s", "read_bytes_per_s"):
+        for name in ("write_bytes_per_s", "read_bytes_per_s", "job_bytes_per_s"):
             value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
+            if (value is not None or name != "job_bytes_per_s") and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{self.name}: {name} must be a positive finite number, not {value}")
+        if self.job_bytes_per_s is not None and not self.shared:
+            raise ValueError(f"{self.name}: a job ceiling (job_bytes_per_s) is a shared tier's")
+        if self.source not in ("stated", "measured"):
+            raise ValueError(f"{self.name}: source must be 'stated' or 'measured', not {self.source!r}")
 
 
-#: Host staging: copying the state from GPU to (pinned) host memory, the only part of a tiercheck
-#: save the training thread waits for. ASSUMPTION, not a measurement: ~10 GB/s per node, a
-#: conservative figure for device-to-host copies sharing a node's PCIe and memory bandwidth.
-#: Not a storage tier (nothing survives a crash there), so it is not in :data:`DEFAULT_TIERS`.
-HOST_MEMORY_TIER = TierProfile("host-memory", 10e9, 10e9, shared=False)
+#: Host staging: each GPU copying its share of the state to (pinned) host memory, over its own
+#: link, all at once: the only part of a tiercheck save the training thread waits for. Its figure is
+#: per GPU. STATED, not measured: 25 GB/s, a pinned device-to-host copy over PCIe Gen4 x16; tiercheck's
+#: own run on one H200 (PCIe Gen5) measured 54.9 GB/s, and staging ran at 0.966x that
+#: (``bench/results/gpu-nvidia-h200.json``, docs/performance.md). Not a storage tier (nothing survives
+#: a crash there), so it is not in :data:`DEFAULT_TIERS`.
+HOST_MEMORY_TIER = TierProfile("host-memory", 25e9, 25e9, shared=False)
 
-#: Typical figures, ASSUMPTIONS to override with your own (or with :func:`measure`):
+#: Typical figures, STATED (not measured): override them with yours (``--tier``) or :func:`measure`.
+#: Every figure is per node; a shared tier's ceiling for the whole job is ``job_bytes_per_s``:
 #:
-#: * ``local-nvme``: 2 GB/s write, 3 GB/s read *per node* (one datacenter PCIe Gen4 NVMe drive,
+#: * ``local-nvme``: 2 GB/s write, 3 GB/s read per node (one datacenter PCIe Gen4 NVMe drive,
 #:   sustained, with fsync; RAIDs of several drives do proportionally better);
-#: * ``s3``: 10 GB/s write and read *aggregate for the job* (an S3-like object store; real limits
-#:   depend on request rates per prefix, the number of clients and the network);
-#: * ``parallel-fs``: 50 GB/s write and read *aggregate for the job* (a Lustre / GPFS class filesystem).
+#: * ``s3``: 2.5 GB/s per node (a node's parts in flight: 16 streams of 100-300 MB/s), at most
+#:   10 GB/s for the job (an S3-like object store; real limits depend on request rates per prefix,
+#:   the number of clients and the network);
+#: * ``parallel-fs``: 5 GB/s per node (one client of a Lustre / GPFS class filesystem), at most
+#:   50 GB/s for the job.
 DEFAULT_TIERS: list[TierProfile] = [
     TierProfile("local-nvme", 2e9, 3e9, shared=False),
-    TierProfile("s3", 10e9, 10e9, shared=True),
-    TierProfile("parallel-fs", 50e9, 50e9, shared=True),
+    TierProfile("s3", 2.5e9, 2.5e9, shared=True, job_bytes_per_s=10e9),
+    TierProfile("parallel-fs", 5e9, 5e9, shared=True, job_bytes_per_s=50e9),
 ]
 
 
 def times(sizes: Sizes, tier: TierProfile) -> tuple[float, float]:
-    """(save seconds, restore seconds) of one checkpoint on ``tier``: for a per-node tier every node
-    moves its own ``per_node_bytes`` in parallel at the per-node bandwidth; for a shared tier the job
-    moves ``total_bytes`` through the aggregate bandwidth. Ignores latency and per-request overheads."""
-    nbytes = sizes.total_bytes if tier.shared else sizes.per_node_bytes
-    return nbytes / tier.write_bytes_per_s, nbytes / tier.read_bytes_per_s
+    """(save seconds, restore seconds) of one checkpoint on ``tier``: every node moves its own
+    ``per_node_bytes`` in parallel at the tier's per-node bandwidth; on a shared tier the job's
+    ``total_bytes`` also pass through its ceiling for the job, and the slower of the two sets the
+    time. Ignores latency and per-request overheads."""
+    write = sizes.per_node_bytes / tier.write_bytes_per_s
+    read = sizes.per_node_bytes / tier.read_bytes_per_s
+    if tier.job_bytes_per_s is None:
+        return write, read
+    ceiling = sizes.total_bytes / tier.job_bytes_per_s
+    return max(write, ceiling), max(read, ceiling)
+
+
+def staging_s(sizes: Sizes, staging: TierProfile) -> float:
+    """Seconds the training waits for an async save: each GPU copies its own ``per_rank_bytes`` to
+    host memory at ``staging``'s per-GPU bandwidth, all GPUs at once."""
+    return sizes.per_rank_bytes / staging.write_bytes_per_s
 
 
 def young_daly_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -284,9 +310,10 @@ def measure(
     for remote URLs), read it back, and delete it. Everything goes under a unique temporary prefix
     (``.tiercheck-measure-<random>``) that is removed afterwards, also on failure.
 
-    Caveats: one file from one process measures *one client's* bandwidth. For a shared tier (a
-    remote URL: ``shared=True``) the job's aggregate is usually higher (many nodes write at once), up
-    to the service's limit, so the times from this figure are pessimistic. A local directory's
+    Caveats: one file from one process measures *one client's* bandwidth, taken as the node's. For a
+    shared tier (a remote URL: ``shared=True``) the service's ceiling for the whole job is not known
+    from one client (``job_bytes_per_s`` None): with many nodes the times are optimistic where the
+    service is the limit; a node with several writers at once gets more than one client. A local directory's
     read-back is not made cold (no cache is dropped): it is likely served from the page cache and
     then overstates the disk's read bandwidth. A local directory must exist.
     """
@@ -320,6 +347,7 @@ def measure(
         nbytes / max(write_s, tiny),
         nbytes / max(read_s, tiny),
         shared=not local,
+        source="measured",
     )
 
 
@@ -339,8 +367,9 @@ def plan_table(
     restore time. ``fastest`` names the tier with the shortest save and repeats its figures.
 
     With ``staging`` (e.g. :data:`HOST_MEMORY_TIER`), each tier also gets an ``async`` entry for
-    tiercheck's asynchronous saves: the training waits only for staging (``C_b`` = per-node bytes at
-    the staging bandwidth) while the write to the tier (``W`` seconds) goes on in the background.
+    tiercheck's asynchronous saves: the training waits only for staging (``C_b`` = per-rank bytes at
+    the staging bandwidth per GPU, :func:`staging_s`) while the write to the tier (``W`` seconds)
+    goes on in the background.
     A first-order extension of the waste model (ours, not from the papers above): a step is
     restorable only ``W`` after it is taken, so a failure loses on average ``T/2 + W`` of work:
     waste ``≈ C_b/T + (T/2 + W + R)/M``, minimal at Young's ``sqrt(2·C_b·M)``; the interval is also
@@ -352,7 +381,7 @@ def plan_table(
         raise ValueError(f"restart_s must not be negative, not {restart_s}")
     sizes = size(spec)
     mtbf = job_mtbf_s(node_mtbf_hours, sizes.nodes)
-    blocking_s = None if staging is None else times(sizes, staging)[0]
+    blocking_s = None if staging is None else staging_s(sizes, staging)
     rows: list[dict[str, Any]] = []
     for tier in tiers:
         save_s, restore_s = times(sizes, tier)
@@ -361,7 +390,7 @@ def plan_table(
         daly = daly_interval(save_s, mtbf)
         row: dict[str, Any] = {
             "tier": asdict(tier),
-            "bytes_per_writer": sizes.total_bytes if tier.shared else sizes.per_node_bytes,
+            "bytes_per_writer": sizes.per_node_bytes,
             "save_s": save_s,
             "restore_s": restore_s,
             "restart_s": r,
@@ -395,9 +424,10 @@ def plan_table(
             "waste_fraction_daly": fastest["waste_fraction_daly"],
         },
         "assumptions": [
-            "bandwidths are the given tier figures (DEFAULT_TIERS are typical values, not measurements)",
-            "a per-node tier moves each node's per_node_bytes in parallel; a shared tier moves total_bytes "
-            "through its aggregate bandwidth",
+            "bandwidths are per node, stated (DEFAULT_TIERS are typical values) or measured, as each tier's "
+            "source says; the host copy's is per GPU",
+            "every node moves its per_node_bytes in parallel at its per-node bandwidth; on a shared tier the "
+            "job's total_bytes also pass through the tier's ceiling for the job (job_bytes_per_s), when known",
             "state is split evenly over tp*pp*dp ranks (balanced pipeline stages; replicas share the writing)",
             "nodes fail independently: job MTBF = node MTBF / nodes",
             "intervals are seconds of training between checkpoints (Young 1974, Daly 2006); waste is first order",

@@ -75,8 +75,9 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     "--tier",
     "tiers",
     multiple=True,
-    metavar="NAME:WRITE_GBPS:READ_GBPS:node|shared",
-    help="A tier's bandwidth in GB/s, per node or shared by the job; repeatable (default: typical figures).",
+    metavar="NAME:WRITE_GBPS:READ_GBPS:node|shared[:JOB_GBPS]",
+    help="A tier's bandwidth in GB/s per node, the node's own or shared by the job (then at most JOB_GBPS for "
+    "the whole job, where given); repeatable (default: typical figures).",
 )
 @click.option(
     "--measure",
@@ -125,16 +126,25 @@ def _parse_tier(text: str) -> Any:
     from tiercheck.cli import sizing
 
     try:
-        name, w, r, kind = text.split(":")
-        write, read = float(w), float(r)
-        if kind not in ("node", "shared") or not all(math.isfinite(x) and x > 0 for x in (write, read)):
+        name, w, r, kind, *ceiling = text.split(":")
+        figures = [float(x) for x in (w, r, *ceiling)]
+        if kind not in ("node", "shared") or len(ceiling) > (kind == "shared"):
+            raise ValueError
+        if not all(math.isfinite(x) and x > 0 for x in figures):
             raise ValueError
     except ValueError:
         raise click.BadParameter(
-            f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared with bandwidths above 0, got {text!r}",
+            f"expected NAME:WRITE_GBPS:READ_GBPS:node|shared[:JOB_GBPS] with bandwidths above 0 (JOB_GBPS: a shared "
+            f"tier's ceiling for the whole job), got {text!r}",
             param_hint="'--tier'",
         ) from None
-    return sizing.TierProfile(name, write * 1e9, read * 1e9, shared=kind == "shared")
+    job = figures[2] * 1e9 if ceiling else None
+    return sizing.TierProfile(name, figures[0] * 1e9, figures[1] * 1e9, shared=kind == "shared", job_bytes_per_s=job)
+
+
+def _ceiling(job_bytes_per_s: float | None) -> str:
+    """A shared tier's ceiling for the job, or "-" (a node's own tier, or none known)."""
+    return "-" if job_bytes_per_s is None else _cells([job_bytes_per_s / 1e9])[0]
 
 
 def _dur(s: float) -> str:
@@ -188,9 +198,11 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
     async_cells = iter(async_intervals)
     columns = {
         "tier": [r["tier"]["name"] for r in rows],
-        "bandwidth": ["shared" if r["tier"]["shared"] else "per node" for r in rows],
-        "write (GB/s)": _cells([r["tier"]["write_bytes_per_s"] / 1e9 for r in rows]),
-        "read (GB/s)": _cells([r["tier"]["read_bytes_per_s"] / 1e9 for r in rows]),
+        "kind": ["shared" if r["tier"]["shared"] else "node's own" for r in rows],
+        "figures": [r["tier"]["source"] for r in rows],
+        "write/node (GB/s)": _cells([r["tier"]["write_bytes_per_s"] / 1e9 for r in rows]),
+        "read/node (GB/s)": _cells([r["tier"]["read_bytes_per_s"] / 1e9 for r in rows]),
+        "job max (GB/s)": [_ceiling(r["tier"]["job_bytes_per_s"]) for r in rows],
         f"save ({save_unit})": saves,
         f"restore ({restore_unit})": restores,
         f"Daly interval ({daly_unit})": dalys,
@@ -200,13 +212,15 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
     }
     table = Table(box=None, pad_edge=False)
     for name in columns:
-        table.add_column(name, justify="left" if name in ("tier", "bandwidth") else "right")
+        table.add_column(name, justify="left" if name in ("tier", "kind", "figures") else "right")
     for cells in zip(*columns.values(), strict=True):
         table.add_row(*cells)
     out.print(table)
+    staging = t["staging"] or {}
     out.print(
-        "Daly interval: the optimum for a blocking checkpoint of that tier; async: tiercheck blocks only for the "
-        "copy to host memory and writes in the background."
+        "Daly interval: the optimum for a blocking checkpoint of that tier; async: tiercheck blocks only for each "
+        f"GPU's copy of its share to host memory, at {staging.get('write_bytes_per_s', 0) / 1e9:.0f} GB/s per GPU "
+        f"({staging.get('source', '-')}), and writes in the background."
     )
     if defaults:
-        out.print("bandwidths are typical figures, not measurements: give --tier or --measure for yours.")
+        out.print("bandwidths are typical figures (stated), not measurements: give --tier or --measure for yours.")

@@ -14,13 +14,14 @@ no chunk's size, so nothing else in the step shows it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import STORAGE_DTYPES
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.format.paths import FORMAT_NAME, refs_file, shard_file, step_dir
+from tiercheck.format.paths import FORMAT_NAME, REFS_DIR, refs_file, shard_file, step_dir
 from tiercheck.format.saveid import REFS_STAMP, check_save
 from tiercheck.format.steps import read_small
 from tiercheck.tiers.base import Tier
@@ -33,14 +34,33 @@ def read_map(tier: Tier, step: int, rank: int, *, where: str) -> dict[str, Any] 
     that wrote nothing). ``CorruptCheckpointError`` (prefixed ``where``, which
     names the map) when it cannot be read or is not a reference map."""
     try:
-        doc = json.loads(read_small(tier, f"{step_dir(step)}/{refs_file(rank)}", where=f"{tier.url}: step {step}"))
+        data = read_small(tier, f"{step_dir(step)}/{refs_file(rank)}", where=f"{tier.url}: step {step}")
+    except FileNotFoundError:
+        return None
+    except TiercheckError as e:
+        raise CorruptCheckpointError(f"{where}: not a reference map ({e})") from None
+    return parse_map(data, where=where)
+
+
+def parse_map(data: bytes, *, where: str) -> dict[str, Any]:
+    """A reference map's bytes (``data``), parsed: ``CorruptCheckpointError`` (prefixed ``where``)
+    when they are not a reference map."""
+    try:
+        doc = json.loads(data)
         if not isinstance(doc, dict) or not isinstance(doc.get("refs"), dict):
             raise ValueError("no refs")
         return doc
-    except FileNotFoundError:
-        return None
-    except (ValueError, RecursionError, TiercheckError) as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not a reference map ({e})") from None
+
+
+def map_owner(path: str) -> int | None:
+    """The saving rank whose reference map ``path`` (inside a step) is, or None when it is none."""
+    m = _MAP.match(path)
+    return int(m.group(1)) if m else None
+
+
+_MAP = re.compile(rf"^{REFS_DIR}/rank-([0-9]{{6,}})\.json$")
 
 
 def stamp_problem(doc: Mapping[str, Any], step: int, save: str | None, *, where: str) -> str | None:
@@ -131,10 +151,18 @@ def check_documents(
     map."""
     at = f"{where}: {refs_file(rank)}"
     doc = read_map(tier, step, rank, where=at)
-    if doc is None:  # verify reports a map missing beside its pack; nothing to compare here
-        return
-    problem = stamp_problem(doc, step, save, where=at)
+    if doc is not None:  # verify reports a map missing beside its pack; nothing to compare here
+        check_map(doc, step, rank, records, save=save, where=at)
+
+
+def check_map(
+    doc: Mapping[str, Any], step: int, rank: int, records: Mapping[str, ArrayRecord], *, save: str | None, where: str
+) -> None:
+    """What ``load`` asks of saving rank ``rank``'s map (``doc``, parsed) of ``step``, before it reads
+    the step (``check_documents``) and a copy before it commits the map (``transfer.copy_file``): it
+    names this step and save ``save``, and its documents agree with ``records``."""
+    problem = stamp_problem(doc, step, save, where=where)
     if problem is None:
-        problem = next(iter(document_problems(doc, rank, records, where=at)), None)
+        problem = next(iter(document_problems(doc, rank, records, where=where)), None)
     if problem is not None:
         raise CorruptCheckpointError(problem)

@@ -49,17 +49,16 @@ def check_save(doc: JSON, save: str | None, *, where: str) -> None:
         )
 
 
-def check_file_save(doc: bytes, save: str | None, *, where: str, key: str | None = None) -> None:
-    """A manifest file's document (or a reference map's, whose save is under ``key``) must name
-    the step's save ``save`` (``None``: not checked): ``check_save`` on the bytes as stored."""
+def check_file_save(doc: bytes, save: str | None, *, where: str) -> None:
+    """A manifest file's document must name the step's save ``save`` (``None``: not checked):
+    ``check_save`` on the bytes as stored. (A reference map names it under ``REFS_STAMP``:
+    ``refmaps.check_map``.)"""
     if save is None:
         return
     try:
         parsed = json.loads(doc)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    if key is not None:
-        parsed = parsed.get(key) if isinstance(parsed, dict) else None
     check_save(parsed, save, where=where)
 
 

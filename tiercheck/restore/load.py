@@ -34,7 +34,7 @@ def load(
 ) -> dict[str, Any]:
     """Read a committed step into a plain nested dict of CPU tensors (state_dicts become dicts).
 
-    ``path`` is a local directory or any remote URL (``s3://``, ``az://``, ``file://``;
+    ``path`` is a local directory or a remote URL (``s3://``, ``az://``, ``abfs://``, ``file://``;
     ``storage_options`` go to fsspec). Sharded tensors come back whole. A local directory must
     hold every chunk: a step saved by ranks on several nodes is spread over their directories.
     ``step``: the step to read (default: the newest committed). ``allow_pickle``: read values

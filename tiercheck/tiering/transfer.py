@@ -20,7 +20,7 @@ import mmap
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,11 +31,10 @@ from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, Span, checksum, unseal
 from tiercheck.format.commit import commit_step
 from tiercheck.format.files import files_of_ranks
-from tiercheck.format.manifest import Manifest, RankPart
+from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.paths import (
     MANIFEST_FILE,
     PARTS_DIR,
-    REFS_DIR,
     copying_marker,
     is_replica_marker,
     pack_file,
@@ -43,8 +42,9 @@ from tiercheck.format.paths import (
     shard_file,
     step_dir,
 )
+from tiercheck.format.refmaps import check_map, map_owner, parse_map
 from tiercheck.format.replicas import Replica
-from tiercheck.format.saveid import REFS_STAMP, check_file_save
+from tiercheck.format.saveid import check_file_save
 from tiercheck.format.steps import rank_parts, read_manifest, read_marker, read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK
@@ -107,7 +107,7 @@ def copy_step(
     def copy(f: str) -> int:
         if pack_owner(f) is not None:
             return copy_pack(src, dst, step, f, files[f], save=save)
-        return copy_file(src, dst, step, f, save=save)  # manifest parts checked against their seals and save
+        return copy_file(src, dst, step, f, save=save, records=manifest.arrays)  # each checked as load would
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tiercheck-copy") as pool:
         for n in pool.map(copy, todo):
@@ -336,18 +336,21 @@ class _Ring:
             self._free.append(buf)
 
 
-def copy_file(src: Tier, dst: Tier, step: int, f: str, *, save: str) -> int:
+def copy_file(
+    src: Tier, dst: Tier, step: int, f: str, *, save: str, records: Mapping[str, ArrayRecord] | None = None
+) -> int:
     """Copy the file ``f`` of ``step``, not a pack (:func:`copy_pack`): a manifest part, arrays
     shard or owners file, checked against its seal and the step's save ``save``, or a reference
-    map, checked against ``save``; so a rotted file, or another save's, is never committed on
-    ``dst``. Each is small and read bounded. Returns the bytes copied."""
+    map, checked as ``load`` checks it (``refmaps.check_map``: it names this step and ``save``, and
+    its documents agree with ``records``, the step's array records where the caller has them); so a
+    rotted file, or another save's, is never committed on ``dst``. Each is small and read bounded.
+    Returns the bytes copied."""
     d = step_dir(step)
     where = f"{src.url}: {d}/{f}"
     data = read_small(src, f"{d}/{f}", where=f"{src.url}: step {step}")
     if f.startswith(f"{PARTS_DIR}/"):
         check_file_save(unseal(data, where=where), save, where=where)
-    elif f.startswith(f"{REFS_DIR}/"):
-        check_file_save(data, save, where=where, key=REFS_STAMP)
+    elif (rank := map_owner(f)) is not None:
+        check_map(parse_map(data, where=where), step, rank, records or {}, save=save, where=where)
     dst.write(f"{d}/{f}", [data])
     return len(data)
-

@@ -34,12 +34,7 @@ _AZURE = _Sources(
          "AZURE_STORAGE_SAS_TOKEN", "AZURE_TENANT_ID", "AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET"),
     then="DefaultAzureCredential (a managed identity, `az login`) for an account name given without a key",
 )  # fmt: skip
-_GCS = _Sources(
-    options=("token", "project"),
-    env=("GOOGLE_APPLICATION_CREDENTIALS",),
-    then="gcloud's application default credentials, and the instance's service account",
-)
-_BY_SCHEME = {"s3": _S3, "s3a": _S3, "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE, "gs": _GCS, "gcs": _GCS}
+_BY_SCHEME = {"s3": _S3, "s3a": _S3, "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE}
 
 # The clients' errors for "no credentials found" (botocore; azure-identity, whose ClientAuthenticationError
 # without an HTTP status is a token it could not get), by class name: no import.

@@ -1,4 +1,4 @@
-"""The remote tier: any fsspec URL (``s3://`` through s3fs, ``az://`` / ``abfs://`` through adlfs).
+"""The remote tier: an object store through fsspec (``s3://`` through s3fs, ``az://`` / ``abfs://`` through adlfs).
 
 Object stores have no directories and no rename, but a PUT is atomic: an object is visible whole
 or not at all, which is all ``publish`` needs. Every call is retried with exponential backoff and
@@ -30,7 +30,7 @@ from tenacity import (
 )
 from tenacity.wait import wait_random_exponential
 
-from tiercheck.errors import InvalidArgumentError, RemoteStorageError, UnsafeCheckpointError
+from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.credentials import credential_sources, missing_credentials
@@ -45,18 +45,12 @@ from tiercheck.tiers.parts import (
     part_upload,
     unfinished,
 )
-from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place
+from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place, unresolved_host
+from tiercheck.tiers.urls import EXTRAS, LOCAL_SCHEMES, local_path, tier_url
 
 log = logging.getLogger("tiercheck")
 
 T = TypeVar("T")
-
-# The optional backends, by URL scheme: the package and the extra of ours that installs it.
-_EXTRAS = {
-    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
-    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"), "adl": ("adlfs", "azure"),
-}  # fmt: skip
-
 
 def open_tier(
     url: str,
@@ -66,15 +60,11 @@ def open_tier(
     part_bytes: int = 8 * 2**20,
     part_concurrency: int = 16,
 ) -> Tier:
-    """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec otherwise."""
-    parts = urlsplit(url)
-    scheme = parts.scheme
-    if scheme in ("", "file", "local"):
-        return LocalTier(url[len("file://") :] if url.startswith("file://") else url, fsync=True)
-    if scheme in _EXTRAS and not parts.netloc:  # s3:/bucket or s3:bucket: fsspec would list nothing, silently
-        raise InvalidArgumentError(
-            f"{redact(url)}: not a URL fsspec can list; write {scheme}://bucket/prefix (two slashes)"
-        )
+    """The tier for ``url``: a local directory for plain paths and ``file://``, fsspec for the object
+    stores; ``InvalidArgumentError`` for any other scheme (``urls.tier_url``), before anything is opened."""
+    url = tier_url(url)
+    if urlsplit(url).scheme in LOCAL_SCHEMES:
+        return LocalTier(local_path(url), fsync=True)
     return RemoteTier(
         url, storage_options=storage_options, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency
     )
@@ -118,7 +108,7 @@ class RemoteTier(Tier):
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as e:
-            extra = _EXTRAS.get(urlsplit(url).scheme)
+            extra = EXTRAS.get(urlsplit(url).scheme)
             if extra is None:
                 raise RemoteStorageError(f"cannot open {self.url}: {e}") from None
             package, name = extra
@@ -194,6 +184,9 @@ class RemoteTier(Tier):
                     f"{stats.get('delay_since_first_attempt', 0.0):.0f} s ({why}: {r.attempts} attempts / "
                     f"{r.deadline_s:.0f} s): {brief(e)}"
                 ) from e
+            unresolved = unresolved_host(e)
+            if unresolved is not None:
+                raise RemoteStorageError(f"{self.url}: {what}: {unresolved}") from e
             status = status_of(e)
             if isinstance(e, PermissionError) or status in (401, 403):
                 raise RemoteStorageError(f"{self.url}: {what}: access denied ({brief(e)})") from e

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import socket
 from urllib.parse import urlsplit, urlunsplit
 
 # Error codes object stores use for "slow down / try again" and for their own failures.
@@ -32,7 +33,10 @@ _TRANSIENT_NAMES = {
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts."""
+    """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts. Not a host
+    name that does not resolve (``unresolved_host``), though its clients wrap it as a connection error."""
+    if unresolved_host(exc) is not None:
+        return False
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -53,6 +57,23 @@ def is_transient(exc: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def unresolved_host(exc: BaseException) -> str | None:
+    """Why ``exc`` (or what caused it) is a host name that does not resolve, naming the host where the
+    client says it: the resolver's answer (no such name, no address), the same on every retry. None
+    otherwise, and for ``EAI_AGAIN``, the resolver's own "try again" (a DNS server under load says it)."""
+    seen: set[int] = set()
+    host = None
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        host = host or getattr(e, "host", None)  # aiohttp's ClientConnectorError names it
+        if isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN:
+            named = f"host name {host!r}" if isinstance(host, str) else "the store's host name"
+            return f"{named} does not resolve ({e.strerror or e}): check the URL and endpoint_url"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def error_code(e: BaseException) -> str | None:
@@ -104,7 +125,7 @@ def redact(url: str) -> str:
 def store_place(scheme: str, root: str) -> str:
     """A tier's root as its object store names it, for messages ("listing /" said neither which
     bucket nor which prefix): "bucket 'b' prefix 'run'" (a container on Azure), else "/"."""
-    if scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"):
+    if scheme not in ("s3", "s3a", "az", "abfs", "abfss", "adl"):
         return "/"
     bucket, _, prefix = root.partition("/")
     return f"{'container' if scheme in ('az', 'abfs', 'abfss', 'adl') else 'bucket'} {bucket!r} prefix {prefix!r}"
