@@ -46,6 +46,7 @@ from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.options import RetentionOptions
 from tiercheck.tiering.drain import pending_steps
 from tiercheck.tiering.lineage import carry as carry_lineage
+from tiercheck.tiering.lineage import one_lineage
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiering.upload import upload_step
@@ -293,7 +294,8 @@ def gc_command(
 
     Give one remote URL, or every node directory of a job (each holds its node's ranks' files of
     a step): a step counts as whole only where the locations given hold all its saving ranks'
-    files of one save. Never removes the newest committed step. --keep-last counts whole steps
+    files of one save; locations of different lineages (two jobs' directories) are refused, deleting
+    nothing. Never removes the newest committed step. --keep-last counts whole steps
     only: the newest steps are verified (every chunk re-read, as `verify` does, unless --quick)
     until that many are whole; a damaged one, or one whose other nodes' directories were not
     given, is reported and kept, and never costs an older whole step its place. A partial step
@@ -304,6 +306,8 @@ def gc_command(
         if keep_last is None and keep_every is None:
             raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
         tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        if len(tiers) > 1:
+            one_lineage(tiers)  # one job's directories: steps of two jobs are never pooled
         listings = {tier.url: list_steps(tier) for tier in tiers}
         committed = sorted({s for listing in listings.values() for s in listing.committed})
         policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)

@@ -208,6 +208,23 @@ def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
                     replaced.named() if replaced else "no named lineage", mine.id[:12])  # fmt: skip
 
 
+def one_lineage(tiers: list[Tier]) -> None:
+    """Refuse (``LineageError``, naming each place and its lineage) where ``tiers`` do not all
+    belong to one lineage: step numbers of two jobs are not one sequence, and housekeeping that
+    pooled them would judge one job's steps by the other's. Places that all name no lineage
+    (written before lineages) pass: nothing tells them apart."""
+    found = {tier.url: read_lineage(tier) for tier in tiers}  # an unreadable file is refused, naming it
+    ids = {there.id if there is not None else None for there in found.values()}
+    if len(ids) > 1:
+        named = "; ".join(
+            f"{url}: {there.named() if there is not None else 'no named lineage'}" for url, there in found.items()
+        )
+        raise LineageError(
+            f"the locations given belong to different lineages (different jobs' directories or prefixes): {named}. "
+            "Give the directories of one job at a time"
+        )
+
+
 def carry(source: Tier, target: Tier) -> None:
     """After a step of ``source`` was copied into ``target`` (``tiercheck restore --to``): the
     target continues the source's lineage, as the job restoring the copy will."""
