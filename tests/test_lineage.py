@@ -172,3 +172,41 @@ def test_restore_to_carries_the_lineage(tmp_path: Path, s3_server: SeaweedS3, s3
     assert staged is not None and source is not None and staged.id == source.id
     assert job(node, url, (2,), 10, restore=True, remote_options=options) == 1
     assert_identical(tiercheck.load(url, step=2, storage_options=options), state_of(12))
+
+
+def test_restore_to_another_lineages_directory_is_refused(tmp_path: Path) -> None:
+    """`tiercheck restore RA --to <B's node directory>` would make B's directory A's lineage, and
+    B's next job would drain B's steps into A's prefix: refused (exit 1, naming the directory and
+    both lineages), B's directory unchanged; --take-over copies and makes it A's."""
+    url = f"file://{tmp_path / 'remote'}"
+    job(tmp_path / "a", url, (1,), 10)
+    b = tmp_path / "b"
+    lineage.forget_all()
+    with Checkpointer(state_of(30), local=b) as ck:
+        ck.save(2)
+    mine = read_lineage(LocalTier(b))
+    cli = ["restore", url, "--to", str(b)]
+    done = run(*cli, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert str(b) in done.stderr and "--take-over" in done.stderr
+    assert read_lineage(LocalTier(b)) == mine and list_steps(LocalTier(b)).committed == [2]
+    run(*cli, "--take-over")
+    taken, a = read_lineage(LocalTier(b)), read_lineage(LocalTier(tmp_path / "remote"))
+    assert taken is not None and a is not None and taken.id == a.id
+    assert list_steps(LocalTier(b)).committed == [1, 2]
+
+
+def test_restore_to_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A non-empty directory holding no checkpoint (notes, an export): no files are added beside
+    the foreign ones unless told."""
+    url = f"file://{tmp_path / 'remote'}"
+    job(tmp_path / "a", url, (1,), 10)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    done = run("restore", url, "--to", str(notes), check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not a checkpoint directory" in done.stderr and "notes.txt" in done.stderr
+    assert sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
+    run("restore", url, "--to", str(notes), "--take-over")
+    assert list_steps(LocalTier(notes)).committed == [1]

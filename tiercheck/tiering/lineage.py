@@ -225,6 +225,27 @@ def one_lineage(tiers: list[Tier]) -> None:
         )
 
 
+def carry_conflict(source: Tier, target: Tier) -> str | None:
+    """Why a step of ``source`` may not be copied into ``target`` (``tiercheck restore --to``)
+    without taking it over: ``target`` holds committed steps of another lineage (or of none, where
+    ``source`` names one), and the copy would make it ``source``'s: its job's later drains would
+    then carry those steps to ``source``'s prefix. None when it may."""
+    mine = read_lineage(source)  # an unreadable file is refused, naming it: the copy's owner is unknown
+    there = read_lineage(target)
+    if (there.id if there is not None else None) == (mine.id if mine is not None else None):
+        return None
+    committed = list_steps(target).committed
+    if not committed:
+        return None
+    owner = there.named() if there is not None else "no named lineage"
+    source_owner = mine.named() if mine is not None else "no named lineage"
+    return (
+        f"{target.url} holds step(s) {fmt_steps(committed)} of {owner}, and {source.url} belongs to {source_owner}: "
+        f"the copy would make the directory {source.url}'s, and a later job there would drain its steps to "
+        f"{source.url}'s prefix. Use another directory, or pass --take-over"
+    )
+
+
 def carry(source: Tier, target: Tier) -> None:
     """After a step of ``source`` was copied into ``target`` (``tiercheck restore --to``): the
     target continues the source's lineage, as the job restoring the copy will."""
