@@ -19,7 +19,7 @@ import tiercheck
 from tests.cli import run, s3_args
 from tests.conftest import assert_identical
 from tests.servers import SeaweedS3
-from tiercheck import Checkpointer, LineageError, RetentionOptions, WriteOptions
+from tiercheck import Checkpointer, DrainOptions, LineageError, RetentionOptions, WriteOptions
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -210,3 +210,73 @@ def test_restore_to_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Pa
     assert sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
     run("restore", url, "--to", str(notes), "--take-over")
     assert list_steps(LocalTier(notes)).committed == [1]
+
+
+@pytest.mark.parametrize("node", ["same", "fresh"])
+def test_a_rollback_abandons_the_newer_steps_even_when_the_run_crashes(tmp_path: Path, node: str) -> None:
+    """A drained 1-3; the operator deletes local 2-3; the next job restores step 1, saves and
+    drains a new step 2, and crashes. The job after (on the same node, or a fresh one) restores
+    the new step 2, never the abandoned step 3 still on the remote. The remote retention of the
+    rollback's job (keep_last=1) counts the new step 2, not the abandoned 3, and keeps it."""
+    url, local = f"file://{tmp_path / 'remote'}", tmp_path / "local"
+    job(local, url, (1, 2, 3), 10)
+    for step in (2, 3):
+        LocalTier(local).delete_tree(f"step-{step:08d}")
+    keep_one = DrainOptions(retention=RetentionOptions(keep_last=1))
+    assert job(local, url, (2,), 20, restore=1, drain=keep_one) == 1
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == [2, 3]
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=local if node == "same" else tmp_path / "fresh", remote=url) as ck:
+        assert ck.restore() == 2
+    assert_identical(state, state_of(22))
+
+
+def test_a_rollback_the_remote_did_not_hear_of_is_recorded_by_the_next_drain(tmp_path: Path) -> None:
+    """The rollback's job had no remote (or could not reach it): its directory remembers the
+    rollback; a restore there skips the abandoned remote steps, and the next drain records them
+    on the remote before its step lands, so a fresh node restores the new branch too."""
+    url, local = f"file://{tmp_path / 'remote'}", tmp_path / "local"
+    job(local, url, (1, 2, 3), 10)
+    for step in (2, 3):
+        LocalTier(local).delete_tree(f"step-{step:08d}")
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=local) as ck:  # no remote configured: it cannot record the rollback there
+        assert ck.restore() == 1
+        set_to(state, 22)
+        ck.save(2).wait()
+    mine = read_lineage(LocalTier(local))
+    assert mine is not None and mine.rollback == 1
+    lineage.forget_all()
+    with Checkpointer(state, local=local, remote=url) as ck:
+        assert ck.restore() == 2
+        ck.drain()
+    assert_identical(state, state_of(22))
+    after = read_lineage(LocalTier(local))
+    assert after is not None and after.rollback is None
+    lineage.forget_all()
+    with Checkpointer(fresh := state_of(0), local=tmp_path / "fresh", remote=url) as ck:
+        assert ck.restore() == 2
+    assert_identical(fresh, state_of(22))
+
+
+def test_a_take_over_disowns_the_old_lineages_steps(tmp_path: Path) -> None:
+    """`tiercheck drain LB --to RA --take-over` (B's steps 1-2 into the prefix holding A's 1-3):
+    A's step 3 stays (for an operator to delete) but is no step of B's lineage: a fresh node of
+    B restores B's step 2, and the remote retention of B counts B's steps only."""
+    url = f"file://{tmp_path / 'remote'}"
+    job(tmp_path / "a", url, (1, 2, 3), 10)
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=tmp_path / "b") as ck:
+        for step in (1, 2):
+            set_to(state, 30 + step)
+            ck.save(step)
+    run("drain", str(tmp_path / "b"), "--to", url, "--take-over")
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == [1, 2, 3]
+    lineage.forget_all()
+    fresh = state_of(0)
+    with Checkpointer(fresh, local=tmp_path / "fresh", remote=url) as ck:
+        assert ck.restore() == 2
+    assert_identical(fresh, state_of(32))

@@ -141,7 +141,7 @@ def restore_command(
                     result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{e}{_fallback_hint(src, n) if step == 'latest' else ''}") from None
-            carry_lineage(src, dst)
+            carry_lineage(src, dst, n)
         finally:
             if lock is not None:
                 lock.release()
