@@ -23,7 +23,7 @@ from tiercheck import Checkpointer, DrainOptions, LineageError, RetentionOptions
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps, read_marker
-from tiercheck.tiering import lineage
+from tiercheck.tiering import lineage, upload
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
 
@@ -280,3 +280,91 @@ def test_a_take_over_disowns_the_old_lineages_steps(tmp_path: Path) -> None:
     with Checkpointer(fresh, local=tmp_path / "fresh", remote=url) as ck:
         assert ck.restore() == 2
     assert_identical(fresh, state_of(32))
+
+
+def test_a_lineage_file_copied_from_another_run_replaces_none_of_its_steps(tmp_path: Path) -> None:
+    """Run B's LINEAGE.json copied into run A's directory, A drained to B's prefix: the claim says
+    A is B's lineage, but B's step 3 is no step B's lineage abandoned, so A's step 3 (another save)
+    is refused there, naming the step; B's steps are intact."""
+    ra, rb = f"file://{tmp_path / 'ra'}", f"file://{tmp_path / 'rb'}"
+    job(tmp_path / "a", ra, (1, 2, 3), 10)
+    job(tmp_path / "b", rb, (1, 2, 3), 40)
+    (tmp_path / "a" / LINEAGE_FILE).write_bytes((tmp_path / "b" / LINEAGE_FILE).read_bytes())
+    done = run("drain", str(tmp_path / "a"), "--to", rb, "--step", "3", check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "step 3" in done.stderr and "not abandoned" in done.stderr
+    for step in (1, 2, 3):
+        assert_identical(tiercheck.load(rb, step=step), state_of(40 + step))
+
+
+def test_a_commit_that_lands_after_a_take_over_is_withdrawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run A's drain of step 2 is in flight when run B takes the prefix over; A's commit lands
+    after B's claim. A checks the prefix's lineage again once its commit is written, finds B's,
+    and withdraws it: the drain fails naming the take-over, and a fresh node of B restores B's
+    step 1, never A's step 2."""
+    url = f"file://{tmp_path / 'remote'}"
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=tmp_path / "a") as ck:
+        for step in (1, 2):
+            set_to(state, 10 + step)
+            ck.save(step)
+    run("drain", str(tmp_path / "a"), "--to", url, "--step", "1")
+    lineage.forget_all()
+    with Checkpointer(state, local=tmp_path / "b") as ck:
+        set_to(state, 31)
+        ck.save(1)
+    real = upload.commit_step
+    pending = [True]
+
+    def take_over_first(*args: Any, **kwargs: Any) -> None:
+        if pending:  # A's commit of step 2: B takes the prefix over just before it lands
+            pending.clear()
+            run("drain", str(tmp_path / "b"), "--to", url, "--take-over")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(upload, "commit_step", take_over_first)
+    done = run("drain", str(tmp_path / "a"), "--to", url, "--step", "2", check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "taken over" in done.stderr
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == [1]
+    lineage.forget_all()
+    fresh = state_of(0)
+    with Checkpointer(fresh, local=tmp_path / "fresh", remote=url) as ck:
+        assert ck.restore() == 1
+    assert_identical(fresh, state_of(31))
+
+
+def test_a_commit_that_lands_during_a_take_over_is_disowned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other order: A's commit of step 2 lands after B's take-over listed the prefix's steps
+    but before its claim was written. A saw its own lineage and keeps its commit; B's second look
+    after its claim disowns it: a fresh node of B restores B's step 1."""
+    url = f"file://{tmp_path / 'remote'}"
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=tmp_path / "a") as ck:
+        for step in (1, 2):
+            set_to(state, 10 + step)
+            ck.save(step)
+    run("drain", str(tmp_path / "a"), "--to", url, "--step", "1")
+    lineage.forget_all()
+    with Checkpointer(state, local=tmp_path / "b") as ck:
+        set_to(state, 31)
+        ck.save(1)
+    real = lineage.write_lineage
+    pending = [True]
+
+    def drain_a_first(*args: Any, **kwargs: Any) -> None:
+        if pending:  # B's claim: A's drain of step 2 commits just before it is written
+            pending.clear()
+            run("drain", str(tmp_path / "a"), "--to", url, "--step", "2")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(lineage, "write_lineage", drain_a_first)
+    run("drain", str(tmp_path / "b"), "--to", url, "--take-over")
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == [1, 2]
+    lineage.forget_all()
+    fresh = state_of(0)
+    with Checkpointer(fresh, local=tmp_path / "fresh", remote=url) as ck:
+        assert ck.restore() == 1
+    assert_identical(fresh, state_of(31))

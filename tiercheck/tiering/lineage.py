@@ -23,7 +23,7 @@ from tiercheck.cluster.coordination import Barrier, Coordinator, drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
-from tiercheck.format.paths import LINEAGE_FILE
+from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.tiers.base import Tier
@@ -79,7 +79,35 @@ def claim(tier: Tier, lineage: str, run: str, *, keep: frozenset[tuple[int, str]
         return None
     theirs = frozenset(saves_above(tier, -1) - keep) if there is not None else frozenset[tuple[int, str]]()
     write_lineage(tier, new_lineage(lineage, run, previous=there.id if there is not None else None, abandoned=theirs))
+    if there is not None:
+        # A second look, after the claim: a commit of the old lineage's that landed meanwhile (its
+        # drain was in flight) is disowned too. That drain looks at the claim after its commit
+        # (``committed_for``): whichever looks last sees the other.
+        late = saves_above(tier, -1) - keep - theirs
+        if late:
+            disown(tier, lineage, late)
     return there
+
+
+def committed_for(remote: Tier, lineage: str | None, step: int, save: str | None) -> None:
+    """After a drain committed ``step`` (save ``save``) on ``remote`` for ``lineage``: the prefix
+    must still be ``lineage``'s. Where another run took it over while the step was uploading, its
+    commit marker is withdrawn (the take-over's second look may not have seen it) and
+    ``LineageError`` says so."""
+    if lineage is None:
+        return
+    there = _readable(remote)
+    if there is None or there.id == lineage:
+        return
+    try:
+        if read_marker(remote, step).save_id == save:
+            remote.delete(f"{step_dir(step)}/{COMMIT_FILE}")
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        pass  # not ours, or already gone
+    raise LineageError(
+        f"{remote.url} was taken over by {there.named()} while step {step} was uploading: its commit there is "
+        "withdrawn (its files stay for retention or an operator to delete)"
+    )
 
 
 def disown(tier: Tier, lineage: str, saves: set[tuple[int, str]]) -> None:
@@ -242,10 +270,11 @@ def _check(tier: Tier, lineage: str | None, *, run: str, kind: str, take_over: b
         log.warning("taking over: %s", why.split(": writing there")[0])
 
 
-def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
+def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> str | None:
     """Before a drain writes a step of ``local`` to ``remote``: the prefix must belong to the
     local directory's lineage, or hold no committed step (it is then claimed for it). A local
-    directory that names no lineage (written before lineages) drains only to a prefix naming none."""
+    directory that names no lineage (written before lineages) drains only to a prefix naming none.
+    Returns the lineage the drain writes for (None: the directory names none)."""
     try:
         mine = read_lineage(local)
     except CorruptCheckpointError as e:
@@ -257,7 +286,7 @@ def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
                 f"not draining {local.url} to {remote.url}: the prefix belongs to {there.named()}, and the "
                 "directory names no lineage (restore from the prefix first, or pass take_over)"
             )
-        return
+        return None
     why = conflict(remote, mine.id, run=mine.run, kind="remote prefix")
     if why is not None and not take_over:
         raise LineageError(f"not draining {local.url}: {why}")
@@ -268,6 +297,7 @@ def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
     if why is not None:
         log.warning("took over %s from %s for lineage %s", remote.url,
                     replaced.named() if replaced else "no named lineage", mine.id[:12])  # fmt: skip
+    return mine.id
 
 
 def one_lineage(tiers: list[Tier]) -> None:
