@@ -9,6 +9,7 @@ prefix over.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tiercheck.format.paths import LINEAGE_FILE
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.tiering import lineage, upload
 from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.parts import S3Upload
 from tiercheck.tiers.remote import open_tier
 
 
@@ -368,3 +370,58 @@ def test_a_commit_that_lands_during_a_take_over_is_disowned(tmp_path: Path, monk
     with Checkpointer(fresh, local=tmp_path / "fresh", remote=url) as ck:
         assert ck.restore() == 1
     assert_identical(fresh, state_of(31))
+
+
+def test_a_second_run_never_aborts_a_first_runs_upload_to_an_empty_prefix(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs race on an empty prefix: A's first drain has a multipart upload in flight when B's
+    drain starts. The prefix holds no committed step yet, but A's step in flight: B is refused
+    (LineageError naming the prefix and A's step) and aborts nothing; A's step commits whole."""
+    url, options = f"s3://{s3_bucket}/race", s3_server.storage_options()
+    lineage.forget_all()
+    big = {"w": torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))}  # 12 MiB: a multipart pack
+    with Checkpointer(big, local=tmp_path / "a") as ck:
+        ck.save(1)
+    lineage.forget_all()
+    with Checkpointer(state_of(2), local=tmp_path / "b") as ck:
+        ck.save(1)
+    refused: list[BaseException] = []
+    real = S3Upload.put
+
+    def b_drains_meanwhile(self: S3Upload, number: int, data: Any) -> Any:
+        if number == 1 and not refused:
+            with ThreadPoolExecutor(2) as pool:
+                try:
+                    upload.upload_step(LocalTier(tmp_path / "b"), open_tier(url, storage_options=options), 1, pool=pool)
+                    refused.append(AssertionError("B drained"))
+                except LineageError as e:
+                    refused.append(e)
+        return real(self, number, data)
+
+    monkeypatch.setattr(S3Upload, "put", b_drains_meanwhile)
+    with ThreadPoolExecutor(2) as pool:
+        remote = open_tier(url, storage_options=options, part_bytes=5 << 20)
+        assert upload.upload_step(LocalTier(tmp_path / "a"), remote, 1, pool=pool).committed
+    assert isinstance(refused[0], LineageError), refused
+    assert "being written" in str(refused[0]) and url in str(refused[0])
+    assert_identical(tiercheck.load(url, step=1, storage_options=options)["w"], big["w"])
+
+
+def test_an_upload_aborted_by_another_client_is_named_as_such(
+    tmp_path: Path, s3_server: SeaweedS3, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where another client aborts a multipart upload in flight (another run's drain, a lifecycle
+    rule), the writer says so, never "no such bucket" of a bucket that exists."""
+    remote = open_tier(f"s3://{s3_bucket}/aborted", storage_options=s3_server.storage_options(), part_bytes=5 << 20)
+    real = S3Upload.put
+
+    def aborted_first(self: S3Upload, number: int, data: Any) -> Any:
+        if number == 1:
+            self.abort()
+        return real(self, number, data)
+
+    monkeypatch.setattr(S3Upload, "put", aborted_first)
+    with pytest.raises(tiercheck.RemoteStorageError, match="aborted by another client") as info:
+        remote.write("big.bin", [bytes(12 << 20)])
+    assert "no such bucket" not in str(info.value)

@@ -168,7 +168,19 @@ def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | N
         there, unreadable = None, str(e)
     if there is not None and there.id == lineage:
         return None
-    committed = list_steps(tier).committed
+    listing = list_steps(tier)
+    committed = listing.committed
+    if not committed and there is not None and listing.partial and kind == "remote prefix":
+        # No step committed yet, but another lineage's first step being written (or left by a
+        # crash): its run owns the place; a second run racing there would drop its uploads. (A
+        # local directory has one writer at a time, its lock's holder: its partial steps are a
+        # crash's.)
+        mine = f"run {run[:12]}" if lineage is None else f"run {run[:12]} (lineage {lineage[:12]})"
+        return (
+            f"the {kind} {tier.url} holds step(s) {fmt_steps(listing.partial)} being written (or left by a crash) "
+            f"by {there.named()}, and {mine} did not restore from it: writing there could abort that run's uploads. "
+            f"Use another {kind}, or pass WriteOptions(take_over=True) (tiercheck drain --take-over) to take it over"
+        )
     if not committed:
         return None
     if unreadable is not None:
