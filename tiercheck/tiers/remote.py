@@ -45,7 +45,7 @@ from tiercheck.tiers.parts import (
     part_upload,
     unfinished,
 )
-from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place
+from tiercheck.tiers.transient import brief, is_transient, no_such_upload, past_the_end, redact, status_of, store_place
 
 log = logging.getLogger("tiercheck")
 
@@ -78,19 +78,6 @@ def open_tier(
     return RemoteTier(
         url, storage_options=storage_options, retry=retry, part_bytes=part_bytes, part_concurrency=part_concurrency
     )
-
-
-def _no_such_upload(e: BaseException) -> bool:
-    """Whether ``e`` (s3fs's FileNotFoundError) says the multipart upload is gone, not the bucket."""
-    seen: BaseException | None = e
-    for _ in range(8):  # a bounded walk down the causes
-        if seen is None:
-            return False
-        code = getattr(seen, "response", {}).get("Error", {}).get("Code") if hasattr(seen, "response") else None
-        if code == "NoSuchUpload" or type(seen).__name__ == "NoSuchUpload":
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 class RemoteTier(Tier):
@@ -262,11 +249,9 @@ class RemoteTier(Tier):
         except SourceError as e:  # the source's own failure (a rotten chunk, a file gone), as raised
             raise e.args[0] from None
         except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
-            if _no_such_upload(e):  # ... or the upload itself, aborted by someone else
-                raise RemoteStorageError(
-                    f"{self.url}: writing {path}: its {upload.kind} was aborted by another client (another run "
-                    f"writing to this prefix, or a lifecycle rule) ({brief(e)})"
-                ) from e
+            if no_such_upload(e):  # ... or the upload itself, aborted by another run's drain or a lifecycle rule
+                raise RemoteStorageError(f"{self.url}: writing {path}: its {upload.kind} was aborted by another client "
+                                         f"(another run writing to this prefix?) ({brief(e)})") from e  # fmt: skip
             raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
 
     def _send_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:
