@@ -425,3 +425,21 @@ def test_an_upload_aborted_by_another_client_is_named_as_such(
     with pytest.raises(tiercheck.RemoteStorageError, match="aborted by another client") as info:
         remote.write("big.bin", [bytes(12 << 20)])
     assert "no such bucket" not in str(info.value)
+
+
+def test_local_retention_does_not_count_a_step_a_rollback_abandoned(tmp_path: Path) -> None:
+    """A saved steps 1 and 5; the next job restores step 1 and saves 2, 3, 4 with keep_last=2.
+    Step 5 is the abandoned branch: kept (it is newer than any step of the job), but it does not
+    count toward keep_last, so steps 3 and 4 are the two kept."""
+    local = tmp_path / "local"
+    lineage.forget_all()
+    state = state_of(0)
+    with Checkpointer(state, local=local) as ck:
+        for step in (1, 5):
+            ck.save(step)
+    lineage.forget_all()
+    with Checkpointer(state, local=local, retention=RetentionOptions(keep_last=2)) as ck:
+        assert ck.restore(1) == 1
+        for step in (2, 3, 4):
+            ck.save(step).wait()
+    assert list_steps(LocalTier(local)).committed == [3, 4, 5]
