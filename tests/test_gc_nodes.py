@@ -93,3 +93,41 @@ def test_retention_in_the_job_keeps_the_step_the_job_restored(tmp_path: Path) ->
     assert all(1 in after for _, _, after in results)
     # Step 1 goes once step 3 commits; step 2, whose drain failed (node 1's copy is damaged), stays.
     assert list_steps(LocalTier(n0)).committed == [2, 3]
+
+
+def _one_job(root: str, steps: list[int], seed: float) -> None:
+    """A single-rank job (its own run, so its own lineage) saving ``steps`` in ``root``."""
+    from tiercheck.tiering import lineage
+
+    lineage.forget_all()
+    with tiercheck.Checkpointer({"w": torch.full((4,), seed)}, local=root) as ck:
+        for s in steps:
+            ck.save(s).wait()
+
+
+def test_gc_refuses_directories_of_different_jobs_and_deletes_nothing(tmp_path: Path) -> None:
+    """Two jobs' directories (A: steps 1-3, B: steps 4-5, or B: 3-4) given to one gc: their step
+    numbers are not one job's, so pooling them would delete every step of A. gc refuses, naming
+    both directories and their lineages, and exits 1 with every step kept."""
+    for b_steps in ([4, 5], [3, 4]):
+        a, b = tmp_path / f"a{b_steps[0]}", tmp_path / f"b{b_steps[0]}"
+        _one_job(str(a), [1, 2, 3], 1.0)
+        _one_job(str(b), b_steps, 2.0)
+        done = gc(str(a), str(b), "--keep-last", "1")
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "different lineages" in done.stderr and str(a) in done.stderr and str(b) in done.stderr
+        assert list_steps(LocalTier(a)).committed == [1, 2, 3]
+        assert list_steps(LocalTier(b)).committed == b_steps
+
+
+def test_gc_of_two_nodes_and_another_jobs_directory_deletes_nothing(tmp_path: Path) -> None:
+    """`gc n0 n1 B`: the two node directories of one job share a lineage, B has its own: refused."""
+    run_ranks(_save, 2, str(tmp_path), [1, 2])
+    other = tmp_path / "other"
+    _one_job(str(other), [5, 6], 3.0)
+    done = gc(str(tmp_path / "n0"), str(tmp_path / "n1"), str(other), "--keep-last", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert str(other) in done.stderr and "different lineages" in done.stderr
+    for node in ("n0", "n1"):
+        assert list_steps(LocalTier(tmp_path / node)).committed == [1, 2]
+    assert list_steps(LocalTier(other)).committed == [5, 6]

@@ -369,7 +369,7 @@ class Checkpointer:
             self._passed_over = dict(done.passed_over)
             self._local.add(*self.steps())
             self._local.whole(done.step)
-            self._owner.restored(from_remote=done.from_remote, restore=n)
+            self._owner.restored(from_remote=done.from_remote, restore=n, step=done.step)
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._tiers.populate(done.step)
             return done.step

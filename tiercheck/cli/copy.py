@@ -39,13 +39,14 @@ from tiercheck.cli.common import (
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.commit import withdraw_step
-from tiercheck.format.paths import COMMIT_FILE, step_dir
+from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR, step_dir, step_of
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.options import RetentionOptions
 from tiercheck.tiering.drain import pending_steps
 from tiercheck.tiering.lineage import carry as carry_lineage
+from tiercheck.tiering.lineage import carry_conflict, one_lineage
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiering.upload import upload_step
@@ -66,10 +67,22 @@ from tiercheck.tiers.base import Tier
 )
 @click.option("--verify", "verify_after", is_flag=True, help="Re-read and check every copied chunk at the target.")
 @click.option("--threads", default=8, show_default=True, type=THREADS, help="Files copied at once.")
+@click.option(
+    "--take-over",
+    is_flag=True,
+    help="Copy even where DIR holds another lineage's steps (making it SRC's) or files that are not a checkpoint's.",
+)
 @remote_options
 @pass_context
 def restore_command(
-    ctx: Context, source: str, target: str, step: str, ranks: str | None, verify_after: bool, threads: int
+    ctx: Context,
+    source: str,
+    target: str,
+    step: str,
+    ranks: str | None,
+    verify_after: bool,
+    threads: int,
+    take_over: bool,
 ) -> None:
     """Pre-stage a committed step from SRC onto a node's local tier before a job restarts.
 
@@ -78,7 +91,9 @@ def restore_command(
     resumes: packs a copy of the same save left in DIR are kept once read back and checked (any
     other file of the step there is copied again). With --verify, a step already committed in DIR
     is verified, and copied again if damaged. It holds DIR's writer lock, as a job does: it
-    refuses a directory a job is writing, and a job cannot start there while it copies.
+    refuses a directory a job is writing, and a job cannot start there while it copies. DIR
+    becomes SRC's lineage: a DIR holding another lineage's steps, or files that are not a
+    checkpoint's, is refused unless --take-over.
     """  # fmt: skip
     with errors_as_one_line():
         src = ctx.tier(source)
@@ -94,6 +109,8 @@ def restore_command(
                 raise ValueError(f"step {n} was saved by ranks 0-{world - 1}; asked for {asked}")
             wanted = {r for a, b in spans for r in range(a, b + 1)}
         total_hint = step_bytes(read_manifest(src, n))
+        if not take_over:
+            _refuse_foreign(dst)
         lock = None
         if dst.local_path is not None:  # only now: a refused restore leaves no new directory behind
             dst.local_path.mkdir(parents=True, exist_ok=True)
@@ -116,12 +133,15 @@ def restore_command(
                     return
                 err.print(f"step {n} in {dst.url} is damaged ({bad[0]}); copying it again", markup=False)
                 dst.delete(f"{step_dir(n)}/{COMMIT_FILE}")  # never kept: the copy below replaces it whole
+            why = None if take_over else carry_conflict(src, dst)
+            if why is not None:
+                fail(why)
             try:
                 with progress(ctx, f"step {n}", total_hint) as report:
                     result = copy_step(src, dst, n, ranks=wanted, concurrency=threads, progress=report)
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{e}{_fallback_hint(src, n) if step == 'latest' else ''}") from None
-            carry_lineage(src, dst)
+            carry_lineage(src, dst, n)
         finally:
             if lock is not None:
                 lock.release()
@@ -136,6 +156,23 @@ def restore_command(
                     err.print(f"damaged: {line}", markup=False)
                 fail(f"{len(bad)} damaged chunk(s) in {dst.url} after the copy")
             out.print(f"ok: step {n} intact in {dst.url}")
+
+
+#: What a checkpoint directory may hold beside its steps: a directory holding none of these
+#: (but something) is another tool's, and a copy would add files beside its own.
+_CHECKPOINT_NAMES = {LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR}
+
+
+def _refuse_foreign(dst: Tier) -> None:
+    """Refuse a copy into a non-empty ``dst`` that holds no checkpoint (before anything, the
+    writer lock included, is put there)."""
+    names = dst.list_dir()
+    if names and not any(name in _CHECKPOINT_NAMES or step_of(name) is not None for name in names):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        fail(
+            f"{dst.url} is not a checkpoint directory (it holds {shown}): the copy would add its files beside "
+            "them. Use an empty or new directory, or pass --take-over"
+        )
 
 
 def _fallback_hint(src: Tier, n: int) -> str:
@@ -293,7 +330,8 @@ def gc_command(
 
     Give one remote URL, or every node directory of a job (each holds its node's ranks' files of
     a step): a step counts as whole only where the locations given hold all its saving ranks'
-    files of one save. Never removes the newest committed step. --keep-last counts whole steps
+    files of one save; locations of different lineages (two jobs' directories) are refused, deleting
+    nothing. Never removes the newest committed step. --keep-last counts whole steps
     only: the newest steps are verified (every chunk re-read, as `verify` does, unless --quick)
     until that many are whole; a damaged one, or one whose other nodes' directories were not
     given, is reported and kept, and never costs an older whole step its place. A partial step
@@ -304,6 +342,8 @@ def gc_command(
         if keep_last is None and keep_every is None:
             raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
         tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        if len(tiers) > 1:
+            one_lineage(tiers)  # one job's directories: steps of two jobs are never pooled
         listings = {tier.url: list_steps(tier) for tier in tiers}
         committed = sorted({s for listing in listings.values() for s in listing.committed})
         policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)

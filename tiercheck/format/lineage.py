@@ -7,6 +7,12 @@ replaced only when a run takes the place over: then it names the lineage it repl
 
 ``{"format": 1, "lineage": "<hex>", "run": "<hex>", "host": "...", "since": <unix time>,
 "previous": "<hex>" | null}``: ``run`` is the run that last claimed the place for the lineage.
+
+Two optional fields name what the place holds that is not the lineage's trajectory (absent when
+empty, and ignored by readers that predate them): ``"abandoned": [[step, "<save id>"], ...]``, the
+saves of steps a rollback branched away from, or that the place held when the lineage took it
+over: no restore takes them; and ``"rollback": <step>`` (a local directory only), a rollback to
+that step whose abandoned steps on the remote prefix are not recorded there yet.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import stat
 import time
 from dataclasses import dataclass
 
-from tiercheck.errors import CorruptCheckpointError, LineageError, UnsafeCheckpointError
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, UnsafeCheckpointError
 from tiercheck.format.paths import LINEAGE_FILE
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.tiers.base import Tier
 
 _ID = re.compile(r"[0-9a-f]{8,64}")
-_MAX_BYTES = 64 << 10
+_MAX_BYTES = 1 << 20
 _LATEST = 253402300799  # 9999-12-31 23:59:59 UTC: the last second every platform's gmtime can show
 
 
@@ -35,6 +42,8 @@ class Lineage:
     host: str = ""
     since: float = 0.0
     previous: str | None = None  # the lineage this one took the place over from
+    abandoned: frozenset[tuple[int, str]] = frozenset()  # (step, save id): saves that are not this lineage's
+    rollback: int | None = None  # a rollback to this step, its abandoned remote steps not yet recorded there
 
     def named(self) -> str:
         """How messages name it: the lineage, and the run and host that claimed the place."""
@@ -43,8 +52,10 @@ class Lineage:
         return f"lineage {self.id[:12]} (claimed by run {self.run[:12]}{host}, {when})"
 
 
-def new_lineage(lineage: str, run: str, *, previous: str | None = None) -> Lineage:
-    return Lineage(lineage, run, socket.gethostname(), time.time(), previous)
+def new_lineage(
+    lineage: str, run: str, *, previous: str | None = None, abandoned: frozenset[tuple[int, str]] = frozenset()
+) -> Lineage:
+    return Lineage(lineage, run, socket.gethostname(), time.time(), previous, abandoned)
 
 
 def read_lineage(tier: Tier) -> Lineage | None:
@@ -73,16 +84,37 @@ def read_lineage(tier: Tier) -> Lineage | None:
         # A time messages can show (``Lineage.named``): NaN, infinities and 1e300 are none.
         if isinstance(since, bool) or not isinstance(since, int | float) or not 0 <= since <= _LATEST:
             raise ValueError(f'"since" is {since!r}, not a unix time from 1970 to 9999')
+        abandoned = _abandoned(doc.get("abandoned", []))
+        rollback = doc.get("rollback")
+        if rollback is not None and not _is_step(rollback):
+            raise ValueError("rollback is not a step number")
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{where}: unreadable ({e}); delete it to let the next run that restores from here claim the place"
         ) from None
-    return Lineage(doc["lineage"], doc["run"], host, float(since), doc.get("previous"))
+    return Lineage(doc["lineage"], doc["run"], host, float(since), doc.get("previous"), abandoned, rollback)
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def _abandoned(value: object) -> frozenset[tuple[int, str]]:
+    if not isinstance(value, list):
+        raise ValueError("abandoned is not a list")
+    out = set()
+    for entry in value:
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_step(entry[0])):
+            raise ValueError("an abandoned entry is not [step, save id]")
+        if not (isinstance(entry[1], str) and _ID.fullmatch(entry[1])):
+            raise ValueError("an abandoned save id is not 8-64 lowercase hex digits")
+        out.add((int(entry[0]), entry[1]))
+    return frozenset(out)
 
 
 def write_lineage(tier: Tier, lineage: Lineage) -> None:
     """Claim ``tier`` for ``lineage``: atomically, replacing what was there."""
-    doc = {
+    doc: dict[str, object] = {
         "format": 1,
         "lineage": lineage.id,
         "run": lineage.run,
@@ -90,6 +122,10 @@ def write_lineage(tier: Tier, lineage: Lineage) -> None:
         "since": lineage.since,
         "previous": lineage.previous,
     }
+    if lineage.abandoned:
+        doc["abandoned"] = [[step, save] for step, save in sorted(lineage.abandoned)]
+    if lineage.rollback is not None:
+        doc["rollback"] = lineage.rollback
     tier.publish(LINEAGE_FILE, json.dumps(doc).encode())
 
 
@@ -121,3 +157,43 @@ def check_claimable(tier: Tier) -> None:
             f"{path} is {kind}, not a lineage file: who owns {root} is unknown, and the restore could not "
             "record the lineage it continues (remove it: the run that restores next claims the directory)"
         )
+
+
+def saves_above(tier: Tier, step: int) -> set[tuple[int, str]]:
+    """``(step, save id)`` of each committed step of ``tier`` numbered above ``step`` (-1: every
+    one); a step whose marker cannot be read is left out (no restore takes it anyway)."""
+    out = set()
+    for s in list_steps(tier).committed:
+        if s <= step:
+            continue
+        try:
+            save = read_marker(tier, s).save_id
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue
+        if save is not None:
+            out.add((s, save))
+    return out
+
+
+def abandoned_on(tier: Tier) -> frozenset[tuple[int, str]]:
+    """The saves ``tier``'s lineage disowns (see the module's docstring); none where its file
+    cannot be read (refused, naming it, wherever a run would write there)."""
+    try:
+        found = read_lineage(tier)
+    except CorruptCheckpointError:
+        return frozenset()
+    return found.abandoned if found is not None else frozenset()
+
+
+def abandoned_why(tier: Tier, step: int, abandoned: frozenset[tuple[int, str]]) -> str | None:
+    """Why committed ``step`` of ``tier`` is no step of its lineage (None: it is): its save is
+    among ``abandoned`` (``abandoned_on(tier)``)."""
+    if not any(s == step for s, _ in abandoned):
+        return None
+    try:
+        save = read_marker(tier, step).save_id
+    except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+        return str(e)
+    if (step, save) in abandoned:
+        return f"its lineage abandoned save {save} (a rollback branched below it, or a take-over)"
+    return None

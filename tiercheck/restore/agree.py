@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.format.lineage import abandoned_on, read_lineage
 from tiercheck.format.manifest import JSON
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
@@ -29,8 +30,10 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
     of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``),
     counted only where their files match their markers (unless not ``check_replicas``: the node's other
     ranks, which learn what their node holds of the chosen step from its leader, ``plan.find_holders``).
-    Steps whose commit marker cannot be read are left out, and put in ``damaged`` with why."""
+    Steps whose commit marker cannot be read are left out, and put in ``damaged`` with why; so are
+    the saves the directory's lineage abandoned (a rollback's branch, another lineage's steps)."""
     held: dict[str, JSON] = {}
+    abandoned = abandoned_on(tier)
     for s in list_steps(tier).committed:
         try:
             marker = read_marker(tier, s)
@@ -38,6 +41,9 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
             log.warning("ignoring step %d on %s: %s", s, tier.url, e)
             if damaged is not None:
                 damaged[s] = str(e)
+            continue
+        if (s, marker.save_id) in abandoned:
+            log.info("ignoring step %d on %s: its lineage abandoned that save (a rollback or a take-over)", s, tier.url)
             continue
         own = list(marker.ranks)
         replicas = read_replicas(tier, s, checked=check_replicas)
@@ -147,11 +153,35 @@ def settle(
     coord.check(name, failure, shared=shared)
 
 
-def remote_steps(remote: Tier | None) -> list[int]:
+def remote_steps(remote: Tier | None, local: Tier) -> list[int]:
+    """The remote's committed steps a restore may take: not the saves the lineage abandoned (as
+    the remote's or ``local``'s lineage file records them), nor, after a rollback the remote has
+    not heard of yet (``local``'s file says to which step), any step above it."""
     if remote is None:
         return []
     try:
-        return list_steps(remote).committed
+        committed = list_steps(remote).committed
+        abandoned = abandoned_on(remote) | abandoned_on(local)
     except (OSError, TiercheckError) as e:  # restore from the local tier alone, and say so
         log.error("cannot list %s, restoring from local tiers only: %s", remote.url, e)
         return []
+    try:
+        mine = read_lineage(local)
+    except (OSError, TiercheckError):
+        mine = None  # refused, naming it, where this run writes
+    rollback = mine.rollback if mine is not None else None
+    numbers = {s for s, _ in abandoned}
+    out = []
+    for s in committed:
+        if rollback is not None and s > rollback:
+            log.info("ignoring step %d on %s: a rollback to step %d abandoned it", s, remote.url, rollback)
+            continue
+        if s in numbers:
+            try:
+                if (s, read_marker(remote, s).save_id) in abandoned:
+                    log.info("ignoring step %d on %s: its lineage abandoned that save", s, remote.url)
+                    continue
+            except (OSError, TiercheckError):
+                continue  # its marker cannot be read: no restore could take it
+        out.append(s)
+    return out

@@ -247,7 +247,7 @@ class Restore:
             self.job.coord,
             agree_on_step(
                 self.job, f"{name}/step", requested=self.request.step, below=below,
-                remote_steps=lambda: remote_steps(remote),
+                remote_steps=lambda: remote_steps(remote, self.job.tier),
             ),
         )  # fmt: skip
 

@@ -36,6 +36,7 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.format.commit import withdraw_step
+from tiercheck.format.lineage import abandoned_on, abandoned_why
 from tiercheck.format.paths import (
     COMMIT_FILE,
     step_dir,
@@ -334,8 +335,10 @@ class Drainer:
         cheap check: two small reads a step, whatever the job's size); one that does not is
         reported and kept, and never costs an older whole step its place."""
 
+        abandoned = abandoned_on(self.remote)
+
         def damage(step: int) -> str | None:
-            why = step_damage(self.remote, step, depth="index")
+            why = abandoned_why(self.remote, step, abandoned) or step_damage(self.remote, step, depth="index")
             if why is not None:
                 log.warning(
                     "remote retention: step %d on %s cannot be restored (%s); it does not count toward "

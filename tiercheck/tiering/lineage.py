@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Generator
+from dataclasses import replace
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, drive
 from tiercheck.cluster.job import Job
-from tiercheck.errors import CorruptCheckpointError, LineageError, StorageError
-from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, write_lineage
-from tiercheck.format.paths import LINEAGE_FILE
-from tiercheck.format.steps import list_steps
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
+from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
+from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, step_dir
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.refusals import storage_error
@@ -68,14 +69,86 @@ def restored(source: Tier, other: Tier | None, run: str) -> str:
     return run
 
 
-def claim(tier: Tier, lineage: str, run: str) -> Lineage | None:
+def claim(tier: Tier, lineage: str, run: str, *, keep: frozenset[tuple[int, str]] = frozenset()) -> Lineage | None:
     """Make ``tier`` belong to ``lineage`` (if it does not already); returns the lineage it
-    replaced, if any."""
+    replaced, if any. The steps the place holds of the lineage it replaced are not ``lineage``'s:
+    they are recorded as abandoned (but those in ``keep``, copied there for ``lineage``), so no
+    restore of ``lineage`` takes them; they stay until retention or an operator deletes them."""
     there = _readable(tier)
     if there is not None and there.id == lineage:
         return None
-    write_lineage(tier, new_lineage(lineage, run, previous=there.id if there is not None else None))
+    theirs = frozenset(saves_above(tier, -1) - keep) if there is not None else frozenset[tuple[int, str]]()
+    write_lineage(tier, new_lineage(lineage, run, previous=there.id if there is not None else None, abandoned=theirs))
+    if there is not None:
+        # A second look, after the claim: a commit of the old lineage's that landed meanwhile (its
+        # drain was in flight) is disowned too. That drain looks at the claim after its commit
+        # (``committed_for``): whichever looks last sees the other.
+        late = saves_above(tier, -1) - keep - theirs
+        if late:
+            disown(tier, lineage, late)
     return there
+
+
+def committed_for(remote: Tier, lineage: str | None, step: int, save: str | None) -> None:
+    """After a drain committed ``step`` (save ``save``) on ``remote`` for ``lineage``: the prefix
+    must still be ``lineage``'s. Where another run took it over while the step was uploading, its
+    commit marker is withdrawn (the take-over's second look may not have seen it) and
+    ``LineageError`` says so."""
+    if lineage is None:
+        return
+    there = _readable(remote)
+    if there is None or there.id == lineage:
+        return
+    try:
+        if read_marker(remote, step).save_id == save:
+            remote.delete(f"{step_dir(step)}/{COMMIT_FILE}")
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        pass  # not ours, or already gone
+    raise LineageError(
+        f"{remote.url} was taken over by {there.named()} while step {step} was uploading: its commit there is "
+        "withdrawn (its files stay for retention or an operator to delete)"
+    )
+
+
+def disown(tier: Tier, lineage: str, saves: set[tuple[int, str]]) -> None:
+    """Record ``saves`` (step, save id) as abandoned by ``lineage`` in ``tier``'s lineage file,
+    where the place is ``lineage``'s. Entries whose step the place no longer holds with that save
+    (deleted, or saved again) are dropped: the file stays as small as the place."""
+    there = read_lineage(tier)
+    if there is None or there.id != lineage:
+        return
+    merged = set(there.abandoned | saves)
+    for step, save in sorted(merged):
+        try:
+            if read_marker(tier, step).save_id != save:
+                merged.discard((step, save))
+        except CheckpointNotFoundError:
+            merged.discard((step, save))
+        except CorruptCheckpointError:
+            continue  # kept: never restorable on a guess
+    if frozenset(merged) != there.abandoned:
+        write_lineage(tier, replace(there, abandoned=frozenset(merged)))
+
+
+def mark_rollback(tier: Tier, lineage: str, step: int | None) -> None:
+    """Note in a local directory's lineage file that the remote's steps above ``step`` are
+    abandoned by a rollback not yet recorded on the remote (None: it is recorded now)."""
+    there = read_lineage(tier)
+    if there is not None and there.id == lineage and there.rollback != step:
+        write_lineage(tier, replace(there, rollback=step))
+
+
+def _disown_remote(remote: Tier, lineage: str, branch: int) -> None:
+    """A run of ``lineage`` that restored step ``branch`` saves: the remote's committed steps
+    above it are the abandoned branch (where the prefix is ``lineage``'s; another lineage's is
+    taken over, and its steps disowned, by the drain that claims it)."""
+    there = read_lineage(remote)
+    if there is not None and there.id == lineage:
+        abandoned = saves_above(remote, branch)
+        if abandoned:
+            disown(remote, lineage, abandoned)
+            log.info("%s: step(s) %s are abandoned by the rollback to step %d: no restore of this lineage "
+                     "takes them", remote.url, fmt_steps(sorted(s for s, _ in abandoned)), branch)  # fmt: skip
 
 
 def _readable(tier: Tier) -> Lineage | None:
@@ -95,7 +168,19 @@ def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | N
         there, unreadable = None, str(e)
     if there is not None and there.id == lineage:
         return None
-    committed = list_steps(tier).committed
+    listing = list_steps(tier)
+    committed = listing.committed
+    if not committed and there is not None and listing.partial and kind == "remote prefix":
+        # No step committed yet, but another lineage's first step being written (or left by a
+        # crash): its run owns the place; a second run racing there would drop its uploads. (A
+        # local directory has one writer at a time, its lock's holder: its partial steps are a
+        # crash's.)
+        mine = f"run {run[:12]}" if lineage is None else f"run {run[:12]} (lineage {lineage[:12]})"
+        return (
+            f"the {kind} {tier.url} holds step(s) {fmt_steps(listing.partial)} being written (or left by a crash) "
+            f"by {there.named()}, and {mine} did not restore from it: writing there could abort that run's uploads. "
+            f"Use another {kind}, or pass WriteOptions(take_over=True) (tiercheck drain --take-over) to take it over"
+        )
     if not committed:
         return None
     if unreadable is not None:
@@ -122,10 +207,13 @@ def settle(
     run: str,
     leader: bool,
     take_over: bool,
+    branch: int | None = None,
 ) -> Generator[Barrier, None, str]:
     """Before a run's first save: every node's leader checks its directory, rank 0 the remote
     prefix; all ranks raise the same ``LineageError`` if one may not write, else every leader
-    claims its directory. Returns the run's lineage (``lineage``, or a new one: ``run``)."""
+    claims its directory. Returns the run's lineage (``lineage``, or a new one: ``run``).
+    ``branch``: the step the run restored; the committed steps above it, on each directory and
+    the remote, are the branch it abandons (a rollback): recorded as such, no restore takes them."""
     failure: BaseException | None = None
     mine = lineage if lineage is not None else run
     try:
@@ -133,10 +221,15 @@ def settle(
             _check(local, lineage, run=run, kind="local directory", take_over=take_over)
             try:
                 claim(local, mine, run)
+                if branch is not None:
+                    disown(local, mine, saves_above(local, branch))
             except OSError as e:
                 raise storage_error(e, local.local_path or local.url, f"record its lineage in {LINEAGE_FILE}") from e
+        recorded = remote is not None and coord.rank != 0  # the remote is rank 0's to check
         if remote is not None and coord.rank == 0:
-            _check_remote_soon(remote, lineage, run=run, take_over=take_over)
+            recorded = _check_remote_soon(remote, lineage, run=run, take_over=take_over, branch=branch)
+        if branch is not None and not recorded and leader:  # the next drain records it, before it writes
+            mark_rollback(local, mine, branch)
     except (LineageError, CorruptCheckpointError, OSError) as e:  # StorageError is an OSError
         failure = e
         coord.report("lineage", e)
@@ -152,14 +245,19 @@ def settle(
 REMOTE_CHECK_S = 10.0  # how long a first save waits for the remote prefix to say who owns it
 
 
-def _check_remote_soon(remote: Tier, lineage: str | None, *, run: str, take_over: bool) -> None:
-    """``_check`` of the remote prefix, waiting at most ``REMOTE_CHECK_S``: a failing or stuck
-    remote never stops training; each drain checks the prefix before it writes there anyway."""
+def _check_remote_soon(
+    remote: Tier, lineage: str | None, *, run: str, take_over: bool, branch: int | None = None
+) -> bool:
+    """``_check`` of the remote prefix (and the record of a rollback to ``branch`` there), waiting
+    at most ``REMOTE_CHECK_S``: a failing or stuck remote never stops training; each drain checks
+    the prefix before it writes there anyway. Returns whether it was checked (and recorded)."""
     verdict: list[BaseException | None] = []
 
     def check() -> None:
         try:
             _check(remote, lineage, run=run, kind="remote prefix", take_over=take_over)
+            if branch is not None and lineage is not None:
+                _disown_remote(remote, lineage, branch)
             verdict.append(None)
         except BaseException as e:
             verdict.append(e)
@@ -173,6 +271,7 @@ def _check_remote_soon(remote: Tier, lineage: str | None, *, run: str, take_over
         raise verdict[0]
     elif verdict[0] is not None:
         log.warning("could not check who owns %s (%s); each drain checks first", remote.url, verdict[0])
+    return bool(verdict) and verdict[0] is None
 
 
 def _check(tier: Tier, lineage: str | None, *, run: str, kind: str, take_over: bool) -> None:
@@ -183,10 +282,11 @@ def _check(tier: Tier, lineage: str | None, *, run: str, kind: str, take_over: b
         log.warning("taking over: %s", why.split(": writing there")[0])
 
 
-def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
+def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> str | None:
     """Before a drain writes a step of ``local`` to ``remote``: the prefix must belong to the
     local directory's lineage, or hold no committed step (it is then claimed for it). A local
-    directory that names no lineage (written before lineages) drains only to a prefix naming none."""
+    directory that names no lineage (written before lineages) drains only to a prefix naming none.
+    Returns the lineage the drain writes for (None: the directory names none)."""
     try:
         mine = read_lineage(local)
     except CorruptCheckpointError as e:
@@ -198,26 +298,70 @@ def check_remote(local: Tier, remote: Tier, *, take_over: bool) -> None:
                 f"not draining {local.url} to {remote.url}: the prefix belongs to {there.named()}, and the "
                 "directory names no lineage (restore from the prefix first, or pass take_over)"
             )
-        return
+        return None
     why = conflict(remote, mine.id, run=mine.run, kind="remote prefix")
     if why is not None and not take_over:
         raise LineageError(f"not draining {local.url}: {why}")
     replaced = claim(remote, mine.id, mine.run)
+    if mine.rollback is not None:  # a rollback the remote did not hear of: before any step of the branch lands
+        _disown_remote(remote, mine.id, mine.rollback)
+        mark_rollback(local, mine.id, None)
     if why is not None:
         log.warning("took over %s from %s for lineage %s", remote.url,
                     replaced.named() if replaced else "no named lineage", mine.id[:12])  # fmt: skip
+    return mine.id
 
 
-def carry(source: Tier, target: Tier) -> None:
-    """After a step of ``source`` was copied into ``target`` (``tiercheck restore --to``): the
-    target continues the source's lineage, as the job restoring the copy will."""
+def one_lineage(tiers: list[Tier]) -> None:
+    """Refuse (``LineageError``, naming each place and its lineage) where ``tiers`` do not all
+    belong to one lineage: step numbers of two jobs are not one sequence, and housekeeping that
+    pooled them would judge one job's steps by the other's. Places that all name no lineage
+    (written before lineages) pass: nothing tells them apart."""
+    found = {tier.url: read_lineage(tier) for tier in tiers}  # an unreadable file is refused, naming it
+    ids = {there.id if there is not None else None for there in found.values()}
+    if len(ids) > 1:
+        named = "; ".join(
+            f"{url}: {there.named() if there is not None else 'no named lineage'}" for url, there in found.items()
+        )
+        raise LineageError(
+            f"the locations given belong to different lineages (different jobs' directories or prefixes): {named}. "
+            "Give the directories of one job at a time"
+        )
+
+
+def carry_conflict(source: Tier, target: Tier) -> str | None:
+    """Why a step of ``source`` may not be copied into ``target`` (``tiercheck restore --to``)
+    without taking it over: ``target`` holds committed steps of another lineage (or of none, where
+    ``source`` names one), and the copy would make it ``source``'s: its job's later drains would
+    then carry those steps to ``source``'s prefix. None when it may."""
+    mine = read_lineage(source)  # an unreadable file is refused, naming it: the copy's owner is unknown
+    there = read_lineage(target)
+    if (there.id if there is not None else None) == (mine.id if mine is not None else None):
+        return None
+    committed = list_steps(target).committed
+    if not committed:
+        return None
+    owner = there.named() if there is not None else "no named lineage"
+    source_owner = mine.named() if mine is not None else "no named lineage"
+    return (
+        f"{target.url} holds step(s) {fmt_steps(committed)} of {owner}, and {source.url} belongs to {source_owner}: "
+        f"the copy would make the directory {source.url}'s, and a later job there would drain its steps to "
+        f"{source.url}'s prefix. Use another directory, or pass --take-over"
+    )
+
+
+def carry(source: Tier, target: Tier, step: int) -> None:
+    """After ``step`` of ``source`` was copied into ``target`` (``tiercheck restore --to``): the
+    target continues the source's lineage, as the job restoring the copy will (the steps it held
+    of another lineage are abandoned, the copy kept)."""
     try:
         found = read_lineage(source)
     except CorruptCheckpointError as e:
         log.warning("%s: %s keeps its own lineage", e, target.url)
         return
     if found is not None:
-        claim(target, found.id, found.run)
+        save = read_marker(target, step).save_id
+        claim(target, found.id, found.run, keep=frozenset({(step, save)}) if save is not None else frozenset())
 
 
 def after_restore(
@@ -248,17 +392,18 @@ class Owner:
         self.run, self.leader, self.take_over = job.nodes.run, job.nodes.leader == job.coord.rank, take_over
         self.lineage = continued(self.local)  # None: a new run, until it restores or saves
         self._settled = False
+        self._branch: int | None = None  # the step last restored: the first save after it branches there
 
     def before_save(self) -> None:
         if not self._settled:
             self.lineage = drive(self.coord, settle(
                 self.coord, self.local, self.remote, lineage=self.lineage, run=self.run, leader=self.leader,
-                take_over=self.take_over))  # fmt: skip
-            self._settled = True
+                take_over=self.take_over, branch=self._branch))  # fmt: skip
+            self._settled, self._branch = True, None
 
-    def restored(self, *, from_remote: bool, restore: int) -> None:
+    def restored(self, *, from_remote: bool, restore: int, step: int) -> None:
         key = self.coord.key("lineage", "restored", restore)
         self.lineage = drive(self.coord, after_restore(
             self.coord, self.local, self.remote, from_remote=from_remote, run=self.run, leader=self.leader,
             key=key))  # fmt: skip
-        self._settled = False
+        self._settled, self._branch = False, step

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Mapping
 from tiercheck.cluster.job import Job
 from tiercheck.errors import StepExistsError
 from tiercheck.format.commit import set_aside_step, withdraw_step
+from tiercheck.format.lineage import abandoned_on, abandoned_why
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.format.verify import step_damage
@@ -53,7 +54,8 @@ class LocalSteps:
     node's first rank (``leader``) deletes, and at start removes partial steps (left by a crash);
     the other ranks only keep count. Steps ``pinned()`` names (still to be drained) are kept for a
     later pass. ``keep_last`` counts restorable steps only (``format.verify.step_damage``, the
-    cheap check: manifest files, not chunks); a damaged step is reported once, and kept. Only
+    cheap check: manifest files, not chunks); a damaged step is reported once, and kept, and so is
+    one whose save the directory's lineage abandoned (a rollback's branch, a taken-over lineage's). Only
     steps older than the newest step the whole job can restore (``whole``) are deleted: this node
     cannot see the others' copies."""
 
@@ -114,9 +116,14 @@ class LocalSteps:
         """Apply the policy: forget the steps it lets go, and delete them (on the leader). The
         deletion runs outside the lock: ``save()`` asks this set whether a step exists, and
         deleting a GiB-sized step took the training thread 0.8 s of waiting."""
+        abandoned = abandoned_on(self.tier)  # read afresh: a rollback's first save records them
+
+        def damage(step: int) -> str | None:
+            return abandoned_why(self.tier, step, abandoned) or self.damage(step)
+
         with self._lock:
             pinned = self.pinned() | (set(self.policy.keep()) if self.policy.keep is not None else set())
-            doomed = steps_to_delete(self._steps, self.policy, damage=self.damage)
+            doomed = steps_to_delete(self._steps, self.policy, damage=damage)
             floor = -1 if self._floor is None else self._floor
             gone = [old for old in doomed if old not in pinned and old < floor]
             self._steps.difference_update(gone)  # pinned ones: still to be drained; a later pass deletes them

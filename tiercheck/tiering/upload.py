@@ -17,19 +17,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError
 from tiercheck.format.commit import commit_step
 from tiercheck.format.files import files_of_ranks
+from tiercheck.format.lineage import abandoned_on
 from tiercheck.format.paths import (
     COMMIT_FILE,
     DRAINED_PREFIX,
+    LINEAGE_FILE,
     MANIFEST_FILE,
     drained_marker,
     pack_owner,
     step_dir,
 )
 from tiercheck.format.steps import read_index, read_marker, read_small
-from tiercheck.tiering.lineage import check_remote
+from tiercheck.tiering.lineage import check_remote, committed_for
 from tiercheck.tiering.transfer import (
     copy_file,
     copy_pack,
@@ -63,12 +65,12 @@ def upload_step(
     step on the remote if every saving rank's files are now there. Resumable. The remote prefix
     must belong to the local directory's lineage, or hold no step (``lineage.check_remote``),
     unless ``take_over``."""
-    check_remote(local, remote, take_over=take_over)
+    lineage = check_remote(local, remote, take_over=take_over)
     d = step_dir(step)
     marker, _, _ = read_index(local, step)  # a step of another format (or a damaged index): refused here
     save = marker.save_id
     assert save is not None  # read_index found it the index's, which names one
-    if same_save_committed(remote, step, save):
+    if same_save_committed(remote, step, save, take_over=take_over):
         log.info("drain: step %d is already committed on %s", step, remote.url)
         return UploadResult(0, 0, 0, committed=False, was_committed=True)
     files = files_of_ranks(local.sizes(d), marker.ranks)  # peers' replicas: theirs to upload
@@ -103,16 +105,21 @@ def upload_step(
     manifest = bytes(local.read(f"{d}/{MANIFEST_FILE}"))
     ranks = tuple(range(marker.world_size))
     commit_step(remote, step, manifest, save_id=save, ranks=ranks, world_size=marker.world_size)
+    committed_for(remote, lineage, step, save)  # taken over while it uploaded: withdrawn
     finish_copy(remote, step, marker.ranks[0])
     log.info("drain: step %d committed on %s", step, remote.url)
     return UploadResult(len(todo), len(files) - len(todo), nbytes, committed=True, was_committed=False)
 
 
-def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
+def same_save_committed(remote: Tier, step: int, save: str | None, *, take_over: bool = False) -> bool:
     """Whether ``remote`` has ``step`` committed by the save ``save`` (the local step's). A remote
     step of that number committed by another save (the number saved again after a rollback, by
     this job or one before) is withdrawn: its commit marker and index first, so no restore takes it
-    while this save's files replace its own (each node replaces its files, see ``resumable``)."""
+    while this save's files replace its own (each node replaces its files, see ``resumable``).
+    Only a save the prefix's lineage abandoned is replaced (a rollback records its abandoned steps
+    before any step of its branch lands, a take-over the old lineage's): any other is refused
+    (``LineageError``), unless ``take_over``. A lineage claim copied into a directory (its
+    ``LINEAGE.json`` from another run's) thus replaces no committed step of that run."""
     d = step_dir(step)
     try:
         there = read_marker(remote, step)
@@ -123,6 +130,15 @@ def same_save_committed(remote: Tier, step: int, save: str | None) -> bool:
         there = None
     if there is not None and there.save_id == save:
         return True
+    disowned = there is None or there.save_id is None or take_over or (step, there.save_id) in abandoned_on(remote)
+    if not disowned:
+        assert there is not None
+        raise LineageError(
+            f"not draining step {step} to {remote.url}: it holds step {step} of another save ({there.save_id}, "
+            f"this one is {save}) that its lineage has not abandoned (no rollback branched below it): the local "
+            f"directory's steps are not that lineage's trajectory (its {LINEAGE_FILE} copied from another "
+            "run's?). Nothing was replaced; pass take_over to replace it"
+        )
     if there is not None:
         log.warning(
             "drain: %s holds step %d of another save (%s, this one is %s): replacing it",

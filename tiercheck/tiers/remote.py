@@ -32,6 +32,7 @@ from tenacity.wait import wait_random_exponential
 
 from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
+from tiercheck.tiers import transient
 from tiercheck.tiers.base import Buffer, Tier
 from tiercheck.tiers.credentials import credential_sources, missing_credentials
 from tiercheck.tiers.inflight import Inflight, SourceError, sourced
@@ -45,7 +46,7 @@ from tiercheck.tiers.parts import (
     part_upload,
     unfinished,
 )
-from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place, unresolved_host
+from tiercheck.tiers.transient import brief, is_transient, past_the_end, redact, status_of, store_place
 from tiercheck.tiers.urls import EXTRAS, LOCAL_SCHEMES, local_path, tier_url
 
 log = logging.getLogger("tiercheck")
@@ -184,7 +185,7 @@ class RemoteTier(Tier):
                     f"{stats.get('delay_since_first_attempt', 0.0):.0f} s ({why}: {r.attempts} attempts / "
                     f"{r.deadline_s:.0f} s): {brief(e)}"
                 ) from e
-            unresolved = unresolved_host(e)
+            unresolved = transient.unresolved_host(e)
             if unresolved is not None:
                 raise RemoteStorageError(f"{self.url}: {what}: {unresolved}") from e
             status = status_of(e)
@@ -242,6 +243,9 @@ class RemoteTier(Tier):
         except SourceError as e:  # the source's own failure (a rotten chunk, a file gone), as raised
             raise e.args[0] from None
         except FileNotFoundError as e:  # writes create keys: only the bucket / container can be missing
+            if transient.no_such_upload(e):  # ... or the upload, aborted by another run's drain or a lifecycle rule
+                raise RemoteStorageError(f"{self.url}: writing {path}: its {upload.kind} was aborted by another client "
+                                         f"(another run writing to this prefix?) ({brief(e)})") from e  # fmt: skip
             raise RemoteStorageError(f"{self.url}: writing {path}: no such bucket or container ({brief(e)})") from e
 
     def _send_parts(self, path: str, upload: PartUpload, pieces: Callable[[], Iterable[Buffer]], part: int) -> None:

@@ -102,6 +102,19 @@ def past_the_end(e: BaseException) -> bool:
     return False
 
 
+def no_such_upload(e: BaseException) -> bool:
+    """Whether ``e`` (s3fs's FileNotFoundError of a part or a completion) says the multipart
+    upload is gone (aborted by another client), not the bucket."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if error_code(cur) == "NoSuchUpload" or type(cur).__name__ == "NoSuchUpload":
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def status_of(e: BaseException) -> int | None:
     status = getattr(e, "status_code", None)
     if isinstance(status, int):
