@@ -210,3 +210,22 @@ def test_memory_must_be_memory_options(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="memory must be a MemoryOptions"):
         Checkpointer(_state(), local=tmp_path / "ckpt", memory="/dev/shm")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_pool_file_is_page_locked_at_its_size(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = {k: v.cuda() for k, v in _state(4).items()}
+    local = tmp_path / "ckpt"
+    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm)) as ck:
+        ck.save(1).wait()
+        stats = ck.stats()
+    assert stats["pool_pinned"] and stats["pool_pinned_bytes"] == stats["pool_capacity_bytes"] > 0
+    assert "could not page-lock" not in caplog.text, "cudaHostRegister took the shared mapping"
+    assert _pool_file(shm, local).stat().st_size == stats["pool_capacity_bytes"]
+    restored = {k: torch.zeros_like(v) for k, v in state.items()}
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
+        assert ck.restore() == 1
+    assert_identical(restored, state)
