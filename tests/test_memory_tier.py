@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import tiercheck
 from tests.conftest import assert_identical
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
 from tiercheck.errors import InvalidArgumentError
-from tiercheck.state import memory_pool
+from tiercheck.state import memory_pool, staging
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -229,3 +230,17 @@ def test_on_cuda_the_pool_file_is_page_locked_at_its_size(
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
         assert ck.restore() == 1
     assert_identical(restored, state)
+
+
+def test_prefaulting_a_mapped_pool_keeps_the_bytes_a_run_left(shm: Path) -> None:
+    path = shm / "rank-000000.pool"
+    first = staging.HostPool(pin_memory=False, allocate=lambda n, pin: memory_pool.mapped_empty(path, n, pin=pin))
+    first.reserve(1 << 20)
+    region = first.acquire(1 << 20)
+    first.view(region, 1 << 20).fill_(7)
+    first.release(region)
+    first.drop()
+    again = staging.HostPool(pin_memory=False, allocate=lambda n, pin: memory_pool.mapped_empty(path, n, pin=pin))
+    again.reserve(1 << 20, touch=threading.Event())  # as the prefaulter does: pages of a new pool are touched
+    assert again.touched == 1 << 20 and again.allocations == 1
+    assert path.read_bytes() == bytes([7]) * (1 << 20), "a tmpfs file is resident already: touching would zero it"

@@ -177,7 +177,9 @@ class HostPool:
             else:
                 self._buf = pinned_empty(capacity) if self.pin_memory else aligned_empty(capacity)
             self.allocations += 1
-            self.touched = capacity if self.pin_memory else 0  # page-locked memory is resident already
+            # page-locked memory is resident already; so is a reserved tmpfs file, whose bytes (the
+            # snapshot a crashed run left) touching would zero
+            self.touched = capacity if self.pin_memory or self._allocate is not None else 0
             if touch is not None:
                 for start in range(self.touched, capacity, TOUCH_BYTES):
                     if touch.is_set():
