@@ -244,3 +244,13 @@ def test_prefaulting_a_mapped_pool_keeps_the_bytes_a_run_left(shm: Path) -> None
     again.reserve(1 << 20, touch=threading.Event())  # as the prefaulter does: pages of a new pool are touched
     assert again.touched == 1 << 20 and again.allocations == 1
     assert path.read_bytes() == bytes([7]) * (1 << 20), "a tmpfs file is resident already: touching would zero it"
+
+
+def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: Path) -> None:
+    """The start-up check estimates; state that grew after it is caught when the file is reserved,
+    before a byte is written to it, not as a SIGBUS on a page the tmpfs cannot give."""
+    path = tiny_tmpfs / "tier" / "rank-000000.pool"
+    with pytest.raises(MemoryTierError, match=f"cannot reserve {16 << 20:,} bytes .*{path}") as info:
+        memory_pool.mapped_empty(path, 16 << 20, pin=False)
+    assert info.value.errno == errno.ENOSPC
+    assert not path.exists()

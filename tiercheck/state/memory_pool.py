@@ -178,12 +178,15 @@ def mapped_empty(path: Path, nbytes: int, *, pin: bool) -> torch.Tensor:
     ``cudaHostRegister`` when ``pin`` and CUDA is there. The file's bytes already there stay: it is
     the snapshot a later run may restore. Unmapped (and unregistered) with the last reference."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
             if os.fstat(fd).st_size < nbytes:
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
+            if created:
+                path.unlink(missing_ok=True)  # leave no empty pool file a later run would take for one
             raise MemoryTierError(
                 e.errno, f"cannot reserve {nbytes:,} bytes for the memory tier's pool file {path}: {e.strerror}"
             ) from e
