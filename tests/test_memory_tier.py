@@ -164,6 +164,7 @@ def test_a_cgroup_limit_too_small_is_refused_at_start(
 ) -> None:
     cgroup = _fake_cgroup(tmp_path / "cgroup", str(16 << 20), str(10 << 20))
     monkeypatch.setattr(memory_pool, "CGROUP_ROOT", str(cgroup))
+    monkeypatch.setattr(memory_pool, "SELF_CGROUP", str(tmp_path / "absent"))
     local = tmp_path / "ckpt"
     state = {"w": torch.zeros(1 << 20)}  # 4 MiB, x 2 slots: more than the 6 MiB the limit leaves
     with pytest.raises(MemoryTierError) as info:
@@ -176,16 +177,33 @@ def test_a_cgroup_limit_too_small_is_refused_at_start(
 
 def test_no_cgroup_limit_is_no_refusal(shm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory_pool, "CGROUP_ROOT", str(_fake_cgroup(tmp_path / "cgroup", "max", "123")))
-    assert memory_pool.cgroup_room() == (None, 123)
+    monkeypatch.setattr(memory_pool, "SELF_CGROUP", str(tmp_path / "absent"))
+    assert memory_pool.cgroup_room() == (None, 0)
     with Checkpointer({"w": torch.zeros(1 << 20)}, local=tmp_path / "ckpt", memory=MemoryOptions(path=shm)) as ck:
         ck.save(1).wait()
 
 
-def test_cgroup_v1_files_are_read(tmp_path: Path) -> None:
+def test_the_tightest_of_the_own_cgroup_and_its_parents_binds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    own = tmp_path / "cg" / "job" / "step"
+    own.mkdir(parents=True)
+    (own / "memory.max").write_text("max\n")
+    (own / "memory.current").write_text(f"{1 << 20}\n")
+    (own.parent / "memory.max").write_text(f"{64 << 20}\n")  # the job's limit binds its steps
+    (own.parent / "memory.current").write_text(f"{60 << 20}\n")
+    (tmp_path / "cg" / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "cg" / "memory.current").write_text(f"{100 << 20}\n")
+    (tmp_path / "self-cgroup").write_text("0::/job/step\n")
+    monkeypatch.setattr(memory_pool, "SELF_CGROUP", str(tmp_path / "self-cgroup"))
+    assert memory_pool.cgroup_room(tmp_path / "cg") == (64 << 20, 60 << 20)
+
+
+def test_cgroup_v1_files_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "self-cgroup").write_text("4:memory:/elsewhere\n3:cpu,cpuacct:/\n")
+    monkeypatch.setattr(memory_pool, "SELF_CGROUP", str(tmp_path / "self-cgroup"))
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     (tmp_path / "memory" / "memory.usage_in_bytes").write_text("42\n")
-    assert memory_pool.cgroup_room(tmp_path) == (None, 42)
+    assert memory_pool.cgroup_room(tmp_path) == (None, 0)
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{1 << 30}\n")
     assert memory_pool.cgroup_room(tmp_path) == (1 << 30, 42)
     assert memory_pool.cgroup_room(tmp_path / "absent") == (None, 0)

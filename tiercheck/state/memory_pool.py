@@ -35,13 +35,16 @@ from tiercheck.state.staging import align_up
 
 log = logging.getLogger("tiercheck")
 
-CGROUP_ROOT = "/sys/fs/cgroup"  # tests point it at a fake cgroup directory
+CGROUP_ROOT = "/sys/fs/cgroup"  # tests point these two at a fake cgroup directory and file
+SELF_CGROUP = "/proc/self/cgroup"
+_LIMIT_FILES = (("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes"))  # v2, v1
 _READ_LIMIT = 4096  # a cgroup file holds one number: never read more
 
 
-def pool_dir(options: MemoryOptions, local_url: str) -> Path:
-    """Where the pool files of the ranks that save to ``local_url`` (this node's directory) live."""
-    digest = hashlib.sha256(local_url.encode()).hexdigest()[:16]
+def pool_dir(options: MemoryOptions, local: str) -> Path:
+    """Where the pool files of the ranks that save to ``local`` (this node's directory, its absolute
+    path) live: a run restarted on the same node with the same directory finds them there."""
+    digest = hashlib.sha256(local.encode()).hexdigest()[:16]
     return Path(os.fspath(options.path)) / digest
 
 
@@ -113,24 +116,42 @@ def _read_number(path: Path) -> int | None:
         return None
 
 
-def cgroup_room(root: str | os.PathLike[str] | None = None) -> tuple[int | None, int]:
-    """(the cgroup's memory limit, its usage), None for no limit. cgroup v2's ``memory.max`` and
-    ``memory.current`` at ``root`` (the process's own cgroup as a container sees it), else v1's
-    ``memory/memory.limit_in_bytes`` and ``memory.usage_in_bytes``. v1 says "no limit" with a huge
-    number (a page short of 2**63), taken as None."""
-    base = Path(CGROUP_ROOT if root is None else root)
-    for limit_name, usage_name in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
-        ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-    ):
-        if not (base / limit_name).exists():
+def _own_cgroups(base: Path) -> list[Path]:
+    """The directories under ``base`` that may hold this process's memory limits, innermost first:
+    its own cgroup and each parent (a parent's limit binds too), then ``base`` itself (inside a
+    container, ``/proc/self/cgroup`` names a path of the host's that the container's view lacks)."""
+    try:
+        with open(SELF_CGROUP, "rb") as f:
+            lines = f.read(_READ_LIMIT * 4).decode("utf-8", "replace").splitlines()
+    except OSError:
+        lines = []
+    out: list[Path] = []
+    for line in lines:  # v2: "0::/a/b"; v1: "4:memory:/a/b"
+        _, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if controllers and "memory" not in controllers.split(","):
             continue
-        limit = _read_number(base / limit_name)
-        if limit is not None and limit >= 1 << 62:
-            limit = None
-        return limit, _read_number(base / usage_name) or 0
-    return None, 0
+        under = base if controllers == "" else base / "memory"
+        parts = Path(rel.strip() or "/").relative_to("/").parts
+        out.extend(under.joinpath(*parts[:n]) for n in range(len(parts), 0, -1))
+    return [*out, base, base / "memory"]
+
+
+def cgroup_room(root: str | os.PathLike[str] | None = None) -> tuple[int | None, int]:
+    """(the memory limit that leaves this process the least room, that cgroup's usage); (None, 0)
+    where no limit is set. cgroup v2's ``memory.max`` and ``memory.current``, else v1's ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes``, in this process's cgroup and its parents under ``root`` (default
+    ``CGROUP_ROOT``). v1 says "no limit" with a huge number (a page short of 2**63), taken as None."""
+    best: tuple[int | None, int] = (None, 0)
+    for directory in _own_cgroups(Path(CGROUP_ROOT if root is None else root)):
+        for limit_name, usage_name in _LIMIT_FILES:
+            limit = _read_number(directory / limit_name)
+            if limit is None or limit >= 1 << 62:
+                continue
+            usage = _read_number(directory / usage_name) or 0
+            if best[0] is None or limit - usage < best[0] - best[1]:
+                best = (limit, usage)
+    return best
 
 
 def _existing_bytes(directory: Path) -> int:
