@@ -27,6 +27,7 @@ from tiercheck.lifecycle import exit_deadline, start, unclosed
 from tiercheck.options import (
     DistributedOptions,
     DrainOptions,
+    MemoryOptions,
     ReplicationOptions,
     RetentionOptions,
     StagingOptions,
@@ -39,6 +40,7 @@ from tiercheck.save.pipeline import Pipeline
 from tiercheck.save.plan import Planner
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.save.vote import commit_job
+from tiercheck.state import memory_pool
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import NO_POOL, HostPool
 from tiercheck.tiering import lineage
@@ -79,6 +81,8 @@ class Checkpointer:
         drain: what is copied to the remote tier and how (``DrainOptions``).
         replication: copies of each node's steps on other nodes' local tiers
             (``ReplicationOptions``). ``None``: no copies.
+        memory: stage into files on a tmpfs that outlive the process (``MemoryOptions``; its
+            docstring says what is built). ``None``: ordinary process memory.
         allow_pickle: store values that have no safe encoding with pickle, and read them back.
     """
 
@@ -96,12 +100,14 @@ class Checkpointer:
         distributed: DistributedOptions | None = None,
         drain: DrainOptions | None = None,
         replication: ReplicationOptions | None = None,
+        memory: MemoryOptions | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if not isinstance(state, Mapping):
             raise UnsupportedValueError(f"state must be a mapping of names to state, not {type(state).__qualname__}")
         self.state = state
         self.staging = staging or StagingOptions()
+        self._memory = memory_pool.start(memory, local, state, self.staging.max_host_bytes, allow_pickle)
         self.write = write or WriteOptions()
         self.retention = retention or RetentionOptions()
         self.distributed = distributed or DistributedOptions()
@@ -255,7 +261,8 @@ class Checkpointer:
         self.wait_staged()
 
     def _ensure_pool(self, leaves: list[Leaf]) -> HostPool:
-        self._pool = self._pool or HostPool.for_tensors((leaf.tensor for leaf in leaves), self.staging.pin_memory)
+        allocate = self._memory.allocator(self.rank) if self._memory else None  # the memory tier's file
+        self._pool = self._pool or HostPool.for_tensors((x.tensor for x in leaves), self.staging.pin_memory, allocate)
         return self._pool
 
     def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:

@@ -69,6 +69,12 @@ class StorageError(TiercheckError, OSError):
     message names the directory, its free space where that is the cause, and what to do."""
 
 
+class MemoryTierError(TiercheckError, OSError):
+    """The memory tier cannot hold what it needs (``MemoryOptions``): its tmpfs has too little free
+    space, or the cgroup's memory limit leaves too little room. ``errno`` is ``ENOSPC``; the message
+    names the path, the bytes needed, the tmpfs's free bytes, the cgroup's limit, and what to do."""
+
+
 class StateChangedError(TiercheckError, RuntimeError):
     """A tensor staged lazily changed between ``save()`` and the end of its copy to host memory
     (its version counter moved): that save fails rather than commit a torn step."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -263,3 +264,43 @@ class ReplicationOptions:
             )
         if not self.timeout_s > 0:
             raise InvalidArgumentError(f"ReplicationOptions.timeout_s must be positive, not {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOptions:
+    """The memory tier: the staging pool mapped from files on a tmpfs, so the snapshot ``save()``
+    stages outlives the process (a crash of the training process leaves it in memory). Opt-in:
+    ``Checkpointer(memory=None)`` (the default) stages into ordinary process memory.
+
+    Built so far: each rank's pool is one file, ``<path>/<directory id>/rank-NNNNNN.pool``, reserved
+    in full when the pool is sized (so a full tmpfs fails then, never as a SIGBUS later), mapped
+    shared and page-locked where CUDA tensors are staged; a new Checkpointer with the same options
+    and local directory maps the same file again. The directory id names the node-local directory (a
+    hash of its path): a run's lineage is known only once it restored or saved, after the pool may
+    already exist. The bytes the tier needs are checked when the Checkpointer starts, before it
+    creates anything, against the tmpfs's free space and the cgroup's memory limit. Not built yet:
+    committing a step to memory, restarting from it, slots beyond the one pool, peers' memory.
+
+    Attributes:
+        path: the tmpfs directory that holds the pool files (``/dev/shm`` is a tmpfs on Linux; a
+            container's is 64 MiB unless ``--shm-size`` or an ``emptyDir`` of medium ``Memory`` says more).
+        slots: snapshots the tier holds per rank (at least 2: the newest committed step stays intact
+            while the next one stages). The start-up check counts ``slots`` x the pool bound
+            (``StagingOptions.max_host_bytes``, or one snapshot of the state).
+        persist_every: which saves also persist to the node-local directory (1: every save). Stored
+            now and validated; every save persists until commit-to-memory is built.
+    """
+
+    path: str | os.PathLike[str] = "/dev/shm/tiercheck"
+    slots: int = 2
+    persist_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise InvalidArgumentError(f"MemoryOptions.path must be a non-empty path, not {self.path!r}")
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
+            raise InvalidArgumentError(f"MemoryOptions.slots must be an integer of at least 2, not {self.slots!r}")
+        if not isinstance(self.persist_every, int) or isinstance(self.persist_every, bool) or self.persist_every < 1:
+            raise InvalidArgumentError(
+                f"MemoryOptions.persist_every must be a positive integer, not {self.persist_every!r}"
+            )
