@@ -122,12 +122,8 @@ class Checkpointer:
         self.node_ranks, self._leader = self._nodes.ranks, self._nodes.leader == self.rank
         self._bg_coord: Coordinator | None = None  # the commit thread's own store connection
 
-        self.lazy = self.staging.mode == "lazy" or (
-            self.staging.mode == "auto" and any(isinstance(v, torch.optim.Optimizer) for v in state.values())
-        )
-        target = self.write.chunk_bytes  # a bounded pool holds two chunks at least
-        if self.staging.max_host_bytes is not None:
-            target = min(target, max(self.staging.max_host_bytes // 2, 4096))
+        self.lazy = self.staging.lazy_for(any(isinstance(v, torch.optim.Optimizer) for v in state.values()))
+        target = Planner.chunk_target(self.write.chunk_bytes, self.staging.max_host_bytes)
         self._planner = Planner(self._coord, rank=self.rank, world_size=self.world_size, root_doc=self._leader,
                                 target_chunk_bytes=target)  # fmt: skip
         self._attempts: dict[int, int] = defaultdict(int)
@@ -167,11 +163,7 @@ class Checkpointer:
         return pool, plan.pool_bytes if bound is None else min(plan.pool_bytes, bound)
 
     def _drop_prefault(self) -> None:
-        """Before a restore: stop pre-faulting and give the pool back until a save needs it. A
-        restore at the start of a job reads into as much new memory; both at once cost it time
-        and raised its peak by one snapshot."""
-        if self._prefaulter.stop() and self._pool is not None and self._pipeline is None:
-            self._pool.drop()
+        self._prefaulter.give_back(self._pool if self._pipeline is None else None)  # before a restore, a close
 
     # ------------------------------------------------------------------------------- saving
 

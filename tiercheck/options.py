@@ -51,6 +51,11 @@ class StagingOptions:
     pin_memory: bool | None = None
     prefault: bool = True
 
+    def lazy_for(self, has_optimizer: bool) -> bool:
+        """Whether saves of a state copy lazily: ``"lazy"``, or ``"auto"`` where the state holds
+        an optimizer (its ``step()`` is the hook a lazy copy waits at)."""
+        return self.mode == "lazy" or (self.mode == "auto" and has_optimizer)
+
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "lazy", "eager"):
             raise InvalidArgumentError(f"StagingOptions.mode must be 'auto', 'lazy' or 'eager', not {self.mode!r}")

@@ -454,6 +454,12 @@ class Planner:
         self.plan: PackPlan | None = None
         self.made = 0  # plans made so far (each a collective round, named by its number)
 
+    @staticmethod
+    def chunk_target(chunk_bytes: int, max_host_bytes: int | None) -> int:
+        """The chunk size to plan for: ``WriteOptions.chunk_bytes``, less where a bounded pool
+        (``StagingOptions.max_host_bytes``) must hold two chunks at least."""
+        return chunk_bytes if max_host_bytes is None else min(chunk_bytes, max(max_host_bytes // 2, 4096))
+
     def forget(self) -> None:
         self.plan = None
 

@@ -36,6 +36,13 @@ class Prefaulter:
         """The thread started last, until ``stop``."""
         return self._thread
 
+    def give_back(self, pool: HostPool | None) -> None:
+        """Before a restore (or a close): stop pre-faulting and give ``pool`` (None: a pool in use
+        by a save, kept) back until a save needs it. A restore at the start of a job reads into as
+        much new memory; both at once cost it time and raised its peak by one snapshot."""
+        if self.stop() and pool is not None:
+            pool.drop()
+
     def stop(self) -> bool:
         """Stop pre-faulting and wait for the thread; whether one was started since the last stop."""
         if self._thread is None:
