@@ -3,8 +3,8 @@ with ``to_json``/``from_json`` (as ``cluster.assign.LeafDesc`` on the save side)
 
 The bytes come from other ranks of the same job (so the same library), but through the store: a
 message is checked field by field when it is parsed, and one that is not what it should be fails
-with ``CoordinationError`` naming the store key and the field, never with a ``KeyError`` or
-``TypeError`` from deep inside the plan. The JSON is compact positional lists where a message is
+with ``CoordinationError`` naming the store key and the field (``cluster.wire``), never with a
+``KeyError`` or ``TypeError`` from deep inside the plan. The JSON is compact positional lists where a message is
 sent once per chunk or per array (the store carries one per rank and coordinator: its size is part
 of every rank's flat cost, ``bench/scale_sim.py``).
 
@@ -19,69 +19,20 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import Need
-from tiercheck.errors import CoordinationError
+from tiercheck.cluster.wire import as_bool as _bool
+from tiercheck.cluster.wire import as_dict as _dict
+from tiercheck.cluster.wire import as_int as _int
+from tiercheck.cluster.wire import as_list as _list
+from tiercheck.cluster.wire import as_rank as _rank
+from tiercheck.cluster.wire import as_ranks as _ints
+from tiercheck.cluster.wire import as_str as _str
+from tiercheck.cluster.wire import bad as _bad
+from tiercheck.cluster.wire import loads as loads  # where restore.* have always taken it from
 from tiercheck.format.manifest import JSON, ArrayRecord
-
-
-def loads(raw: bytes | str, *, where: str) -> object:
-    """A message's JSON, or ``CoordinationError`` naming ``where`` (its store key)."""
-    try:
-        doc: object = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CoordinationError(f"{where}: not a JSON message from another rank ({e})") from None
-    return doc
-
-
-def _bad(where: str, field: str, what: str, value: object) -> CoordinationError:
-    shown = repr(value)
-    return CoordinationError(f"{where}: field {field!r} is not {what}: {shown[:80]}")
-
-
-def _int(v: object, where: str, field: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(where, field, "an integer", v)
-    return v
-
-
-def _rank(v: object, where: str, field: str) -> int:
-    n = _int(v, where, field)
-    if n < 0:
-        raise _bad(where, field, "a rank", v)
-    return n
-
-
-def _str(v: object, where: str, field: str) -> str:
-    if not isinstance(v, str):
-        raise _bad(where, field, "a string", v)
-    return v
-
-
-def _bool(v: object, where: str, field: str) -> bool:
-    if not isinstance(v, bool):
-        raise _bad(where, field, "true or false", v)
-    return v
-
-
-def _list(v: object, where: str, field: str, n: int | None = None) -> list[object]:
-    if not isinstance(v, list) or (n is not None and len(v) != n):
-        raise _bad(where, field, "a list" if n is None else f"a list of {n}", v)
-    return v
-
-
-def _ints(v: object, where: str, field: str) -> tuple[int, ...]:
-    return tuple(_rank(x, where, f"{field}[{i}]") for i, x in enumerate(_list(v, where, field)))
-
-
-def _dict(v: object, where: str, field: str) -> dict[str, object]:
-    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-        raise _bad(where, field, "an object", v)
-    return v
-
 
 # -------------------------------------------------------------------------------- agreeing on a step
 
