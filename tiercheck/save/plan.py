@@ -39,12 +39,14 @@ import torch
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, drive, dumps, shard_of
+from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import pack_file
 from tiercheck.format.saveid import REFS_STAMP
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, TookPost
 from tiercheck.state.flatten import Leaf, dtype_name
 from tiercheck.state.staging import ALIGN, align_up
 from tiercheck.tiers.local import DIRECT_MIN_BYTES
@@ -126,23 +128,27 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
             for d in leaves:
                 pieces[d.path].append((r, d))
     layouts: dict[str, _Layout] = {}
-    offers: dict[int, dict[str, list[object]]] = defaultdict(dict)
+    offered: dict[int, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = defaultdict(dict)
     try:
         for path in sorted(pieces):
             rec, chunks = chunk_array(path, sorted(pieces[path], key=lambda p: p[0]), target_chunk_bytes)
             layouts[path] = (rec, chunks)
-            short = [rec.dtype, rec.kind, list(rec.shape), list(rec.chunks)]
-            lists: dict[int, list[object]] = {}
+            lists: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
             for r, _ in pieces[path]:  # every holder hears of the array, even of an empty piece
-                lists[r] = offers[r][path] = [short, []]
+                lists[r] = offered[r][path] = []
             for chunk, holders in chunks:
                 group = _encode_ranks(holders)
                 for h in holders:
-                    lists[h][1].append([list(chunk.coords), group])  # type: ignore[attr-defined]
+                    lists[h].append((chunk.coords, group))
     except IncompatibleStateError as e:
         coord.report(name, e)
-        offers.clear()
-    cand = {coord.key(name, "offer", rank, digest): dumps(offers[rs[0]]) for digest, rs in held.items() if offers}
+        offered.clear()
+
+    def offer(r: int) -> str:
+        arrays = {path: ArrayOffer.of(layouts[path][0], tuple(chunks)) for path, chunks in offered[r].items()}
+        return dumps(ChunkOffer(arrays=arrays).to_json())
+
+    cand = {coord.key(name, "offer", rank, digest): offer(rs[0]) for digest, rs in held.items() if offered}
     coord.multi_set(cand)
     return layouts, list(cand)
 
@@ -162,20 +168,19 @@ def _take_share(
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
-    for value in coord.multi_get([coord.key(name, "offer", c, digests[c]) for c in coords_of]):
-        for path, (short, chunks) in json.loads(value).items():
-            dtype, kind, shape, grid = short
-            rec = ArrayRecord(path=path, dtype=dtype, kind=kind, shape=tuple(shape), chunks=tuple(grid))
-            records[path] = rec
+    keys = [coord.key(name, "offer", c, digests[c]) for c in coords_of]
+    for key, value in zip(keys, coord.multi_get(keys), strict=True):
+        for path, array in ChunkOffer.from_json(loads(value, where=key), where=key).arrays.items():
+            rec = records[path] = array.record(path)
             nbytes = chunk_nbytes(rec)
-            for cc, group in chunks:
-                holders = groups.setdefault(tuple(group), _decode_ranks(group))
-                mine_offers.append(Offer(nbytes, path, _chunk(rec, tuple(cc)), holders))
+            for cc, group in array.chunks:
+                holders = groups.setdefault(group, _decode_ranks(group))
+                mine_offers.append(Offer(nbytes, path, _chunk(rec, cc), holders))
     missing = sorted(set(leaf_of) - set(records))
     if missing:
         raise CoordinationError(f"rank {rank}: the save plan left out {missing[:3]}")
     owners = assign_owners(mine_offers)
-    taken: dict[int, dict[str, list[list[int]]]] = {c: {} for c in coords_of}
+    taken: dict[int, dict[str, list[tuple[int, ...]]]] = {c: {} for c in coords_of}
     tasks: list[WriteTask] = []
     nbytes = 0
     for offer, owner in zip(mine_offers, owners, strict=True):
@@ -184,11 +189,12 @@ def _take_share(
         i = leaf_of[offer.path]
         tasks.append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[i])))
         nbytes += offer.nbytes
-        taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(list(offer.chunk.coords))
+        taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(offer.chunk.coords)
     tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
     for c, took in taken.items():
         if took:  # only the ranks that took chunks of a coordinator's arrays tell it
-            coord.post(f"{name}/took/{c}", dumps({"rank": rank, "took": took}))
+            post = TookPost(rank=rank, took={path: tuple(ccs) for path, ccs in took.items()})
+            coord.post(f"{name}/took/{c}", dumps(post.to_json()))
     return records, tasks, nbytes
 
 
@@ -196,12 +202,13 @@ def _record_owners(coord: Coordinator, name: str, layouts: dict[str, _Layout]) -
     """Round 4, as a coordinator: record every chunk's owner; each must have exactly one (a chunk
     taken twice or by no rank is reported to every rank)."""
     owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
-    for value in coord.collect(f"{name}/took/{coord.rank}"):
-        doc = json.loads(value)
-        h = int(doc["rank"])
-        for path, coord_list in doc["took"].items():
+    where = f"{name}/took/{coord.rank}"
+    for value in coord.collect(where):
+        post = TookPost.from_json(loads(value, where=where), where=where)
+        h = post.rank
+        for path, coord_list in post.took.items():
             for cc in coord_list:
-                key = _chunk(layouts[path][0], tuple(cc)).key
+                key = _chunk(layouts[path][0], cc).key
                 if owners_by_path[path].setdefault(key, h) != h:
                     taken_twice = f"array {path!r} chunk {key}: taken by ranks {owners_by_path[path][key]} and {h}"
                     coord.report(name, CoordinationError(taken_twice))
@@ -220,18 +227,18 @@ def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
     return chunk_at(rec.shape, rec.chunks, coords)
 
 
-def _encode_ranks(ranks: tuple[int, ...]) -> list[int]:
+def _encode_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
     """A sorted rank list, compactly: ``[start, stride, count]`` negated-first when it is an
     arithmetic progression of three or more (DP replicas are), else the list itself."""
     if len(ranks) >= 3:
         stride = ranks[1] - ranks[0]
         if all(b - a == stride for a, b in itertools.pairwise(ranks)):
-            return [-1, ranks[0], stride, len(ranks)]
-    return list(ranks)
+            return (-1, ranks[0], stride, len(ranks))
+    return ranks
 
 
-def _decode_ranks(doc: list[int]) -> tuple[int, ...]:
-    if doc and doc[0] == -1:
+def _decode_ranks(doc: tuple[int, ...]) -> tuple[int, ...]:
+    if doc[:1] == (-1,):
         _, start, stride, count = doc
         return tuple(range(start, start + stride * count, stride))
     return tuple(doc)

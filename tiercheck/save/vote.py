@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.commit import commit_step
 from tiercheck.format.manifest import (
@@ -18,6 +19,7 @@ from tiercheck.format.manifest import (
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.save.handle import PendingSave
+from tiercheck.save.messages import CommitMeta
 
 # ------------------------------------------------------------------------------------ commit
 
@@ -61,7 +63,8 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
             if owners is not None:
                 tier.write(f"{d}/{owners_file(rank)}", [owners])
             if rank == 0:
-                coord.set(coord.key(name, "meta"), json.dumps({"metadata": outcome.metadata, "created": time.time()}))
+                meta = CommitMeta(metadata=outcome.metadata, created=time.time())
+                coord.set(coord.key(name, "meta"), json.dumps(meta.to_json()))
         except BaseException as e:
             error = e
     if error is not None:
@@ -75,14 +78,15 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     done = coord.key(name, "committed")
     if rank == nodes.leader:
         try:
-            meta = json.loads(coord.get(coord.key(name, "meta")))
+            where = coord.key(name, "meta")
+            meta = CommitMeta.from_json(loads(coord.get(where), where=where), where=where)
             index = ManifestIndex(
                 step=step,
                 library_version=outcome.library_version,
-                created_unix=float(meta["created"]),
+                created_unix=meta.created,
                 world_size=world,
                 nodes=nodes.count,
-                metadata=meta["metadata"],
+                metadata=meta.metadata,
                 save_id=outcome.save_id,
             )
             commit_step(tier, step, index.to_bytes(), save_id=outcome.save_id, ranks=nodes.ranks, world_size=world)

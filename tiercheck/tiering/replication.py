@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, _own_client, drive
+from tiercheck.cluster.wire import as_dict, as_int, as_list, as_rank, as_ranks, as_str, loads
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
 from tiercheck.format.files import files_of_ranks
@@ -73,6 +75,43 @@ def replica_files(tier: LocalTier, step: int, ranks: Iterable[int]) -> list[tupl
     """The files of saving ranks ``ranks`` of ``step`` that a replica of them carries, by name and
     size: the ranks' files as the manifest names them (``files.files_of_ranks``), nothing else."""
     return list(files_of_ranks(tier.sizes(step_dir(step)), ranks).items())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaHeader:
+    """What a sending leader tells a receiving one before a step's files: the step, the saving ranks
+    whose files they are and the job's world size, the sending node, and each file by name and size
+    (in the order they follow). Checked field by field (``cluster.wire``) before anything is kept."""
+
+    step: int
+    ranks: tuple[int, ...]
+    world_size: int
+    node: str
+    files: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ranks": list(self.ranks),
+            "world_size": self.world_size,
+            "node": self.node,
+            "files": [[n, s] for n, s in self.files],
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str) -> ReplicaHeader:
+        d = as_dict(doc, where, "replica header")
+        files = []
+        for i, f in enumerate(as_list(d.get("files"), where, "files")):
+            name, size = as_list(f, where, f"files[{i}]", 2)
+            files.append((as_str(name, where, f"files[{i}][0]"), as_rank(size, where, f"files[{i}][1]")))
+        return cls(
+            step=as_int(d.get("step"), where, "step"),
+            ranks=as_ranks(d.get("ranks"), where, "ranks"),
+            world_size=as_int(d.get("world_size"), where, "world_size"),
+            node=as_str(d.get("node"), where, "node"),
+            files=tuple(files),
+        )
 
 
 class _Pair:
@@ -227,13 +266,9 @@ class Replicator:
         d = step_dir(step)
         marker = read_marker(self.tier, step)
         files = replica_files(self.tier, step, marker.ranks)
-        header = {
-            "step": step,
-            "ranks": list(marker.ranks),
-            "world_size": marker.world_size,
-            "node": self.node,
-            "files": files,
-        }
+        header = ReplicaHeader(
+            step=step, ranks=tuple(marker.ranks), world_size=marker.world_size, node=self.node, files=tuple(files)
+        )
         pairs = [p for p in self.targets + self.sources if p.broken is None]
         own = set(marker.ranks)
         with ThreadPoolExecutor(max(1, len(pairs)), thread_name_prefix="tiercheck-replica") as pool:
@@ -263,12 +298,12 @@ class Replicator:
         log.info("replication: step %d %s in %.2f s", step, "done" if ok else "incomplete", time.monotonic() - start)
         return ok and bool(sends)
 
-    def _send(self, pair: _Pair, d: str, header: dict[str, Any]) -> None:
-        pair.send_bytes(json.dumps(header).encode())
+    def _send(self, pair: _Pair, d: str, header: ReplicaHeader) -> None:
+        pair.send_bytes(json.dumps(header.to_json()).encode())
         buf = torch.empty(self.options.piece_bytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         crcs = []
-        for name, size in header["files"]:
+        for name, size in header.files:
             crc = 0
             for offset in range(0, size, len(view)):
                 n = min(len(view), size - offset)
@@ -288,14 +323,12 @@ class Replicator:
     def _receive(self, pair: _Pair, step: int, own: set[int]) -> None:
         d = step_dir(step)
         where = f"{self.tier.url}: step {step}: replica from node {pair.peer}"
-        header = json.loads(pair.recv_bytes(1 << 20))
-        ranks = [int(r) for r in header["ranks"]]
-        world = int(header["world_size"])
-        files = [(str(n), int(s)) for n, s in header["files"]]
+        header = ReplicaHeader.from_json(loads(pair.recv_bytes(1 << 20), where=where), where=where)
+        ranks, world, files = list(header.ranks), header.world_size, header.files
         named = {n: s for n, s in files}
         problem = None
-        if header["step"] != step:
-            problem = f"the peer sent step {header['step']}"
+        if header.step != step:
+            problem = f"the peer sent step {header.step}"
         elif not ranks or not all(0 <= r < world for r in ranks) or own & set(ranks):
             problem = f"ranks {ranks} are out of range or this node's own"
         elif files_of_ranks(named, ranks) != named or len(files) > MAX_FILES_PER_RANK * len(ranks):
@@ -330,7 +363,7 @@ class Replicator:
                     problem, keep = f"CRC32C mismatch in {', '.join(bad)}", False
             if keep:
                 self.tier.sync_dirs(d)
-                replica = Replica(step, tuple(ranks), world, {n: (s, crcs[n]) for n, s in files}, str(header["node"]))
+                replica = Replica(step, tuple(ranks), world, {n: (s, crcs[n]) for n, s in files}, header.node)
                 self.tier.publish(f"{d}/{replica_marker(ranks[0])}", replica.to_bytes())
                 self._count("received", 1)
         except BaseException:

@@ -1,0 +1,116 @@
+"""What saving ranks send each other (``save.messages``) and the header one node leader sends
+another with a replica (``tiering.replication.ReplicaHeader``): each message goes out and comes
+back the same, its JSON bytes are what the protocols always sent (built here as the code before
+these types built them), and one that is not what it should be fails with ``CoordinationError``
+naming where and which field."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.test_planner import megatron_like
+from tiercheck.cluster.coordination import Coordinator, dumps
+from tiercheck.cluster.wire import loads
+from tiercheck.errors import CoordinationError
+from tiercheck.format.manifest import ArrayRecord
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, TookPost
+from tiercheck.save.plan import plan_save
+from tiercheck.tiering.replication import ReplicaHeader
+
+OFFER = ChunkOffer(
+    arrays={
+        "model/w": ArrayOffer(
+            dtype="bfloat16",
+            kind="tensor",
+            shape=(16, 8),
+            grid=(8, 8),
+            chunks=(((0, 0), (-1, 0, 2, 4)), ((1, 0), (1, 5))),
+        ),
+        "step": ArrayOffer(dtype="int64", kind="scalar", shape=(), grid=(), chunks=()),
+    }
+)
+MESSAGES: list[Any] = [
+    OFFER,
+    TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}),
+    CommitMeta(metadata={"loss": 1.5, "tags": ["a"]}, created=1764370000.25),
+    CommitMeta(metadata=None, created=12.0),
+    ReplicaHeader(step=7, ranks=(8, 9), world_size=16, node="node1", files=(("__0_0.pack", 4096), ("__0.part", 12))),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
+    raw = json.dumps(message.to_json())
+    assert type(message).from_json(loads(raw.encode(), where="k"), where="k") == message
+
+
+def test_the_wire_is_what_the_protocols_always_sent() -> None:
+    # As save.plan built an offer before: [short, [[coords, group], ...]] by path, its groups encoded.
+    short = ["bfloat16", "tensor", [16, 8], [8, 8]]
+    before = {"model/w": [short, [[[0, 0], [-1, 0, 2, 4]], [[1, 0], [1, 5]]]], "step": [["int64", "scalar", [], []], []]}
+    assert dumps(OFFER.to_json()) == dumps(before)
+    took = {"model/w": [[0, 0], [1, 0]], "b": [[2]]}
+    assert dumps(TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}).to_json()) == dumps(
+        {"rank": 3, "took": took}
+    )
+    # save.vote sets the commit's metadata with json.dumps' default separators.
+    meta = CommitMeta(metadata={"loss": 1.5}, created=1764370000.25)
+    assert json.dumps(meta.to_json()) == json.dumps({"metadata": {"loss": 1.5}, "created": 1764370000.25})
+    # The replica header went out as a dict with the files as (name, size) pairs.
+    files = [("__0_0.pack", 4096), ("__0.part", 12)]
+    header = {"step": 7, "ranks": [8, 9], "world_size": 16, "node": "node1", "files": files}
+    sent = ReplicaHeader(step=7, ranks=(8, 9), world_size=16, node="node1", files=tuple(files))
+    assert json.dumps(sent.to_json()) == json.dumps(header)
+
+
+def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
+    rec = ArrayRecord(path="model/w", dtype="bfloat16", kind="tensor", shape=(16, 8), chunks=(8, 8))
+    assert OFFER.arrays["model/w"].record("model/w") == rec
+    assert ArrayOffer.of(rec, ()) == ArrayOffer(dtype="bfloat16", kind="tensor", shape=(16, 8), grid=(8, 8), chunks=())
+
+
+@pytest.mark.parametrize(
+    ("cls", "doc", "field"),
+    [
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]]]}, "w"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4]], []]}, "w[0]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [-4]], []]}, "w[0][3][0]"),
+        (ChunkOffer, {"w": [["f4", 4, [4], [4]], []]}, "w[0][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [-1, 0, 2]]]]}, "w[1][0][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [1, "2"]]]]}, "w[1][0][1][1]"),
+        (ChunkOffer, [], "offer"),
+        (TookPost, {"rank": -1, "took": {}}, "rank"),
+        (TookPost, {"rank": 0, "took": {"w": [[0], [1, None]]}}, "took['w'][1][1]"),
+        (TookPost, {"rank": 0}, "took"),
+        (CommitMeta, {"metadata": None, "created": "now"}, "created"),
+        (CommitMeta, {"metadata": None, "created": True}, "created"),
+        (CommitMeta, {"created": 1.0}, "metadata"),
+        (ReplicaHeader, {"step": 1, "ranks": [0], "world_size": 2, "node": "n", "files": [["a", -1]]}, "files[0][1]"),
+        (ReplicaHeader, {"step": 1, "ranks": [0], "world_size": 2, "node": "n", "files": [["a"]]}, "files[0]"),
+        (ReplicaHeader, {"step": "1", "ranks": [0], "world_size": 2, "node": "n", "files": []}, "step"),
+        (ReplicaHeader, {"step": 1, "ranks": 0, "world_size": 2, "node": "n", "files": []}, "ranks"),
+        (ReplicaHeader, {"step": 1, "ranks": [0], "world_size": 2, "node": 3, "files": []}, "node"),
+    ],
+)
+def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, field: str) -> None:
+    with pytest.raises(CoordinationError, match="^" + re.escape(f"t/plan0/took/3: field {field!r}")):
+        cls.from_json(doc, where="t/plan0/took/3")
+
+
+def test_a_garbled_took_post_fails_its_coordinator_naming_the_key() -> None:
+    world = 4
+    per_rank = megatron_like(world, 2)
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    protocols = [plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=256) for c in coords]
+    for _ in range(3):  # posted, offered, chosen: every rank told the coordinators what it took
+        for p in protocols:
+            next(p)
+    coords[0].post("plan0/took/1", dumps({"rank": 0, "took": {"w": "all"}}))
+    with pytest.raises(CoordinationError, match="^" + re.escape("plan0/took/1: field \"took['w']\" is not a list")):
+        next(protocols[1])
