@@ -265,7 +265,7 @@ def simulate_before(name: str, descs_per_rank: Layout, args: argparse.Namespace)
     values = [_json([d.to_json() for d in descs]) for descs in descs_per_rank]  # what each rank sets
     sizes = [len(v.encode()) for v in values]
     t0 = time.perf_counter()
-    everyone = [[LeafDesc.from_json(d) for d in json.loads(v)] for v in values]  # what each rank does with them
+    everyone = [[LeafDesc.from_json(d, where="all-gather") for d in json.loads(v)] for v in values]  # what each rank does with them
     decode_s = time.perf_counter() - t0
     del values
     t0 = time.perf_counter()

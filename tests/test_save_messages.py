@@ -1,4 +1,4 @@
-"""What saving ranks send each other (``save.messages``) and the header one node leader sends
+"""What saving ranks send each other (``save.messages``, the pieces they post: ``LeafDesc``) and the header one node leader sends
 another with a replica (``tiering.replication.ReplicaHeader``): each message goes out and comes
 back the same, its JSON bytes are what the protocols always sent (built here as the code before
 these types built them), and one that is not what it should be fails with ``CoordinationError``
@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.test_planner import megatron_like
+from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.coordination import Coordinator, dumps
 from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
@@ -35,6 +36,7 @@ OFFER = ChunkOffer(
     }
 )
 MESSAGES: list[Any] = [
+    LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),
     OFFER,
     TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}),
     CommitMeta(metadata={"loss": 1.5, "tags": ["a"]}, created=1764370000.25),
@@ -77,6 +79,9 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
 @pytest.mark.parametrize(
     ("cls", "doc", "field"),
     [
+        (LeafDesc, ["w", "f4", "tensor", [4], [0], [4], "no"], "leaf[6]"),
+        (LeafDesc, ["w", "f4", "tensor", [4], [0], [4]], "leaf"),
+        (LeafDesc, ["w", "f4", "tensor", [4], [0.5], [4], False], "leaf[4][0]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [4]]]}, "w"),
         (ChunkOffer, {"w": [["f4", "tensor", [4]], []]}, "w[0]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [-4]], []]}, "w[0][3][0]"),

@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tiercheck.cluster.wire import as_bool, as_list, as_ranks, as_str
 from tiercheck.errors import IncompatibleStateError, UnsupportedValueError
 from tiercheck.format.codec import chunk_nbytes, itemsize
 from tiercheck.format.layout import MAX_CHUNKS, Chunk, chunks_in_box, grid_for_boxes, grid_size
@@ -55,18 +56,23 @@ class LeafDesc:
         ]
 
     @classmethod
-    def from_json(cls, doc: list[object]) -> LeafDesc:
-        path, dtype, kind, gshape, offs, shape, lazy = doc
-        return cls(str(path), str(dtype), str(kind), _ints(gshape), _ints(offs), _ints(shape), bool(lazy))
+    def from_json(cls, doc: object, *, where: str, field: str = "leaf") -> LeafDesc:
+        """One rank's piece as another rank posted it (``where``: the store key), checked field by
+        field (``cluster.wire``)."""
+        path, dtype, kind, gshape, offs, shape, lazy = as_list(doc, where, field, 7)
+        return cls(
+            as_str(path, where, f"{field}[0]"),
+            as_str(dtype, where, f"{field}[1]"),
+            as_str(kind, where, f"{field}[2]"),
+            as_ranks(gshape, where, f"{field}[3]"),
+            as_ranks(offs, where, f"{field}[4]"),
+            as_ranks(shape, where, f"{field}[5]"),
+            as_bool(lazy, where, f"{field}[6]"),
+        )
 
     @property
     def stops(self) -> tuple[int, ...]:
         return tuple(o + n for o, n in zip(self.offsets, self.shape, strict=True))
-
-
-def _ints(v: object) -> tuple[int, ...]:
-    assert isinstance(v, list)
-    return tuple(int(x) for x in v)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import torch
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, drive, dumps, shard_of
-from tiercheck.cluster.wire import loads
+from tiercheck.cluster.wire import as_list, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
@@ -113,9 +113,11 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
     reported to every rank, and nothing is offered."""
     rank = coord.rank
     bodies: dict[str, list[LeafDesc]] = {}
-    for value in coord.collect(f"{name}/in/{rank}"):
+    where = f"{name}/in/{rank}"
+    for value in coord.collect(where):
         digest, body = value.decode().split("|", 1)
-        bodies[digest] = [LeafDesc.from_json(leaf) for leaf in json.loads(body)]
+        posted = as_list(loads(body, where=where), where, "pieces")
+        bodies[digest] = [LeafDesc.from_json(d, where=where, field=f"pieces[{i}]") for i, d in enumerate(posted)]
     registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
     held = {
         digest: sorted(int(r) for r in value.decode().split(",") if r)
