@@ -192,8 +192,10 @@ def test_a_drained_object_of_another_save_counts_for_nothing(tmp_path: Path) -> 
     _interrupted_drain(tmp_path / "first", remote, 2)
     (remote / step_dir(2) / f"{DRAINED_PREFIX}000000.json").write_text(json.dumps({"ranks": [0], "save_id": "0" * 32}))
     save(tmp_path / "second", {2: 9})
+    # Another run's partial step makes the prefix that run's (a second run racing there is refused):
+    # the second run takes it over, and then no file the first drained counts for its save.
     with ThreadPoolExecutor(2) as pool:
-        result = upload_step(LocalTier(tmp_path / "second"), open_tier(f"file://{remote}"), 2, pool=pool)
+        result = upload_step(LocalTier(tmp_path / "second"), open_tier(f"file://{remote}"), 2, pool=pool, take_over=True)
     assert result.committed and result.files_already_there == 0
     assert_identical(tiercheck.load(f"file://{remote}", step=2), make_state(9))
 
