@@ -364,13 +364,17 @@ def _sweep_stale_weed_files() -> None:
                     shutil.rmtree(d, ignore_errors=True)
 
 
-VOLUME_MB = 1024  # SeaweedFS's volume size here (-master.volumeSizeLimitMB)
+VOLUME_MB = 128  # SeaweedFS's volume size here (-master.volumeSizeLimitMB; weed mini's default)
+# Volume slots, set rather than left to SeaweedFS: by default it counts them as free disk over the volume
+# size, and every bucket is a collection that takes a slot of its own. With 40 GB free and 1 GB volumes
+# the 39th bucket that held data answered every write with InternalError (16 S3 tests failed in CI,
+# stop 56). Volumes are neither preallocated nor grown past what is written, so slots cost no disk.
+VOLUME_SLOTS = 2000
 
 
 def _check_weed_disk(where: Path) -> None:
     """Refuse to start SeaweedFS where it would answer every write with InternalError: its master
-    grows volumes 7 at a time (master.toml's copy_1) and its volume server keeps 1% of the disk free.
-    With 7 GB free every S3 write failed (18 tests, each with the same InternalError)."""
+    grows volumes 7 at a time (master.toml's copy_1) and its volume server keeps 1% of the disk free."""
     usage = shutil.disk_usage(where)
     need = 7 * VOLUME_MB * 2**20 + usage.total // 100 + 2**30
     if usage.free < need:
@@ -453,10 +457,8 @@ class SeaweedS3(_Server):
             f"-volume.port={p['volume']}",
             f"-volume.port.grpc={p['volume'] + g}",
             "-volume.preStopSeconds=0",
-            # Volume slots are counted from free disk over the volume size (30 GB by default): with 15 GB
-            # free every write failed with InternalError, with 17 GB free the S3 tier-contract tests took
-            # 33 s (8 s with this). Test data is small.
             f"-master.volumeSizeLimitMB={VOLUME_MB}",
+            f"-volume.max={VOLUME_SLOTS}",
             f"-filer.port={p['filer']}",
             f"-filer.port.grpc={p['filer'] + g}",
             f"-admin.port={p['admin']}",
@@ -534,6 +536,11 @@ class SeaweedS3(_Server):
     def new_bucket(self, prefix: str = "t") -> str:
         """Create a bucket with a unique name and return the name."""
         return self.make_bucket(f"{prefix}-{uuid.uuid4().hex[:16]}".lower())
+
+    def delete_bucket(self, name: str) -> None:
+        """Delete a bucket and all it holds (``-s3.allowDeleteBucketNotEmpty`` is on by default); its
+        collection's volumes go with it, so a long session does not pile them up."""
+        self.client().delete_bucket(Bucket=name)
 
 
 # --- Azurite ---------------------------------------------------------------------------------------
@@ -729,11 +736,15 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite
 
 
 @pytest.fixture
-def s3_bucket(s3_server: SeaweedS3) -> str:
-    """A new, empty bucket on the session's SeaweedFS (restarted first if a test left it stopped)."""
+def s3_bucket(s3_server: SeaweedS3) -> Iterator[str]:
+    """A new, empty bucket on the session's SeaweedFS (restarted first if a test left it stopped),
+    deleted with its contents after the test."""
     if not s3_server.running:
         s3_server.start()
-    return s3_server.new_bucket()
+    name = s3_server.new_bucket()
+    yield name
+    if s3_server.running:  # a test that stopped the server last leaves its bucket to the session's end
+        s3_server.delete_bucket(name)
 
 
 @pytest.fixture
