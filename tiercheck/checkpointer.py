@@ -24,6 +24,7 @@ from tiercheck.format.metadata import encode as encode_metadata
 from tiercheck.format.saveid import new_save_id
 from tiercheck.format.steps import list_steps
 from tiercheck.lifecycle import exit_deadline, start, unclosed
+from tiercheck.memory import Memory
 from tiercheck.options import (
     DistributedOptions,
     DrainOptions,
@@ -37,7 +38,7 @@ from tiercheck.restore.load import load
 from tiercheck.restore.protocol import RestoreRequest, restore_state
 from tiercheck.save.handle import PendingSave, SaveHandle, record_ready, wait_staged
 from tiercheck.save.pipeline import Pipeline
-from tiercheck.save.plan import Planner
+from tiercheck.save.plan import RUN_ALIGN, Planner
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.save.vote import commit_job
 from tiercheck.state import memory_pool
@@ -137,6 +138,8 @@ class Checkpointer:
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
+        self._mem = Memory(self._memory, self._job) if self._memory else None
+        self._planner.align = RUN_ALIGN if self._mem else 1  # a slot stages the pack's image (Memory)
         self._owner = lineage.Owner(self._job, take_over=self.write.take_over)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
         self._prefaulter = Prefaulter()
@@ -147,7 +150,7 @@ class Checkpointer:
 
     def _prefault(self) -> None:
         """Fault in a pool for the state as it is now (see ``save.prefault``)."""
-        if self.staging.prefault and self.world_size == 1 and self._pipeline is None:
+        if self.staging.prefault and self.world_size == 1 and self._pipeline is None and self._mem is None:
             self._prefaulter.start(self._prefault_target)
 
     def _prefault_target(self, stop: threading.Event) -> tuple[HostPool, int] | None:
@@ -188,30 +191,17 @@ class Checkpointer:
                 raise StepExistsError(f"step {step} is already being saved")
             if self.staging.if_busy == "skip" and inflight:
                 self._counters["skipped"] += 1
-                warnings.warn(
-                    f"tiercheck: skipped the save of step {step}: the previous save is still being written "
-                    "(StagingOptions(if_busy='skip'))",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                why = "the previous save is still being written (StagingOptions(if_busy='skip'))"
+                warnings.warn(f"tiercheck: skipped the save of step {step}: {why}", RuntimeWarning, stacklevel=2)
                 return SaveHandle(step, skipped=True)
             tree, leaves = flatten(self.state, allow_pickle=self.allow_pickle)
             pipeline = self._ensure_pipeline(leaves)
             plan = self._planner.for_leaves(leaves)
             handle = SaveHandle(step, nbytes=sum(t.nbytes for t in plan.tasks))
-            job = PendingSave(
-                step=step,
-                plan=plan,
-                leaves=leaves,
-                tree=tree,
-                metadata=metadata,
-                attempt=self._attempts[step],
-                save_id=new_save_id(self._nodes.run, step, self._attempts[step]),
-                handle=handle,
-                t_call=t_call,
-                ready=record_ready(leaves),
-                watch=self.lazy,
-            )
+            attempt, persist = self._attempts[step], self._mem is None or self._mem.persists(step)
+            job = PendingSave(step=step, plan=plan, leaves=leaves, tree=tree, metadata=metadata, attempt=attempt,
+                              save_id=new_save_id(self._nodes.run, step, attempt), handle=handle, t_call=t_call,
+                              ready=record_ready(leaves), watch=self.lazy, persist=persist)  # fmt: skip
             self._attempts[step] += 1
             handle.timings["plan_s"] = time.perf_counter() - t_call
             pipeline.submit(job)
@@ -253,8 +243,7 @@ class Checkpointer:
         self.wait_staged()
 
     def _ensure_pool(self, leaves: list[Leaf]) -> HostPool:
-        allocate = self._memory.allocator(self.rank) if self._memory else None  # the memory tier's file
-        self._pool = self._pool or HostPool.for_tensors((x.tensor for x in leaves), self.staging.pin_memory, allocate)
+        self._pool = self._pool or HostPool.for_tensors((x.tensor for x in leaves), self.staging.pin_memory)
         return self._pool
 
     def _ensure_pipeline(self, leaves: list[Leaf]) -> Pipeline:
@@ -270,13 +259,18 @@ class Checkpointer:
                 own_dir=len(self.node_ranks) == 1,
                 commit=self._commit,
                 on_commit=self._after_commit,
+                memory=self._mem.slots if self._mem else None,
             )
         return self._pipeline
 
     def _commit(self, job: PendingSave) -> None:
         """Runs on the commit thread once this rank's writes are durable (or failed)."""
         assert self._bg_coord is not None
-        commit_job(replace(self._job, coord=self._bg_coord), job, library_version=__version__)
+        bg = replace(self._job, coord=self._bg_coord)
+        if self._mem is not None:
+            self._mem.commit(bg, job, library_version=__version__)
+        if job.persist:
+            commit_job(bg, job, library_version=__version__)
 
     def _after_commit(self, job: PendingSave) -> None:
         step = job.step
@@ -359,7 +353,10 @@ class Checkpointer:
                     share_memory=self.distributed.share_memory,
                     io_threads=self.write.io_threads,
                 )
-                done = restore_state(self.state, self._job, request, name=f"restore{n}", pool=self._pool)
+                name = f"restore{n}"
+                done = self._mem.restore(self.state, request, name) if self._mem else None
+                from_memory = done is not None
+                done = done or restore_state(self.state, self._job, request, name=name, pool=self._pool)
             finally:
                 self._prefault()  # for the state as restored (a fresh optimizer's state included)
             if done is None:
@@ -369,6 +366,8 @@ class Checkpointer:
             self._local.add(*self.steps())
             self._local.whole(done.step)
             self._owner.restored(from_remote=done.from_remote, restore=n, step=done.step)
+            if self._mem is not None:
+                self._mem.after_restore(done.step, from_memory=from_memory, local=self._local, tiers=self._tiers)
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._tiers.populate(done.step)
             return done.step
@@ -379,11 +378,11 @@ class Checkpointer:
         """Counters and sizes, for logs and dashboards.
 
         Always: ``saves``, ``skipped``, ``staging_blocked_s`` (time ``optimizer.step()`` and
-        ``wait_staged()`` waited for lazy copies), ``inflight`` (steps being written),
-        ``pool_capacity_bytes``, ``pool_peak_bytes``, ``pool_allocations``, ``pool_pinned``,
-        ``pool_pinned_bytes`` (host memory the pool holds page-locked),
-        ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes per
-        save), ``store_ops`` and ``store_bytes`` (this rank's traffic through the job's store).
+        ``wait_staged()`` waited for lazy copies), ``inflight`` (steps being written), ``pool_capacity_bytes``,
+        ``pool_peak_bytes``, ``pool_allocations``, ``pool_pinned``, ``pool_pinned_bytes`` (host memory the pool
+        holds page-locked), ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes
+        per save), ``memory_held_bytes`` (the memory tier's slots), ``store_ops`` and ``store_bytes`` (this rank's
+        traffic through the job's store).
         After the first save: ``committed``, ``failed``, ``state_changed`` (lazy saves failed
         because a tensor changed during its copy) and ``bytes_written``. After a restore, of the
         last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
@@ -401,6 +400,7 @@ class Checkpointer:
         out.update(self._pool.stats() if self._pool else NO_POOL)
         out.update(lazy=self.lazy, rank=self.rank, world_size=self.world_size)
         out["plan_bytes_per_save"] = self._planner.bytes_per_save
+        out["memory_held_bytes"] = self._mem.held() if self._mem else 0
         coords = [c for c in (self._coord, self._bg_coord) if c is not None]  # this rank's store traffic so far
         out["store_ops"] = sum(c.counters["store_ops"] for c in coords)
         out["store_bytes"] = sum(c.store_bytes for c in coords)
@@ -477,6 +477,8 @@ class Checkpointer:
             )
         elif self._pool is not None:
             self._pool.drop()  # a closed Checkpointer holds no snapshot's worth of host memory
+        if self._mem is not None and not abandoned:
+            self._mem.close(local=self._local, tiers=self._tiers)
         if deadline is not None:
             timeout = max(0.0, deadline - time.monotonic())
         try:

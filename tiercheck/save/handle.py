@@ -16,6 +16,7 @@ from tiercheck.format.manifest import JSON, RankPart
 from tiercheck.format.shards import owners_bytes, shard_bytes
 from tiercheck.save.plan import ChunkTask, PackPlan, Run
 from tiercheck.state.flatten import Leaf
+from tiercheck.state.memory_slots import SlotPool
 from tiercheck.state.staging import Region
 from tiercheck.tiers.local import PackWriter
 
@@ -34,7 +35,9 @@ class SaveHandle:
     """What ``Checkpointer.save`` returns: completion futures and per-stage timings.
 
     ``staged`` completes when the host copy is done (the state may change from then on);
-    ``committed`` when the step is durable and visible on the local tier; ``drained`` with True
+    ``committed`` when the step is durable and visible on the local tier (with the memory tier, a
+    save that goes to memory only: once it is committed there); ``persisted`` with True once it is
+    committed on the local tier, False for a save to the memory tier only; ``drained`` with True
     once it is committed on the remote tier, False if it will not be (no remote tier, not a step
     DrainOptions.every selects, or skipped for a newer one), or the drain's error; ``replicated``
     with True once this node's files of the step are on its replica peers (ReplicationOptions),
@@ -48,7 +51,8 @@ class SaveHandle:
         nbytes: bytes this rank writes for it.
         skipped: True when the save was dropped (``StagingOptions(if_busy="skip")``).
         staged: completes when the host copy is done.
-        committed: completes when the step is committed on the local tier.
+        committed: completes when the step is committed on the local tier (or, to memory only, in memory).
+        persisted: True once committed on the local tier, False for a save to memory only.
         drained: True once committed on the remote tier, else False (or the drain's error).
         replicated: True once this node's files are on its replica peers, else False.
         timings: seconds per stage (above).
@@ -62,10 +66,12 @@ class SaveHandle:
         self.committed: Future[None] = Future()
         self.drained: Future[bool] = Future()
         self.replicated: Future[bool] = Future()
+        self.persisted: Future[bool] = Future()
         self.timings: dict[str, float] = {}
         if skipped:
             self.staged.set_result(None)
             self.committed.set_result(None)
+            self.persisted.set_result(False)
             self.drained.set_result(False)
             self.replicated.set_result(False)
 
@@ -96,6 +102,8 @@ class PendingSave:
     ready: torch.cuda.Event | None = None  # recorded on the training stream at save()
     eager_staged: threading.Event = field(default_factory=threading.Event)
     pack: PackWriter | None = None
+    persist: bool = True  # written to the node-local directory too (False: to the memory tier only)
+    slot: SlotPool | None = None  # the memory tier's slot it stages into (None: the ring pool)
     checksums: dict[str, dict[str, int]] = field(default_factory=dict)
     error: BaseException | None = None
     _pending: int = 1  # outstanding writes, plus one while staging runs

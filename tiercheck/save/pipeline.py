@@ -26,6 +26,7 @@ from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
 from tiercheck.save.handle import PendingSave, WriteRequest
 from tiercheck.save.plan import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes, stamp_reference_map
+from tiercheck.state.memory_slots import MemorySlots, SlotPool
 from tiercheck.state.staging import HostPool, Region, chunk_views, copy_pieces, set_copy_threads
 from tiercheck.tiers.local import LocalTier
 
@@ -44,9 +45,13 @@ class Pipeline:
         own_dir: bool,
         commit: Callable[[PendingSave], None],
         on_commit: Callable[[PendingSave], None],
+        memory: MemorySlots | None = None,
     ) -> None:
         self.tier = tier
         self.pool = pool
+        self.memory = memory  # the memory tier's slots: each save stages into one, as its pack's image
+        if memory is not None:
+            memory.pin = pool.pin_memory  # page-locked where the pool would be: where CUDA tensors are staged
         self.max_host_bytes = max_host_bytes
         self.own_dir = own_dir  # no other rank writes into this tier
         self.commit = commit  # publishes a written save (or reports its failure) and waits for the other ranks
@@ -107,7 +112,8 @@ class Pipeline:
             )
             self._fail(job, error)
             job.eager_staged.set()
-            for fut in (job.handle.staged, job.handle.committed, job.handle.drained, job.handle.replicated):
+            h = job.handle
+            for fut in (h.staged, h.committed, h.persisted, h.drained, h.replicated):
                 with contextlib.suppress(InvalidStateError):  # done meanwhile
                     fut.set_exception(error)
         self._io.shutdown(wait=False, cancel_futures=True)
@@ -142,11 +148,13 @@ class Pipeline:
     def _stage(self, job: PendingSave) -> None:
         job.t_stage0 = time.perf_counter()
         plan, d = job.plan, step_dir(job.step)
-        if self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
+        if not job.persist:
+            pass  # to the memory tier only: the node-local directory is not written
+        elif self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
             raise StepExistsError(
                 f"step {job.step} is already committed in {self.tier.url}; a save never overwrites it"
             )
-        if self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
+        elif self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
             log.warning("removing partial step %d from %s (left by a failed save) before saving it again", job.step,
                         self.tier.url)  # fmt: skip
             self.tier.delete_tree(d)
@@ -155,14 +163,21 @@ class Pipeline:
         if leaf_placement(job.leaves) != plan.placement:  # same shapes, moved or re-strided since the plan
             runs = plan_runs(job.leaves, eager, lazy, RUN_BYTES)
             need = runs_bytes(runs)
-        bound = self.max_host_bytes
-        self.pool.reserve(need if bound is None else min(need, bound))
-        if self.pool.capacity < need:  # bounded below one snapshot: runs of half the pool at most
-            runs = plan_runs(job.leaves, eager, lazy, self.pool.capacity // 2)
+        if self.memory is not None:  # the pack's image, each run at its place in it
+            job.slot = self.memory.take(job.step, max((t.offset + t.nbytes + CHECKSUM_BYTES for t in plan.tasks),
+                                                      default=0))  # fmt: skip
+        else:
+            bound = self.max_host_bytes
+            self.pool.reserve(need if bound is None else min(need, bound))
+            if self.pool.capacity < need:  # bounded below one snapshot: runs of half the pool at most
+                runs = plan_runs(job.leaves, eager, lazy, self.pool.capacity // 2)
         if plan.refs:
             refs = stamp_reference_map(plan.refs, step=job.step, save=job.save_id)
-            self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[refs]))
-        if plan.tasks:
+            if self.memory is not None:
+                self.memory.root.write(f"{d}/{refs_file(plan.rank)}", [refs])
+            if job.persist:
+                self._submit_write(job, WriteRequest(f"{d}/{refs_file(plan.rank)}", parts=[refs]))
+        if plan.tasks and job.persist:
             job.pack = self.tier.open_pack(f"{d}/{pack_file(plan.rank)}")
         events: list[torch.cuda.Event] = []
         on_device: list[Run] = []  # lazy runs copied on a side stream: checked once their copies are done
@@ -203,7 +218,11 @@ class Pipeline:
         CUDA once the copy has ended, in ``_stage``): a change fails the save, and bytes copied
         from a changed tensor are never written."""
         stream = self._stream_for(job.leaves[run.tasks[0].leaf].tensor, job)
-        region = self.pool.acquire(run.lead + run.nbytes)
+        pool = self._pool_of(job)
+        if job.slot is not None:
+            region = job.slot.region(run.offset - run.lead, run.lead + run.nbytes)
+        else:
+            region = self.pool.acquire(run.lead + run.nbytes)
         try:
             error = job.changed(run.tasks, copying=False) if lazy else None
             if error is None:
@@ -212,10 +231,10 @@ class Pipeline:
                 if lazy and stream is None:
                     error = job.changed(run.tasks, copying=True)
         except BaseException:
-            self.pool.release(region)
+            pool.release(region)
             raise
         if error is not None:
-            self.pool.release(region)
+            pool.release(region)
             self._fail(job, error)
             return None
         event = None
@@ -230,12 +249,13 @@ class Pipeline:
         ``region``; alignment gaps between chunks are zeroed (the pool's memory is reused)."""
         outs, pieces = [], []
         end = run.lead
+        pool = self._pool_of(job)
         for t in run.tasks:
             at = run.at(t)
             if at > end:
-                self.pool.view(region, at - end, end).zero_()
+                pool.view(region, at - end, end).zero_()
             src = job.leaves[t.leaf].tensor
-            dst = self.pool.view(region, t.nbytes, at)
+            dst = pool.view(region, t.nbytes, at)
             piece = as_bytes(src, t)
             if piece is not None:
                 outs.append(dst)
@@ -246,6 +266,9 @@ class Pipeline:
                 pieces.append(piece)
             end = at + t.nbytes + CHECKSUM_BYTES
         return outs, pieces
+
+    def _pool_of(self, job: PendingSave) -> HostPool | SlotPool:
+        return self.pool if job.slot is None else job.slot
 
     def _stream_for(self, src: torch.Tensor, job: PendingSave) -> torch.cuda.Stream | None:
         if src.device.type != "cuda":
@@ -283,14 +306,14 @@ class Pipeline:
                 run, region = write.staged
                 if write.event is not None:
                     write.event.synchronize()
-                staged = memoryview(self.pool.view(region, run.nbytes, run.lead).numpy())  # type: ignore[arg-type]
+                staged = memoryview(self._pool_of(job).view(region, run.nbytes, run.lead).numpy())  # type: ignore[arg-type]
                 crcs = []
                 for task in run.tasks:
                     at = task.offset - run.offset
                     crcs.append(checksum(staged[at : at + task.nbytes]))
                     staged[at + task.nbytes : at + task.nbytes + CHECKSUM_BYTES] = checksum_trailer(crcs[-1])
-                assert job.pack is not None
-                job.pack.write_at(run.offset, [staged])  # the pack's bytes from the run's first chunk on
+                if job.pack is not None:  # None: a save to the memory tier only, whose slot is its pack
+                    job.pack.write_at(run.offset, [staged])  # the pack's bytes from the run's first chunk on
                 with job._lock:
                     for task, crc in zip(run.tasks, crcs, strict=True):
                         job.checksums.setdefault(task.path, {})[task.chunk.key] = crc
@@ -299,7 +322,7 @@ class Pipeline:
             self._fail(job, e)
         finally:
             if write.staged is not None:
-                self.pool.release(write.staged[1])
+                self._pool_of(job).release(write.staged[1])
             self._done_one(job)
 
     def _fail(self, job: PendingSave, e: BaseException) -> None:
@@ -331,7 +354,7 @@ class Pipeline:
         them. A step with a commit marker, or a newer save of the same step, is never touched."""
         step = job.step
         with self._inflight_lock:  # held throughout: a save of this step submitted now waits
-            if not self.own_dir or self._inflight.get(step) is not job:
+            if not self.own_dir or not job.persist or self._inflight.get(step) is not job:
                 return
             try:
                 if not self.tier.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
@@ -357,7 +380,7 @@ class Pipeline:
             log.info(
                 "step %d committed to %s: %.1f MiB, durable after %.3f s (stage %.3f s, persist %.3f s)",
                 job.step,
-                self.tier.url,
+                self.tier.url if job.persist else "the memory tier",
                 h.nbytes / 2**20,
                 h.timings["durable_s"],
                 h.timings.get("stage_s", 0.0),
@@ -366,6 +389,11 @@ class Pipeline:
             if h.committed.done():  # abandoned at exit meanwhile (see close)
                 return
             h.committed.set_result(None)  # before retention: the step is durable, deletions can wait
+            h.persisted.set_result(job.persist)
+            if not job.persist:  # in the memory tier only: neither replicated nor drained
+                h.replicated.set_result(False)
+                h.drained.set_result(False)
+                return
             try:
                 self.on_commit(job)
             except Exception:  # retention trouble must not turn a committed save into a failed one
@@ -377,7 +405,7 @@ class Pipeline:
             self._remove_partial(job)
             if not h.staged.done():
                 h.staged.set_exception(e)
-            for fut in (h.committed, h.drained, h.replicated):  # a failed save is neither drained nor replicated
+            for fut in (h.committed, h.persisted, h.drained, h.replicated):  # a failed save goes nowhere
                 if not fut.done():
                     fut.set_exception(e)
         finally:

@@ -333,9 +333,11 @@ def pack_plan(
     signature: tuple[Any, ...],
     rank: int,
     root_doc: bool,
+    align: int = 1,
 ) -> PackPlan:
     """This rank's part of the save plan: its chunks in copy order, eager leaves first, each at
-    its place in the rank's pack (in that order; big chunks block-aligned, for direct I/O), and
+    its place in the rank's pack (in that order; big chunks block-aligned, for direct I/O, the others
+    at a multiple of ``align``: ``RUN_ALIGN`` where a slot of the memory tier stages the pack's image), and
     its reference map (its chunks, and the zarr documents of the arrays it coordinates; the
     step's own group with ``root_doc``)."""
     eager: list[ChunkTask] = []
@@ -347,8 +349,7 @@ def pack_plan(
         (lazy if leaf.lazy else eager).append(task)
     tasks, end = [], 0
     for task in eager + lazy:
-        if task.nbytes >= DIRECT_MIN_BYTES:
-            end = align_up(end)
+        end = align_up(end) if task.nbytes >= DIRECT_MIN_BYTES else -(-end // align) * align
         tasks.append(replace(task, offset=end))
         end += task.nbytes + CHECKSUM_BYTES
     runs = plan_runs(leaves, tasks[: len(eager)], tasks[len(eager) :], RUN_BYTES)
@@ -460,6 +461,7 @@ class Planner:
     def __init__(self, coord: Coordinator, *, rank: int, world_size: int, root_doc: bool, target_chunk_bytes: int):
         self.coord, self.rank, self.world_size, self.root_doc = coord, rank, world_size, root_doc
         self.target_chunk_bytes = target_chunk_bytes
+        self.align = 1  # chunks' alignment in the pack (see pack_plan)
         self.plan: PackPlan | None = None
         self.made = 0  # plans made so far (each a collective round, named by its number)
 
@@ -482,17 +484,17 @@ class Planner:
         descs = leaf_descs(leaves)
         if self.plan is not None and self.plan.signature == descs:
             return self.plan
-        target = self.target_chunk_bytes
-        save_plan = drive(self.coord, plan_save(self.coord, self.made, descs, target_chunk_bytes=target))
+        planned = drive(self.coord, plan_save(self.coord, self.made, descs, target_chunk_bytes=self.target_chunk_bytes))
         self.made += 1
-        self.plan = pack_plan(leaves, save_plan, signature=descs, rank=self.rank, root_doc=self.root_doc)
+        self.plan = pack_plan(leaves, planned, signature=descs, rank=self.rank, root_doc=self.root_doc,
+                              align=self.align)  # fmt: skip
         if self.world_size > 1:
             log.info(
                 "rank %d: save plan: this rank writes %.1f MiB of the %d arrays it holds, coordinates %d",
                 self.rank,
-                save_plan.nbytes / 2**20,
-                len(save_plan.records),
-                len(save_plan.shard),
+                planned.nbytes / 2**20,
+                len(planned.records),
+                len(planned.shard),
             )
         return self.plan
 

@@ -37,6 +37,7 @@ class RankOutcome:
     error: BaseException | None = None  # why this rank cannot commit, if it cannot
     metadata: JSON = None  # the caller's, as rank 0 saved it
     library_version: str
+    vote: str = "save"  # names the vote's store keys: a save committed to two tiers votes twice
 
 
 def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
@@ -52,7 +53,7 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     coord, tier, nodes = job.coord, job.tier, job.nodes
     step, part, shard, owners, error = outcome.step, outcome.part, outcome.shard, outcome.owners, outcome.error
     rank, world = coord.rank, coord.world_size
-    name = f"save/{step}/{outcome.attempt}"
+    name = f"{outcome.vote}/{step}/{outcome.attempt}"
     decided = coord.key(name, "outcome")
     if error is None:
         try:
@@ -111,10 +112,10 @@ def _verdict(coord: Coordinator, key: str, what: str) -> Exchange[str]:
     return coord.get(key).decode()
 
 
-def commit_job(job: Job, save: PendingSave, *, library_version: str) -> None:
-    """Commit a save the pipeline has written (or failed to): this rank's manifest parts, then
-    ``commit_save`` with the other ranks. Runs on the commit thread, on its own store connection
-    (``job.coord``)."""
+def commit_job(job: Job, save: PendingSave, *, library_version: str, vote: str = "save") -> None:
+    """Commit a save the pipeline has written (or failed to) to ``job.tier``: this rank's manifest
+    parts, then ``commit_save`` with the other ranks. Runs on the commit thread, on its own store
+    connection (``job.coord``). The memory tier's commit is a vote of its own (``vote``)."""
     error = save.error
     part, shard, owners = b"", None, None
     if error is None:
@@ -132,5 +133,6 @@ def commit_job(job: Job, save: PendingSave, *, library_version: str) -> None:
         error=error,
         metadata=save.metadata,
         library_version=library_version,
+        vote=vote,
     )
     drive(job.coord, commit_save(job, outcome))

@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,21 +48,12 @@ def pool_dir(options: MemoryOptions, local: str) -> Path:
     return Path(os.fspath(options.path)) / digest
 
 
-def pool_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank-{rank:06d}.pool"
-
-
 @dataclass(frozen=True, slots=True)
 class MemoryTier:
-    """A Checkpointer's memory tier: its options and the directory of its ranks' pool files."""
+    """A Checkpointer's memory tier: its options and its directory (``state.memory_slots``)."""
 
     options: MemoryOptions
     directory: Path
-
-    def allocator(self, rank: int) -> Callable[[int, bool], torch.Tensor]:
-        """The ``HostPool`` allocation that maps ``rank``'s pool file."""
-        path = pool_file(self.directory, rank)
-        return lambda nbytes, pin: mapped_empty(path, nbytes, pin=pin)
 
 
 def start(

@@ -114,13 +114,9 @@ class Region:
     freed: bool = field(default=False)
 
 
-Allocate = Callable[[int, bool], torch.Tensor]  # (bytes, page-lock) -> uint8 memory starting on a page
-
-
 class HostPool:
-    def __init__(self, *, pin_memory: bool, allocate: Allocate | None = None) -> None:
+    def __init__(self, *, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self._allocate = allocate  # where its memory comes from (the memory tier's file); None: this process's
         self._buf: torch.Tensor | None = None
         self._cond = threading.Condition()
         self._live: deque[Region] = deque()
@@ -145,12 +141,12 @@ class HostPool:
 
     @classmethod
     def for_tensors(
-        cls, tensors: Iterable[torch.Tensor], pin_memory: bool | None, allocate: Allocate | None = None
+        cls, tensors: Iterable[torch.Tensor], pin_memory: bool | None
     ) -> HostPool:
         """A pool for staging ``tensors``: page-locked as ``pin_memory`` says (None: where any is on a
-        GPU), its memory from ``allocate`` where given."""
+        GPU)."""
         pin = any(t.is_cuda for t in tensors) if pin_memory is None else pin_memory
-        return cls(pin_memory=pin, allocate=allocate)
+        return cls(pin_memory=pin)
 
     def stats(self) -> dict[str, int | bool]:
         """``Checkpointer.stats()``'s ``pool_*`` entries (``NO_POOL`` before a pool exists)."""
@@ -172,14 +168,9 @@ class HostPool:
                 return
             self._cond.wait_for(lambda: not self._live)
             self._buf = None  # free the old buffer before allocating the new one
-            if self._allocate is not None:
-                self._buf = self._allocate(capacity, self.pin_memory)
-            else:
-                self._buf = pinned_empty(capacity) if self.pin_memory else aligned_empty(capacity)
+            self._buf = pinned_empty(capacity) if self.pin_memory else aligned_empty(capacity)
             self.allocations += 1
-            # page-locked memory is resident already; so is a reserved tmpfs file, whose bytes (the
-            # snapshot a crashed run left) touching would zero
-            self.touched = capacity if self.pin_memory or self._allocate is not None else 0
+            self.touched = capacity if self.pin_memory else 0  # page-locked memory is resident already
             if touch is not None:
                 for start in range(self.touched, capacity, TOUCH_BYTES):
                     if touch.is_set():

@@ -1,0 +1,186 @@
+"""The memory tier at run time: commit to memory, restore from it, persist what a crash left there.
+
+The memory tier is a directory of the usual format on a tmpfs (``state.memory_slots``), so the
+steps in it are committed by the save's vote (a vote of its own, before the local one) and read by
+the usual restore. What this module adds is the choice between tiers, made alike on every rank:
+
+* A restore reads the memory tier when the newest step whole in the memory of every node is at
+  least as new as the newest step the local and remote tiers offer (or is the step asked for). It
+  reads it all or nothing; where the memory copy turns out damaged or incomplete, the restore falls
+  back to the local and remote tiers, as if the memory held nothing.
+* A memory step belongs to the lineage of the node-local directory it was saved for (invariants
+  11 and 13): a memory directory whose owner is not that lineage is never restored, and is
+  withdrawn, with a warning, before this run saves.
+* A step restored from memory that the local tier lacks is persisted there (and drained, by
+  policy) by the run that restored it: nothing a crash interrupted is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any
+
+from tiercheck.cluster.coordination import drive
+from tiercheck.cluster.job import Job
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.format.lineage import read_lineage
+from tiercheck.format.steps import list_steps
+from tiercheck.restore.agree import agree_on_step, remote_steps
+from tiercheck.restore.protocol import Restored, RestoreRequest, restore_state
+from tiercheck.save.handle import PendingSave
+from tiercheck.save.vote import commit_job
+from tiercheck.state.memory_pool import MemoryTier
+from tiercheck.state.memory_slots import MemorySlots
+from tiercheck.tiering.manager import TierManager
+from tiercheck.tiering.retention import LocalSteps
+from tiercheck.tiering.transfer import copy_step
+
+log = logging.getLogger("tiercheck")
+
+OWNER_FILE = "OWNER"  # in the memory directory: the lineage its steps belong to
+
+
+class Memory:
+    """A Checkpointer's memory tier: its slots, and the job as the memory tier sees it."""
+
+    def __init__(self, tier: MemoryTier, job: Job, *, pin: bool = False) -> None:
+        self.options = tier.options
+        self.local_job = job
+        self.slots = MemorySlots(tier, job.coord.rank, pin=pin)
+        self.job = replace(job, tier=self.slots.root, remote=None)
+        self.leader = job.nodes.leader == job.coord.rank
+
+    def held(self) -> int:
+        """Bytes of memory this rank's slots hold (``stats()``'s ``memory_held_bytes``)."""
+        return self.slots.held()
+
+    def persists(self, step: int) -> bool:
+        """Whether the save of ``step`` goes to the local tier too (``MemoryOptions.persist_every``)."""
+        return step % self.options.persist_every == 0
+
+    # ---------------------------------------------------------------------------------- saving
+
+    def commit(self, job: Job, save: PendingSave, *, library_version: str) -> None:
+        """The memory tier's vote for ``save`` (``job``: the commit thread's, for its store connection).
+        Its slot is released either way; a failure is the save's (raised)."""
+        try:
+            commit_job(replace(self.job, coord=job.coord), save, library_version=library_version, vote="memory")
+        except BaseException:
+            self.slots.done(save.step, committed=False)
+            raise
+        self.slots.done(save.step, committed=True)
+        if self.leader:
+            self._own()
+
+    def _own(self) -> None:
+        """Name the lineage the memory's steps belong to: the local directory's."""
+        try:
+            lineage = read_lineage(self.local_job.tier)
+        except (OSError, TiercheckError):
+            lineage = None
+        owner = lineage.id if lineage is not None else ""
+        if self._owner() != owner:
+            self.slots.root.publish(OWNER_FILE, owner.encode())
+
+    def _owner(self) -> str | None:
+        try:
+            return self.slots.root.read_bytes(OWNER_FILE)[:256].decode("ascii", "replace")
+        except FileNotFoundError:
+            return None
+
+    # ------------------------------------------------------------------------------- restoring
+
+    def owned(self) -> bool:
+        """Whether the memory's steps are this local directory's lineage (never restored otherwise)."""
+        steps = list_steps(self.slots.root).committed
+        if not steps:
+            return True
+        try:
+            lineage = read_lineage(self.local_job.tier)
+        except (OSError, TiercheckError):
+            lineage = None
+        mine = lineage.id if lineage is not None else None
+        if mine is not None and self._owner() == mine:
+            return True
+        log.warning(
+            "the memory tier at %s holds step(s) %s of %s, not of this directory's lineage (%s): not restored; "
+            "withdrawn",
+            self.slots.root.url,
+            steps,
+            f"lineage {self._owner()}" if self._owner() else "an unknown lineage",
+            mine or "none yet",
+        )
+        if self.leader:
+            for step in steps:
+                self.slots.withdraw(step)
+        return False
+
+    def restore(self, state: Mapping[str, Any], request: RestoreRequest, name: str) -> Restored | None:
+        """Restore from the memory tier where it holds the step to restore (see the module's
+        docstring); None where the other tiers are to be read. Every rank calls it together."""
+        coord = self.job.coord
+        # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
+        mem = self._choose(f"{name}/memory", request.step if self.owned() else -1)
+        if mem is None:
+            return None
+        if request.step is None:
+            local, remote = self.local_job.tier, self.local_job.remote
+            disk = drive(coord, agree_on_step(self.local_job, f"{name}/disk", requested=None,
+                                              remote_steps=lambda: remote_steps(remote, local))).step  # fmt: skip
+            if disk is not None and disk > mem:
+                return None
+        try:
+            done = restore_state(state, self.job, replace(request, step=mem, in_place=False), name=f"{name}/m")
+        except PartlyRestoredError:
+            raise
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            if coord.rank == 0:
+                log.warning("cannot restore step %d from the memory tier, reading the other tiers: %s", mem, e)
+            return None
+        if done is not None:
+            log.info("restored step %d from the memory tier at %s", done.step, self.slots.root.url)
+        return done
+
+    def _choose(self, name: str, requested: int | None) -> int | None:
+        """The step every rank would restore from memory (None: none, or not the one asked for)."""
+        try:
+            return drive(self.job.coord, agree_on_step(self.job, name, requested=requested, remote_steps=list)).step
+        except CheckpointNotFoundError:
+            return None
+
+    def after_restore(self, step: int, *, from_memory: bool, local: LocalSteps, tiers: TierManager) -> None:
+        """Memory steps newer than the restored one belong to a future this run abandoned: withdrawn.
+        A step restored from memory that the local tier lacks is persisted there (this node's
+        ranks' files) and drained by policy."""
+        if not self.leader:
+            return
+        for s in list_steps(self.slots.root).committed:
+            if s > step:
+                log.info("withdrawing step %d from the memory tier: the restore went back to step %d", s, step)
+                self.slots.withdraw(s)
+        if from_memory and step not in list_steps(self.local_job.tier).committed:
+            self.persist(step, local=local, tiers=tiers)
+
+    def persist(self, step: int, *, local: LocalSteps, tiers: TierManager) -> None:
+        """Copy this node's files of memory step ``step`` to the local tier, committed there."""
+        nodes = self.local_job.nodes
+        copy_step(self.slots.root, self.local_job.tier, step, ranks=set(nodes.ranks))
+        local.add(step)
+        local.whole(step)
+        tiers.committed(step, Future(), Future())
+        log.info("persisted step %d from the memory tier to %s", step, self.local_job.tier.url)
+
+    def close(self, *, local: LocalSteps, tiers: TierManager) -> None:
+        """At a clean close: the newest memory step not on the local tier is persisted there."""
+        if not self.leader:
+            return
+        committed = list_steps(self.slots.root).committed
+        if committed and committed[-1] not in list_steps(self.local_job.tier).committed:
+            try:
+                self.persist(committed[-1], local=local, tiers=tiers)
+            except (OSError, TiercheckError) as e:
+                log.error("could not persist step %d from the memory tier at close (it stays there): %s",
+                          committed[-1], e)  # fmt: skip

@@ -1,0 +1,174 @@
+"""The memory tier's slots: where a save stages when the memory tier is on, and how a staged save
+becomes a step of the memory tier without a copy.
+
+A rank has ``MemoryOptions.slots`` slot files, ``<memory dir>/slots/rank-NNNNNN.K``, each mapped
+shared for the life of the process. A save takes one slot and stages into it each chunk at its
+place in the rank's pack (the pack's own image, checksum trailers included), then the slot is
+hard-linked into the memory tier's step directory as that rank's pack: the memory tier is a
+directory of the same format as the node-local one, on a tmpfs, committed by the same vote, read by
+the same restore. A hard link, not a rename: the slot keeps its own name, so withdrawing a step
+(deleting its directory) never loses the slot.
+
+The order that keeps a crash at any instant from restoring a torn slot (invariant 13): a slot is
+taken only once the step it held is withdrawn (its commit marker deleted first, then its
+directory), and its new step is committed only after every byte is staged and checksummed. The
+slot of the newest committed memory step is never taken: with two slots, the next save stages
+into the other one, or waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiercheck.errors import MemoryTierError
+from tiercheck.format.paths import COMMIT_FILE, pack_file, step_dir
+from tiercheck.format.steps import list_steps
+from tiercheck.state.memory_pool import MemoryTier, mapped_empty
+from tiercheck.state.staging import ALIGN, Region, align_up
+from tiercheck.tiers.local import LocalTier
+
+log = logging.getLogger("tiercheck")
+
+SLOTS_DIR = "slots"
+
+
+class SlotPool:
+    """One save's staging memory: its slot, where each run lands at its place in the pack (the
+    pipeline's pool interface, without a ring: nothing is reused within a save)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.numel()
+
+    def region(self, offset: int, nbytes: int) -> Region:
+        """The region from ``offset`` in the slot (a run's place in the pack, less its lead)."""
+        if offset < 0 or offset + nbytes > self.capacity:
+            where = f"a run at {offset:,} of {nbytes:,} bytes"
+            raise MemoryTierError(0, f"{where} is outside the {self.capacity:,}-byte slot of the memory tier")
+        return Region(offset, nbytes)
+
+    def view(self, region: Region, nbytes: int, start: int = 0) -> torch.Tensor:
+        return self._buf[region.offset + start : region.offset + start + nbytes]
+
+    def release(self, region: Region) -> None:
+        region.freed = True  # the slot holds the bytes: they are the memory step's
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    path: Path
+    buf: torch.Tensor | None = None
+    step: int | None = None  # the memory step whose pack is this slot (committed, or being saved)
+    busy: bool = False  # a save in flight stages into it
+
+
+class MemorySlots:
+    """One rank's slots, and its part of the memory tier's steps (``root``: the memory directory)."""
+
+    def __init__(self, memory: MemoryTier, rank: int, *, pin: bool = False) -> None:
+        self.rank = rank
+        self.pin = pin
+        self.root = LocalTier(memory.directory, fsync=False)  # a tmpfs: nothing to make durable
+        self.root.create()
+        slots_dir = memory.directory / SLOTS_DIR
+        self.slots = [Slot(k, slots_dir / f"rank-{rank:06d}.{k}") for k in range(memory.options.slots)]
+        self._cond = threading.Condition()
+        self.newest: int | None = None  # the newest memory step committed (by this run or the last)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Learn which committed memory step each of this rank's slot files holds (a run before
+        this one saved them): those are what a restart may restore, and the newest stays intact."""
+        by_inode = {}
+        for slot in self.slots:
+            try:
+                by_inode[os.stat(slot.path).st_ino] = slot
+            except FileNotFoundError:
+                continue
+        for step in list_steps(self.root).committed:
+            try:
+                inode = os.stat(self.root.local_path / step_dir(step) / pack_file(self.rank)).st_ino
+            except FileNotFoundError:
+                continue
+            if inode in by_inode:
+                by_inode[inode].step = step
+                self.newest = step if self.newest is None else max(self.newest, step)
+
+    def _free(self) -> Slot | None:
+        """The slot a new save may take: one holding no step, else the one of the oldest step that
+        is neither in flight nor the newest committed."""
+        idle = [s for s in self.slots if not s.busy and (s.step is None or s.step != self.newest)]
+        if not idle:
+            return None
+        return min(idle, key=lambda s: (s.step is not None, -1 if s.step is None else s.step))
+
+    def take(self, step: int, nbytes: int) -> SlotPool:
+        """A slot of at least ``nbytes`` for the save of ``step``, linked into the memory tier as
+        this rank's pack of it; waits while every slot is in flight or holds the newest step."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free() is not None)
+            slot = self._free()
+            assert slot is not None
+            slot.busy = True
+            old, slot.step = slot.step, None
+        try:
+            if old is not None:
+                self.withdraw(old)
+            self.withdraw(step)  # an uncommitted try of this step, or a memory step of an abandoned future
+            capacity = align_up(max(nbytes, ALIGN))
+            if slot.buf is None or slot.buf.numel() < capacity:
+                slot.buf = None  # unmap before mapping again at the new size
+                slot.buf = mapped_empty(slot.path, capacity, pin=self.pin)
+            target = self.root.local_path / step_dir(step) / pack_file(self.rank)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            os.link(slot.path, target)
+            slot.step = step
+            return SlotPool(slot.buf)
+        except BaseException:
+            with self._cond:
+                slot.busy = False
+                self._cond.notify_all()
+            raise
+
+    def withdraw(self, step: int) -> None:
+        """Remove a memory step: its commit marker first, then the rest (the slots stay)."""
+        self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
+        self.root.delete_tree(step_dir(step))
+        with self._cond:
+            if self.newest == step:
+                self.newest = None
+
+    def done(self, step: int, *, committed: bool) -> None:
+        """The save of ``step`` committed to memory, or failed (its memory step withdrawn)."""
+        if not committed:
+            self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
+            self.root.delete(f"{step_dir(step)}/{pack_file(self.rank)}")
+        with self._cond:
+            for slot in self.slots:
+                if slot.step == step:
+                    slot.busy = False
+                    if not committed:
+                        slot.step = None
+            if committed:
+                self.newest = step if self.newest is None else max(self.newest, step)
+            self._cond.notify_all()
+
+    def held(self) -> int:
+        """Bytes this rank's slots hold mapped."""
+        return sum(s.buf.numel() for s in self.slots if s.buf is not None)
+
+    def steps(self) -> list[int]:
+        """The memory steps this rank's slots hold, oldest first."""
+        with self._cond:
+            return sorted(s.step for s in self.slots if s.step is not None and not s.busy)
