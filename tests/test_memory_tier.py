@@ -1,5 +1,6 @@
-"""The memory tier's foundation: the staging pool mapped from a file on a real tmpfs, that outlives
-the process, and the memory bound checked at start (invariant 13: never a SIGBUS later)."""
+"""The memory tier, on a real tmpfs, with real processes killed: saves committed to memory, a restart
+from memory, the fallbacks, its lineage, and the memory bound checked at start (invariant 13: never a
+SIGBUS later, never a torn slot restored)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +22,10 @@ import tiercheck
 from tests.conftest import assert_identical
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
 from tiercheck.errors import InvalidArgumentError
-from tiercheck.state import memory_pool, staging
+from tiercheck.format.paths import pack_file, step_dir
+from tiercheck.format.steps import list_steps
+from tiercheck.state import memory_pool
+from tiercheck.tiers.local import LocalTier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,8 +59,44 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(512, 1024, generator=g), "b": torch.randint(0, 1 << 30, (4096,), generator=g)}
 
 
-def _pool_file(shm: Path, local: Path, rank: int = 0) -> Path:
-    return memory_pool.pool_file(memory_pool.pool_dir(MemoryOptions(path=shm), os.path.abspath(local)), rank)
+def _memory_dir(shm: Path, local: Path) -> Path:
+    return memory_pool.pool_dir(MemoryOptions(path=shm), os.path.abspath(local))
+
+
+def _run_child(code: str, *, kill_on: str | None = None) -> str:
+    """Run ``code`` in a fresh interpreter; with ``kill_on``, SIGKILL it once it prints that line
+    (a crash at that point), else it must SIGKILL itself. Returns what it printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = []
+    with subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            for line in proc.stdout:
+                out.append(line)
+                if kill_on is not None and line.strip() == kill_on:
+                    proc.kill()
+                    break
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+        stderr = proc.stderr.read()
+    assert proc.returncode == -signal.SIGKILL, stderr
+    return "".join(out)
+
+
+_CHILD = """
+    import os, signal
+    from tests.test_memory_tier import _state
+    from tiercheck import Checkpointer, MemoryOptions, StagingOptions
+    state = _state(0)
+    ck = Checkpointer(state, local={local!r}, memory=MemoryOptions(path={shm!r}, persist_every={every}),
+                      staging=StagingOptions(mode="eager"))
+    for step in {steps!r}:
+        for k, v in _state(step).items():
+            state[k].copy_(v)
+        ck.save(step).wait()
+"""
 
 
 def test_save_and_restore_with_memory_are_bit_identical(shm: Path, tmp_path: Path) -> None:
@@ -72,62 +111,131 @@ def test_save_and_restore_with_memory_are_bit_identical(shm: Path, tmp_path: Pat
     assert_identical(tiercheck.load(tmp_path / "ckpt"), state)
 
 
-def test_the_staged_snapshot_is_in_the_pool_file(shm: Path, tmp_path: Path) -> None:
-    state = _state(1)
+def test_a_save_to_memory_only_is_committed_there_and_its_pack_is_the_slot(shm: Path, tmp_path: Path) -> None:
+    state, local = _state(1), tmp_path / "ckpt"
+    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=2)) as ck:
+        h1, h2 = ck.save(1), ck.save(2)
+        h1.wait(), h2.wait()
+        assert (h1.persisted.result(), h1.drained.result(), h1.replicated.result()) == (False, False, False)
+        assert h2.persisted.result() is True
+        assert ck.steps() == [2], "a save to memory only writes nothing to the local directory"
+        held = ck.stats()["memory_held_bytes"]
+        pack = _memory_dir(shm, local) / step_dir(1) / pack_file(0)
+        slot = os.stat(pack)
+        assert slot.st_nlink == 2, "the memory step's pack is a link to a slot: no second copy"
+        assert (slot.st_ino, slot.st_size) in {(p.stat().st_ino, p.stat().st_size) for p in (pack.parents[2] / "slots").iterdir()}
+        assert held == 2 * slot.st_size > 0, "two slots, each the pack's size"
+        assert state["w"].numpy().tobytes() in pack.read_bytes()
+        assert list_steps(LocalTier(_memory_dir(shm, local))).committed == [1, 2]
+
+
+def test_slots_are_reused_and_the_newest_memory_step_stays(shm: Path, tmp_path: Path) -> None:
     local = tmp_path / "ckpt"
-    opts = StagingOptions(prefault=False)
-    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm), staging=opts) as ck:
-        ck.save(1).wait()
-        capacity = ck.stats()["pool_capacity_bytes"]
-    path = _pool_file(shm, local)
-    assert path.stat().st_size == capacity > 0
-    data = path.read_bytes()
-    assert state["w"].numpy().tobytes() in data, "the snapshot save() staged is the file's bytes: no second copy"
-    assert state["b"].numpy().tobytes() in data
+    with Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        inodes = []
+        for step in range(1, 6):
+            ck.save(step).wait()
+            inodes.append({p.stat().st_ino for p in (_memory_dir(shm, local) / "slots").iterdir()})
+        assert list_steps(LocalTier(_memory_dir(shm, local))).committed == [4, 5]
+    assert all(i == inodes[-1] for i in inodes[1:]) and len(inodes[-1]) == 2, "two slot files, mapped once"
 
 
-def test_a_new_checkpointer_maps_the_same_file_again(shm: Path, tmp_path: Path) -> None:
-    local = tmp_path / "ckpt"
-    opts = StagingOptions(prefault=False)
-    with Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm), staging=opts) as ck:
-        ck.save(1).wait()
-    path = _pool_file(shm, local)
-    before = path.stat()
-    with Checkpointer(_state(2), local=local, memory=MemoryOptions(path=shm), staging=opts) as ck:
-        ck.save(2).wait()
-    after = path.stat()
-    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
-    assert _state(2)["w"].numpy().tobytes() in path.read_bytes()
-    assert [p.name for p in path.parent.iterdir()] == ["rank-000000.pool"]
-
-
-def test_without_memory_no_pool_file_is_made(shm: Path, tmp_path: Path) -> None:
+def test_without_memory_nothing_is_made_on_the_tmpfs(shm: Path, tmp_path: Path) -> None:
     with Checkpointer(_state(), local=tmp_path / "ckpt") as ck:
         ck.save(1).wait()
     assert not shm.exists()
 
 
-def test_the_pool_file_outlives_a_killed_process(shm: Path, tmp_path: Path) -> None:
+def test_a_killed_process_restarts_from_memory_bit_identical(shm: Path, tmp_path: Path) -> None:
     local = tmp_path / "ckpt"
-    child = textwrap.dedent(f"""
-        import os, signal
-        import torch
-        from tests.test_memory_tier import _state
-        from tiercheck import Checkpointer, MemoryOptions, StagingOptions
-        ck = Checkpointer(_state(3), local={str(local)!r}, memory=MemoryOptions(path={str(shm)!r}),
-                          staging=StagingOptions(prefault=False))
+    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=4, steps=[1, 2, 3])
+               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    assert not list_steps(LocalTier(local)).committed, "every save went to memory only"
+    restored = _state(9)
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm, persist_every=4)) as ck:
+        assert ck.restore() == 3
+        assert_identical(restored, _state(3))
+        assert ck.steps() == [3], "the step the crash left in memory only is persisted by the run that restored it"
+    assert_identical(tiercheck.load(local, step=3), _state(3))
+
+
+def test_a_process_killed_while_staging_restarts_from_the_step_before_never_the_torn_slot(
+    shm: Path, tmp_path: Path
+) -> None:
+    local = tmp_path / "ckpt"
+    code = _CHILD.format(local=str(local), shm=str(shm), every=100, steps=[1, 2]) + """
+        from tiercheck.save.pipeline import Pipeline
+    copy = Pipeline._copy_run
+    def copy_then_hang(self, job, run, *, lazy):
+        event = copy(self, job, run, lazy=lazy)
+        print("staging", flush=True)  # part of step 3 is in its slot: killed here
+        threading.Event().wait()
+    Pipeline._copy_run = copy_then_hang
+    for k, v in _state(3).items():
+        state[k].copy_(v)
+    ck.save(3)
+    """
+    _run_child(code, kill_on="staging")
+    memory = _memory_dir(shm, local)
+    assert list_steps(LocalTier(memory)).committed == [2], "step 1's slot was withdrawn before step 3 staged into it"
+    restored = _state(9)
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        assert ck.restore() == 2
+    assert_identical(restored, _state(2))
+
+
+def test_with_the_memory_gone_a_restart_reads_the_local_directory(shm: Path, tmp_path: Path) -> None:
+    local = tmp_path / "ckpt"
+    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=1, steps=[1, 2])
+               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    shutil.rmtree(shm)  # the node rebooted, or the tmpfs was emptied
+    restored = _state(9)
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
+        assert ck.restore() == 2
+    assert_identical(restored, _state(2))
+
+
+def test_a_damaged_memory_copy_falls_back_to_the_local_directory(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "ckpt"
+    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=1, steps=[1, 2])
+               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    pack = _memory_dir(shm, local) / step_dir(2) / pack_file(0)
+    with open(pack, "r+b") as f:  # one flipped bit in the first chunk, in the slot itself
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    restored = _state(9)
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
+        assert ck.restore() == 2
+    assert_identical(restored, _state(2))
+    assert "cannot restore step 2 from the memory tier" in caplog.text
+
+
+def test_another_lineages_memory_is_never_restored(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "ckpt"
+    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=100, steps=[1])
+               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    shutil.rmtree(local)  # a new job in a new directory at the same path: another lineage
+    with Checkpointer(_state(9), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        assert ck.restore() is None
+    assert "not of this directory's lineage" in caplog.text
+    assert not list_steps(LocalTier(_memory_dir(shm, local))).committed, "withdrawn"
+
+
+def test_a_clean_close_persists_the_newest_memory_step(shm: Path, tmp_path: Path) -> None:
+    local = tmp_path / "ckpt"
+    state = _state(5)
+    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
         ck.save(1).wait()
-        print(ck.stats()["pool_capacity_bytes"], flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
-    capacity = int(done.stdout.split()[-1])
-    path = _pool_file(shm, local)
-    assert path.stat().st_size == capacity > 0
-    data = path.read_bytes()
-    assert _state(3)["w"].numpy().tobytes() in data, "the staged snapshot survives the process"
+        ck.save(2).wait()
+        assert ck.steps() == []
+    assert list_steps(LocalTier(local)).committed == [2]
+    assert_identical(tiercheck.load(local, step=2), state)
 
 
 def test_a_tmpfs_too_small_is_refused_at_start(tiny_tmpfs: Path, tmp_path: Path) -> None:
@@ -146,10 +254,13 @@ def test_a_tmpfs_too_small_is_refused_at_start(tiny_tmpfs: Path, tmp_path: Path)
     assert "cgroup limit:" in message and "--shm-size" in message and "slots" in message
     assert not local.exists(), "refused before anything is created"
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["other"]
-    with Checkpointer(state, local=local, memory=MemoryOptions(path=tiny_tmpfs / "tier", slots=2),
-                      staging=StagingOptions(max_host_bytes=1 << 20)) as ck:  # fmt: skip
-        ck.save(1).wait()  # a smaller bound fits
-    assert_identical(tiercheck.load(local), state)
+    with pytest.raises(MemoryTierError, match="needs"):  # a slot holds a whole snapshot, whatever bounds the pool
+        Checkpointer(state, local=local, memory=memory, staging=StagingOptions(max_host_bytes=1 << 20))
+    small = {"w": torch.ones(1 << 19)}  # 2 MiB: two slots fit
+    with Checkpointer(small, local=local, memory=memory) as ck:
+        ck.save(1).wait()
+        ck.save(2).wait()
+    assert_identical(tiercheck.load(local), small)
 
 
 def _fake_cgroup(root: Path, limit: str, usage: str) -> Path:
@@ -233,35 +344,19 @@ def test_memory_must_be_memory_options(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_pool_file_is_page_locked_at_its_size(
+def test_on_cuda_the_slots_are_page_locked_and_restore_bit_identical(
     shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = {k: v.cuda() for k, v in _state(4).items()}
     local = tmp_path / "ckpt"
-    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm)) as ck:
+    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
         ck.save(1).wait()
-        stats = ck.stats()
-    assert stats["pool_pinned"] and stats["pool_pinned_bytes"] == stats["pool_capacity_bytes"] > 0
+        assert ck.stats()["memory_held_bytes"] > 0
     assert "could not page-lock" not in caplog.text, "cudaHostRegister took the shared mapping"
-    assert _pool_file(shm, local).stat().st_size == stats["pool_capacity_bytes"]
     restored = {k: torch.zeros_like(v) for k, v in state.items()}
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
         assert ck.restore() == 1
     assert_identical(restored, state)
-
-
-def test_prefaulting_a_mapped_pool_keeps_the_bytes_a_run_left(shm: Path) -> None:
-    path = shm / "rank-000000.pool"
-    first = staging.HostPool(pin_memory=False, allocate=lambda n, pin: memory_pool.mapped_empty(path, n, pin=pin))
-    first.reserve(1 << 20)
-    region = first.acquire(1 << 20)
-    first.view(region, 1 << 20).fill_(7)
-    first.release(region)
-    first.drop()
-    again = staging.HostPool(pin_memory=False, allocate=lambda n, pin: memory_pool.mapped_empty(path, n, pin=pin))
-    again.reserve(1 << 20, touch=threading.Event())  # as the prefaulter does: pages of a new pool are touched
-    assert again.touched == 1 << 20 and again.allocations == 1
-    assert path.read_bytes() == bytes([7]) * (1 << 20), "a tmpfs file is resident already: touching would zero it"
 
 
 def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: Path) -> None:

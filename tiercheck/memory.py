@@ -174,7 +174,9 @@ class Memory:
         log.info("persisted step %d from the memory tier to %s", step, self.local_job.tier.url)
 
     def close(self, *, local: LocalSteps, tiers: TierManager) -> None:
-        """At a clean close: the newest memory step not on the local tier is persisted there."""
+        """At a clean close: the newest memory step not on the local tier is persisted there; the
+        slots are unmapped (their files, and the steps in them, stay)."""
+        self.slots.unmap()
         if not self.leader:
             return
         committed = list_steps(self.slots.root).committed

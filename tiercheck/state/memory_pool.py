@@ -1,15 +1,16 @@
-"""The memory tier's host memory: a staging pool mapped from a file on a tmpfs.
+"""The memory tier's host memory: slot files on a tmpfs, mapped shared, and the bound checked at start.
 
-With ``MemoryOptions``, a rank's staging pool is one file, ``<path>/<directory id>/rank-NNNNNN.pool``,
-mapped shared: the snapshot a save stages is written into the file's pages, so it outlives the process
-without a second copy. The file is reserved in full (``posix_fallocate``) before it is mapped, so a
-tmpfs too small fails there with ``ENOSPC`` rather than with a SIGBUS on the first write to a page it
-cannot give. ``check_bound`` runs before any of it: the tier's bytes against the tmpfs's free space
-and the cgroup's memory limit (tmpfs pages are charged to the cgroup of the process that touches them).
+With ``MemoryOptions``, a rank stages each save into one of its slot files (``state.memory_slots``),
+mapped shared: the snapshot a save stages is written into the file's pages, so it outlives the
+process without a second copy. A file is reserved in full (``posix_fallocate``) before it is mapped,
+so a tmpfs too small fails there with ``ENOSPC`` rather than with a SIGBUS on the first write to a
+page it cannot give. ``check_bound`` runs before any of it: the tier's bytes against the tmpfs's
+free space and the cgroup's memory limit (tmpfs pages are charged to the cgroup of the process that
+touches them).
 
 The directory id names the node-local directory, not the lineage: a run's lineage is settled only
-once it restores or saves (``tiering.lineage``), and the pool may be made before that (prefault).
-Binding a memory step to its lineage is the manifest's job, sealed with it.
+once it restores or saves (``tiering.lineage``). Binding the memory's steps to the lineage is the
+``OWNER`` file's job (``tiercheck.memory``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ def start(
     options: MemoryOptions | None,
     local: str | os.PathLike[str],
     state: Mapping[str, Any],
-    max_host_bytes: int | None,
     allow_pickle: bool,
 ) -> MemoryTier | None:
     """The memory tier of a Checkpointer saving ``state`` to ``local`` (None without ``options``), once
@@ -71,17 +71,16 @@ def start(
     if not isinstance(options, MemoryOptions):
         raise InvalidArgumentError(f"memory must be a MemoryOptions or None, not {type(options).__qualname__}")
     directory = pool_dir(options, os.path.abspath(local))
-    check_bound(options, directory, pool_bound(state, max_host_bytes, allow_pickle), local_ranks())
+    check_bound(options, directory, pool_bound(state, allow_pickle), local_ranks())
     return MemoryTier(options, directory)
 
 
-def pool_bound(state: Mapping[str, Any], max_host_bytes: int | None, allow_pickle: bool) -> int:
-    """The pool's bound for the start-up check: ``max_host_bytes``, else this rank's tensors as they
-    are now, each rounded to a page. An estimate: chunks padded at an edge, and optimizer state made
-    at its first step, take more; the pool file's reservation is the exact check, still before a
-    byte is written."""
-    if max_host_bytes is not None:
-        return max_host_bytes
+def pool_bound(state: Mapping[str, Any], allow_pickle: bool) -> int:
+    """A slot's size for the start-up check: this rank's tensors as they are now, each rounded to a
+    page. A slot holds a whole snapshot (the pack's image), whatever ``StagingOptions.max_host_bytes``
+    bounds the ring pool to. An estimate: chunks padded at an edge, and optimizer state made at its
+    first step, take more; the slot file's reservation is the exact check, still before a byte is
+    written."""
     _, leaves = flatten(state, allow_pickle=allow_pickle)
     return sum(align_up(leaf.tensor.nelement() * leaf.tensor.element_size()) for leaf in leaves)
 
@@ -148,7 +147,7 @@ def cgroup_room(root: str | os.PathLike[str] | None = None) -> tuple[int | None,
 def _existing_bytes(directory: Path) -> int:
     """Bytes the pool files already in ``directory`` hold (reused: they need no new room)."""
     try:
-        return sum(p.stat().st_blocks * 512 for p in directory.glob("rank-*.pool"))
+        return sum(p.stat().st_blocks * 512 for p in directory.glob("slots/rank-*"))
     except OSError:
         return 0
 
@@ -180,7 +179,7 @@ def check_bound(
         f"{pool_bytes:,} bytes x {ranks} rank(s) on this node) but {why} (tmpfs free: {free:,} bytes; "
         f"cgroup limit: {'none' if limit is None else f'{limit:,} bytes'}). Give it more memory (a "
         "bigger --shm-size, an emptyDir of medium Memory with a bigger sizeLimit, a higher memory "
-        "limit), or need less: fewer MemoryOptions.slots, a smaller StagingOptions.max_host_bytes",
+        "limit), or need less: fewer MemoryOptions.slots, or less state per rank (each slot holds a whole snapshot)",
     )
 
 

@@ -164,6 +164,12 @@ class MemorySlots:
                 self.newest = step if self.newest is None else max(self.newest, step)
             self._cond.notify_all()
 
+    def unmap(self) -> None:
+        """Give up this process's mappings (unmapped with the last reference: a save in flight keeps its own)."""
+        with self._cond:
+            for slot in self.slots:
+                slot.buf = None
+
     def held(self) -> int:
         """Bytes this rank's slots hold mapped."""
         return sum(s.buf.numel() for s in self.slots if s.buf is not None)
