@@ -273,27 +273,29 @@ class ReplicationOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOptions:
-    """The memory tier: the staging pool mapped from files on a tmpfs, so the snapshot ``save()``
-    stages outlives the process (a crash of the training process leaves it in memory). Opt-in:
+    """The memory tier: saves staged into files on a tmpfs that outlive the process, committed there,
+    so a crash of the training process (a SIGKILL included) restarts from RAM. Opt-in:
     ``Checkpointer(memory=None)`` (the default) stages into ordinary process memory.
 
-    Built so far: each rank's pool is one file, ``<path>/<directory id>/rank-NNNNNN.pool``, reserved
-    in full when the pool is sized (so a full tmpfs fails then, never as a SIGBUS later), mapped
-    shared and page-locked where CUDA tensors are staged; a new Checkpointer with the same options
-    and local directory maps the same file again. The directory id names the node-local directory (a
-    hash of its path): a run's lineage is known only once it restored or saved, after the pool may
-    already exist. The bytes the tier needs are checked when the Checkpointer starts, before it
-    creates anything, against the tmpfs's free space and the cgroup's memory limit. Not built yet:
-    committing a step to memory, restarting from it, slots beyond the one pool, peers' memory.
+    Each rank has ``slots`` slot files under ``<path>/<directory id>/slots/``, mapped shared (and
+    page-locked where CUDA tensors are staged). A save stages straight into one, as the image of its
+    pack, and is committed to the memory tier (a directory of the usual format, its packs hard links
+    to the slots) by a vote of every rank: the staging is the copy that survives. A restart restores
+    from memory where it holds the newest step every rank can get, and falls back to the local and
+    remote tiers where it does not, or where its copy is damaged or another lineage's. The directory
+    id names the node-local directory (a hash of its path). The bytes the tier needs (``slots`` x
+    one snapshot per rank) are checked when the Checkpointer starts, before it creates anything,
+    against the tmpfs's free space and the cgroup's memory limit. Not built yet: peers' memory.
 
     Attributes:
-        path: the tmpfs directory that holds the pool files (``/dev/shm`` is a tmpfs on Linux; a
+        path: the tmpfs directory that holds the slot files (``/dev/shm`` is a tmpfs on Linux; a
             container's is 64 MiB unless ``--shm-size`` or an ``emptyDir`` of medium ``Memory`` says more).
         slots: snapshots the tier holds per rank (at least 2: the newest committed step stays intact
-            while the next one stages). The start-up check counts ``slots`` x the pool bound
-            (``StagingOptions.max_host_bytes``, or one snapshot of the state).
-        persist_every: which saves also persist to the node-local directory (1: every save). Stored
-            now and validated; every save persists until commit-to-memory is built.
+            while the next one stages; a save waits while no slot is free).
+        persist_every: which saves also go to the node-local directory: those of a step that is a
+            multiple of it (1: every save). The others are committed in memory only
+            (``SaveHandle.persisted`` is False); the newest of them is persisted at a clean close,
+            and by the run that restores it after a crash.
     """
 
     path: str | os.PathLike[str] = "/dev/shm/tiercheck"
