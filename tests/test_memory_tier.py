@@ -20,6 +20,7 @@ import torch
 
 import tiercheck
 from tests.conftest import assert_identical
+from tests.distributed import run_ranks
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
 from tiercheck.errors import InvalidArgumentError
 from tiercheck.format.paths import pack_file, step_dir
@@ -367,3 +368,33 @@ def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: 
         memory_pool.mapped_empty(path, 16 << 20, pin=False)
     assert info.value.errno == errno.ENOSPC
     assert not path.exists()
+
+
+def _two_nodes(rank: int, world: int, root: str, phase: str) -> int | None:
+    """One rank of two, each a node of its own (its own local directory and tmpfs directory)."""
+    state = _state(0)
+    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100)
+    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory) as ck:
+        if phase == "save":
+            for step in (1, 2):
+                for k, v in _state(step).items():
+                    state[k].copy_(v)
+                ck.save(step).wait()
+            return None
+        step = ck.restore()
+        assert_identical(state, _state(2))
+        return step
+
+
+def test_two_nodes_restart_from_their_memory_and_fall_back_when_one_lost_it(shm: Path, tmp_path: Path) -> None:
+    shm.mkdir()
+    root = shm  # the local directories too: the test's own, removed after it
+    run_ranks(_two_nodes, 2, str(root), "save")
+    for rank in (0, 1):  # the clean close persisted step 2; only memory holds it now
+        shutil.rmtree(root / f"node{rank}" / step_dir(2))
+        assert list_steps(LocalTier(_memory_dir(root / f"shm{rank}", root / f"node{rank}"))).committed == [1, 2]
+    assert run_ranks(_two_nodes, 2, str(root), "restore") == [2, 2]
+    for rank in (0, 1):
+        assert list_steps(LocalTier(root / f"node{rank}")).committed == [2], "persisted again by the restore"
+    shutil.rmtree(root / "shm1")  # node 1 lost its memory: the step is not whole in memory, the local tier has it
+    assert run_ranks(_two_nodes, 2, str(root), "restore") == [2, 2]
