@@ -196,8 +196,9 @@ def test_with_the_memory_gone_a_restart_reads_the_local_directory(shm: Path, tmp
     assert_identical(restored, _state(2))
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 def test_a_damaged_memory_copy_falls_back_to_the_local_directory(
-    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, in_place: bool
 ) -> None:
     local = tmp_path / "ckpt"
     _run_child(_CHILD.format(local=str(local), shm=str(shm), every=1, steps=[1, 2])
@@ -210,7 +211,7 @@ def test_a_damaged_memory_copy_falls_back_to_the_local_directory(
         f.write(bytes([byte[0] ^ 1]))
     restored = _state(9)
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
-        assert ck.restore() == 2
+        assert ck.restore(in_place=in_place) == 2
     assert_identical(restored, _state(2))
     assert "cannot restore step 2 from the memory tier" in caplog.text
 

@@ -132,10 +132,17 @@ class Memory:
                                               remote_steps=lambda: remote_steps(remote, local))).step  # fmt: skip
             if disk is not None and disk > mem:
                 return None
+        # In place only where the fallback overwrites whatever a failed attempt wrote: every tensor (strict).
+        in_place = request.in_place and request.strict
         try:
-            done = restore_state(state, self.job, replace(request, step=mem, in_place=False), name=f"{name}/m")
-        except PartlyRestoredError:
-            raise
+            done = restore_state(state, self.job, replace(request, step=mem, in_place=in_place), name=f"{name}/m")
+        except PartlyRestoredError as e:
+            if not in_place:
+                raise
+            if coord.rank == 0:
+                log.warning("cannot restore step %d from the memory tier (read in part, in place), reading the other "
+                            "tiers: %s", mem, e)  # fmt: skip
+            return None
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
             if coord.rank == 0:
                 log.warning("cannot restore step %d from the memory tier, reading the other tiers: %s", mem, e)
