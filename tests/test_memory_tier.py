@@ -371,31 +371,44 @@ def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: 
     assert not path.exists()
 
 
-def _two_nodes(rank: int, world: int, root: str, phase: str) -> int | None:
-    """One rank of two, each a node of its own (its own local directory and tmpfs directory)."""
+def _two_ranks(rank: int, world: int, root: str, phase: str, one_node: bool = False) -> int | None:
+    """One rank of two: each a node of its own (its own local directory and tmpfs directory), or
+    with ``one_node`` both on one node (one local directory, one memory directory, a slot file each)."""
     state = _state(0)
-    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100)
-    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory) as ck:
+    node = "" if one_node else rank
+    memory = MemoryOptions(path=Path(root) / f"shm{node}", persist_every=100)
+    with Checkpointer(state, local=Path(root) / f"node{node}", memory=memory) as ck:
         if phase == "save":
-            for step in (1, 2):
+            for step in (1, 2, 3) if one_node else (1, 2):
                 for k, v in _state(step).items():
                     state[k].copy_(v)
                 ck.save(step).wait()
             return None
         step = ck.restore()
-        assert_identical(state, _state(2))
+        assert_identical(state, _state(3 if one_node else 2))
         return step
 
 
 def test_two_nodes_restart_from_their_memory_and_fall_back_when_one_lost_it(shm: Path, tmp_path: Path) -> None:
     shm.mkdir()
     root = shm  # the local directories too: the test's own, removed after it
-    run_ranks(_two_nodes, 2, str(root), "save")
+    run_ranks(_two_ranks, 2, str(root), "save")
     for rank in (0, 1):  # the clean close persisted step 2; only memory holds it now
         shutil.rmtree(root / f"node{rank}" / step_dir(2))
         assert list_steps(LocalTier(_memory_dir(root / f"shm{rank}", root / f"node{rank}"))).committed == [1, 2]
-    assert run_ranks(_two_nodes, 2, str(root), "restore") == [2, 2]
+    assert run_ranks(_two_ranks, 2, str(root), "restore") == [2, 2]
     for rank in (0, 1):
         assert list_steps(LocalTier(root / f"node{rank}")).committed == [2], "persisted again by the restore"
     shutil.rmtree(root / "shm1")  # node 1 lost its memory: the step is not whole in memory, the local tier has it
-    assert run_ranks(_two_nodes, 2, str(root), "restore") == [2, 2]
+    assert run_ranks(_two_ranks, 2, str(root), "restore") == [2, 2]
+
+
+def test_ranks_of_one_node_share_its_memory_directory_and_restart_from_it(shm: Path) -> None:
+    shm.mkdir()
+    run_ranks(_two_ranks, 2, str(shm), "save", True)
+    memory = _memory_dir(shm / "shm", shm / "node")
+    assert list_steps(LocalTier(memory)).committed == [2, 3]
+    assert sorted(p.name for p in (memory / step_dir(3) / "packs").iterdir()) == [pack_file(0)[6:], pack_file(1)[6:]]
+    assert len(list((memory / "slots").iterdir())) == 4, "two slots a rank"
+    shutil.rmtree(shm / "node" / step_dir(3))  # persisted at close; only memory holds it now
+    assert run_ranks(_two_ranks, 2, str(shm), "restore", True) == [3, 3]

@@ -124,7 +124,10 @@ class MemorySlots:
         try:
             if old is not None:
                 self.withdraw(old)
-            self.withdraw(step)  # an uncommitted try of this step, or a memory step of an abandoned future
+            # A step of this number already here (a try that failed, a run that did not restore it) stops
+            # counting before a byte of this save lands in it. Its marker only: the node's other ranks
+            # are linking their slots into the same directory.
+            self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
             capacity = align_up(max(nbytes, ALIGN))
             if slot.buf is None or slot.buf.numel() < capacity:
                 slot.buf = None  # unmap before mapping again at the new size
