@@ -21,9 +21,9 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tests.distributed import run_ranks
-from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
+from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, ReplicationOptions, StagingOptions
 from tiercheck.errors import InvalidArgumentError
-from tiercheck.format.paths import pack_file, step_dir
+from tiercheck.format.paths import pack_file, replica_marker, step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.state import memory_pool
 from tiercheck.tiers.local import LocalTier
@@ -371,21 +371,25 @@ def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: 
     assert not path.exists()
 
 
-def _two_ranks(rank: int, world: int, root: str, phase: str, one_node: bool = False) -> int | None:
+def _two_ranks(
+    rank: int, world: int, root: str, phase: str, one_node: bool = False, replicas: int = 0
+) -> int | None:
     """One rank of two: each a node of its own (its own local directory and tmpfs directory), or
-    with ``one_node`` both on one node (one local directory, one memory directory, a slot file each)."""
+    with ``one_node`` both on one node (one local directory, one memory directory, a slot file each);
+    with ``replicas``, each node's memory steps copied to the other's memory."""
     state = _state(0)
     node = "" if one_node else rank
     memory = MemoryOptions(path=Path(root) / f"shm{node}", persist_every=100)
-    with Checkpointer(state, local=Path(root) / f"node{node}", memory=memory) as ck:
+    peers = ReplicationOptions(replicas=replicas) if replicas else None
+    with Checkpointer(state, local=Path(root) / f"node{node}", memory=memory, replication=peers) as ck:
         if phase == "save":
-            for step in (1, 2, 3) if one_node else (1, 2):
+            for step in (1, 2, 3):  # the third reuses the first's slot
                 for k, v in _state(step).items():
                     state[k].copy_(v)
                 ck.save(step).wait()
             return None
         step = ck.restore()
-        assert_identical(state, _state(3 if one_node else 2))
+        assert_identical(state, _state(3))
         return step
 
 
@@ -394,13 +398,13 @@ def test_two_nodes_restart_from_their_memory_and_fall_back_when_one_lost_it(shm:
     root = shm  # the local directories too: the test's own, removed after it
     run_ranks(_two_ranks, 2, str(root), "save")
     for rank in (0, 1):  # the clean close persisted step 2; only memory holds it now
-        shutil.rmtree(root / f"node{rank}" / step_dir(2))
-        assert list_steps(LocalTier(_memory_dir(root / f"shm{rank}", root / f"node{rank}"))).committed == [1, 2]
-    assert run_ranks(_two_ranks, 2, str(root), "restore") == [2, 2]
+        shutil.rmtree(root / f"node{rank}" / step_dir(3))
+        assert list_steps(LocalTier(_memory_dir(root / f"shm{rank}", root / f"node{rank}"))).committed == [2, 3]
+    assert run_ranks(_two_ranks, 2, str(root), "restore") == [3, 3]
     for rank in (0, 1):
-        assert list_steps(LocalTier(root / f"node{rank}")).committed == [2], "persisted again by the restore"
+        assert list_steps(LocalTier(root / f"node{rank}")).committed == [3], "persisted again by the restore"
     shutil.rmtree(root / "shm1")  # node 1 lost its memory: the step is not whole in memory, the local tier has it
-    assert run_ranks(_two_ranks, 2, str(root), "restore") == [2, 2]
+    assert run_ranks(_two_ranks, 2, str(root), "restore") == [3, 3]
 
 
 def test_ranks_of_one_node_share_its_memory_directory_and_restart_from_it(shm: Path) -> None:
@@ -412,3 +416,15 @@ def test_ranks_of_one_node_share_its_memory_directory_and_restart_from_it(shm: P
     assert len(list((memory / "slots").iterdir())) == 4, "two slots a rank"
     shutil.rmtree(shm / "node" / step_dir(3))  # persisted at close; only memory holds it now
     assert run_ranks(_two_ranks, 2, str(shm), "restore", True) == [3, 3]
+
+
+def test_a_node_that_lost_its_memory_restores_from_its_peers_memory(shm: Path) -> None:
+    shm.mkdir()
+    run_ranks(_two_ranks, 2, str(shm), "save", False, 1)
+    for rank, other in ((0, 1), (1, 0)):  # each node's memory holds its own files and its peer's copy
+        step = _memory_dir(shm / f"shm{rank}", shm / f"node{rank}") / step_dir(3)
+        assert (step / replica_marker(other)).exists() and (step / pack_file(other)).exists()
+    shutil.rmtree(shm / "shm1")  # node 1 was replaced: its tmpfs is empty
+    for rank in (0, 1):
+        shutil.rmtree(shm / f"node{rank}" / step_dir(3))  # persisted at close: only memory holds it now
+    assert run_ranks(_two_ranks, 2, str(shm), "restore", False, 1) == [3, 3]

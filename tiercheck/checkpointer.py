@@ -138,7 +138,7 @@ class Checkpointer:
         self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
-        self._mem = Memory(self._memory, self._job) if self._memory else None
+        self._mem = Memory(self._memory, self._job, replication) if self._memory else None
         self._planner.align = RUN_ALIGN if self._mem else 1  # a slot stages the pack's image (Memory)
         self._owner = lineage.Owner(self._job, take_over=self.write.take_over)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None

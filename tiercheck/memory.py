@@ -28,6 +28,7 @@ from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.format.lineage import read_lineage
 from tiercheck.format.steps import list_steps
+from tiercheck.options import ReplicationOptions
 from tiercheck.restore.agree import agree_on_step, remote_steps
 from tiercheck.restore.protocol import Restored, RestoreRequest, restore_state
 from tiercheck.save.handle import PendingSave
@@ -35,6 +36,7 @@ from tiercheck.save.vote import commit_job
 from tiercheck.state.memory_pool import MemoryTier
 from tiercheck.state.memory_slots import MemorySlots
 from tiercheck.tiering.manager import TierManager
+from tiercheck.tiering.memory_peers import MemoryPeers
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
 
@@ -46,12 +48,17 @@ OWNER_FILE = "OWNER"  # in the memory directory: the lineage its steps belong to
 class Memory:
     """A Checkpointer's memory tier: its slots, and the job as the memory tier sees it."""
 
-    def __init__(self, tier: MemoryTier, job: Job, *, pin: bool = False) -> None:
+    def __init__(self, tier: MemoryTier, job: Job, replication: ReplicationOptions | None = None) -> None:
+        """Every rank calls it together (with ``replication`` on several nodes, it joins the peers)."""
         self.options = tier.options
         self.local_job = job
-        self.slots = MemorySlots(tier, job.coord.rank, pin=pin)
+        self.slots = MemorySlots(tier, job.coord.rank)
         self.job = replace(job, tier=self.slots.root, remote=None)
         self.leader = job.nodes.leader == job.coord.rank
+        self.peers: MemoryPeers | None = None
+        if replication is not None and job.nodes.count > 1:
+            self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
+            self.slots.before_reuse = self.peers.before_reuse
 
     def held(self) -> int:
         """Bytes of memory this rank's slots hold (``stats()``'s ``memory_held_bytes``)."""
@@ -72,6 +79,8 @@ class Memory:
             self.slots.done(save.step, committed=False)
             raise
         self.slots.done(save.step, committed=True)
+        if self.peers is not None:
+            self.peers.committed(save.step)
         if self.leader:
             self._own()
 
@@ -164,12 +173,18 @@ class Memory:
         ranks' files) and drained by policy."""
         if not self.leader:
             return
+        if self.peers is not None:
+            self.peers.wait()  # a copy to or from a peer runs in the steps withdrawn next
         for s in list_steps(self.slots.root).committed:
             if s > step:
                 log.info("withdrawing step %d from the memory tier: the restore went back to step %d", s, step)
                 self.slots.withdraw(s)
         if from_memory and step not in list_steps(self.local_job.tier).committed:
-            self.persist(step, local=local, tiers=tiers)
+            try:
+                self.persist(step, local=local, tiers=tiers)
+            except CheckpointNotFoundError as e:  # a replaced node, restored from its peers' memory
+                log.warning("step %d is not persisted to %s: this node's memory lacks its files (%s)",
+                            step, self.local_job.tier.url, e)  # fmt: skip
 
     def persist(self, step: int, *, local: LocalSteps, tiers: TierManager) -> None:
         """Copy this node's files of memory step ``step`` to the local tier, committed there."""
@@ -184,6 +199,8 @@ class Memory:
         """At a clean close: the newest memory step not on the local tier is persisted there; the
         slots are unmapped (their files, and the steps in them, stay)."""
         self.slots.unmap()
+        if self.peers is not None:
+            self.peers.close()
         if not self.leader:
             return
         committed = list_steps(self.slots.root).committed

@@ -285,7 +285,9 @@ class MemoryOptions:
     remote tiers where it does not, or where its copy is damaged or another lineage's. The directory
     id names the node-local directory (a hash of its path). The bytes the tier needs (``slots`` x
     one snapshot per rank) are checked when the Checkpointer starts, before it creates anything,
-    against the tmpfs's free space and the cgroup's memory limit. Not built yet: peers' memory.
+    against the tmpfs's free space and the cgroup's memory limit. With ``Checkpointer(replication=)`` on
+    several nodes, each node's memory steps are copied to ``replicas`` peers' memory too (a replaced
+    node restores from there); a slot is reused only once its step's copies are over.
 
     Attributes:
         path: the tmpfs directory that holds the slot files (``/dev/shm`` is a tmpfs on Linux; a

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class MemorySlots:
         self.slots = [Slot(k, slots_dir / f"rank-{rank:06d}.{k}") for k in range(memory.options.slots)]
         self._cond = threading.Condition()
         self.newest: int | None = None  # the newest memory step committed (by this run or the last)
+        self.before_reuse: Callable[[int], None] = lambda step: None  # waits for the copies of a step to peers
         self._adopt()
 
     def _adopt(self) -> None:
@@ -123,6 +125,7 @@ class MemorySlots:
             old, slot.step = slot.step, None
         try:
             if old is not None:
+                self.before_reuse(old)
                 self.withdraw(old)
             # A step of this number already here (a try that failed, a run that did not restore it) stops
             # counting before a byte of this save lands in it. Its marker only: the node's other ranks

@@ -52,22 +52,23 @@ from tiercheck.tiers.local import LocalTier
 log = logging.getLogger("tiercheck")
 
 
-def number_nodes(coord: Coordinator, nodes: Nodes) -> Exchange[int | None]:
-    """Each node's number, 0 to nodes - 1 in the order of their first ranks (None on other ranks)."""
+def number_nodes(coord: Coordinator, nodes: Nodes, name: str = "replicate") -> Exchange[int | None]:
+    """Each node's number, 0 to nodes - 1 in the order of their first ranks (None on other ranks);
+    ``name`` scopes the store keys (the memory tier's replication numbers its own)."""
     leader = coord.rank == nodes.leader
     if leader:
-        coord.post("replicate/leaders", str(coord.rank))
-    yield coord.arrive("replicate/joined", what="every node's first rank to join replication")
+        coord.post(f"{name}/leaders", str(coord.rank))
+    yield coord.arrive(f"{name}/joined", what="every node's first rank to join replication")
     if coord.rank == 0:
-        leaders = sorted(int(v) for v in coord.collect("replicate/leaders"))
-        coord.multi_set({coord.key("replicate", "number", r): str(i) for i, r in enumerate(leaders)})
-    yield coord.arrive("replicate/numbered", what="rank 0 to number the nodes")
+        leaders = sorted(int(v) for v in coord.collect(f"{name}/leaders"))
+        coord.multi_set({coord.key(name, "number", r): str(i) for i, r in enumerate(leaders)})
+    yield coord.arrive(f"{name}/numbered", what="rank 0 to number the nodes")
     number = None
     if leader:
-        key = coord.key("replicate", "number", coord.rank)
+        key = coord.key(name, "number", coord.rank)
         number = int(coord.get(key))
         coord.delete(key)
-    coord.finish("replicate")
+    coord.finish(name)
     return number
 
 
@@ -158,12 +159,13 @@ class Replicator:
         coord: Coordinator,
         nodes: Nodes,
         node: str,
+        name: str = "replicate",
     ) -> None:
         self.tier = tier
         self.options = options
         self.node = node
         self.leader = coord.rank == nodes.leader
-        number = drive(coord, number_nodes(coord, nodes))
+        number = drive(coord, number_nodes(coord, nodes, name))
         self.number = number
         self.targets: list[_Pair] = []
         self.sources: list[_Pair] = []
@@ -190,7 +192,7 @@ class Replicator:
             return
         targets, sources = placement(number, nodes.count, options)
         self.status["to"], self.status["from"] = targets, sources
-        base = coord.key("replicate", "pair")
+        base = coord.key(name, "pair")
         wanted = [(f"{base}/{number}-{t}", 0, t) for t in targets] + [(f"{base}/{s}-{number}", 1, s) for s in sources]
 
         def connect(w: tuple[str, int, int]) -> _Pair:  # a store client each: they are not shared between threads

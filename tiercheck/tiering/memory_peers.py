@@ -1,0 +1,81 @@
+"""Peers' memory: each node's committed memory steps copied to ``replicas`` other nodes' memory tiers.
+
+The transport, the placement (``jump`` nodes apart), the checks and the markers are peer
+replication's (``tiering.replication``), run by a ``Replicator`` of its own over the memory tier's
+directory: a node's files of a step land in the peers' memory directories of that step, counted by
+a replica marker written last, once every file is whole and its CRC32C checked. A replaced node,
+whose tmpfs is empty, then restores from a peer's memory (the restore counts replica markers as it
+does on the local tier).
+
+A slot is never reused while the step it holds is being copied: every rank of the node waits, before
+it withdraws that step, until its node's leader says the copy is over (a store key per step and
+node). So the bytes the leader sends are the committed ones, and a peer's copy lands in a step its
+own ranks have not withdrawn. The wait is the bound: the memory tier holds ``slots`` snapshots of its
+own and ``replicas`` of its peers', and saves slow to the pace of the copies rather than outrun it.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+from concurrent.futures import Future
+
+from tiercheck.cluster.coordination import Coordinator, Nodes
+from tiercheck.options import ReplicationOptions
+from tiercheck.tiering.replication import Replicator
+from tiercheck.tiers.local import LocalTier
+
+NAME = "memory-replicate"  # the store keys' scope: apart from the local tier's replication
+
+
+class MemoryPeers:
+    """One per rank: the node's leader copies; every rank waits for the copies before reusing a slot."""
+
+    def __init__(self, tier: LocalTier, options: ReplicationOptions, *, coord: Coordinator, nodes: Nodes) -> None:
+        self.nodes = nodes
+        self.leader = coord.rank == nodes.leader
+        self.timeout_s = 2 * options.timeout_s + 60  # a copy that hangs ends at its pair's timeout, and says so
+        where = f"{socket.gethostname()}:{tier.root}"  # named in the replicas it sends
+        self.replicator = Replicator(tier, options, coord=coord, nodes=nodes, node=where, name=NAME)
+        self._signal = coord.connect_again() if self.leader else None  # the copy's thread (or the commit's)
+        self._waiter = coord.connect_again()  # the stager's thread
+        self._lock = threading.Lock()
+        self._sent: set[int] = set()  # steps this run committed whose copies a slot's reuse waits for
+
+    def _key(self, step: int) -> str:
+        return self._waiter.key(NAME, "done", self.nodes.leader, step)
+
+    def committed(self, step: int) -> None:
+        """``step`` is committed in memory (every rank of the node calls it): its copies begin."""
+        with self._lock:
+            self._sent.add(step)
+        if self.leader:
+            done: Future[bool] = Future()
+            done.add_done_callback(functools.partial(self._copied, step))
+            self.replicator.submit(step, done)
+
+    def _copied(self, step: int, _: Future[bool]) -> None:
+        """Copied, failed (reported by the replicator), or not one ``ReplicationOptions.every`` selects."""
+        assert self._signal is not None
+        with self._lock:
+            self._signal.set(self._key(step), "1")
+
+    def before_reuse(self, step: int) -> None:
+        """Wait until the node's copies of ``step`` are over: its slot is about to be reused."""
+        with self._lock:
+            if step not in self._sent:
+                return
+            self._sent.discard(step)
+        key = self._key(step)
+        what = f"the copies of memory step {step} to peers' memory (a slot of it is reused next)"
+        self._waiter.wait([key], what=what, timeout_s=self.timeout_s)
+        if self._waiter.add(f"{key}/seen", 1) == len(self.nodes.ranks):
+            self._waiter.delete(key, f"{key}/seen")
+
+    def wait(self) -> None:
+        """Until every copy begun is over (before a restore withdraws memory steps)."""
+        self.replicator.wait()
+
+    def close(self) -> None:
+        self.replicator.close()
