@@ -229,15 +229,28 @@ def test_another_lineages_memory_is_never_restored(
     assert not list_steps(LocalTier(_memory_dir(shm, local))).committed, "withdrawn"
 
 
-def test_a_clean_close_persists_the_newest_memory_step(shm: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_clean_close_persists_the_newest_memory_step_and_gives_the_memory_back(
+    shm: Path, tmp_path: Path, keep: bool
+) -> None:
     local = tmp_path / "ckpt"
     state = _state(5)
-    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+    memory = MemoryOptions(path=shm, persist_every=100, keep_at_close=keep)
+    with Checkpointer(state, local=local, memory=memory) as ck:
         ck.save(1).wait()
         ck.save(2).wait()
         assert ck.steps() == []
     assert list_steps(LocalTier(local)).committed == [2]
     assert_identical(tiercheck.load(local, step=2), state)
+    held = _memory_dir(shm, local)
+    assert list_steps(LocalTier(held)).committed == ([1, 2] if keep else [])
+    assert len(list((held / "slots").iterdir())) == (2 if keep else 0)
+    if keep:  # the next job on this node restarts from memory
+        shutil.rmtree(local / step_dir(2))
+        restored = _state(9)
+        with Checkpointer(restored, local=local, memory=memory) as ck:
+            assert ck.restore() == 2
+        assert_identical(restored, state)
 
 
 def test_a_tmpfs_too_small_is_refused_at_start(tiny_tmpfs: Path, tmp_path: Path) -> None:
@@ -331,6 +344,7 @@ def test_cgroup_v1_files_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ({"slots": True}, "MemoryOptions.slots"),
         ({"slots": 2.0}, "MemoryOptions.slots"),
         ({"persist_every": 0}, "MemoryOptions.persist_every"),
+        ({"keep_at_close": 1}, "MemoryOptions.keep_at_close"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, object], names: str) -> None:
@@ -379,7 +393,7 @@ def _two_ranks(
     with ``replicas``, each node's memory steps copied to the other's memory."""
     state = _state(0)
     node = "" if one_node else rank
-    memory = MemoryOptions(path=Path(root) / f"shm{node}", persist_every=100)
+    memory = MemoryOptions(path=Path(root) / f"shm{node}", persist_every=100, keep_at_close=True)
     peers = ReplicationOptions(replicas=replicas) if replicas else None
     with Checkpointer(state, local=Path(root) / f"node{node}", memory=memory, replication=peers) as ck:
         if phase == "save":

@@ -196,17 +196,25 @@ class Memory:
         log.info("persisted step %d from the memory tier to %s", step, self.local_job.tier.url)
 
     def close(self, *, local: LocalSteps, tiers: TierManager) -> None:
-        """At a clean close: the newest memory step not on the local tier is persisted there; the
-        slots are unmapped (their files, and the steps in them, stay)."""
+        """At a clean close: the newest memory step not on the local tier is persisted there, then the
+        tier's memory is given back (its steps and slot files), unless ``MemoryOptions.keep_at_close``
+        or the persisting failed (then the steps stay, and a next run restores them)."""
         self.slots.unmap()
         if self.peers is not None:
             self.peers.close()
-        if not self.leader:
-            return
-        committed = list_steps(self.slots.root).committed
-        if committed and committed[-1] not in list_steps(self.local_job.tier).committed:
-            try:
-                self.persist(committed[-1], local=local, tiers=tiers)
-            except (OSError, TiercheckError) as e:
-                log.error("could not persist step %d from the memory tier at close (it stays there): %s",
-                          committed[-1], e)  # fmt: skip
+        keep = self.options.keep_at_close
+        if self.leader:
+            committed = list_steps(self.slots.root).committed
+            if committed and committed[-1] not in list_steps(self.local_job.tier).committed:
+                try:
+                    self.persist(committed[-1], local=local, tiers=tiers)
+                except (OSError, TiercheckError) as e:
+                    keep = True
+                    log.error("could not persist step %d from the memory tier at close (it stays there): %s",
+                              committed[-1], e)  # fmt: skip
+            if not keep:
+                for step in committed:
+                    self.slots.withdraw(step)
+                self.slots.root.delete(OWNER_FILE)
+        if not self.options.keep_at_close:
+            self.slots.remove()

@@ -298,17 +298,23 @@ class MemoryOptions:
             multiple of it (1: every save). The others are committed in memory only
             (``SaveHandle.persisted`` is False); the newest of them is persisted at a clean close,
             and by the run that restores it after a crash.
+        keep_at_close: keep the memory tier's steps and slot files after a clean ``close()`` (a next
+            job on this node then restarts from memory); False gives the memory back once the newest
+            step is persisted to the local directory.
     """
 
     path: str | os.PathLike[str] = "/dev/shm/tiercheck"
     slots: int = 2
     persist_every: int = 1
+    keep_at_close: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise InvalidArgumentError(f"MemoryOptions.path must be a non-empty path, not {self.path!r}")
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
             raise InvalidArgumentError(f"MemoryOptions.slots must be an integer of at least 2, not {self.slots!r}")
+        if not isinstance(self.keep_at_close, bool):
+            raise InvalidArgumentError(f"MemoryOptions.keep_at_close must be a bool, not {self.keep_at_close!r}")
         if not isinstance(self.persist_every, int) or isinstance(self.persist_every, bool) or self.persist_every < 1:
             raise InvalidArgumentError(
                 f"MemoryOptions.persist_every must be a positive integer, not {self.persist_every!r}"

@@ -176,6 +176,13 @@ class MemorySlots:
             for slot in self.slots:
                 slot.buf = None
 
+    def remove(self) -> None:
+        """Delete this rank's slot files (a step linking one keeps its bytes until it is withdrawn)."""
+        with self._cond:
+            for slot in self.slots:
+                slot.path.unlink(missing_ok=True)
+                slot.step = None
+
     def held(self) -> int:
         """Bytes this rank's slots hold mapped."""
         return sum(s.buf.numel() for s in self.slots if s.buf is not None)
