@@ -16,10 +16,10 @@ import torch.distributed as dist
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.coordination import Coordinator, dumps
-from tiercheck.cluster.wire import loads
+from tiercheck.cluster.wire import as_register, loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, TookPost
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, PiecesPost, TookPost
 from tiercheck.save.plan import plan_save
 from tiercheck.tiering.replication import ReplicaHeader
 
@@ -37,6 +37,7 @@ OFFER = ChunkOffer(
 )
 MESSAGES: list[Any] = [
     LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),
+    PiecesPost("0a1b", (LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),)),
     OFFER,
     TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}),
     CommitMeta(metadata={"loss": 1.5, "tags": ["a"]}, created=1764370000.25),
@@ -82,6 +83,9 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
         (LeafDesc, ["w", "f4", "tensor", [4], [0], [4], "no"], "leaf[6]"),
         (LeafDesc, ["w", "f4", "tensor", [4], [0], [4]], "leaf"),
         (LeafDesc, ["w", "f4", "tensor", [4], [0.5], [4], False], "leaf[4][0]"),
+        (PiecesPost, ["d", [["w", "f4", "tensor", [4], [0], [4], "no"]]], "pieces[0][6]"),
+        (PiecesPost, "d|[]", "post"),
+        (PiecesPost, [3, []], "digest"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [4]]]}, "w"),
         (ChunkOffer, {"w": [["f4", "tensor", [4]], []]}, "w[0]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [-4]], []]}, "w[0][3][0]"),
@@ -119,3 +123,11 @@ def test_a_garbled_took_post_fails_its_coordinator_naming_the_key() -> None:
     coords[0].post("plan0/took/1", dumps({"rank": 0, "took": {"w": "all"}}))
     with pytest.raises(CoordinationError, match="^" + re.escape("plan0/took/1: field \"took['w']\" is not a list")):
         next(protocols[1])
+
+
+def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:
+    assert as_register(b"3,0,7,", "k") == (3, 0, 7)
+    assert as_register(b"", "k") == ()
+    for raw, field in ((b"3,x,", "ranks[1]"), (b"3,-1,", "ranks[1]"), (b"\xff", "ranks")):
+        with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
+            as_register(raw, "k")

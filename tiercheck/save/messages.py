@@ -9,6 +9,8 @@ part of every rank's flat cost (``bench/scale_sim.py``).
 
 Rounds of a save plan (``save.plan``), and what each sends:
 
+- posting pieces: each rank posts each coordinator of its arrays one ``PiecesPost`` per group of
+  pieces (replicas post it once, and append their ranks to its register: ``wire.as_register``);
 - offering chunks: each coordinator sets one ``ChunkOffer`` per group of holders of the same pieces;
 - taking a share: each rank posts each coordinator whose chunks it took a ``TookPost``.
 
@@ -19,10 +21,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.wire import as_dict, as_float, as_list, as_rank, as_ranks, as_str, bad
 from tiercheck.format.manifest import JSON, ArrayRecord
 
 # -------------------------------------------------------------------------------- the save plan
+
+
+@dataclass(frozen=True, slots=True)
+class PiecesPost:
+    """A group of a rank's pieces of the arrays one coordinator lays out, under the group's digest
+    (the same on every replica holding them): ``[digest, [piece, ...]]``."""
+
+    digest: str
+    pieces: tuple[LeafDesc, ...]
+
+    def to_json(self) -> list[object]:
+        return [self.digest, [d.to_json() for d in self.pieces]]
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str) -> PiecesPost:
+        digest, pieces = as_list(doc, where, "post", 2)
+        posted = as_list(pieces, where, "pieces")
+        return cls(
+            as_str(digest, where, "digest"),
+            tuple(LeafDesc.from_json(d, where=where, field=f"pieces[{i}]") for i, d in enumerate(posted)),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,14 +39,14 @@ import torch
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, drive, dumps, shard_of
-from tiercheck.cluster.wire import as_list, loads
+from tiercheck.cluster.wire import as_register, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
 from tiercheck.format.layout import Chunk, chunk_at, is_edge
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import pack_file
 from tiercheck.format.saveid import REFS_STAMP
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, TookPost
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, PiecesPost, TookPost
 from tiercheck.state.flatten import Leaf, dtype_name
 from tiercheck.state.staging import ALIGN, align_up
 from tiercheck.tiers.local import DIRECT_MIN_BYTES
@@ -101,7 +101,7 @@ def _post_pieces(coord: Coordinator, name: str, by_coord: dict[int, list[LeafDes
         body = dumps([d.to_json() for d in leaves])
         digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
         if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
-            coord.post(f"{name}/in/{c}", f"{digest}|{body}")
+            coord.post(f"{name}/in/{c}", dumps(PiecesPost(digest, tuple(leaves)).to_json()))
         coord.append(coord.key(name, "in", c, digest, "ranks"), f"{coord.rank},")
     return digests
 
@@ -114,14 +114,12 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
     rank = coord.rank
     bodies: dict[str, list[LeafDesc]] = {}
     where = f"{name}/in/{rank}"
-    for value in coord.collect(where):
-        digest, body = value.decode().split("|", 1)
-        posted = as_list(loads(body, where=where), where, "pieces")
-        bodies[digest] = [LeafDesc.from_json(d, where=where, field=f"pieces[{i}]") for i, d in enumerate(posted)]
+    for post in (PiecesPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)):
+        bodies[post.digest] = list(post.pieces)
     registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
     held = {
-        digest: sorted(int(r) for r in value.decode().split(",") if r)
-        for digest, value in zip(registers, coord.multi_get(list(registers.values())), strict=True)
+        digest: sorted(as_register(value, key))
+        for (digest, key), value in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True)
     }
     coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
     pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)

@@ -60,13 +60,14 @@ def number_nodes(coord: Coordinator, nodes: Nodes, name: str = "replicate") -> E
         coord.post(f"{name}/leaders", str(coord.rank))
     yield coord.arrive(f"{name}/joined", what="every node's first rank to join replication")
     if coord.rank == 0:
-        leaders = sorted(int(v) for v in coord.collect(f"{name}/leaders"))
+        where = f"{name}/leaders"
+        leaders = sorted(as_rank(loads(v, where=where), where, "leader") for v in coord.collect(where))
         coord.multi_set({coord.key(name, "number", r): str(i) for i, r in enumerate(leaders)})
     yield coord.arrive(f"{name}/numbered", what="rank 0 to number the nodes")
     number = None
     if leader:
         key = coord.key(name, "number", coord.rank)
-        number = int(coord.get(key))
+        number = as_rank(loads(coord.get(key), where=key), key, "number")
         coord.delete(key)
     coord.finish(name)
     return number
