@@ -19,7 +19,7 @@ import threading
 from collections.abc import Generator
 from dataclasses import replace
 
-from tiercheck.cluster.coordination import Barrier, Coordinator, drive
+from tiercheck.cluster.coordination import Barrier, drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
@@ -199,21 +199,15 @@ def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | N
 
 
 def settle(
-    coord: Coordinator,
-    local: Tier,
-    remote: Tier | None,
-    *,
-    lineage: str | None,
-    run: str,
-    leader: bool,
-    take_over: bool,
-    branch: int | None = None,
+    job: Job, *, lineage: str | None, take_over: bool, branch: int | None = None
 ) -> Generator[Barrier, None, str]:
     """Before a run's first save: every node's leader checks its directory, rank 0 the remote
     prefix; all ranks raise the same ``LineageError`` if one may not write, else every leader
-    claims its directory. Returns the run's lineage (``lineage``, or a new one: ``run``).
+    claims its directory. Returns the run's lineage (``lineage``, or a new one: the job's run).
     ``branch``: the step the run restored; the committed steps above it, on each directory and
     the remote, are the branch it abandons (a rollback): recorded as such, no restore takes them."""
+    coord, local, remote, run = job.coord, job.tier, job.remote, job.nodes.run
+    leader = job.nodes.leader == coord.rank
     failure: BaseException | None = None
     mine = lineage if lineage is not None else run
     try:
@@ -364,20 +358,19 @@ def carry(source: Tier, target: Tier, step: int) -> None:
         claim(target, found.id, found.run, keep=frozenset({(step, save)}) if save is not None else frozenset())
 
 
-def after_restore(
-    coord: Coordinator, local: Tier, remote: Tier | None, *, from_remote: bool, run: str, leader: bool, key: str
-) -> Generator[Barrier, None, str]:
+def after_restore(job: Job, *, from_remote: bool, key: str) -> Generator[Barrier, None, str]:
     """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
     it continues that step's lineage. The ranks agree on one (``key``: this restore's, removed once
     all have read it), each node's leader claims its directory for it; the remote prefix is checked
     and claimed at the next save (``settle``) and drain (``check_remote``)."""
+    coord, local, remote, run = job.coord, job.tier, job.remote, job.nodes.run
     source, other = (remote, local) if from_remote and remote is not None else (local, remote)
     agreed = coord.decide(key, restored(source, other, run))
     yield coord.arrive(f"{key}/read", what="every rank to learn the lineage it continues")
     if coord.rank == 0:
         coord.delete(key)
     coord.finish(key)
-    if leader:
+    if job.nodes.leader == coord.rank:
         claim(local, agreed, run)
     remember(local, agreed)
     return agreed
@@ -388,22 +381,18 @@ class Owner:
     (and the first after each restore)."""
 
     def __init__(self, job: Job, *, take_over: bool) -> None:
-        self.coord, self.local, self.remote = job.coord, job.tier, job.remote
-        self.run, self.leader, self.take_over = job.nodes.run, job.nodes.leader == job.coord.rank, take_over
-        self.lineage = continued(self.local)  # None: a new run, until it restores or saves
+        self.job, self.coord, self.take_over = job, job.coord, take_over
+        self.lineage = continued(job.tier)  # None: a new run, until it restores or saves
         self._settled = False
         self._branch: int | None = None  # the step last restored: the first save after it branches there
 
     def before_save(self) -> None:
         if not self._settled:
-            self.lineage = drive(self.coord, settle(
-                self.coord, self.local, self.remote, lineage=self.lineage, run=self.run, leader=self.leader,
-                take_over=self.take_over, branch=self._branch))  # fmt: skip
+            settling = settle(self.job, lineage=self.lineage, take_over=self.take_over, branch=self._branch)
+            self.lineage = drive(self.coord, settling)
             self._settled, self._branch = True, None
 
     def restored(self, *, from_remote: bool, restore: int, step: int) -> None:
         key = self.coord.key("lineage", "restored", restore)
-        self.lineage = drive(self.coord, after_restore(
-            self.coord, self.local, self.remote, from_remote=from_remote, run=self.run, leader=self.leader,
-            key=key))  # fmt: skip
+        self.lineage = drive(self.coord, after_restore(self.job, from_remote=from_remote, key=key))
         self._settled, self._branch = False, step
