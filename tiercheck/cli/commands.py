@@ -20,6 +20,7 @@ import click
 from tiercheck.cli.common import Context, OneLineGroup, configure_logging, parse_options, positive_number
 from tiercheck.cli.copy import drain_command, export_deepspeed_command, gc_command, restore_command
 from tiercheck.cli.hf import export_command
+from tiercheck.cli.memory import persist_command
 from tiercheck.cli.sizing_table import plan_command
 from tiercheck.cli.steps import inspect_command, ls_command, verify_command
 from tiercheck.options import RetryOptions
@@ -66,6 +67,7 @@ for command in (
     verify_command,
     restore_command,
     drain_command,
+    persist_command,
     export_command,
     export_deepspeed_command,
     gc_command,
