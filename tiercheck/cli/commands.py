@@ -1,4 +1,4 @@
-"""The ``tiercheck`` command: pre-stage restores, list, inspect, verify, drain, collect garbage, plan.
+"""The ``tiercheck`` command: pre-stage restores, list, inspect, verify, drain, persist memory, collect garbage, plan.
 
 Every subcommand takes local directories and remote URLs alike (``s3://``, ``az://``, ``file://``);
 ``-o key=value`` passes fsspec options (endpoint, credentials) for remote URLs, which otherwise come
@@ -7,7 +7,7 @@ exit status 1; nothing committed is ever deleted or overwritten except by ``gc``
 ``--dry-run``, which never deletes the newest committed step.
 
 This module is the group, ``main``, and its options; the subcommands are in ``steps`` (ls, inspect,
-verify), ``copy`` (restore, drain, export-deepspeed, gc) and ``plan``.
+verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist) and ``plan``.
 """
 
 
