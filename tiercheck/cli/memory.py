@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
@@ -95,9 +96,26 @@ class NodeMemory:
         abandoned = _abandoned(self.local)
         steps = []
         for n in list_steps(self.tier).committed:
-            if n > newest and (n, read_marker(self.tier, n).save_id) not in abandoned:
+            if n <= newest:
+                continue
+            try:
+                save = read_marker(self.tier, n).save_id
+            except TiercheckError:  # kept as wanted: persist says why it cannot copy it, gc keeps it
+                steps.append(n)
+                continue
+            if save is None or (n, save) not in abandoned:
                 steps.append(n)
         return steps
+
+    def why_not(self, step: int) -> str:
+        """Why a memory step that is not ``unpersisted`` needs no copy."""
+        if step not in list_steps(self.local).committed:
+            return f"older than {self.local.url}'s newest step, not persisted"
+        try:
+            same = read_marker(self.local, step).save_id == read_marker(self.tier, step).save_id
+        except TiercheckError as e:
+            return f"not persisted: {str(e).splitlines()[0]}"
+        return f"already on {self.local.url}" if same else f"{self.local.url} holds another save of it, not persisted"
 
 
 def _abandoned(local: Tier) -> frozenset[tuple[int, str]]:
@@ -220,8 +238,7 @@ def _persist(ctx: Context, memory: NodeMemory, threads: int) -> list[int]:
     todo = memory.unpersisted()
     for n in list_steps(memory.tier).committed:
         if n not in todo:
-            out.print(f"step {n}: already on {local.url}" if n in list_steps(local).committed
-                      else f"step {n}: older than {local.url}'s newest step, not persisted")  # fmt: skip
+            out.print(f"step {n}: {memory.why_not(n)}")
     for n in todo:
         marker = read_marker(memory.tier, n)
         try:
@@ -244,7 +261,8 @@ def _persist(ctx: Context, memory: NodeMemory, threads: int) -> list[int]:
 def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) -> None:
     """Reclaim the memory tiers under ``path`` of the local directories given whose job is not
     running (their lock is free) and whose steps are on the local directory already, or are another
-    lineage's; report those under ``path`` that belong to no directory given."""
+    lineage's; report those under ``path`` that belong to no directory given. Each directory's lock
+    is taken for a moment, ``dry_run`` or not: a job holding it is running."""
     verb = "would remove" if dry_run else "removed"
     mine = set()
     for local in locals_:
@@ -266,12 +284,14 @@ def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) ->
                 freed = held_bytes(memory.directory)
                 if not dry_run:
                     reclaim(memory)
-                reason = f"another lineage's ({why})" if why is not None else "its steps are on the local directory"
+                reason = f"another lineage's ({why})" if why is not None else "no step the local directory lacks"
                 out.print(f"{verb} the memory tier of {local.url} at {memory.directory} ({human(freed)}): {reason}")
         except DirectoryInUseError:
             out.print(f"kept the memory tier of {local.url} at {memory.directory}: a job is running there")
     root = Path(path)
-    others = sorted(p for p in root.iterdir() if p.is_dir() and p.name not in mine) if root.is_dir() else []
+    ours = re.compile(r"[0-9a-f]{16}")  # memory_dir's names: PATH may hold other things (PATH=/dev/shm)
+    others = sorted(p for p in root.iterdir() if ours.fullmatch(p.name) and p.is_dir() and p.name not in mine) \
+        if root.is_dir() else []  # fmt: skip
     for p in others:
         err.print(
             f"not judged: the memory tier {p} belongs to a local directory not given (give it: gc --memory {path} DIR)",
