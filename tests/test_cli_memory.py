@@ -73,6 +73,15 @@ def crashed(shm: Path, tmp_path: Path) -> Path:
     return local
 
 
+def flip_bit(path: Path, at: int = 100) -> None:
+    """One flipped bit in a memory step's pack (the slot itself: they are one file)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 def test_the_memory_directory_is_the_one_the_checkpointer_uses(tmp_path: Path) -> None:
     for local in (tmp_path / "a", Path("relative/dir")):
         assert memory_dir("/dev/shm/x", local) == memory_pool.pool_dir(MemoryOptions(path="/dev/shm/x"), os.path.abspath(local))
@@ -89,11 +98,7 @@ def test_ls_and_verify_show_and_check_the_memory_steps(crashed: Path, shm: Path)
     table = run("ls", str(crashed), "--memory", str(shm)).stdout
     assert "holds steps 2, 3 that the directory lacks" in table and f"tiercheck persist {crashed}" in table
     assert run("verify", str(crashed), "--memory", str(shm), "--all").stdout.startswith(f"ok: steps 2, 3 intact in {mem}")
-    with open(mem / step_dir(3) / pack_file(0), "r+b") as f:  # one flipped bit in the slot itself
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_bit(mem / step_dir(3) / pack_file(0))
     bad = run("verify", str(crashed), "--memory", str(shm), "--all", check=False)
     assert bad.returncode == 1 and "intact: step 2" in bad.stdout
     assert "damaged: step 3:" in bad.stderr and "1 damaged chunk in step 3" in bad.stderr, bad.stderr
@@ -166,6 +171,18 @@ def test_persist_reclaim_frees_the_memory_in_one_command(crashed: Path, shm: Pat
     assert "persisted step 3" in out and "removed the memory tier" in out
     assert not memory_dir(str(shm), crashed).exists()
     assert_identical(tiercheck.load(crashed, step=3), state_of(3))
+
+
+def test_persist_copies_no_damaged_step_and_keeps_it_in_memory(crashed: Path, shm: Path) -> None:
+    mem = memory_dir(str(shm), crashed)
+    flip_bit(mem / step_dir(3) / pack_file(0))
+    proc = run("persist", str(crashed), "--memory", str(shm), "--reclaim", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "persisted step 2" in proc.stdout and "step 3: not persisted" in proc.stderr, proc.stderr
+    assert "could not persist step 3" in proc.stderr
+    assert list_steps(LocalTier(crashed)).committed == [2], "the damaged step never commits on the local directory"
+    assert list_steps(LocalTier(mem)).committed == [2, 3], "nothing reclaimed while a step could not be persisted"
+    assert_identical(tiercheck.load(crashed, step=2), state_of(2))
 
 
 def test_memory_bad_input_is_one_line(shm: Path, tmp_path: Path) -> None:
