@@ -21,6 +21,7 @@ import torch
 import tiercheck
 from tests.cli import run
 from tests.conftest import assert_identical
+from tests.distributed import run_ranks
 from tiercheck import Checkpointer, MemoryOptions
 from tiercheck.cli.memory import memory_dir
 from tiercheck.format.paths import pack_file, step_dir
@@ -183,6 +184,34 @@ def test_persist_copies_no_damaged_step_and_keeps_it_in_memory(crashed: Path, sh
     assert list_steps(LocalTier(crashed)).committed == [2], "the damaged step never commits on the local directory"
     assert list_steps(LocalTier(mem)).committed == [2, 3], "nothing reclaimed while a step could not be persisted"
     assert_identical(tiercheck.load(crashed, step=2), state_of(2))
+
+
+def _node_crashes(rank: int, world: int, root: str) -> None:
+    """One rank of two, each a node of its own (its own local directory and memory path), killed after
+    saving steps 1 and 2 to memory only."""
+    state = state_of(0)
+    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100)
+    ck = Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory)
+    for step in (1, 2):
+        for k, v in state_of(step).items():
+            state[k].copy_(v)
+        ck.save(step).wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_persist_on_each_node_commits_the_step_on_the_remote_once_both_have_run(shm: Path, tmp_path: Path) -> None:
+    shm.mkdir()
+    outcomes = run_ranks(_node_crashes, 2, str(shm), check=False)
+    assert [o.exitcode for o in outcomes] == [-signal.SIGKILL] * 2, outcomes
+    remote = f"file://{tmp_path / 'remote'}"
+    first = run("persist", str(shm / "node0"), "--memory", str(shm / "shm0"), "--remote", remote).stdout
+    assert "persisted step 2" in first and "waiting for the other nodes' files" in first, first
+    assert list_steps(LocalTier(shm / "node0")).committed == [1, 2]
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == []
+    second = run("persist", str(shm / "node1"), "--memory", str(shm / "shm1"), "--remote", remote).stdout
+    assert "step 2 -> " in second and "; committed" in second, second
+    assert list_steps(LocalTier(tmp_path / "remote")).committed == [1, 2]
+    assert_identical(tiercheck.load(remote, step=2), state_of(2))
 
 
 def test_memory_bad_input_is_one_line(shm: Path, tmp_path: Path) -> None:
