@@ -240,8 +240,8 @@ def _persist(ctx: Context, memory: NodeMemory, threads: int) -> list[int]:
         if n not in todo:
             out.print(f"step {n}: {memory.why_not(n)}")
     for n in todo:
-        marker = read_marker(memory.tier, n)
         try:
+            marker = read_marker(memory.tier, n)
             with progress(ctx, f"step {n}", step_bytes(read_manifest(memory.tier, n))) as report:
                 done = copy_step(memory.tier, local, n, ranks=set(marker.ranks), concurrency=threads, progress=report)
         except (TiercheckError, OSError) as e:
