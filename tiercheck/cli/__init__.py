@@ -1,6 +1,6 @@
 """The ``tiercheck`` command: ``main`` is the click group (``commands``); its subcommands are in
-``steps`` (ls, inspect, verify), ``copy`` (restore, drain, export-deepspeed, gc), ``hf`` (export) and
-``plan``;
+``steps`` (ls, inspect, verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist, and gc's
+``--memory``), ``hf`` (export) and ``plan``;
 ``common`` holds their shared options, output and errors, ``sizing`` the arithmetic behind
 ``tiercheck plan``."""
 

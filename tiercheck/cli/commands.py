@@ -1,4 +1,4 @@
-"""The ``tiercheck`` command: pre-stage restores, list, inspect, verify, drain, collect garbage, plan.
+"""The ``tiercheck`` command: pre-stage restores, list, inspect, verify, drain, persist memory, collect garbage, plan.
 
 Every subcommand takes local directories and remote URLs alike (``s3://``, ``az://``, ``file://``);
 ``-o key=value`` passes fsspec options (endpoint, credentials) for remote URLs, which otherwise come
@@ -7,7 +7,7 @@ exit status 1; nothing committed is ever deleted or overwritten except by ``gc``
 ``--dry-run``, which never deletes the newest committed step.
 
 This module is the group, ``main``, and its options; the subcommands are in ``steps`` (ls, inspect,
-verify), ``copy`` (restore, drain, export-deepspeed, gc) and ``plan``.
+verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist) and ``plan``.
 """
 
 
@@ -20,6 +20,7 @@ import click
 from tiercheck.cli.common import Context, OneLineGroup, configure_logging, parse_options, positive_number
 from tiercheck.cli.copy import drain_command, export_deepspeed_command, gc_command, restore_command
 from tiercheck.cli.hf import export_command
+from tiercheck.cli.memory import persist_command
 from tiercheck.cli.sizing_table import plan_command
 from tiercheck.cli.steps import inspect_command, ls_command, verify_command
 from tiercheck.options import RetryOptions
@@ -66,6 +67,7 @@ for command in (
     verify_command,
     restore_command,
     drain_command,
+    persist_command,
     export_command,
     export_deepspeed_command,
     gc_command,

@@ -36,6 +36,7 @@ from tiercheck.cli.common import (
     step_value,
     typed_options,
 )
+from tiercheck.cli.memory import gc_memory
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.commit import withdraw_step
@@ -241,29 +242,35 @@ def drain_command(ctx: Context, local: str, remote: str, step: str | None, threa
         if not steps:
             out.print(f"nothing to drain: {dst.url} holds the save of every step of {src.url}")
             return
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for n in steps:
-                total = step_bytes(read_manifest(src, n))
-                done = 0
-                with progress(ctx, f"step {n}", total) as report:
+        drain_steps(ctx, src, dst, steps, threads=threads, take_over=take_over)
 
-                    def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
-                        nonlocal done
-                        done += nbytes
-                        report(done, total)
 
-                    # A local directory (asserted above); upload_step's annotation asks for the class,
-                    # though it uses nothing beyond Tier.
-                    result = upload_step(src, dst, n, pool=pool, on_file=on_file, take_over=take_over)
-                state = (
-                    "already committed there" if result.was_committed
-                    else "committed" if result.committed
-                    else "uploaded; waiting for the other nodes' files before it can commit"
-                )  # fmt: skip
-                out.print(
-                    f"step {n} -> {dst.url}: {result.files_uploaded} files ({human(result.bytes_uploaded)}), "
-                    f"{result.files_already_there} already there; {state}"
-                )
+def drain_steps(ctx: Context, src: Tier, dst: Tier, steps: list[int], *, threads: int, take_over: bool = False) -> None:
+    """Upload ``steps`` from the local tier ``src`` to the remote ``dst`` (what the remote holds
+    already is skipped), printing each step's result (``drain``, ``persist --remote``)."""
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for n in steps:
+            total = step_bytes(read_manifest(src, n))
+            done = 0
+            with progress(ctx, f"step {n}", total) as report:
+
+                def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
+                    nonlocal done
+                    done += nbytes
+                    report(done, total)
+
+                # A local directory (the callers' own); upload_step's annotation asks for the class,
+                # though it uses nothing beyond Tier.
+                result = upload_step(src, dst, n, pool=pool, on_file=on_file, take_over=take_over)
+            state = (
+                "already committed there" if result.was_committed
+                else "committed" if result.committed
+                else "uploaded; waiting for the other nodes' files before it can commit"
+            )  # fmt: skip
+            out.print(
+                f"step {n} -> {dst.url}: {result.files_uploaded} files ({human(result.bytes_uploaded)}), "
+                f"{result.files_already_there} already there; {state}"
+            )
 
 
 # ---------------------------------------------------------------------------- export, gc
@@ -311,6 +318,13 @@ def export_deepspeed_command(ctx: Context, source: str, save_dir: str, step: str
 )
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 @click.option(
+    "--memory",
+    default=None,
+    metavar="PATH",
+    help="Also reclaim the memory tiers under PATH (MemoryOptions.path) of the directories given whose job "
+    "has ended and whose steps are on the directory, or are another lineage's.",
+)
+@click.option(
     "--quick",
     is_flag=True,
     help="Judge the steps kept by --keep-last from their manifest files alone, without re-reading their chunks.",
@@ -324,6 +338,7 @@ def gc_command(
     keep_every: int | None,
     grace_hours: float,
     dry_run: bool,
+    memory: str | None,
     quick: bool,
 ) -> None:
     """Apply retention: delete committed steps the policy lets go, and abandoned partial steps.
@@ -336,12 +351,20 @@ def gc_command(
     until that many are whole; a damaged one, or one whose other nodes' directories were not
     given, is reported and kept, and never costs an older whole step its place. A partial step
     counts as abandoned when it is older than the newest committed step and older than the grace
-    period (a drain may still be writing it).
+    period (a drain may still be writing it). With --memory (alone, or with a policy), a node
+    directory's memory tier is removed where no job holds the directory's lock and its steps are on
+    the directory already, or are another lineage's (never restored).
     """
     with errors_as_one_line():
-        if keep_last is None and keep_every is None:
-            raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M")
+        if keep_last is None and keep_every is None and memory is None:
+            raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M (or reclaim: --memory PATH)")
         tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        if memory is not None:
+            if any(tier.local_path is None for tier in tiers):
+                raise click.UsageError("--memory goes with node directories: a remote URL has no memory tier")
+            gc_memory(ctx, tiers, memory, dry_run=dry_run)
+        if keep_last is None and keep_every is None:
+            return
         if len(tiers) > 1:
             one_lineage(tiers)  # one job's directories: steps of two jobs are never pooled
         listings = {tier.url: list_steps(tier) for tier in tiers}

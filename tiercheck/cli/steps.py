@@ -31,6 +31,7 @@ from tiercheck.cli.common import (
     step_progress,
     step_value,
 )
+from tiercheck.cli.memory import MEMORY_HELP, NodeMemory, memory_dir, open_memory
 from tiercheck.cli.values import plain_values, render
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes
@@ -39,6 +40,7 @@ from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import short_packs, verify_step
 from tiercheck.humanize import fmt_steps, plural, ranges
+from tiercheck.tiers.base import Tier
 from tiercheck.tiers.remote import redact
 
 # ----------------------------------------------------------------------------------------- ls
@@ -46,48 +48,25 @@ from tiercheck.tiers.remote import redact
 
 @click.command("ls")
 @click.argument("locations", nargs=-1, required=True, metavar="URL_OR_DIR...")
+@click.option("--memory", default=None, metavar="PATH", help=f"{MEMORY_HELP} Shown beside each DIR given.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @remote_options
 @pass_context
-def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
+def ls_command(ctx: Context, locations: tuple[str, ...], memory: str | None, as_json: bool) -> None:
     """Steps in one or more tiers: committed, partial or draining, size, age, which tier holds them.
 
     Give a node's local directory and the remote URL together to see both tiers side by side: a
-    step committed locally and partial on the remote is "draining".
+    step committed locally and partial on the remote is "draining". With --memory, each local
+    directory's memory tier is a column too, and what it holds that the directory lacks is named.
     """
     with errors_as_one_line():
         rows: dict[int, dict[str, Any]] = {}
-        names = [redact(loc) for loc in locations]
-        for loc, name in zip(locations, names, strict=True):
-            tier = ctx.tier(loc)
-            listing = list_steps(tier)
-            for s in listing.committed:
-                row = rows.setdefault(s, {"step": s, "tiers": {}})
-                try:
-                    manifest = read_manifest(tier, s)
-                    marker = read_marker(tier, s)
-                    short = short_packs(tier, s, manifest, set(marker.ranks))
-                except TiercheckError as e:
-                    row["tiers"][name] = {"status": "damaged", "error": str(e)}
-                    continue
-                if short:  # cheap: the packs' sizes against the manifest; `verify` reads every byte
-                    row["tiers"][name] = {"status": "damaged", "error": f"step {s}: {'; '.join(short)}"}
-                    continue
-                whole = set(marker.ranks) == set(range(marker.world_size))
-                copies = sorted({r for c in read_replicas(tier, s, checked=True) for r in c.ranks} - set(marker.ranks))
-                status = "committed" if whole else f"committed (ranks {ranges(sorted(marker.ranks))})"
-                if copies:  # peers' files this node keeps a replica of
-                    status += f" + replicas of ranks {ranges(copies)}"
-                row.setdefault("bytes", step_bytes(manifest))
-                row.setdefault("created_unix", manifest.created_unix)
-                row["tiers"][name] = {
-                    "status": status,
-                    "ranks": list(marker.ranks),
-                    "replica_ranks": copies,
-                    "world_size": marker.world_size,
-                }
-            for s in listing.partial:
-                rows.setdefault(s, {"step": s, "tiers": {}})["tiers"][name] = {"status": "partial"}
+        tiers = [(ctx.tier(loc), redact(loc)) for loc in locations]
+        memories = _memories(ctx, [t for (t, _), loc in zip(tiers, locations, strict=True) if "://" not in loc], memory)
+        tiers += [(m.tier, str(m.directory)) for m in memories]
+        names = [name for _, name in tiers]
+        for tier, name in tiers:
+            _add_rows(rows, tier, name)
         for row in rows.values():  # committed on one tier, partial on another: a drain in progress
             statuses = [t["status"] for t in row["tiers"].values()]
             if any(st.startswith("committed") for st in statuses):
@@ -95,33 +74,112 @@ def ls_command(ctx: Context, locations: tuple[str, ...], as_json: bool) -> None:
                     if t["status"] == "partial":
                         t["status"] = "draining"
         ordered = [rows[s] for s in sorted(rows)]
+        notes = [_memory_note(m) for m in memories]
         if as_json:
-            click.echo(json.dumps({"locations": names, "steps": ordered}, indent=2))
+            click.echo(json.dumps({"locations": names, "steps": ordered, "memory": notes}, indent=2))
             return
         if not ordered:
             out.print(f"no steps in {', '.join(names)}")
-            return
-        table = Table(box=None, pad_edge=False)
-        table.add_column("step", justify="right")
-        for name in names:
-            table.add_column(name)
-        table.add_column("size", justify="right")
-        table.add_column("age", justify="right")
-        for row in ordered:
-            cells = [row["tiers"].get(n, {}).get("status", "-") for n in names]
-            size = human(row["bytes"]) if "bytes" in row else "-"
-            created = age(row["created_unix"]) if "created_unix" in row else "-"
-            table.add_row(str(row["step"]), *cells, size, created)
-        out.print(table)
-        for row in ordered:
-            for n, t in row["tiers"].items():
-                if "error" in t:
-                    err.print(f"damaged: {n}: {t['error']}", markup=False)
-        if any(t["status"].startswith("committed") for row in ordered for t in row["tiers"].values()):
-            out.print(
-                "committed: COMMIT, manifest and pack sizes agree (`tiercheck verify` re-reads every chunk); "
-                "size: the bytes of its arrays' chunks"
-            )
+        else:
+            _print_table(ordered, names)
+        for note in notes:
+            _print_memory_note(note)
+
+
+def _add_rows(rows: dict[int, dict[str, Any]], tier: Tier, name: str) -> None:
+    """``tier``'s steps into ``rows`` (by step), under ``name``."""
+    listing = list_steps(tier)
+    for s in listing.committed:
+        row = rows.setdefault(s, {"step": s, "tiers": {}})
+        try:
+            manifest = read_manifest(tier, s)
+            marker = read_marker(tier, s)
+            short = short_packs(tier, s, manifest, set(marker.ranks))
+        except TiercheckError as e:
+            row["tiers"][name] = {"status": "damaged", "error": str(e)}
+            continue
+        if short:  # cheap: the packs' sizes against the manifest; `verify` reads every byte
+            row["tiers"][name] = {"status": "damaged", "error": f"step {s}: {'; '.join(short)}"}
+            continue
+        whole = set(marker.ranks) == set(range(marker.world_size))
+        copies = sorted({r for c in read_replicas(tier, s, checked=True) for r in c.ranks} - set(marker.ranks))
+        status = "committed" if whole else f"committed (ranks {ranges(sorted(marker.ranks))})"
+        if copies:  # peers' files this node keeps a replica of
+            status += f" + replicas of ranks {ranges(copies)}"
+        row.setdefault("bytes", step_bytes(manifest))
+        row.setdefault("created_unix", manifest.created_unix)
+        row["tiers"][name] = {
+            "status": status,
+            "ranks": list(marker.ranks),
+            "replica_ranks": copies,
+            "world_size": marker.world_size,
+        }
+    for s in listing.partial:
+        rows.setdefault(s, {"step": s, "tiers": {}})["tiers"][name] = {"status": "partial"}
+
+
+def _print_table(ordered: list[dict[str, Any]], names: list[str]) -> None:
+    table = Table(box=None, pad_edge=False)
+    table.add_column("step", justify="right")
+    for name in names:
+        table.add_column(name)
+    table.add_column("size", justify="right")
+    table.add_column("age", justify="right")
+    for row in ordered:
+        cells = [row["tiers"].get(n, {}).get("status", "-") for n in names]
+        size = human(row["bytes"]) if "bytes" in row else "-"
+        created = age(row["created_unix"]) if "created_unix" in row else "-"
+        table.add_row(str(row["step"]), *cells, size, created)
+    out.print(table)
+    for row in ordered:
+        for n, t in row["tiers"].items():
+            if "error" in t:
+                err.print(f"damaged: {n}: {t['error']}", markup=False)
+    if any(t["status"].startswith("committed") for row in ordered for t in row["tiers"].values()):
+        out.print(
+            "committed: COMMIT, manifest and pack sizes agree (`tiercheck verify` re-reads every chunk); "
+            "size: the bytes of its arrays' chunks"
+        )
+
+
+def _memories(ctx: Context, tiers: list[Tier], path: str | None) -> list[NodeMemory]:
+    """The memory tiers under ``path`` of the local directories ``tiers`` (none without ``path``)."""
+    if path is None:
+        return []
+    if not tiers:
+        raise click.UsageError("--memory goes with a node's local directory: a remote URL has no memory tier")
+    found = []
+    for tier in tiers:
+        m = open_memory(ctx, tier, path)
+        if m is None:
+            err.print(f"no memory tier for {tier.url} under {path}", markup=False)
+        else:
+            found.append(m)
+    return found
+
+
+def _memory_note(m: NodeMemory) -> dict[str, Any]:
+    foreign = m.foreign()
+    return {
+        "local": m.local.url,
+        "directory": str(m.directory),
+        "owner": m.owner,
+        "lineage": m.lineage,
+        "foreign": foreign,
+        "unpersisted": [] if foreign is not None else m.unpersisted(),
+    }
+
+
+def _print_memory_note(note: dict[str, Any]) -> None:
+    where = f"the memory tier of {note['local']} ({note['directory']})"
+    if note["foreign"] is not None:
+        err.print(f"{where} is another lineage's: {note['foreign']}; never restored, removed by "
+                  f"`tiercheck gc --memory`", markup=False)  # fmt: skip
+    elif note["unpersisted"]:
+        out.print(
+            f"{where} holds {_steps(note['unpersisted'])} that the directory lacks: the next run restores "
+            f"and persists them, or `tiercheck persist {note['local']}` does"
+        )
 
 
 # ------------------------------------------------------------------------------------ inspect
@@ -214,20 +272,31 @@ def _print_values(values: dict[str, Any], rank: int | None, states: int) -> None
 @click.option("--step", default=None, callback=step_value, help="Step number, or 'latest'.  [default: latest]")
 @click.option("--all", "every", is_flag=True, help="Verify every committed step (not with --step).")
 @click.option("--threads", default=8, show_default=True, type=THREADS, help="Chunks read at once.")
+@click.option("--memory", default=None, metavar="PATH", help=f"{MEMORY_HELP} Verify DIR's memory tier, not DIR.")
 @remote_options
 @pass_context
-def verify_command(ctx: Context, location: str, step: str | None, every: bool, threads: int) -> None:
+def verify_command(
+    ctx: Context, location: str, step: str | None, every: bool, threads: int, memory: str | None
+) -> None:
     """Re-read every chunk and check its checksum. Exit status 0: all intact; 1: damage found.
 
     Names every damaged array and chunk, or the step's manifest. A node's local directory holds only its
     ranks' chunks, and the peers' replicas it keeps: those are the ones checked there (replicas also against
-    the size and CRC32C of each of their files).
+    the size and CRC32C of each of their files). With --memory, the steps in DIR's memory tier are
+    the ones checked.
     """
     if every and step is not None:
         raise click.UsageError("--step and --all exclude each other: give one")
     step = step or "latest"
     with errors_as_one_line():
         tier = ctx.tier(location)
+        if memory is not None:
+            found = open_memory(ctx, tier, memory)
+            if found is None:
+                fail(f"{tier.url} has no memory tier under {memory} (no {memory_dir(memory, location)})")
+            if (why := found.foreign()) is not None:
+                err.print(f"the memory tier at {found.directory} is another lineage's: {why}", markup=False)
+            tier = found.tier
         listing = list_steps(tier)
         steps = listing.committed if every else [pick_step(tier, step)]
         if not steps:
