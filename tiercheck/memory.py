@@ -27,6 +27,7 @@ from tiercheck.cluster.coordination import drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.format.lineage import read_lineage
+from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps
 from tiercheck.options import ReplicationOptions
 from tiercheck.restore.agree import agree_on_step, remote_steps
@@ -42,7 +43,7 @@ from tiercheck.tiering.transfer import copy_step
 
 log = logging.getLogger("tiercheck")
 
-OWNER_FILE = "OWNER"  # in the memory directory: the lineage its steps belong to
+OWNER_FILE = MEMORY_OWNER_FILE  # in the memory directory: the lineage its steps belong to
 
 
 class Memory:

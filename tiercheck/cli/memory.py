@@ -14,7 +14,6 @@ copied or removed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -41,6 +40,7 @@ from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
 from tiercheck.format.lineage import read_lineage
+from tiercheck.format.paths import MEMORY_OWNER_FILE, memory_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import MemoryOptions
@@ -49,19 +49,13 @@ from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 
-OWNER_FILE = "OWNER"  # tiercheck.memory.OWNER_FILE (that module imports torch)
+OWNER_FILE = MEMORY_OWNER_FILE
 _MAX_OWNER = 256  # bytes of OWNER read: a lineage id is 32 hex digits
 DEFAULT_PATH = os.fspath(MemoryOptions().path)
 
 MEMORY_HELP = (
     "The memory tier's path (MemoryOptions.path): DIR's memory is the directory under it named for DIR."
 )
-
-
-def memory_dir(path: str, local: str | os.PathLike[str]) -> Path:
-    """The memory directory of the node-local directory ``local`` under ``path`` (as ``pool_dir``)."""
-    digest = hashlib.sha256(os.path.abspath(local).encode()).hexdigest()[:16]
-    return Path(path) / digest
 
 
 @dataclass(frozen=True)

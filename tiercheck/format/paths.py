@@ -6,7 +6,10 @@ spells a file name out; it asks here."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
+from pathlib import Path
 
 FORMAT_NAME = "tiercheck"
 FORMAT_VERSION = 5  # the one format this library writes and reads (docs/format.md); a step of another is refused
@@ -127,3 +130,14 @@ def replica_marker(first_rank: int) -> str:
 
 def is_replica_marker(name: str) -> bool:
     return name.startswith(REPLICA_PREFIX) and name.endswith(".json")
+
+
+MEMORY_OWNER_FILE = "OWNER"  # in a memory directory: the lineage its steps belong to (tiercheck.memory)
+
+
+def memory_dir(path: str | os.PathLike[str], local: str | os.PathLike[str]) -> Path:
+    """The memory tier's directory of the node-local directory ``local`` under ``MemoryOptions.path``:
+    named by a hash of ``local``'s absolute path, so a run restarted on the same node with the same
+    directory finds it, and the CLI finds it from the directory's name."""
+    digest = hashlib.sha256(os.path.abspath(local).encode()).hexdigest()[:16]
+    return Path(os.fspath(path)) / digest

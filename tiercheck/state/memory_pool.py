@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from tiercheck.errors import InvalidArgumentError, MemoryTierError
+from tiercheck.format.paths import memory_dir
 from tiercheck.options import MemoryOptions
 from tiercheck.state.flatten import flatten
 from tiercheck.state.staging import align_up
@@ -43,10 +43,8 @@ _READ_LIMIT = 4096  # a cgroup file holds one number: never read more
 
 
 def pool_dir(options: MemoryOptions, local: str) -> Path:
-    """Where the pool files of the ranks that save to ``local`` (this node's directory, its absolute
-    path) live: a run restarted on the same node with the same directory finds them there."""
-    digest = hashlib.sha256(local.encode()).hexdigest()[:16]
-    return Path(os.fspath(options.path)) / digest
+    """Where the slot files and steps of the ranks that save to ``local`` live (``paths.memory_dir``)."""
+    return memory_dir(options.path, local)
 
 
 @dataclass(frozen=True, slots=True)
