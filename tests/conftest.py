@@ -4,6 +4,8 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,16 @@ def _tiercheck_logs(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory of its own on the real /dev/shm (a tmpfs: the memory tier's), removed after the test."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm tmpfs on this machine")
+    path = Path("/dev/shm") / f"tiercheck-test-{uuid.uuid4().hex}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def assert_identical(a: Any, b: Any, where: str = "state") -> None:

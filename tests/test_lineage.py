@@ -381,11 +381,9 @@ def test_a_lineage_file_copied_from_another_run_replaces_none_of_its_steps(tmp_p
         assert_identical(tiercheck.load(rb, step=step), state_of(40 + step))
 
 
-def test_a_commit_that_lands_after_a_take_over_is_withdrawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run A's drain of step 2 is in flight when run B takes the prefix over; A's commit lands
-    after B's claim. A checks the prefix's lineage again once its commit is written, finds B's,
-    and withdraws it: the drain fails naming the take-over, and a fresh node of B restores B's
-    step 1, never A's step 2."""
+def _a_drained_step_1_and_b_saved_step_1(tmp_path: Path) -> str:
+    """Run A saved steps 1 and 2 (state 11, 12) in ``a`` and drained step 1 to a ``file://`` prefix;
+    run B, another lineage, saved step 1 (state 31) in ``b``. Returns the prefix's URL."""
     url = f"file://{tmp_path / 'remote'}"
     lineage.forget_all()
     state = state_of(0)
@@ -398,6 +396,15 @@ def test_a_commit_that_lands_after_a_take_over_is_withdrawn(tmp_path: Path, monk
     with Checkpointer(state, local=tmp_path / "b") as ck:
         set_to(state, 31)
         ck.save(1)
+    return url
+
+
+def test_a_commit_that_lands_after_a_take_over_is_withdrawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run A's drain of step 2 is in flight when run B takes the prefix over; A's commit lands
+    after B's claim. A checks the prefix's lineage again once its commit is written, finds B's,
+    and withdraws it: the drain fails naming the take-over, and a fresh node of B restores B's
+    step 1, never A's step 2."""
+    url = _a_drained_step_1_and_b_saved_step_1(tmp_path)
     real = upload.commit_step
     pending = [True]
 
@@ -423,18 +430,7 @@ def test_a_commit_that_lands_during_a_take_over_is_disowned(tmp_path: Path, monk
     """The other order: A's commit of step 2 lands after B's take-over listed the prefix's steps
     but before its claim was written. A saw its own lineage and keeps its commit; B's second look
     after its claim disowns it: a fresh node of B restores B's step 1."""
-    url = f"file://{tmp_path / 'remote'}"
-    lineage.forget_all()
-    state = state_of(0)
-    with Checkpointer(state, local=tmp_path / "a") as ck:
-        for step in (1, 2):
-            set_to(state, 10 + step)
-            ck.save(step)
-    run("drain", str(tmp_path / "a"), "--to", url, "--step", "1")
-    lineage.forget_all()
-    with Checkpointer(state, local=tmp_path / "b") as ck:
-        set_to(state, 31)
-        ck.save(1)
+    url = _a_drained_step_1_and_b_saved_step_1(tmp_path)
     real = lineage.write_lineage
     pending = [True]
 

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,16 +28,6 @@ from tiercheck.state import memory_pool
 from tiercheck.tiers.local import LocalTier
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A directory of its own on the real /dev/shm, removed after the test."""
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm tmpfs on this machine")
-    path = Path("/dev/shm") / f"tiercheck-test-{uuid.uuid4().hex}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
