@@ -87,15 +87,22 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
     return per_rank
 
 
+def agreed_manifest(rank_job: Job) -> Any:
+    """A restore's rounds 1 and 2 on one rank, in lockstep with the others: the newest step, its
+    holders and its manifest (as ``restore.protocol`` runs them, under the name ``r``)."""
+    choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
+    here = choice.held.get(str(choice.step), [[], 0])[0]
+    st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
+    manifest = yield from manifest_for(rank_job, "r", st, {}, others=False)
+    return st, manifest
+
+
 def restore_plan(world: int, root: Path, needs: list[list[Need]]) -> tuple[list[Any], list[Coordinator]]:
     coords, tiers, nodes = job(world, root)
 
     def one(c: Coordinator) -> Any:
         rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
-        choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
-        here = choice.held.get(str(choice.step), [[], 0])[0]
-        st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
-        manifest = yield from manifest_for(rank_job, "r", st, {}, others=False)
+        st, manifest = yield from agreed_manifest(rank_job)
         asked = ReadRequest(needs=needs[c.rank], records=manifest.arrays, read_once=False)
         plan = yield from plan_restore(rank_job, "r", st, asked)
         return manifest, plan

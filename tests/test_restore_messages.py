@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.test_coordination import job, save
+from tests.test_coordination import agreed_manifest, job, save
 from tiercheck.cluster.assign import Need
 from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError
-from tiercheck.restore.agree import agree_on_step
-from tiercheck.restore.holders import find_holders
 from tiercheck.restore.messages import (
     ArrayShape,
     AssignedMove,
@@ -30,7 +28,6 @@ from tiercheck.restore.messages import (
     StepDecision,
     loads,
 )
-from tiercheck.restore.needed import manifest_for
 from tiercheck.restore.plan import ReadRequest, plan_restore
 
 MESSAGES: list[Any] = [
@@ -96,10 +93,7 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
 
     def one(c: Coordinator) -> Any:
         rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
-        choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
-        here = choice.held.get(str(choice.step), [[], 0])[0]
-        st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
-        manifest = yield from manifest_for(rank_job, "r", st, {}, others=False)
+        st, manifest = yield from agreed_manifest(rank_job)
         if c.rank == 0:  # posted before any coordinator collects its bucket
             c.post(f"r/reads/needs/{target}", json.dumps({"rank": 0, "needs": [["w", [0], "x"]]}))
         needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
