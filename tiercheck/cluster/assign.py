@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercheck.cluster.wire import as_bool, as_list, as_ranks, as_str
+from tiercheck.cluster.wire import as_bool, as_fields, as_ranks, as_str
 from tiercheck.errors import IncompatibleStateError, UnsupportedValueError
 from tiercheck.format.codec import chunk_nbytes, itemsize
 from tiercheck.format.layout import MAX_CHUNKS, Chunk, chunks_in_box, grid_for_boxes, grid_size
@@ -59,16 +59,7 @@ class LeafDesc:
     def from_json(cls, doc: object, *, where: str, field: str = "leaf") -> LeafDesc:
         """One rank's piece as another rank posted it (``where``: the store key), checked field by
         field (``cluster.wire``)."""
-        path, dtype, kind, gshape, offs, shape, lazy = as_list(doc, where, field, 7)
-        return cls(
-            as_str(path, where, f"{field}[0]"),
-            as_str(dtype, where, f"{field}[1]"),
-            as_str(kind, where, f"{field}[2]"),
-            as_ranks(gshape, where, f"{field}[3]"),
-            as_ranks(offs, where, f"{field}[4]"),
-            as_ranks(shape, where, f"{field}[5]"),
-            as_bool(lazy, where, f"{field}[6]"),
-        )
+        return cls(*as_fields(doc, where, field, (as_str, as_str, as_str, as_ranks, as_ranks, as_ranks, as_bool)))
 
     @property
     def stops(self) -> tuple[int, ...]:

@@ -10,6 +10,8 @@ deep inside the protocol that reads it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tiercheck.errors import CoordinationError
 
@@ -68,6 +70,12 @@ def as_list(v: object, where: str, field: str, n: int | None = None) -> list[obj
 def as_ranks(v: object, where: str, field: str) -> tuple[int, ...]:
     """A list of ranks (or of other non-negative integers: sizes, grid positions)."""
     return tuple(as_rank(x, where, f"{field}[{i}]") for i, x in enumerate(as_list(v, where, field)))
+
+
+def as_fields(doc: object, where: str, field: str, parsers: Sequence[Callable[[object, str, str], Any]]) -> list[Any]:
+    """A positional message (a JSON list), each item checked by its parser, named ``field[i]``."""
+    items = as_list(doc, where, field, len(parsers))
+    return [parse(v, where, f"{field}[{i}]") for i, (parse, v) in enumerate(zip(parsers, items, strict=True))]
 
 
 def as_dict(v: object, where: str, field: str) -> dict[str, object]:

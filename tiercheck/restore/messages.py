@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tiercheck.cluster.assign import Need
 from tiercheck.cluster.wire import as_bool as _bool
 from tiercheck.cluster.wire import as_dict as _dict
+from tiercheck.cluster.wire import as_fields
 from tiercheck.cluster.wire import as_int as _int
 from tiercheck.cluster.wire import as_list as _list
 from tiercheck.cluster.wire import as_rank as _rank
@@ -180,13 +181,7 @@ class AssignedRead:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str, field: str) -> AssignedRead:
-        path, coords, remote, owner = _list(doc, where, field, 4)
-        return cls(
-            _str(path, where, f"{field}[0]"),
-            _ints(coords, where, f"{field}[1]"),
-            _bool(remote, where, f"{field}[2]"),
-            _rank(owner, where, f"{field}[3]"),
-        )
+        return cls(*as_fields(doc, where, field, (_str, _ints, _bool, _rank)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,14 +237,7 @@ class ArrayShape:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str, field: str) -> ArrayShape:
-        path, dtype, kind, shape, chunks = _list(doc, where, field, 5)
-        return cls(
-            _str(path, where, f"{field}[0]"),
-            _str(dtype, where, f"{field}[1]"),
-            _str(kind, where, f"{field}[2]"),
-            _ints(shape, where, f"{field}[3]"),
-            _ints(chunks, where, f"{field}[4]"),
-        )
+        return cls(*as_fields(doc, where, field, (_str, _str, _str, _ints, _ints)))
 
 
 @dataclass(frozen=True, slots=True)
