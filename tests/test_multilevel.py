@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -138,7 +139,7 @@ def brute_force(
                 out.append(None if n is None or last is None else last * n)
             return out
 
-        def waste(t: float, intervals=intervals) -> float:  # type: ignore[no-untyped-def]
+        def waste(t: float, intervals: Callable[[float], list[float | None]] = intervals) -> float:
             try:
                 return waste_fraction(lv, rates, intervals(t))
             except ValueError:  # a level that recovers a failure never written
@@ -210,11 +211,12 @@ def test_plan_prints_the_multilevel_intervals_and_memory() -> None:
     assert rates == pytest.approx({"crash": 2 / 360000, "node": 2 / 18_000_000, "job": 1 / 7_200_000}, rel=1e-12)
     assert multi["recovers"] == {"crash": "memory", "node": "s3", "job": "s3"}
     # the local disk recovers nothing without replicas: written only with S3, its 24.5 s joining S3's 19.6 s
-    memory_s = math.sqrt(2 * 0.245 * 180000)  # Young's for the memory level alone: 296.98 s
-    remote_s = math.sqrt(2 * 44.1 / (2 / 18e6 + 1 / 7.2e6))  # 594 s: the two kinds S3 recovers
+    # Alone, each level would take Young's interval: memory sqrt(2 · 0.245 · 180000) = 296.98 s; S3 (with the disk)
+    # sqrt(2 · 44.1 / (2/18e6 + 1/7.2e6)) = sqrt(88.2 / 2.5e-7) = 18,782.97 s = 63.25 x 296.98: 63 is a whole multiple.
     intervals = [level["interval_s"] for level in multi["levels"]]
-    assert intervals[1] == intervals[2] and intervals[2] / intervals[0] == multi["levels"][2]["multiple"]
-    assert intervals[0] == pytest.approx(memory_s, rel=0.2) and intervals[2] == pytest.approx(remote_s, rel=0.2)
+    assert [level["multiple"] for level in multi["levels"]] == [1, 63, 1] and intervals[1] == intervals[2]
+    assert intervals[0] == pytest.approx(296.98, rel=0.01) and intervals[2] == pytest.approx(18783, rel=0.01)
+    assert multi["goodput"] > multi["without_memory"]["goodput"]
     memory = result["memory"]
     # 2 slots · 49e9 = 98e9 B on a node against 64e9 B: does not fit
     assert memory["node_bytes"] == 98 * 10**9 and memory["fits"] is False and memory["tmpfs_bytes"] == 64 * 10**9
@@ -223,3 +225,11 @@ def test_plan_prints_the_multilevel_intervals_and_memory() -> None:
     replicated = json.loads(run(*args, "--replicas", "1", "--tmpfs-gb", "200", "--json").stdout)
     assert replicated["multilevel"]["recovers"] == {"crash": "memory", "node": "memory", "job": "s3"}
     assert replicated["memory"]["node_bytes"] == 147 * 10**9 and replicated["memory"]["fits"] is True
+    # with steps of 10 s: the memory level every whole number of steps, and the options that give the pattern
+    stepped = run(*args, "--tmpfs-gb", "64", "--step-s", "10").stdout
+    assert "save every 30 steps, MemoryOptions(persist_every=1890), DrainOptions(every=1890)" in stepped, stepped
+    refused = run(*args, "--memory-gbps", "fast", check=False)
+    assert refused.returncode == 2 and "--memory-gbps" in refused.stderr, refused.stderr
+    # a crash with neither a disk nor a shared tier to recover a node loss: one line, naming the kind
+    alone = run(*args, "--tier", "nvme:2:3:node", check=False)
+    assert alone.returncode == 1 and "no level survives a node loss" in alone.stderr, alone.stderr

@@ -33,7 +33,10 @@ against the time between failures); failures during a checkpoint or a restore ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tiercheck.cli.sizing import Sizes, TierProfile, staging_s, times
 
 __all__ = [
     "KINDS",
@@ -41,6 +44,7 @@ __all__ = [
     "MemoryNeed",
     "Pattern",
     "memory_need",
+    "multilevel_table",
     "optimal_pattern",
     "recovery_levels",
     "waste_fraction",
@@ -247,3 +251,59 @@ def memory_need(
     own, peers = slots * snapshot, replicas * snapshot
     fits = None if tmpfs_bytes is None else own + peers <= tmpfs_bytes
     return MemoryNeed(slots, replicas, per_rank_bytes, own, peers, own + peers, tmpfs_bytes, fits)
+
+
+def multilevel_table(
+    sizes: Sizes,
+    tiers: list[TierProfile],
+    memory: TierProfile,
+    *,
+    rates_per_s: dict[str, float],
+    ranks_per_node: int,
+    replicas: int,
+    slots: int,
+    tmpfs_bytes: int | None,
+    step_s: float | None = None,
+) -> dict[str, Any]:
+    """What ``tiercheck plan`` prints for several tiers, as a JSON-serializable dict. The levels: the memory
+    tier (``memory``'s bandwidth per GPU: each GPU copies its share, :func:`tiercheck.cli.sizing.staging_s`),
+    the first of ``tiers`` that is a node's own (its disk) and the first shared one (the remote), each with
+    its save and restore time from :func:`tiercheck.cli.sizing.times`. The memory and disk levels survive a
+    crash, and a node loss too with ``replicas`` (copies on other nodes); the shared tier survives all.
+    ``without_memory``: the best pattern of the slower levels alone, for comparison."""
+    node_tier = next((t for t in tiers if not t.shared), None)
+    shared_tier = next((t for t in tiers if t.shared), None)
+    local = frozenset({"crash", "node"} if replicas > 0 else {"crash"})
+    levels = [Level(name="memory", save_s=staging_s(sizes, memory),
+                    restore_s=sizes.per_rank_bytes / memory.read_bytes_per_s, survives=local)]  # fmt: skip
+    for tier, survives in ((node_tier, local), (shared_tier, frozenset(KINDS))):
+        if tier is not None:
+            save_s, restore_s = times(sizes, tier)
+            levels.append(Level(name=tier.name, save_s=save_s, restore_s=restore_s, survives=survives))
+    pattern = optimal_pattern(levels, rates_per_s, step_s=step_s)
+    rows = [
+        {**asdict(level), "survives": [k for k in KINDS if k in level.survives], "interval_s": interval,
+         "multiple": multiple, "steps": None if interval is None or step_s is None else round(interval / step_s)}
+        for level, interval, multiple in zip(levels, pattern.intervals_s, pattern.multiples, strict=True)
+    ]  # fmt: skip
+    try:
+        slower = optimal_pattern(levels[1:], rates_per_s, step_s=step_s) if len(levels) > 1 else None
+    except ValueError:  # a kind only the memory tier survives (a crash, with no disk tier): nothing to compare
+        slower = None
+    need = memory_need(per_rank_bytes=sizes.per_rank_bytes, ranks_per_node=ranks_per_node, slots=slots,
+                       replicas=replicas, tmpfs_bytes=tmpfs_bytes)  # fmt: skip
+    return {
+        "multilevel": {
+            "rates_per_s": dict(rates_per_s),
+            "replicas": replicas,
+            "step_s": step_s,
+            "levels": rows,
+            "recovers": pattern.recovers,
+            "waste_fraction": pattern.waste_fraction,
+            "goodput": pattern.goodput,
+            "without_memory": None if slower is None else
+            {"waste_fraction": slower.waste_fraction, "goodput": slower.goodput},
+            "memory_tier": asdict(memory),
+        },
+        "memory": asdict(need),
+    }
