@@ -139,7 +139,9 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 @pass_context
 def plan_command(ctx: Context, **kw: Any) -> None:
     """Size a model's checkpoints: bytes in total, per rank and per node, save and restore time on
-    each tier, and the checkpoint interval that loses the least work (Young / Daly).
+    each tier, and the checkpoint interval that loses the least work (Young / Daly). With failure rates by
+    kind (--crash-mtbf-hours, --job-mtbf-hours, and --node-mtbf-hours), the interval per tier with the memory
+    tier first (the multi-level model of SCR), and the memory that tier needs on a node.
 
     Example: tiercheck plan --layers 96 --hidden 12288 --vocab 50257 --tp 8 --pp 16 --dp 8
     """  # fmt: skip
