@@ -198,7 +198,7 @@ def _best_pattern(cost: list[float], rate: list[float], step_s: float | None) ->
         if step_s is not None:  # the whole steps beside T at that x, and the last multiple best for each
             t = math.sqrt((a + cost[-1] / x) / (b + rate[-1] * x / 2))
             beside += [young[-1] / (s * step_s) for s in (max(1, math.floor(t / step_s)), math.ceil(t / step_s))]
-        for n in {max(1, f(x / head[-1])) for x in beside for f in (math.floor, math.ceil)}:
+        for n in {max(1, f(y / head[-1])) for y in beside for f in (math.floor, math.ceil)}:
             aa, bb = a + cost[-1] / (head[-1] * n), b + rate[-1] * head[-1] * n / 2
             t = first(aa, bb)
             if aa / t + bb * t < best[0]:
