@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 import click
@@ -65,6 +66,53 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     help="Mean time between failures of one node; the job's is this divided by the node count.",
 )
 @click.option(
+    "--crash-mtbf-hours",
+    type=float,
+    default=None,
+    callback=positive_number,
+    help="Mean time between process crashes on one node that stays up (an exception, an OOM, a NCCL timeout); "
+    "the job's is this divided by the node count. With it (or --job-mtbf-hours): the intervals per tier, the "
+    "memory tier first.",
+)
+@click.option(
+    "--job-mtbf-hours",
+    type=float,
+    default=None,
+    callback=positive_number,
+    help="Mean time between losses of every node's memory and disks at once (the allocation lost): recovered "
+    "from the shared tier only (default: never).",
+)
+@click.option(
+    "--memory-gbps",
+    metavar="WRITE_GBPS[:READ_GBPS]",
+    default=None,
+    help="The memory tier's copy per GPU, in GB/s (default: the host copy's 25, stated).",
+)
+@click.option(
+    "--slots", type=click.IntRange(min=2), default=2, show_default=True, help="Snapshots the memory tier keeps a rank."
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Other nodes holding a copy of each node's memory and disk checkpoints: a node loss is recovered from them.",
+)
+@click.option(
+    "--tmpfs-gb",
+    type=float,
+    default=None,
+    callback=positive_number,
+    help="The memory tier's tmpfs size per node, in GB (default: this machine's /dev/shm, where there is one).",
+)
+@click.option(
+    "--step-s",
+    type=float,
+    default=None,
+    callback=positive_number,
+    help="Seconds per training step: intervals in whole steps, and the options that give them.",
+)
+@click.option(
     "--restart-s",
     type=float,
     default=None,
@@ -91,7 +139,9 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 @pass_context
 def plan_command(ctx: Context, **kw: Any) -> None:
     """Size a model's checkpoints: bytes in total, per rank and per node, save and restore time on
-    each tier, and the checkpoint interval that loses the least work (Young / Daly).
+    each tier, and the checkpoint interval that loses the least work (Young / Daly). With failure rates by
+    kind (--crash-mtbf-hours, --job-mtbf-hours, and --node-mtbf-hours), the interval per tier with the memory
+    tier first (the multi-level model of SCR), and the memory that tier needs on a node.
 
     Example: tiercheck plan --layers 96 --hidden 12288 --vocab 50257 --tp 8 --pp 16 --dp 8
     """  # fmt: skip
@@ -116,10 +166,58 @@ def plan_command(ctx: Context, **kw: Any) -> None:
             restart_s=kw["restart_s"],
             staging=sizing.HOST_MEMORY_TIER,
         )
+        several = kw["crash_mtbf_hours"] is not None or kw["job_mtbf_hours"] is not None
+        if several:
+            table.update(_multilevel(spec, tiers or sizing.DEFAULT_TIERS, kw))
         if kw["as_json"]:
             click.echo(json.dumps(table, indent=2))
             return
         _print_plan(table, defaults=not tiers)
+        if several:
+            _print_multilevel(table)
+
+
+def _multilevel(spec: Any, tiers: list[Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """The multi-level part of the plan: failure rates for the job, the memory tier's figures, the tmpfs."""
+    from tiercheck.cli import multilevel, sizing
+
+    sizes = sizing.size(spec)
+    per_job = 3600.0 / sizes.nodes  # a rate per node in hours -> the job's in seconds
+
+    def rate(hours: float | None, scale: float) -> float:
+        return 0.0 if hours is None else 1 / (hours * scale)
+
+    rates = {"crash": rate(kw["crash_mtbf_hours"], per_job), "node": rate(kw["node_mtbf_hours"], per_job),
+             "job": rate(kw["job_mtbf_hours"], 3600.0)}  # fmt: skip
+    memory = sizing.HOST_MEMORY_TIER
+    if kw["memory_gbps"] is not None:
+        memory = _parse_memory(kw["memory_gbps"])
+    tmpfs = None if kw["tmpfs_gb"] is None else round(kw["tmpfs_gb"] * 1e9)
+    source = "given"
+    if tmpfs is None and os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        tmpfs, source = st.f_blocks * st.f_frsize, "this machine's /dev/shm"
+    table = multilevel.multilevel_table(
+        sizes, tiers, memory, rates_per_s=rates, ranks_per_node=min(spec.gpus_per_node, sizes.ranks),
+        replicas=kw["replicas"], slots=kw["slots"], tmpfs_bytes=tmpfs, step_s=kw["step_s"],
+    )  # fmt: skip
+    table["memory"]["tmpfs_source"] = None if tmpfs is None else source
+    return table
+
+
+def _parse_memory(text: str) -> Any:
+    from tiercheck.cli import sizing
+
+    try:
+        figures = [float(x) for x in text.split(":")]
+        if not 1 <= len(figures) <= 2 or not all(math.isfinite(x) and x > 0 for x in figures):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            f"expected WRITE_GBPS[:READ_GBPS] above 0, got {text!r}", param_hint="'--memory-gbps'"
+        ) from None
+    write, read = figures[0] * 1e9, figures[-1] * 1e9
+    return sizing.TierProfile("memory", write, read, shared=False)
 
 
 def _parse_tier(text: str) -> Any:
@@ -224,3 +322,65 @@ def _print_plan(t: dict[str, Any], *, defaults: bool) -> None:
     )
     if defaults:
         out.print("bandwidths are typical figures (stated), not measurements: give --tier or --measure for yours.")
+
+
+def _print_multilevel(t: dict[str, Any]) -> None:
+    """The intervals per tier (the multi-level model in ``cli.multilevel``) and the memory the tier needs."""
+    ml, need = t["multilevel"], t["memory"]
+    rates = ml["rates_per_s"]
+    said = [f"{what} every {_dur(1 / rates[kind])}" for kind, what in
+            (("crash", "a crash"), ("node", "a node lost"), ("job", "the job lost")) if rates[kind] > 0]  # fmt: skip
+    out.print(f"several tiers, for the job: {', '.join(said)}; {plural(ml['replicas'], 'replica')} on other nodes")
+    rows = ml["levels"]
+    written = [r for r in rows if r["interval_s"] is not None]
+    unit, cells = _column([r["interval_s"] for r in written])
+    interval_cells = iter(cells)
+    save_unit, saves = _column([r["save_s"] for r in rows])
+    restore_unit, restores = _column([r["restore_s"] for r in rows])
+    recovers = {name: [k for k, v in ml["recovers"].items() if v == name] for name in (r["name"] for r in rows)}
+    columns = {
+        "level": [r["name"] for r in rows],
+        "survives": [", ".join(r["survives"]) for r in rows],
+        f"save ({save_unit})": saves,
+        f"restore ({restore_unit})": restores,
+        "recovers": [", ".join(recovers[r["name"]]) or "-" for r in rows],
+        f"interval ({unit})": [next(interval_cells) if r["interval_s"] is not None else "never" for r in rows],
+        "every": [_every(rows, i) for i in range(len(rows))],
+    }
+    if ml["step_s"] is not None:
+        columns["steps"] = ["-" if r["steps"] is None else str(r["steps"]) for r in rows]
+    table = Table(box=None, pad_edge=False)
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("level", "survives", "recovers", "every") else "right")
+    for row in zip(*columns.values(), strict=True):
+        table.add_row(*row)
+    out.print(table)
+    without = ml["without_memory"]
+    out.print(
+        f"goodput {100 * ml['goodput']:.1f} % (lost {100 * ml['waste_fraction']:.1f} %)"
+        + ("" if without is None else f"; without the memory tier {100 * without['goodput']:.1f} %")
+        + " (first order: Young 1974, Daly 2006; SCR's levels, Moody et al. SC10; saves taken as blocking)"
+    )
+    if ml["step_s"] is not None and len(rows) == 3 and rows[0]["steps"]:
+        persist, drain = rows[1]["steps"], rows[2]["steps"]
+        out.print(
+            f"options: save every {rows[0]['steps']} steps, MemoryOptions(persist_every={persist})"
+            + ("" if drain is None else f", DrainOptions(every={drain})")
+        )
+    fits = "fits" if need["fits"] else "does not fit"
+    where = (
+        "a tmpfs of unknown size"
+        if need["tmpfs_bytes"] is None
+        else f"{human(need['tmpfs_bytes'])} ({need['tmpfs_source']}): {fits}"
+    )
+    peers = f" + {plural(need['replicas'], 'replica')} {human(need['peer_bytes'])}" if need["replicas"] else ""
+    out.print(
+        f"memory tier per node: {need['slots']} slots x {human(need['own_bytes'] / need['slots'])} "
+        f"({human(need['per_rank_bytes'])} per rank){peers} = {human(need['node_bytes'])} against {where}"
+    )
+
+
+def _every(rows: list[dict[str, Any]], i: int) -> str:
+    """How often a level is written, against the level below it: "63 x memory"."""
+    multiple = rows[i]["multiple"]
+    return "-" if i == 0 or multiple is None else f"{multiple} x {rows[i - 1]['name']}"
