@@ -25,7 +25,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tiercheck import MemoryOptions
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, StepExistsError, UnsafeCheckpointError, UnsupportedValueError
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepExistsError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
 from tiercheck.format.paths import step_dir
 from tiercheck.integrations.lightning import TiercheckCheckpointIO
 from tiercheck.options import RetentionOptions
