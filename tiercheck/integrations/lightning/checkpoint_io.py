@@ -270,7 +270,7 @@ class TiercheckCheckpointIO(CheckpointIO):
 
     def _check_save(self, path: Any, step: int, save: str) -> None:
         """Refuse pointer ``path`` unless step ``step`` holds its save ``save`` where a restore reads it first
-        (the local tier, else the remote): a step saved again after a rollback, or a pointer whose ``step`` was
+        (``_tiers``: memory, local, remote): a step saved again after a rollback, or a pointer whose ``step`` was
         edited, would give another save's tensors with this pointer's values."""
         for tier in self._tiers(step):
             try:
