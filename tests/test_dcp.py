@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import pickle
 import re
 import subprocess
@@ -34,6 +35,7 @@ from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, evict_packs, flip_chunk_byte
+from .shm import private_shm
 
 pytestmark = [
     # DCP's own notices: no process group in one process, its deprecated synchronize_staging in async_save
@@ -122,6 +124,32 @@ def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
     plain = tiercheck.load(root, 101)
     _equal(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})
     assert torch.load(io.BytesIO(plain["train.step"]), weights_only=True) == 2
+
+
+def test_with_the_memory_tier_a_fresh_reader_loads_a_memory_only_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """memory=MemoryOptions(...) reaches the writers' and readers' Checkpointer: saves of steps persist_every does
+    not name are committed in memory only, and a fresh reader loads such a step from memory, bit-identical."""
+    root = tmp_path / "ckpt"
+    _, _, first = _state(1)
+    _, _, second = _state(2)
+    saved = {1: _full(first), 2: _full(second)}
+    with private_shm() as shm:
+        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+        with TiercheckWriter(local=root, memory=memory) as writer:
+            dcp.save(first, storage_writer=writer, checkpoint_id=1)
+            dcp.save(second, storage_writer=writer, checkpoint_id=2)
+            assert writer.checkpointer is not None and writer.checkpointer.steps() == []  # memory only
+        assert list_steps(LocalTier(root)).committed == [2]  # a clean close persists the newest memory step
+        _, _, into = _state(9)
+        with pytest.raises(CheckpointException, match="step 1 is not committed"):  # a reader without memory
+            dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=1)
+        with caplog.at_level(logging.INFO, logger="tiercheck"):
+            dcp.load(into, storage_reader=TiercheckReader(local=root, memory=memory), checkpoint_id=1)
+        assert "restored step 1 from the memory tier" in caplog.text
+        _equal(saved[1], _full(into))
+        assert list_steps(LocalTier(root)).committed == [1, 2]  # the restored memory step is persisted too
 
 
 def test_a_state_of_many_tensors_fits_the_commit_metadata(tmp_path: Path) -> None:

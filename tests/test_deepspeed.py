@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import torch
 
 from tests.cli import run
 from tests.distributed import RankFailed, run_ranks
+from tests.shm import private_shm
 
 _BUILD_LIMIT_S = 900
 _TEST_LIMIT_S = 300  # pytest-timeout's, per test call: above every launch's own timeout, which says more
@@ -155,20 +157,31 @@ def _assert_identical(a: Any, b: Any, path: str = "") -> None:
 
 
 def _save_train_restore(
-    rank: int, world_size: int, stage: int, tmp: str, before_initialize: bool, one_node: bool = False
+    rank: int,
+    world_size: int,
+    stage: int,
+    tmp: str,
+    before_initialize: bool,
+    one_node: bool = False,
+    memory: str | None = None,
 ) -> list[str]:
+    from tiercheck import MemoryOptions
+
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     save_dir = os.path.join(tmp, "checkpoints")
     local = os.path.join(tmp, "node" if one_node else f"node{rank}")  # by default each rank its own node
-    engine = _engine(stage, world_size, seed=0, local=local, before_initialize=before_initialize)
+    options: dict[str, Any] = {"memory": MemoryOptions(path=memory, persist_every=1000)} if memory else {}
+    engine = _engine(stage, world_size, seed=0, local=local, before_initialize=before_initialize, **options)
     _train(engine, range(SAVE_AT), rank)
     engine.save_checkpoint(save_dir, client_state={"epoch": 7})
     _train(engine, range(SAVE_AT, STEPS), rank)
     uninterrupted = _snapshot(engine)
     engine.destroy()  # commits and waits
     tag = f"global_step{SAVE_AT}"
+    if memory:  # the clean close persisted the step: gone from disk, memory alone holds it (as after a kill)
+        shutil.rmtree(os.path.join(local, f"step-{SAVE_AT:08d}"))
 
-    fresh = _engine(stage, world_size, seed=1, local=local, before_initialize=before_initialize)
+    fresh = _engine(stage, world_size, seed=1, local=local, before_initialize=before_initialize, **options)
     before = fresh.module.state_dict()
     assert not all(torch.equal(before[k], v) for k, v in uninterrupted["module"].items())  # the load has work to do
     load_path, client_state = fresh.load_checkpoint(save_dir)
@@ -203,6 +216,14 @@ def test_resume_is_bit_identical(tmp_path: Path, stage: int, world_size: int) ->
     if stage > 0:
         expected |= {f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(world_size)}
     assert {p["file"] for p in pointers} == expected
+
+
+def test_with_the_memory_tier_a_checkpoint_on_disk_nowhere_resumes_from_memory(tmp_path: Path) -> None:
+    """install(engine, memory=MemoryOptions(...)): the step is committed in memory, and with its local copy gone
+    load_checkpoint restores it from memory, bit-identical (then persists it to the local directory again)."""
+    with private_shm() as shm:
+        (steps,) = _launch(_save_train_restore, 1, 1, str(tmp_path), False, False, str(shm), timeout=120)
+    assert f"step-{SAVE_AT:08d}" in steps, steps
 
 
 class Payload:

@@ -9,6 +9,7 @@ of pointers ``save_top_k`` removed go.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -23,11 +24,19 @@ pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tiercheck.errors import CorruptCheckpointError, StepExistsError, UnsafeCheckpointError, UnsupportedValueError
+from tiercheck import MemoryOptions
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepExistsError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
 from tiercheck.format.paths import step_dir
 from tiercheck.integrations.lightning import TiercheckCheckpointIO
 from tiercheck.options import RetentionOptions
 
+from .shm import private_shm
 from .test_dcp import _equal
 
 pytestmark = [
@@ -180,6 +189,31 @@ def test_pointer_to_a_step_saved_again_after_a_rollback_is_refused(tmp_path: Pat
     with pytest.raises(CorruptCheckpointError, match=r"three\.ckpt.*save"):
         reader.load_checkpoint(tmp_path / "three.ckpt")
     reader.teardown()
+
+
+def test_with_the_memory_tier_a_pointer_to_a_memory_only_step_loads_from_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """memory=MemoryOptions(...) reaches the plugin's Checkpointer: saves persist_every does not name are committed
+    in memory only, their pointers are written all the same, and a fresh plugin loads one from memory."""
+    with private_shm() as shm:
+        memory = MemoryOptions(path=shm, persist_every=1000)
+        io = TiercheckCheckpointIO(tmp_path / "local", memory=memory)
+        io.save_checkpoint(_ckpt(1, 1.0, 0.1), tmp_path / "one.ckpt")
+        io.save_checkpoint(_ckpt(2, 2.0, 0.2), tmp_path / "two.ckpt")
+        io.wait()
+        assert _pointers(tmp_path) == {"one.ckpt": 1, "two.ckpt": 2} and _steps(tmp_path / "local") == []
+        io.teardown()  # a clean close persists the newest memory step, step 2
+        without = TiercheckCheckpointIO(tmp_path / "local")
+        with pytest.raises(CheckpointNotFoundError):
+            without.load_checkpoint(tmp_path / "one.ckpt")
+        without.teardown()
+        reader = TiercheckCheckpointIO(tmp_path / "local", memory=memory)
+        with caplog.at_level(logging.INFO, logger="tiercheck"):
+            back = reader.load_checkpoint(tmp_path / "one.ckpt")
+        assert "restored step 1 from the memory tier" in caplog.text
+        _equal(back["state_dict"], _ckpt(1, 1.0, 0.1)["state_dict"])
+        reader.teardown()
 
 
 def test_saving_a_step_again_after_loading_an_older_pointer_is_not_the_earlier_save(tmp_path: Path) -> None:

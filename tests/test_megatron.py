@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor  # iso
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # isort: skip
 
 from .distributed import run_ranks
+from .shm import private_shm
 
 pytestmark = pytest.mark.frameworks
 
@@ -329,6 +330,31 @@ def test_tp2_sync_and_async_saves_replicas_once_then_load_at_tp1_from_remote(tmp
     assert all(any(k.startswith(f"{key}/") for k in written) for key in TENSOR_KEYS)
 
     assert _launch(_load_tp1_from_remote, 1, str(tmp_path)) == [N_TENSORS]
+
+
+def _memory_round_trip(rank: int, world: int, root: str, shm: str) -> int:
+    """install(local=..., memory=MemoryOptions(...)): a save committed in memory; with the local copy gone (the
+    clean close persisted it), a new backend loads the step from memory."""
+    memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+    with pytest.raises(tiercheck.errors.InvalidArgumentError, match="needs local="):
+        tm.install(memory=memory)
+    local = Path(root) / "local"
+    backend = tm.install(local=local, memory=memory)
+    _save(backend, sharded_state(1, 1, 0, seed=4), _new_dir(Path(root) / "ckpt" / "iter_0000010"))
+    assert backend._roots[(str(local), None)].ckpt.steps() == []  # in memory only
+    backend.close()
+    shutil.rmtree(local / "step-00000010")
+    backend = tm.install(local=local, memory=memory)
+    sd = sharded_state(1, 1, 0, seed=4, blank=True)
+    n = check_loaded(sd, _load(backend, sd, str(Path(root) / "ckpt" / "iter_0000010")), seed=4, rank=0)
+    backend.close()
+    assert (local / "step-00000010").is_dir()  # the step restored from memory is persisted again
+    return n
+
+
+def test_with_the_memory_tier_a_step_on_no_disk_loads_from_memory(tmp_path: Path) -> None:
+    with private_shm() as shm:
+        assert _launch(_memory_round_trip, 1, str(tmp_path), str(shm)) == [N_TENSORS]
 
 
 def test_layouts_name_pieces_independently_of_tp() -> None:

@@ -13,8 +13,9 @@ import torch
 
 import tiercheck
 from tests.ondisk import flip_chunk_byte
+from tests.shm import private_shm
 from tiercheck import Checkpointer
-from tiercheck.seam import open_step, read_regions, restore_tree
+from tiercheck.seam import memory_steps, open_step, read_regions, restore_tree
 
 
 def test_restore_adds_saved_entries_unless_told_not_to_and_others_are_picked_by_name(ckpt_dir: Path) -> None:
@@ -61,3 +62,21 @@ def test_read_regions_reads_rows_of_an_array_verified(ckpt_dir: Path) -> None:
     flip_chunk_byte(ckpt_dir / "step-00000001", "w", next(iter(record.checksums)), 0)
     with pytest.raises(tiercheck.CorruptCheckpointError):
         read_regions(tier, step, [(record, torch.empty(256, 64), (0, 0))], holders=frozenset(marker.ranks), io_threads=2)
+
+
+def test_memory_steps_are_the_directorys_lineages_only(tmp_path: Path) -> None:
+    """``memory_steps``: the memory tier's committed steps where they are the local directory's lineage; none
+    where the memory is another lineage's (a restore never reads those), none without memory."""
+    local = tmp_path / "ckpt"
+    with private_shm() as shm:
+        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+        assert memory_steps(memory, local)[1] == []  # nothing made yet
+        with Checkpointer({"w": torch.arange(8.0)}, local=local, memory=memory) as ck:
+            ck.save(1).wait()
+            ck.save(2).wait()
+            tier, steps = memory_steps(memory, local)
+            assert steps == [1, 2] and tier is not None and ck.steps() == []  # in memory only
+        assert tier is not None
+        (tier.root / "OWNER").write_text("f" * 32)  # the memory names another lineage as its owner
+        assert memory_steps(memory, local)[1] == []
+        assert memory_steps(None, local) == (None, [])

@@ -24,6 +24,7 @@ from tiercheck.format.paths import step_dir
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, flip_chunk_byte, step_parts
+from .shm import private_shm
 from .test_dcp import _equal, _full
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
@@ -68,12 +69,15 @@ class _TrainState:
         self.step = sd["step"]
 
 
-def _build(rank: int, world: int, root: str, remote: str, local: str, async_mode: str) -> tuple[Any, ...]:
+def _build(
+    rank: int, world: int, root: str, remote: str, local: str, async_mode: str, memory: str | None = None
+) -> tuple[Any, ...]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
+    from tiercheck import MemoryOptions
     from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
 
     torch.manual_seed(0)
@@ -94,8 +98,9 @@ def _build(rank: int, world: int, root: str, remote: str, local: str, async_mode
         async_mode=async_mode,
         keep_latest_k=2,
         last_save_model_only=False,
-        local=local,
+        local=local.format(rank=rank),  # "{rank}" in it: each rank a node of its own
         remote=remote,
+        memory=None if memory is None else MemoryOptions(path=memory, persist_every=1000),  # memory only
     )
     manager = config.build(
         dataloader=loader,
@@ -109,11 +114,14 @@ def _build(rank: int, world: int, root: str, remote: str, local: str, async_mode
     return model, optimizers, schedulers, loader, state, manager
 
 
-def _train(rank: int, world: int, root: str, remote: str, local: str, async_mode: str, stop: int) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, root: str, remote: str, local: str, async_mode: str, stop: int, memory: str | None = None
+) -> dict[str, Any]:
     """torchtitan's Trainer.train, in short: load, then train and save each step; at ``stop`` < TOTAL the
     process dies (``os._exit``) once the last checkpoint is committed, without closing anything."""
     warnings.simplefilter("ignore", FutureWarning)
-    model, optimizers, schedulers, loader, state, manager = _build(rank, world, root, remote, local, async_mode)
+    model, optimizers, schedulers, loader, state, manager = _build(rank, world, root, remote, local, async_mode,
+                                                                   memory)  # fmt: skip
     resumed = manager.load(step=-1)
     start = state.step
     batches = iter(loader)
@@ -187,6 +195,26 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
         assert fresh[rank]["step"] == TOTAL
         for key in ("model", "optim", "lr", "next_batch"):
             _equal(fresh[rank][key], whole[rank][key], f"rank {rank} {key} (from the remote)")
+
+
+def test_a_killed_run_resumes_from_the_memory_tier_bit_identical(tmp_path: Path) -> None:
+    """``Config(memory=MemoryOptions(...))``: with ``persist_every`` naming no save, step 5 of a run killed at step
+    7 is in memory only (nothing on the local directory), and the restarted run resumes from it and ends
+    bit-identical to an uninterrupted run."""
+    whole = run_ranks(_train, 2, str(tmp_path / "a"), None, str(tmp_path / "a" / "ckpt"), "disabled", TOTAL,
+                      timeout=150)  # fmt: skip
+    run, local = tmp_path / "b", str(tmp_path / "b" / "node{rank}")  # each rank a node, as on a cluster
+    with private_shm() as shm:
+        outcomes = run_ranks(_train, 2, str(run), None, local, "disabled", 7, str(shm),
+                             check=False, timeout=150)  # fmt: skip
+        assert all(o.exitcode == 0 for o in outcomes), [o.error for o in outcomes]
+        assert [_steps(Path(local.format(rank=r))) for r in range(2)] == [[], []]  # killed: step 5 in memory only
+        resumed = run_ranks(_train, 2, str(run), None, local, "disabled", TOTAL, str(shm), timeout=150)
+    for rank in range(2):
+        assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
+        for key in ("model", "optim", "lr", "next_batch"):
+            _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+        assert _steps(Path(local.format(rank=rank))) == [5, 10]  # the restored memory step persisted, the newest at close
 
 
 def test_load_newest_falls_back_to_the_older_whole_step_when_the_newest_is_damaged(tmp_path: Path) -> None:

@@ -24,6 +24,9 @@ Reading a committed step without a ``Checkpointer``
 
 Steps and tiers
     ``Tier``, ``LocalTier``, ``open_tier``: where steps live (a local directory, an fsspec URL).
+    ``memory_steps``: the memory tier (``MemoryOptions``) of a node-local directory and the steps it
+    may restore (those of the directory's lineage), for frameworks that list or read steps by
+    themselves (a memory-only step, ``persist_every`` > 1, is on no other tier).
     ``BLOCK``: the block size of ``LocalTier``'s direct I/O, which buffers written by it align to.
     ``list_steps``, ``read_index``, ``read_manifest``: the steps on a tier, a step's ``manifest.json``
     and its whole manifest.
@@ -46,25 +49,32 @@ Formatting
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiercheck.cluster.assign import assign_all_reads
+from tiercheck.errors import TiercheckError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
+from tiercheck.format.lineage import read_lineage
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
+from tiercheck.memory import OWNER_FILE
+from tiercheck.options import MemoryOptions
 from tiercheck.restore.load import open_step
 from tiercheck.restore.match import FreshShard
 from tiercheck.restore.plan import RestorePlan
 from tiercheck.restore.read import ReadSource, move_chunks
 from tiercheck.restore.stage import ReadItem, copy_in, host_read_buffer
 from tiercheck.state.flatten import Leaf, decode, dtype_name, flatten, is_stateful, torch_dtype
+from tiercheck.state.memory_pool import pool_dir
 from tiercheck.state.sharding import placement_of
 from tiercheck.state.staging import aligned_empty
 from tiercheck.tiers.base import Tier
@@ -125,6 +135,28 @@ def read_regions(
     return move_chunks(ReadSource(tier=tier, step=step, io_threads=io_threads), RestorePlan.alone(plan, records), items)
 
 
+def memory_steps(memory: MemoryOptions | None, local: str | os.PathLike[str]) -> tuple[LocalTier | None, list[int]]:
+    """The memory tier of the node-local directory ``local`` with ``memory``'s options, and the steps
+    committed there that a restore may read: none where it holds another lineage's (``Checkpointer``
+    never restores those either), or where ``memory`` is None (then no tier: None). Nothing is
+    created; a missing memory directory holds no steps."""
+    if memory is None:
+        return None, []
+    root = pool_dir(memory, os.path.abspath(local))
+    tier = LocalTier(root, fsync=False)
+    if not root.is_dir():
+        return tier, []
+    steps = list_steps(tier).committed
+    if not steps:
+        return tier, []
+    try:
+        lineage = read_lineage(LocalTier(Path(local).absolute()))
+        owner = tier.read_bytes(OWNER_FILE)[:256].decode("ascii", "replace")
+    except (OSError, TiercheckError):  # no owner, or an unreadable one: not this lineage's
+        return tier, []
+    return tier, steps if lineage is not None and owner == lineage.id else []
+
+
 __all__ = [
     "BLOCK",
     "JSON",
@@ -149,6 +181,7 @@ __all__ = [
     "is_stateful",
     "itemsize",
     "list_steps",
+    "memory_steps",
     "open_step",
     "open_tier",
     "placement_of",

@@ -35,7 +35,17 @@ from tiercheck.integrations.dcp.regions import item_start, memory_span, own_targ
 from tiercheck.integrations.dcp.shared import Shared, acquire, checked_options, release
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
-from tiercheck.seam import FreshShard, LocalTier, Tier, fmt_steps, host_read_buffer, open_tier, read_index, restore_tree
+from tiercheck.seam import (
+    FreshShard,
+    LocalTier,
+    Tier,
+    fmt_steps,
+    host_read_buffer,
+    memory_steps,
+    open_tier,
+    read_index,
+    restore_tree,
+)
 
 __all__ = ["TiercheckReader"]
 
@@ -45,7 +55,9 @@ class TiercheckReader(StorageReader):
 
     ``local``: this node's directory; ``remote``: the remote tier to read what the local one lacks or has
     damaged. ``checkpoint_id`` is the step (an int or its decimal string); without one the ranks load the
-    newest step committed on every rank's local tier or on the remote tier. Every chunk is verified against
+    newest step committed on every rank's local tier or on the remote tier. With the writer's
+    ``memory=MemoryOptions(...)``, the steps in every rank's memory tier count too, and a step there is read
+    from memory (a step saved to memory only included). Every chunk is verified against
     its CRC before any byte reaches the state; a damaged one raises ``CorruptCheckpointError`` (wrapped, as
     every error inside ``dcp.load``, in DCP's ``CheckpointException``, which names it).
 
@@ -85,13 +97,17 @@ class TiercheckReader(StorageReader):
         """All ranks: agree on the step (a collective on the process group) and rebuild its DCP metadata."""
         if "rank" in kwargs:  # DCP's retry for rank-local metadata, after this failed: there is none
             raise CheckpointNotFoundError("tiercheck steps have no rank-local DCP metadata")
-        whole = restorable_steps(self.local, self.remote, remote_options=self.remote_options, group=self.group)
-        where = f"{self.local}" + (f" / {self.remote}" if self.remote else "")
+        memory = self.options.get("memory")
+        whole = restorable_steps(
+            self.local, self.remote, remote_options=self.remote_options, group=self.group, memory=memory
+        )
+        where = f"{self.local}" + (" / its memory tier" if memory else "")
+        where += f" / {self.remote}" if self.remote else ""
         if self._requested is not None:
             if self._requested not in whole:
                 raise CheckpointNotFoundError(
-                    f"{where}: step {self._requested} is not committed on every rank's local tier or the remote "
-                    f"tier (committed there: {fmt_steps(sorted(whole))})"
+                    f"{where}: step {self._requested} is not committed on every rank's local (or memory) tier or "
+                    f"the remote tier (committed there: {fmt_steps(sorted(whole))})"
                 )
             step = self._requested
         elif whole:
@@ -99,9 +115,10 @@ class TiercheckReader(StorageReader):
         else:
             raise CheckpointNotFoundError(f"{where}: no step is committed on every rank's local tier or the remote")
         self._step = step
+        in_memory, held = memory_steps(memory, self.local)
         local = LocalTier(self.local)
         remote = open_tier(self.remote, storage_options=self.remote_options) if self.remote else None
-        tiers: list[Tier] = [t for t in (local, remote) if t is not None]
+        tiers: list[Tier] = [t for t in (in_memory if step in held else None, local, remote) if t is not None]
         error: TiercheckError | None = None
         for tier in tiers:
             try:

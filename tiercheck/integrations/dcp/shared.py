@@ -42,7 +42,8 @@ __all__ = [
 log = logging.getLogger("tiercheck")
 
 CHECKPOINTER_OPTIONS = frozenset(
-    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "replication"}
+    {"remote_options", "process_group", "staging", "write", "retention", "distributed", "drain", "replication",
+     "memory"}
 )
 
 

@@ -1,4 +1,5 @@
-"""Which steps every rank can restore: committed on every rank's local tier, or on the remote tier.
+"""Which steps every rank can restore: committed on every rank's local tier, in every rank's memory tier (with
+``MemoryOptions``), or on the remote tier.
 
 One collective (an all-gather on the training process group) shared by :class:`TiercheckReader` (the step
 ``dcp.load`` reads) and the framework managers built on it (torchtitan's ``CheckpointManager`` finds the step to
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 from tiercheck.errors import CoordinationError, TiercheckError
 from tiercheck.integrations._collectives import all_gather_object
-from tiercheck.seam import LocalTier, list_steps, open_tier
+from tiercheck.options import MemoryOptions
+from tiercheck.seam import LocalTier, list_steps, memory_steps, open_tier
 
 __all__ = ["restorable_steps"]
 
@@ -28,14 +30,17 @@ def restorable_steps(
     *,
     remote_options: dict[str, Any] | None = None,
     group: Any = None,
+    memory: MemoryOptions | None = None,
 ) -> set[int]:
-    """All ranks of ``group``: the steps committed on every rank's local tier or on the remote tier.
+    """All ranks of ``group``: the steps committed on every rank's local tier, in every rank's memory tier (of
+    ``local``'s lineage: what ``Checkpointer.restore`` reads from memory, all or nothing), or on the remote tier.
 
     Raises ``CoordinationError`` (on every rank) if a rank cannot list its tiers."""
     tier = LocalTier(Path(local).absolute())
     mine: dict[str, Any] = {}
     try:
         mine["local"] = list_steps(tier).committed if tier.root.is_dir() else []
+        mine["memory"] = memory_steps(memory, tier.root)[1]
         if remote is not None and _rank(group) == 0:
             mine["remote"] = list_steps(open_tier(remote, storage_options=remote_options)).committed
     except (OSError, TiercheckError) as e:
@@ -44,7 +49,9 @@ def restorable_steps(
     for r, doc in enumerate(everyone):
         if "error" in doc:
             raise CoordinationError(f"rank {r} cannot list its tiers: {doc['error']}")
-    return set.intersection(*(set(d["local"]) for d in everyone)) | set(everyone[0].get("remote", []))
+    on_disk = set.intersection(*(set(d["local"]) for d in everyone))
+    in_memory = set.intersection(*(set(d["memory"]) for d in everyone))
+    return on_disk | in_memory | set(everyone[0].get("remote", []))
 
 
 def _rank(group: Any) -> int:

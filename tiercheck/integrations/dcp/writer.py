@@ -48,12 +48,14 @@ class TiercheckWriter(StorageWriter):
 
     ``local``: this node's directory (every rank passes its own node's path); ``remote``: a URL committed steps
     drain to (S3, Azure, ``file://``); other keyword options (``remote_options``, ``process_group``,
-    ``staging``, ``write``, ``retention``, ``distributed``, ``drain``) go to the ``tiercheck.Checkpointer``
-    created at the first save. ``process_group`` must be the group given to ``dcp.save`` (default: the world).
+    ``staging``, ``write``, ``retention``, ``distributed``, ``drain``, ``replication``, ``memory``) go to the
+    ``tiercheck.Checkpointer`` created at the first save. ``process_group`` must be the group given to
+    ``dcp.save`` (default: the world).
 
     ``checkpoint_id`` is the step: ``dcp.save(sd, storage_writer=w, checkpoint_id=100)`` (or ``"100"``) writes
     step 100, and every save needs one (DCP does not call ``reset`` without it). ``dcp.save`` returns once the
-    step is committed on the local tier; ``close()`` waits for the drain to the remote tier.
+    step is committed on the local tier (with ``memory=MemoryOptions(...)``: in memory, and on the local tier
+    too for the steps ``persist_every`` names); ``close()`` waits for the drain to the remote tier.
 
     One writer for every save, or a new one per save (DCP's idiom, ``storage_writer=TiercheckWriter(...)`` in
     each call): the writers of one process and directory share one Checkpointer (``shared``), so both save

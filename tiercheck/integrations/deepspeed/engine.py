@@ -41,7 +41,7 @@ from tiercheck.integrations.deepspeed.files import (
     write_atomically,
     write_pointers,
 )
-from tiercheck.seam import Tier, restore_tree
+from tiercheck.seam import Tier, memory_steps, restore_tree
 
 __all__ = ["TiercheckCheckpointEngine"]
 
@@ -65,7 +65,8 @@ class TiercheckCheckpointEngine(CheckpointEngine):
     Use :func:`install` rather than constructing it. ``local`` is this node's checkpoint
     directory (default: ``<save_dir>/tiercheck``); ``remote`` a URL the committed steps drain to;
     other keyword arguments go to :class:`tiercheck.Checkpointer` (``staging``, ``retention``,
-    ``drain``, ...).
+    ``drain``, ``memory``, ...). With ``memory=MemoryOptions(...)`` a checkpoint may be committed
+    in memory only (``persist_every``): its tag is found there, and a pointer to it reads it there.
     """
 
     def __init__(
@@ -110,7 +111,7 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         else:
             pending = _Pending(str(info.tag), os.fspath(info.save_dir), bool(info.save_latest), self._step())
         ckpt = self.checkpointer(pending.save_dir)
-        if pending.step in ckpt.steps():
+        if pending.step in ckpt.steps() or pending.step in memory_steps(self.options.get("memory"), ckpt.tier.root)[1]:
             raise StepExistsError(
                 f"DeepSpeed checkpoint {pending.tag!r}: step {pending.step} (engine.global_steps) is already "
                 f"committed in {ckpt.tier.url}; tiercheck numbers DeepSpeed checkpoints by global_steps and "
@@ -323,8 +324,11 @@ class TiercheckCheckpointEngine(CheckpointEngine):
         return None if rel.startswith("..") or os.path.isabs(rel) else rel
 
     def _step_of_tag(self, ckpt: Checkpointer, tag: str) -> int | None:
-        """The step saved with ``tag``, from any rank's local tier or the remote (collective)."""
-        found = find_tag(ckpt.tier, tag)
+        """The step saved with ``tag``, from any rank's memory tier (with ``memory``), local tier or the
+        remote (collective)."""
+        memory, owned = memory_steps(self.options.get("memory"), ckpt.tier.root)
+        found = find_tag(memory, tag) if memory is not None and owned else None
+        found = found if found in owned else find_tag(ckpt.tier, tag)  # never another lineage's memory
         if found is None and ckpt.remote is not None:
             try:
                 found = find_tag(ckpt.remote, tag)
@@ -367,8 +371,12 @@ class TiercheckCheckpointEngine(CheckpointEngine):
 
     def _read_alone(self, pointer: Mapping[str, Any], folder: str) -> dict[str, Any]:
         """Every file of the pointer's step, read by this process alone (not collective)."""
+        step = int(pointer["step"])
+        memory, in_memory = memory_steps(self.options.get("memory"), pointer["root"])
         source = pointer.get("remote") if not os.path.isdir(pointer["root"]) and pointer.get("remote") else None
-        step_state = load(source or pointer["root"], int(pointer["step"]), allow_pickle=False)
+        if memory is not None and step in in_memory:  # a step not persisted: its restore reads memory too
+            source = str(memory.root)
+        step_state = load(source or pointer["root"], step, allow_pickle=False)
         step_state.pop(META, None)
         return {os.path.join(folder, name): value for name, value in step_state.items()}
 

@@ -4,6 +4,8 @@ Lightning's calls, and which ranks make them (its ``Strategy``): ``save_checkpoi
 on global rank 0 only; ``load_checkpoint`` on every rank; ``teardown`` on every rank at the end of ``fit`` /
 ``validate`` / ``test``. So the tiercheck ``Checkpointer`` lives on global rank 0 and checkpoints alone
 (``DistributedOptions(enabled=False)``); the other ranks read the step without one (``tiercheck.load``).
+With ``memory=MemoryOptions(...)`` a step may be on rank 0's node's memory tier only (``persist_every``): every
+lookup of a step (the pointer's save, the other ranks' read) tries the memory tier first, as a restore does.
 """
 
 
@@ -25,7 +27,7 @@ from tiercheck.integrations.dcp.shared import CHECKPOINTER_OPTIONS
 from tiercheck.integrations.lightning import pointer
 from tiercheck.integrations.lightning.compat import CheckpointIO, global_rank, lightning_load
 from tiercheck.options import DistributedOptions, RetentionOptions
-from tiercheck.seam import LocalTier, Tier, decode, flatten, open_tier, read_index, restore_tree
+from tiercheck.seam import LocalTier, Tier, decode, flatten, memory_steps, open_tier, read_index, restore_tree
 
 __all__ = ["TiercheckCheckpointIO"]
 
@@ -54,7 +56,10 @@ class TiercheckCheckpointIO(CheckpointIO):
     them back; without it such a save raises ``UnsupportedValueError`` naming the value. A file that is not a
     pointer (a ``.ckpt`` of Lightning's own) is loaded with ``torch.load(weights_only=True)`` unless
     ``allow_pickle``. Other keyword options (``remote_options``, ``staging``, ``write``, ``retention``,
-    ``drain``, ``distributed``, ``replication``) go to the ``Checkpointer``.
+    ``drain``, ``distributed``, ``replication``, ``memory``) go to the ``Checkpointer``. With ``memory``, each save
+    commits to rank 0's memory tier and the steps its ``persist_every`` names go to ``local`` too; the pointer
+    follows the commit to memory, and a step in memory only is read by the ranks on rank 0's node (the others
+    read ``local`` and ``remote``: on several nodes, name every step a pointer keeps with ``persist_every``).
     """
 
     def __init__(
@@ -109,13 +114,12 @@ class TiercheckCheckpointIO(CheckpointIO):
         key = str(Path(path).absolute())
         with self._lock:
             handle = self._save_once(step, checkpoint, big, key)
-            tier = self._checkpointer().tier
             self._serial += 1
             self._issued[key] = serial = self._serial
             self._dirs.add(Path(key).parent)
         with self._writing:
             self._pending += 1
-        handle.committed.add_done_callback(lambda f: self._committed(f, key, serial, doc, tier))
+        handle.committed.add_done_callback(lambda f: self._committed(f, key, serial, doc))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Every rank: the checkpoint ``path`` points to (its step's tensors, its own values)."""
@@ -221,7 +225,7 @@ class TiercheckCheckpointIO(CheckpointIO):
         self._saved[step] = (handle, big, path)
         return handle
 
-    def _committed(self, f: Future[Any], path: str, serial: int, doc: dict[str, Any], tier: Tier) -> None:
+    def _committed(self, f: Future[Any], path: str, serial: int, doc: dict[str, Any]) -> None:
         """On tiercheck's commit thread: the step is committed; write the pointer naming its save, unless the
         pointer was removed since."""
         try:
@@ -231,8 +235,8 @@ class TiercheckCheckpointIO(CheckpointIO):
                 return
             with self._lock:
                 wanted = self._issued.get(path) == serial
-            if wanted:
-                marker, _, _ = read_index(tier, doc["step"])
+            if wanted:  # committed on the local tier, or (with memory, a step not persisted) in memory
+                marker, _, _ = read_index(self._tiers(doc["step"], remote=False)[0], doc["step"])
                 pointer.write(path, {**doc, "save_id": marker.save_id})
         except BaseException as e:  # an unwritable directory: surfaced at the next save or teardown
             self._error = self._error or e
@@ -245,7 +249,10 @@ class TiercheckCheckpointIO(CheckpointIO):
         """Step ``step`` as a nested dict: rank 0 through its Checkpointer (the run continues the step's
         lineage), the other ranks read-only from the local tier, else the remote."""
         if global_rank() != 0:
+            memory, in_memory = memory_steps(self.options.get("memory"), self.local)
             try:
+                if memory is not None and step in in_memory:  # rank 0's node: what its restore reads too
+                    return load(memory.root, step, allow_pickle=self.allow_pickle)
                 return load(self.local, step, allow_pickle=self.allow_pickle)
             except (CheckpointNotFoundError, FileNotFoundError):
                 if self.remote is None:
@@ -263,12 +270,9 @@ class TiercheckCheckpointIO(CheckpointIO):
 
     def _check_save(self, path: Any, step: int, save: str) -> None:
         """Refuse pointer ``path`` unless step ``step`` holds its save ``save`` where a restore reads it first
-        (the local tier, else the remote): a step saved again after a rollback, or a pointer whose ``step`` was
+        (``_tiers``: memory, local, remote): a step saved again after a rollback, or a pointer whose ``step`` was
         edited, would give another save's tensors with this pointer's values."""
-        tiers: list[Tier] = [LocalTier(self.local)]
-        if self.remote is not None:
-            tiers.append(open_tier(self.remote, storage_options=self.options.get("remote_options")))
-        for tier in tiers:
+        for tier in self._tiers(step):
             try:
                 marker, _, _ = read_index(tier, step)
             except (CheckpointNotFoundError, CorruptCheckpointError, FileNotFoundError):
@@ -279,6 +283,16 @@ class TiercheckCheckpointIO(CheckpointIO):
                     "it (the step was saved again after a rollback, or the pointer was edited); not loaded"
                 )
             return
+
+    def _tiers(self, step: int, *, remote: bool = True) -> list[Tier]:
+        """Where a restore of ``step`` looks, first to last: the memory tier where it holds the step (with
+        ``memory``), the local tier, the remote."""
+        memory, in_memory = memory_steps(self.options.get("memory"), self.local)
+        tiers: list[Tier] = [memory] if memory is not None and step in in_memory else []
+        tiers.append(LocalTier(self.local))
+        if remote and self.remote is not None:
+            tiers.append(open_tier(self.remote, storage_options=self.options.get("remote_options")))
+        return tiers
 
     def _named_steps(self) -> set[int]:
         """Steps the pointer files in this plugin's directories name (read from each file's first bytes)."""

@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 
 from tiercheck import Checkpointer
-from tiercheck.errors import CorruptCheckpointError, IncompatibleStateError, TiercheckError, UnsupportedValueError
+from tiercheck.errors import (
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    InvalidArgumentError,
+    TiercheckError,
+    UnsupportedValueError,
+)
 from tiercheck.integrations._collectives import all_gather_object, raise_first
 from tiercheck.integrations.megatron.compat import (
     MEGATRON_CORE_VERSION,
@@ -37,7 +43,7 @@ from tiercheck.integrations.megatron.compat import (
 from tiercheck.integrations.megatron.files import POINTER_FORMAT, VERSION, AwaitCommit, read_pointer, write_pointer
 from tiercheck.integrations.megatron.layout import KeyLayout, layouts_of, merge_layouts, tensor_state
 from tiercheck.integrations.megatron.strategies import TiercheckLoadStrategy, TiercheckSaveStrategy
-from tiercheck.seam import flatten, restore_tree
+from tiercheck.seam import flatten, memory_steps, restore_tree
 from tiercheck.version import __version__
 
 __all__ = ["TiercheckBackend"]
@@ -52,6 +58,7 @@ _CHECKPOINTER_OPTIONS = frozenset(
         "distributed",
         "drain",
         "replication",
+        "memory",
         "allow_pickle",
     }
 )
@@ -73,6 +80,10 @@ class TiercheckBackend:
     so its host staging memory and save plan carry over between saves. ``None``: the data goes into each
     checkpoint directory itself, with a Checkpointer per save (closed when the save is final).
     ``remote``: a URL the local steps drain to. Other keyword options go to every ``tiercheck.Checkpointer``.
+    ``memory=MemoryOptions(...)`` (the memory tier) needs ``local``: it is the root's, whose Checkpointer lives
+    on; a Checkpointer per checkpoint directory, closed after its save, would leave a memory tier on the tmpfs
+    for each directory and restore from none. A load from another root (a checkpoint saved elsewhere) reads
+    it without the memory tier.
 
     The tiercheck step of a save is the number ending the directory name (``iter_0000100`` -> 100) when that
     step is free and newer than every step of the root, else the next free number; ``tiercheck.json`` in the
@@ -87,6 +98,12 @@ class TiercheckBackend:
             raise TypeError(
                 f"unknown Checkpointer option(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(_CHECKPOINTER_OPTIONS))}"
+            )
+        if checkpointer_options.get("memory") is not None and local is None:
+            raise InvalidArgumentError(
+                "TiercheckBackend(memory=...) needs local=: without it each checkpoint directory gets a Checkpointer "
+                "of its own, closed after its save, so a memory tier would be left on the tmpfs per directory and "
+                "never restored from; give the node's tiercheck root as local="
             )
         self.local = None if local is None else Path(local).absolute()
         self.remote = remote
@@ -166,6 +183,8 @@ class TiercheckBackend:
         not describe its state says so here, and every rank raises."""
         local = ckpt.status()["local"]
         taken = set(local["committed"]) | set(local["inflight"])
+        if self.local is not None:  # steps committed in memory only are taken too
+            taken |= set(memory_steps(self.options.get("memory"), self.local)[1])
         m = _ITERATION.search(checkpoint_dir.name)
         wanted = int(m.group(1)) if m else None
         text = json.dumps(mine, sort_keys=True)
@@ -252,7 +271,9 @@ class TiercheckBackend:
         root = self._roots.get(key)
         if root is None:
             state: dict[str, Any] = {}
-            ckpt = Checkpointer(state, local=local, remote=remote, **self.options)
+            # the memory tier is the long-lived root's alone (see the class docstring)
+            options = {k: v for k, v in self.options.items() if not (one_shot and k == "memory")}
+            ckpt = Checkpointer(state, local=local, remote=remote, **options)
             root = _Root(ckpt, state, one_shot)
             if not one_shot:
                 self._roots[key] = root

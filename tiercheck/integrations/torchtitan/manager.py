@@ -7,8 +7,9 @@ What changes against torchtitan's own manager, method by method (the rest is tor
 - ``dcp_load``: ``dcp.load`` with a :class:`TiercheckReader` for the manager's own steps; anything else
   (``initial_load_path``, HF weights) is torchtitan's.
 - ``_find_load_step`` / ``_load``: the newest step every rank can restore, committed on every rank's local tier
-  or on the remote tier (one collective): a new node with an empty directory resumes from the remote alone. Where
-  that step is damaged (DCP's ``CheckpointException`` wraps a ``CorruptCheckpointError``), the next older one.
+  (or memory tier, with ``memory``) or on the remote tier (one collective): a new node with an empty directory
+  resumes from the remote alone. Where that step is damaged (DCP's ``CheckpointException`` wraps a
+  ``CorruptCheckpointError``), the next older one.
 - ``_purge_stale_checkpoints``: nothing. ``keep_latest_k`` becomes the local tier's ``RetentionOptions``, which
   never deletes the newest restorable step, a step still draining, or a step another node may lack.
 - ``_close``: waits for the last async save and for the drain to the remote tier.
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from tiercheck.errors import CorruptCheckpointError
+from tiercheck.errors import CorruptCheckpointError, InvalidArgumentError
 from tiercheck.integrations.dcp.reader import TiercheckReader
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
@@ -43,7 +44,7 @@ from tiercheck.integrations.torchtitan.compat import (
     GarbageCollection,
     filesystem,
 )
-from tiercheck.options import DrainOptions, RetentionOptions, WriteOptions
+from tiercheck.options import DrainOptions, MemoryOptions, RetentionOptions, WriteOptions
 from tiercheck.options import StagingOptions as TiercheckStaging
 
 __all__ = ["TiercheckCheckpointManager"]
@@ -87,6 +88,11 @@ class TiercheckCheckpointManager(CheckpointManager):
         take_over: bool = False
         """Write into a directory or prefix holding another run's steps (tiercheck's ``LineageError`` otherwise)."""
 
+        memory: MemoryOptions | None = None
+        """tiercheck's memory tier (``tiercheck.MemoryOptions(path=..., persist_every=N)``): every save is committed
+        to files on a tmpfs that outlive the process, the steps ``persist_every`` names go to ``local`` too, and a
+        restart after a crash resumes from memory (None: no memory tier)."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             for name in ("remote_keep_last", "keep_every"):
@@ -95,6 +101,10 @@ class TiercheckCheckpointManager(CheckpointManager):
                     raise ValueError(f"{name} must be at least 1 or None, not {value}")
             if self.drain_every < 1:
                 raise ValueError(f"drain_every must be at least 1, not {self.drain_every}")
+            if self.memory is not None and not isinstance(self.memory, MemoryOptions):
+                raise InvalidArgumentError(
+                    f"checkpoint.memory must be a tiercheck.MemoryOptions or None, not {type(self.memory).__qualname__}"
+                )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # torchtitan's purge thread is never started: retention is tiercheck's (keep_latest_k, mapped below).
@@ -119,6 +129,8 @@ class TiercheckCheckpointManager(CheckpointManager):
             "staging": TiercheckStaging(max_host_bytes=config.max_host_bytes),
             "write": WriteOptions(take_over=config.take_over),
         }
+        if config.memory is not None:
+            options["memory"] = config.memory
         if self.remote_options is not None:
             options["remote_options"] = self.remote_options
         self._options = options
@@ -248,7 +260,9 @@ class TiercheckCheckpointManager(CheckpointManager):
     # -- helpers
 
     def _restorable(self) -> set[int]:
-        return restorable_steps(self.local, self.remote, remote_options=self.remote_options)
+        return restorable_steps(
+            self.local, self.remote, remote_options=self.remote_options, memory=self._options.get("memory")
+        )
 
     def _reader(self) -> TiercheckReader:
         options = {k: v for k, v in self._options.items() if k != "remote_options"}
