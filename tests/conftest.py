@@ -4,7 +4,6 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from tests.servers import azure_container, azurite_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
+from tests.shm import private_shm
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,11 +40,8 @@ def ckpt_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def shm() -> Iterator[Path]:
     """A directory of its own on the real /dev/shm (a tmpfs: the memory tier's), removed after the test."""
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm tmpfs on this machine")
-    path = Path("/dev/shm") / f"tiercheck-test-{uuid.uuid4().hex}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with private_shm() as path:
+        yield path
 
 
 def assert_identical(a: Any, b: Any, where: str = "state") -> None:

@@ -136,7 +136,7 @@ def test_with_the_memory_tier_a_fresh_reader_loads_a_memory_only_step(
     _, _, second = _state(2)
     saved = {1: _full(first), 2: _full(second)}
     with private_shm() as shm:
-        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000, keep_at_close=True)
         with TiercheckWriter(local=root, memory=memory) as writer:
             dcp.save(first, storage_writer=writer, checkpoint_id=1)
             dcp.save(second, storage_writer=writer, checkpoint_id=2)

@@ -170,7 +170,7 @@ def _save_train_restore(
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     save_dir = os.path.join(tmp, "checkpoints")
     local = os.path.join(tmp, "node" if one_node else f"node{rank}")  # by default each rank its own node
-    options: dict[str, Any] = {"memory": MemoryOptions(path=memory, persist_every=1000)} if memory else {}
+    options: dict[str, Any] = {"memory": MemoryOptions(path=memory, persist_every=1000, keep_at_close=True)} if memory else {}
     engine = _engine(stage, world_size, seed=0, local=local, before_initialize=before_initialize, **options)
     _train(engine, range(SAVE_AT), rank)
     engine.save_checkpoint(save_dir, client_state={"epoch": 7})

@@ -197,7 +197,7 @@ def test_with_the_memory_tier_a_pointer_to_a_memory_only_step_loads_from_memory(
     """memory=MemoryOptions(...) reaches the plugin's Checkpointer: saves persist_every does not name are committed
     in memory only, their pointers are written all the same, and a fresh plugin loads one from memory."""
     with private_shm() as shm:
-        memory = MemoryOptions(path=shm, persist_every=1000)
+        memory = MemoryOptions(path=shm, persist_every=1000, keep_at_close=True)
         io = TiercheckCheckpointIO(tmp_path / "local", memory=memory)
         io.save_checkpoint(_ckpt(1, 1.0, 0.1), tmp_path / "one.ckpt")
         io.save_checkpoint(_ckpt(2, 2.0, 0.2), tmp_path / "two.ckpt")

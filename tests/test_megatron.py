@@ -335,7 +335,7 @@ def test_tp2_sync_and_async_saves_replicas_once_then_load_at_tp1_from_remote(tmp
 def _memory_round_trip(rank: int, world: int, root: str, shm: str) -> int:
     """install(local=..., memory=MemoryOptions(...)): a save committed in memory; with the local copy gone (the
     clean close persisted it), a new backend loads the step from memory."""
-    memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+    memory = tiercheck.MemoryOptions(path=shm, persist_every=1000, keep_at_close=True)
     with pytest.raises(tiercheck.errors.InvalidArgumentError, match="needs local="):
         tm.install(memory=memory)
     local = Path(root) / "local"

@@ -69,7 +69,7 @@ def test_memory_steps_are_the_directorys_lineages_only(tmp_path: Path) -> None:
     where the memory is another lineage's (a restore never reads those), none without memory."""
     local = tmp_path / "ckpt"
     with private_shm() as shm:
-        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000)
+        memory = tiercheck.MemoryOptions(path=shm, persist_every=1000, keep_at_close=True)
         assert memory_steps(memory, local)[1] == []  # nothing made yet
         with Checkpointer({"w": torch.arange(8.0)}, local=local, memory=memory) as ck:
             ck.save(1).wait()

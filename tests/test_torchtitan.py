@@ -100,7 +100,7 @@ def _build(
         last_save_model_only=False,
         local=local.format(rank=rank),  # "{rank}" in it: each rank a node of its own
         remote=remote,
-        memory=None if memory is None else MemoryOptions(path=memory, persist_every=1000),  # memory only
+        memory=None if memory is None else MemoryOptions(path=memory, persist_every=1000, keep_at_close=True),  # memory only
     )
     manager = config.build(
         dataloader=loader,

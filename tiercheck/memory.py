@@ -26,7 +26,7 @@ from typing import Any
 from tiercheck.cluster.coordination import drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
-from tiercheck.format.lineage import read_lineage
+from tiercheck.format.lineage import memory_owner, owns_memory, read_lineage
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps
 from tiercheck.options import ReplicationOptions
@@ -43,7 +43,6 @@ from tiercheck.tiering.transfer import copy_step
 
 log = logging.getLogger("tiercheck")
 
-OWNER_FILE = MEMORY_OWNER_FILE  # in the memory directory: the lineage its steps belong to
 
 
 class Memory:
@@ -92,35 +91,28 @@ class Memory:
         except (OSError, TiercheckError):
             lineage = None
         owner = lineage.id if lineage is not None else ""
-        if self._owner() != owner:
-            self.slots.root.publish(OWNER_FILE, owner.encode())
-
-    def _owner(self) -> str | None:
-        try:
-            return self.slots.root.read_bytes(OWNER_FILE)[:256].decode("ascii", "replace")
-        except FileNotFoundError:
-            return None
+        if memory_owner(self.slots.root) != owner:
+            self.slots.root.publish(MEMORY_OWNER_FILE, owner.encode())
 
     # ------------------------------------------------------------------------------- restoring
 
     def owned(self) -> bool:
         """Whether the memory's steps are this local directory's lineage (never restored otherwise)."""
         steps = list_steps(self.slots.root).committed
-        if not steps:
+        if not steps or owns_memory(self.local_job.tier, self.slots.root):
             return True
+        owner = memory_owner(self.slots.root)
         try:
             lineage = read_lineage(self.local_job.tier)
         except (OSError, TiercheckError):
             lineage = None
         mine = lineage.id if lineage is not None else None
-        if mine is not None and self._owner() == mine:
-            return True
         log.warning(
             "the memory tier at %s holds step(s) %s of %s, not of this directory's lineage (%s): not restored; "
             "withdrawn",
             self.slots.root.url,
             steps,
-            f"lineage {self._owner()}" if self._owner() else "an unknown lineage",
+            f"lineage {owner}" if owner else "an unknown lineage",
             mine or "none yet",
         )
         if self.leader:
@@ -216,6 +208,6 @@ class Memory:
             if not keep:
                 for step in committed:
                     self.slots.withdraw(step)
-                self.slots.root.delete(OWNER_FILE)
+                self.slots.root.delete(MEMORY_OWNER_FILE)
         if not self.options.keep_at_close:
             self.slots.remove()

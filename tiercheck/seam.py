@@ -57,16 +57,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercheck.cluster.assign import assign_all_reads
-from tiercheck.errors import TiercheckError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
-from tiercheck.format.lineage import read_lineage
+from tiercheck.format.lineage import owns_memory
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
-from tiercheck.memory import OWNER_FILE
 from tiercheck.options import MemoryOptions
 from tiercheck.restore.load import open_step
 from tiercheck.restore.match import FreshShard
@@ -149,12 +147,7 @@ def memory_steps(memory: MemoryOptions | None, local: str | os.PathLike[str]) ->
     steps = list_steps(tier).committed
     if not steps:
         return tier, []
-    try:
-        lineage = read_lineage(LocalTier(Path(local).absolute()))
-        owner = tier.read_bytes(OWNER_FILE)[:256].decode("ascii", "replace")
-    except (OSError, TiercheckError):  # no owner, or an unreadable one: not this lineage's
-        return tier, []
-    return tier, steps if lineage is not None and owner == lineage.id else []
+    return tier, steps if owns_memory(LocalTier(Path(local).absolute()), tier) else []
 
 
 __all__ = [

@@ -39,8 +39,8 @@ from tiercheck.cli.common import (
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
-from tiercheck.format.lineage import read_lineage
-from tiercheck.format.paths import MEMORY_OWNER_FILE, memory_dir
+from tiercheck.format.lineage import memory_owner, read_lineage
+from tiercheck.format.paths import memory_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import MemoryOptions
@@ -49,8 +49,6 @@ from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 
-OWNER_FILE = MEMORY_OWNER_FILE
-_MAX_OWNER = 256  # bytes of OWNER read: a lineage id is 32 hex digits
 DEFAULT_PATH = os.fspath(MemoryOptions().path)
 
 MEMORY_HELP = (
@@ -128,10 +126,7 @@ def open_memory(ctx: Context, local: Tier, path: str) -> NodeMemory | None:
         return None
     tier = ctx.tier(str(directory))
     assert isinstance(tier, LocalTier)
-    try:
-        owner: str | None = tier.read_bytes(OWNER_FILE)[:_MAX_OWNER].decode("ascii", "replace").strip()
-    except FileNotFoundError:
-        owner = None
+    owner = memory_owner(tier)
     lineage = read_lineage(local)
     return NodeMemory(local, tier, owner, lineage.id if lineage is not None else None)
 

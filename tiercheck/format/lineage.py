@@ -25,8 +25,14 @@ import stat
 import time
 from dataclasses import dataclass
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, UnsafeCheckpointError
-from tiercheck.format.paths import LINEAGE_FILE
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LineageError,
+    TiercheckError,
+    UnsafeCheckpointError,
+)
+from tiercheck.format.paths import LINEAGE_FILE, MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.tiers.base import Tier
 
@@ -197,3 +203,28 @@ def abandoned_why(tier: Tier, step: int, abandoned: frozenset[tuple[int, str]]) 
     if (step, save) in abandoned:
         return f"its lineage abandoned save {save} (a rollback branched below it, or a take-over)"
     return None
+
+
+_MAX_OWNER = 256  # bytes of a memory directory's OWNER read: a lineage id is 32 hex digits
+
+
+def memory_owner(memory: Tier) -> str | None:
+    """The lineage a memory directory's steps belong to, as its ``OWNER`` file names it (None: no
+    file). Unreadable bytes come back replaced: they name no lineage."""
+    try:
+        raw = memory.read_range(MEMORY_OWNER_FILE, 0, _MAX_OWNER)
+    except FileNotFoundError:
+        return None
+    return bytes(raw).decode("ascii", "replace").strip()
+
+
+def owns_memory(local: Tier, memory: Tier) -> bool:
+    """Whether the memory directory's steps are ``local``'s lineage: its ``OWNER`` names the lineage
+    ``local``'s ``LINEAGE.json`` does. False where either is missing or cannot be read (a memory of
+    an unknown owner is never restored)."""
+    try:
+        lineage = read_lineage(local)
+        owner = memory_owner(memory)
+    except (OSError, TiercheckError):
+        return False
+    return lineage is not None and owner == lineage.id
