@@ -277,9 +277,9 @@ def compare_with_disk(common: list[str], ckpt_dir: Path, memory: re.Match[str]) 
     dropped; print both restart times; return the local one in ms (None: it failed)."""
     step, memory_ms, read_ms = int(memory.group(1)), float(memory.group(3)), float(memory.group(4) or "nan")
     drop_page_cache(ckpt_dir)
-    args = [*(a for a in common if not a.startswith("--steps=")), f"--steps={step + 1}", f"--ckpt-dir={_shown(ckpt_dir)}", f"--restore-step={step}", "--keep-last=0"]
-    probe = Child("disk restore", args)
-    if probe.finish() != 0 or not (m := [RESTART_LINE.match(x) for x in probe.lines if RESTART_LINE.match(x)]):
+    args = [*(a for a in common if not a.startswith("--steps=")), f"--steps={step + 1}"]
+    probe = Child("disk restore", [*args, f"--ckpt-dir={_shown(ckpt_dir)}", f"--restore-step={step}", "--keep-last=0"])
+    if probe.finish() != 0 or not (m := [x for line in probe.lines if (x := RESTART_LINE.match(line))]):
         say("    the restore from the local directory failed")
         return None
     disk_ms = float(m[0].group(3))
