@@ -299,7 +299,7 @@ def run(args: argparse.Namespace, root: Path, shm: Path) -> dict[str, Any]:
         kw = {"gib": args.gib, "local": str(local), "shm": str(mem), "dcp_dir": str(dcp_dir)}
         h.log(f"restart round {r}: save one step, then SIGKILL")
         killed = h.run_worker(me, "save_then_kill", kw | {"out": str(out)}, timeout=args.worker_timeout)
-        if killed.get("error") != f"worker exited with {-signal.SIGKILL}":
+        if killed.get("error") != f"worker exited with {-signal.SIGKILL}" or not out.exists():  # a timeout kills too
             raise RuntimeError(f"the saving process was not killed as planned: {killed}")
         saved = json.loads(out.read_text())
         rnd: dict[str, Any] = {"state_bytes": saved["state_bytes"]}

@@ -35,3 +35,15 @@ def test_memory_bench_quick(tmp_path: Path) -> None:
     assert "| tiercheck.memory |" in proc.stdout and "restart from own memory" in proc.stdout
     assert not Path(report["shm_dir"]).exists(), "the private memory directory was left on the tmpfs"
     assert [p.name for p in tmp_path.iterdir()] == ["memory.json"], "the scratch directory was left behind"
+
+
+def test_memory_bench_removes_its_memory_directory_when_it_fails(tmp_path: Path) -> None:
+    """A run that fails (here: its first worker killed by the timeout) leaves no memory tier behind: RAM on a tmpfs."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cmd = [sys.executable, str(REPO / "bench" / "memory_bench.py"), "--quick", "--worker-timeout", "0.01"]
+    cmd += ["--dir", str(tmp_path), "--json", str(tmp_path / "never.json"), "--shm", str(shm)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "the saving process was not killed as planned" in proc.stderr, proc.stderr
+    assert list(shm.iterdir()) == [], "the private memory directory was left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shm"], "the scratch directory was left behind"
