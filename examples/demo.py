@@ -1,11 +1,18 @@
 """Kill a training run at a random moment, restart it, and show the result is bit-identical.
 
 1. Train ``examples/train.py`` uninterrupted, without checkpoints: the reference.
-2. Train it again with ``--ckpt-dir``, and SIGKILL it at a random moment once at least one
-   checkpoint has had time to commit (as a crashed node would die: no cleanup, no final save).
-3. Show what the kill left on disk: committed steps, and any partial step without ``COMMIT``.
-4. Start the same command again: it restores the newest committed step and finishes.
-5. Compare the two final results tensor by tensor with ``torch.equal``: PASS or FAIL.
+2. Train it again with ``--ckpt-dir`` and tiercheck's memory tier (``--memory``, a private directory
+   on the ``/dev/shm`` tmpfs): every step is saved to memory that outlives the process, every
+   ``--every``th also to disk. SIGKILL it at a random moment once at least one checkpoint has had
+   time to commit (as a crashed process dies: no cleanup, no final save).
+3. Show what the kill left in memory and on disk: committed steps, and any partial step without ``COMMIT``.
+4. Start the same command again: it restores the newest committed step, from memory, and finishes.
+   It says which step, from which tier, and how long its restart took.
+5. Restore the same step from the local directory alone (its files' page cache dropped), for comparison.
+6. Compare the two final results tensor by tensor with ``torch.equal``: PASS or FAIL.
+
+With ``--no-memory`` (or where there is no ``/dev/shm``), steps 2-4 use the local directory only and
+step 5 is left out.
 
     python examples/demo.py                # or: bash scripts/demo.sh
     python examples/demo.py --seed 7       # replay one kill moment
@@ -23,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -41,6 +49,10 @@ except ImportError:  # running from a checkout where tiercheck is not installed
 TRAIN = REPO / "examples" / "train.py"
 STEP_LINE = re.compile(r"^step (\d+) loss ")
 RESUMED_LINE = re.compile(r"^RESUMED from checkpoint step (\d+)")
+RESTART_LINE = re.compile(
+    r"^restart: step (\d+) restored from the (memory tier|local directory) in ([\d.]+) ms(?: \(([\d.]+) ms to read it)?"
+)
+SHM = Path("/dev/shm")
 
 _print_lock = threading.Lock()
 _children: list[Child] = []  # killed on Ctrl-C: in their own sessions, they would not see it
@@ -132,7 +144,7 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def show_disk(ckpt_dir: Path) -> list[int]:
+def show_disk(ckpt_dir: Path, where: str = "on disk") -> list[int]:
     """Print what is in the checkpoint directory; return the committed steps."""
     committed: list[int] = []
     entries = sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []
@@ -146,7 +158,7 @@ def show_disk(ckpt_dir: Path) -> list[int]:
                 verdict = "COMMIT present: committed"
             else:
                 verdict = "no COMMIT: partial, will be ignored"
-            say(f"    {entry.name}/  {size / 2**20:6.2f} MiB on disk (all its files)  {verdict}")
+            say(f"    {entry.name}/  {size / 2**20:6.2f} MiB {where} (all its files)  {verdict}")
         else:
             kind = "dir " if entry.is_dir() else "file"
             say(f"    {entry.name}{'/' if entry.is_dir() else ''}  ({kind}, not a step)")
@@ -189,6 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--every", type=int, default=10, help="checkpoint interval (default 10)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per training step (default 0)")
+    p.add_argument("--no-memory", action="store_true", help="leave tiercheck's memory tier out: disk only")
     p.add_argument(
         "--workdir",
         type=Path,
@@ -201,8 +214,99 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Ask the kernel to drop the cached pages of ``directory``'s files (``posix_fadvise``), so the
+    restore that reads them next reads the disk, as after a reboot; only these files, not the machine's."""
+    for f in directory.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # a dirty page is not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def kill_run1(args: argparse.Namespace, run_args: list[str], rng: random.Random, kill_after: int) -> int | None:
+    """Start run 1 and SIGKILL it a random part of a checkpoint interval after step ``kill_after``;
+    return its last printed step (None: it ended on its own)."""
+    run1 = Child("run 1", run_args)
+    kill_fraction = rng.random()
+    delay = 0.0
+    try:
+        run1.wait_for_step(kill_after)
+        delay = kill_fraction * args.every * run1.seconds_per_step()
+        time.sleep(delay)
+        at_step = run1.last_step
+        run1.kill()
+    finally:
+        run1.kill()
+        rc = run1.finish()
+    if rc != -signal.SIGKILL:
+        say(f"run 1 ended on its own (exit code {rc}) before it could be killed")
+        return None
+    say(f"==> KILLED run 1 with SIGKILL {delay * 1e3:.0f} ms after step {kill_after}; its last printed step was {at_step}")
+    return at_step
+
+
+def show_after_kill(ckpt_dir: Path, memory: Path | None, problems: list[str]) -> int | None:
+    """Print what the kill left in memory and on disk; return the newest committed step (None: none)."""
+    newest: list[int] = []
+    if memory is not None:
+        # one directory per node-local directory (named by a hash of its path): here, one
+        for tier in sorted(d for d in memory.iterdir() if d.is_dir()) or [memory]:
+            say(f"    in memory ({_shown(tier)}):")
+            newest += show_disk(tier, where="in memory")
+        say(f"    on disk ({_shown(ckpt_dir)}):")
+    committed = show_disk(ckpt_dir)
+    newest += committed
+    if committed:
+        try:
+            latest = tiercheck.load(ckpt_dir)
+            say(f"    tiercheck.load(): the newest committed step on disk holds progress {latest['progress']}")
+        except Exception as exc:  # a demo: report any failure and carry on with the others
+            problems.append(f"tiercheck.load({ckpt_dir}) raised {exc!r}")
+            say(f"    tiercheck.load() FAILED: {exc!r}")
+    if not newest:
+        say("    nothing committed yet: run 2 will start from scratch (still must match)")
+    return max(newest, default=None)
+
+
+def compare_with_disk(common: list[str], ckpt_dir: Path, memory: re.Match[str]) -> float | None:
+    """Restore ``step`` from the local directory alone, in a fresh process, its files' page cache
+    dropped; print both restart times; return the local one in ms (None: it failed)."""
+    step, memory_ms, read_ms = int(memory.group(1)), float(memory.group(3)), float(memory.group(4) or "nan")
+    drop_page_cache(ckpt_dir)
+    args = [*(a for a in common if not a.startswith("--steps=")), f"--steps={step + 1}"]
+    probe = Child("disk restore", [*args, f"--ckpt-dir={_shown(ckpt_dir)}", f"--restore-step={step}", "--keep-last=0"])
+    if probe.finish() != 0 or not (m := [x for line in probe.lines if (x := RESTART_LINE.match(line))]):
+        say("    the restore from the local directory failed")
+        return None
+    disk_ms = float(m[0].group(3))
+    size = sum(f.stat().st_size for f in (ckpt_dir / f"step-{step:08d}").rglob("*") if f.is_file())
+    say(f"    restart of step {step}, the Checkpointer's start and its restore() in a fresh process:")
+    say(f"      from the memory tier     {memory_ms:7.1f} ms  ({read_ms:.1f} ms to read it, the rest persisting it to disk)")
+    say(f"      from the local directory {disk_ms:7.1f} ms  (its files' page cache dropped first)")
+    say(
+        f"    reading from memory took {read_ms / disk_ms:.2f}x the time of the local restore; at "
+        f"{size / 2**20:.1f} MiB, fixed costs dominate both (bench/memory_bench.py measures 1.5 GiB)"
+    )
+    return disk_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    memory: Path | None = None
+    if not args.no_memory and SHM.is_dir():
+        memory = Path(tempfile.mkdtemp(prefix="tiercheck-demo-", dir=SHM))
+    try:
+        return run_demo(args, memory)
+    finally:
+        if memory is not None:
+            shutil.rmtree(memory, ignore_errors=True)  # the memory tier outlives processes: RAM until removed
+
+
+def run_demo(args: argparse.Namespace, memory: Path | None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10_000)
     rng = random.Random(seed)
     t_start = time.monotonic()
@@ -218,74 +322,67 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"--steps={args.steps}", f"--every={args.every}"]
     if args.step_sleep:
         common.append(f"--step-sleep={args.step_sleep}")
+    ckpt_args = [f"--ckpt-dir={_shown(ckpt_dir)}"]
+    if memory is not None:  # keep every step on disk: step 5 restores the step run 2 restored from memory
+        ckpt_args += [f"--memory={memory}", "--keep-last=0"]
     # Kill once step `kill_after` has printed, plus a random part of one checkpoint interval,
     # so the kill lands anywhere: mid-step, mid-save, between saves. By then the save of step
     # `kill_after - every` (at least) has had a whole interval to commit.
     kill_after = rng.randint(2 * args.every, args.steps * 3 // 4)
-    kill_fraction = rng.random()
+    n = 6 if memory is not None else 4
     say(f"tiercheck kill-and-resume demo (seed {seed}; replay with --seed {seed})")
-    say(f"work directory: {workdir}")
+    say(f"work directory: {workdir}" + (f"; memory tier: {memory}" if memory is not None else ""))
 
-    banner("1/4  reference run: no checkpoints, never interrupted")
+    banner(f"1/{n}  reference run: no checkpoints, never interrupted")
     ref = Child("reference", [*common, f"--out={_shown(ref_out)}"])
     if (rc := ref.finish()) != 0:
         say(f"reference run failed with exit code {rc}")
         return 2
 
-    banner(
-        f"2/4  run 1: checkpoints every {args.every} steps in {_shown(ckpt_dir)}; SIGKILL soon after step {kill_after}"
-    )
-    run1 = Child("run 1", [*common, f"--ckpt-dir={_shown(ckpt_dir)}"])
-    try:
-        run1.wait_for_step(kill_after)
-        delay = kill_fraction * args.every * run1.seconds_per_step()
-        time.sleep(delay)
-        at_step = run1.last_step
-        run1.kill()
-    finally:
-        run1.kill()
-        rc = run1.finish()
-    if rc != -signal.SIGKILL:
-        say(f"run 1 ended on its own (exit code {rc}) before it could be killed")
+    where = (f"every step to memory, every {args.every} steps also to {_shown(ckpt_dir)}" if memory is not None
+             else f"every {args.every} steps in {_shown(ckpt_dir)}")  # fmt: skip
+    banner(f"2/{n}  run 1: checkpoints {where}; SIGKILL soon after step {kill_after}")
+    at_step = kill_run1(args, [*common, *ckpt_args], rng, kill_after)
+    if at_step is None:
         return 2
-    say(
-        f"==> KILLED run 1 with SIGKILL {delay * 1e3:.0f} ms after step {kill_after}; "
-        f"its last printed step was {at_step}"
-    )
 
-    banner(f"3/4  on disk after the kill ({_shown(ckpt_dir)})")
-    committed = show_disk(ckpt_dir)
+    banner(f"3/{n}  {'in memory and ' if memory is not None else ''}on disk after the kill")
     problems: list[str] = []
-    if committed:
-        try:
-            latest = tiercheck.load(ckpt_dir)
-            say(f"    tiercheck.load(): newest committed step holds progress {latest['progress']}")
-        except Exception as exc:  # a demo: report any failure and carry on with the others
-            problems.append(f"tiercheck.load({ckpt_dir}) raised {exc!r}")
-            say(f"    tiercheck.load() FAILED: {exc!r}")
-    else:
-        say("    nothing committed yet: run 2 will start from scratch (still must match)")
+    newest = show_after_kill(ckpt_dir, memory, problems)
 
-    banner("4/4  run 2: the same command again; it restores and finishes")
-    run2_args = [*common, f"--ckpt-dir={_shown(ckpt_dir)}", f"--out={_shown(resumed_out)}"]
-    run2 = Child("run 2, resumed", run2_args)
+    banner(f"4/{n}  run 2: the same command again; it restores and finishes")
+    run2 = Child("run 2, resumed", [*common, *ckpt_args, f"--out={_shown(resumed_out)}"])
     if (rc := run2.finish()) != 0:
         say(f"run 2 failed with exit code {rc}")
         return 2
-
-    banner("result")
     resumed_from = run2.matches(RESUMED_LINE)
-    if committed:
-        if resumed_from != [max(committed)]:
+    restart = [m for line in run2.lines if (m := RESTART_LINE.match(line))]
+    if memory is not None and newest is not None:
+        banner(f"5/{n}  for comparison: the same step restored from the local directory alone")
+        if not restart or restart[0].group(2) != "memory tier":
+            problems.append(f"run 2 did not restart from the memory tier: {[m.group(0) for m in restart]}")
+        elif compare_with_disk(common, ckpt_dir, restart[0]) is None:
+            problems.append("the same step could not be restored from the local directory")
+
+    banner("result" if memory is None else f"{n}/{n}  result")
+    if newest is not None:
+        if resumed_from != [newest]:
             problems.append(
-                f"run 2 resumed from {resumed_from or 'nothing'}, "
-                f"but the newest committed step on disk was {max(committed)}"
+                f"run 2 resumed from {resumed_from or 'nothing'}, but the newest committed step was {newest}"
             )
         else:
+            tier = f" (from the {restart[0].group(2)}, in {restart[0].group(3)} ms)" if restart else ""
             say(
-                f"    run 2 resumed from step {resumed_from[0]}, the newest committed step, "
+                f"    run 2 resumed from step {resumed_from[0]}{tier}, the newest committed step, "
                 f"and ran steps {resumed_from[0] + 1}..{args.steps - 1}"
             )
+    came = f" (from the {restart[0].group(2)})" if restart else ""
+    return verdict(ref_out, resumed_out, problems, f"killed at step {at_step}, resumed from step "
+                   f"{resumed_from[0] if resumed_from else 'scratch'}{came}", seed, t_start)  # fmt: skip
+
+
+def verdict(ref_out: Path, resumed_out: Path, problems: list[str], story: str, seed: int, t_start: float) -> int:
+    """Compare the resumed run's final results with the reference's: PASS (0) or FAIL (1)."""
     ref_res = torch.load(ref_out, weights_only=True)
     got_res = torch.load(resumed_out, weights_only=True)
 
@@ -319,11 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"    ... and {len(problems) - 20} more mismatches")
         say(f"FAIL: the resumed run differs from the reference ({elapsed:.0f} s, seed {seed})")
         return 1
-    say(
-        f"PASS: killed at step {at_step}, resumed from step "
-        f"{resumed_from[0] if resumed_from else 'scratch'}, and finished bit-identical to the "
-        f"uninterrupted run ({elapsed:.0f} s, seed {seed})"
-    )
+    say(f"PASS: {story}, and finished bit-identical to the uninterrupted run ({elapsed:.0f} s, seed {seed})")
     return 0
 
 

@@ -7,13 +7,18 @@ uninterrupted or is killed at any moment and restarted from its last committed c
     python examples/train.py --steps 200                              # no checkpoints
     python examples/train.py --steps 200 --ckpt-dir runs/tiny-gpt    # checkpoint every 10 steps,
                                                                        # resume if one exists
+    python examples/train.py --steps 200 --ckpt-dir runs/tiny-gpt --memory /dev/shm/tiny-gpt
+                                      # every step to memory that outlives the process, every 10th also to disk
 
-Each training step prints one line, ``step 17 loss 4.123456``.
+Each training step prints one line, ``step 17 loss 4.123456``. A run that resumes prints
+``restart: step N restored from the memory tier in T ms`` (or ``from the local directory``): the
+time of the Checkpointer's start and its ``restore()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import threading
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiercheck import Checkpointer, RetentionOptions, SaveHandle
+from tiercheck import Checkpointer, MemoryOptions, RetentionOptions, SaveHandle
 
 # --- model sizes and data ---------------------------------------------------------------------
 VOCAB = 256  # byte-level tokens
@@ -169,10 +174,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="sleep this many seconds per step, to slow the run down (default 0)",
     )
+    p.add_argument(
+        "--memory",
+        type=Path,
+        default=None,
+        help="a tmpfs directory for tiercheck's memory tier: save every step there (it outlives the\n"
+        "process), and every --every steps to --ckpt-dir too (omit: no memory tier)",
+    )
+    p.add_argument("--keep-last", type=int, default=3, help="committed steps kept in --ckpt-dir (0: all; default 3)")
+    p.add_argument(
+        "--restore-step",
+        type=int,
+        default=None,
+        help="restore this step rather than the newest (with --steps STEP+1: restore it, train nothing)",
+    )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.every < 1 or args.step_sleep < 0:
-        p.error("--steps and --every must be >= 1 and --step-sleep >= 0")
+    if args.steps < 1 or args.every < 1 or args.step_sleep < 0 or args.keep_last < 0:
+        p.error("--steps and --every must be >= 1, --step-sleep and --keep-last >= 0")
+    if (args.memory is not None or args.restore_step is not None) and args.ckpt_dir is None:
+        p.error("--memory and --restore-step need --ckpt-dir")
     return args
+
+
+class RestoredFrom(logging.Handler):
+    """Which tier a restore read, and when it had read it: tiercheck logs the memory tier's restore
+    (from the restoring thread) before it persists the step to the local directory."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.memory_read_at: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("restored step %d from the memory tier"):
+            self.memory_read_at = time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,8 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
     state = {"model": model, "optimizer": optimizer, "progress": progress, "rng": rng}
 
+    # With the memory tier, every step is saved to memory and every `--every`th also to the directory.
+    memory = MemoryOptions(path=args.memory, persist_every=args.every) if args.memory is not None else None
+    save_every = 1 if memory is not None else args.every
+    restored_from = RestoredFrom()
+    logging.getLogger("tiercheck").addHandler(restored_from)
+    logging.getLogger("tiercheck").setLevel(logging.INFO)
+    t_open = time.perf_counter()
     ckpt_cm = (
-        Checkpointer(state, local=args.ckpt_dir, retention=RetentionOptions(keep_last=3))
+        Checkpointer(
+            state, local=args.ckpt_dir, memory=memory, retention=RetentionOptions(keep_last=args.keep_last or None)
+        )
         if args.ckpt_dir is not None
         else nullcontext(None)
     )
@@ -210,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     with ckpt_cm as ckpt:
         first = 0
         if ckpt is not None:
-            start = ckpt.restore()
+            start = ckpt.restore(args.restore_step)
+            restart_ms = (time.perf_counter() - t_open) * 1e3
             if start is None:
                 log(f"no checkpoint in {args.ckpt_dir}: starting from scratch")
             else:
@@ -220,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"RESUMED from checkpoint step {start} in {args.ckpt_dir} "
                     f"(its loss {progress['loss']:.6f}); continuing at step {first}"
                 )
+                log(f"restart: step {start} restored from {_restart(restored_from, restart_ms, t_open)}")
 
         for step in range(first, args.steps):
             inputs, targets = get_batch(corpus, step)
@@ -236,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"step {step} loss {losses[step]:.6f}")
             progress.update(step=step, loss=losses[step])
 
-            if ckpt is not None and step > 0 and step % args.every == 0:
+            if ckpt is not None and step > 0 and step % save_every == 0:
                 rng["torch"] = torch.get_rng_state()
                 t0 = time.perf_counter()
                 handle = ckpt.save(step)
                 blocked_ms = (time.perf_counter() - t0) * 1e3
-                log(f"  ckpt: save({step}) returned after {blocked_ms:.1f} ms; writing in the background")
-                handle.committed.add_done_callback(_report_commit(handle, t0))
+                if step % args.every == 0:  # the others go to memory only: one line a step is enough
+                    log(f"  ckpt: save({step}) returned after {blocked_ms:.1f} ms; writing in the background")
+                    handle.persisted.add_done_callback(_report_commit(handle, t0))
 
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -264,10 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[None]], None]:
-    """A done-callback for ``handle.committed`` (runs on one of tiercheck's threads)."""
+def _restart(restored_from: RestoredFrom, restart_ms: float, t_open: float) -> str:
+    """Where the restart read its step from and how long it took (the Checkpointer's start and restore())."""
+    if restored_from.memory_read_at is None:
+        return f"the local directory in {restart_ms:.1f} ms"
+    read_ms = (restored_from.memory_read_at - t_open) * 1e3
+    return f"the memory tier in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; the rest persisting it to disk)"
 
-    def callback(fut: Future[None]) -> None:
+
+def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[bool]], None]:
+    """A done-callback for ``handle.persisted`` (runs on one of tiercheck's threads)."""
+
+    def callback(fut: Future[bool]) -> None:
         err = fut.exception() if not fut.cancelled() else RuntimeError("cancelled")
         if err is not None:
             log(f"  ckpt: step {handle.step} FAILED: {err!r}")

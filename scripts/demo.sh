@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start: kill a training run at a random moment, resume it, and check the result is
-# bit-identical to an uninterrupted run. Creates .venv in the repo root if it is missing.
+# Quick start: kill a training run at a random moment, resume it (from tiercheck's memory tier on
+# /dev/shm: the step, the tier and the restart time against the local directory are shown), and check
+# the result is bit-identical to an uninterrupted run. Creates .venv in the repo root if it is missing.
 #
 #   bash scripts/demo.sh              # arguments are passed on to examples/demo.py
 #   bash scripts/demo.sh --seed 7     # replay one kill moment

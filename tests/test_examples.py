@@ -1,5 +1,6 @@
 """The training loop the README and the getting-started page show is ``examples/quickstart.py``, and
-it works: it runs as written, and a step it saves is restored bit-identically."""
+it works: it runs as written, and a step it saves is restored bit-identically. The quick start's demo
+(``examples/demo.py``) restarts a killed run from the memory tier."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import textwrap
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 import tiercheck
@@ -71,3 +73,26 @@ def test_the_readme_shows_the_quickstart_loop_as_it_is() -> None:
 def test_the_getting_started_page_includes_the_quickstart() -> None:
     page = (ROOT / "docs" / "getting-started.md").read_text()
     assert '--8<-- "examples/quickstart.py"' in page
+
+
+def test_the_demo_kills_the_run_and_it_restarts_from_memory_bit_identical(tmp_path: Path) -> None:
+    """examples/demo.py (``bash scripts/demo.sh``'s run), short: the killed run restarts from the memory tier,
+    the step the kill left there, says how long that took against the local directory, and ends bit-identical."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm tmpfs on this machine: the demo runs without the memory tier")
+    before = set(Path("/dev/shm").glob("tiercheck-demo-*"))
+    cmd = [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "24", "--every", "4", "--seed", "5"]
+    proc = subprocess.run([*cmd, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "PASS: killed at step" in out and "(from the memory tier), and finished bit-identical" in out, out
+    restart = re.search(r"\[run 2, resumed\] restart: step (\d+) restored from the memory tier in [\d.]+ ms", out)
+    assert restart is not None, out
+    # the step restored is the newest one the kill left in memory, newer than any on disk unless both hold it
+    in_memory = [int(s) for s in re.findall(r"step-(\d+)/ .* in memory .* committed", out)]
+    on_disk = [int(s) for s in re.findall(r"step-(\d+)/ .* on disk .* committed", out)]
+    assert in_memory and int(restart.group(1)) == max(in_memory) >= max(on_disk, default=-1), out
+    step = restart.group(1)
+    assert re.search(rf"\[disk restore\] restart: step {step} restored from the local directory in [\d.]+ ms", out)
+    assert re.search(r"from the memory tier +[\d.]+ ms .*\n +from the local directory +[\d.]+ ms", out), out
+    assert set(Path("/dev/shm").glob("tiercheck-demo-*")) == before, "the demo left its memory tier behind"
