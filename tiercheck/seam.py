@@ -47,13 +47,16 @@ Formatting
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiercheck.cluster.assign import assign_all_reads
+from tiercheck.errors import ForeignCheckpointError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
+from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
@@ -125,6 +128,15 @@ def read_regions(
     return move_chunks(ReadSource(tier=tier, step=step, io_threads=io_threads), RestorePlan.alone(plan, records), items)
 
 
+def refuse_foreign(path: str | Path) -> None:
+    """Raise ``ForeignCheckpointError`` where the directory ``path`` holds another framework's checkpoints:
+    for an integration that found no tiercheck step to resume from there, instead of a fresh start."""
+    tier = LocalTier(path)
+    found = find_foreign(tier)
+    if found:
+        raise ForeignCheckpointError(say_foreign(tier, found))
+
+
 __all__ = [
     "BLOCK",
     "JSON",
@@ -155,6 +167,7 @@ __all__ = [
     "read_index",
     "read_manifest",
     "read_regions",
+    "refuse_foreign",
     "restore_tree",
     "some",
     "torch_dtype",

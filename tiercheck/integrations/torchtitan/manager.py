@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from tiercheck.errors import CorruptCheckpointError
+from tiercheck.errors import CorruptCheckpointError, InvalidArgumentError
 from tiercheck.integrations.dcp.reader import TiercheckReader
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
@@ -45,6 +45,7 @@ from tiercheck.integrations.torchtitan.compat import (
 )
 from tiercheck.options import DrainOptions, RetentionOptions, WriteOptions
 from tiercheck.options import StagingOptions as TiercheckStaging
+from tiercheck.seam import refuse_foreign
 
 __all__ = ["TiercheckCheckpointManager"]
 
@@ -97,6 +98,7 @@ class TiercheckCheckpointManager(CheckpointManager):
                 raise ValueError(f"drain_every must be at least 1, not {self.drain_every}")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        _refuse_pinned_without_cuda(config)
         # torchtitan's purge thread is never started: retention is tiercheck's (keep_latest_k, mapped below).
         super().__init__(_without_purge(config), **kwargs)
         if not self.enable:
@@ -203,7 +205,7 @@ class TiercheckCheckpointManager(CheckpointManager):
             self._load_step(step)
             return True
         if not steps:
-            return super()._load(-1)  # a fresh start, or initial_load_path / HF weights: torchtitan's way
+            return self._load_without_steps()
         damaged: list[str] = []
         for load in sorted(steps, reverse=True):
             try:
@@ -220,6 +222,24 @@ class TiercheckCheckpointManager(CheckpointManager):
         raise CorruptCheckpointError(
             f"no restorable step of {self.local} / {self.remote} is whole: {'; '.join(damaged)}"
         )
+
+    def _load_without_steps(self) -> bool:
+        """No tiercheck step to resume from. ``initial_load_path`` / HF weights: torchtitan's way. Else a run moved
+        over mid-way continues from torchtitan's own newest DCP ``step-N`` in the folder, read by torchtitan's own
+        loader (DCP's ``FileSystemReader``); another framework's checkpoints there stop the start
+        (``ForeignCheckpointError``, naming ``tiercheck import``); a fresh start only where none lies."""
+        if self.initial_load_path or self.initial_load_in_hf:
+            return super()._load(-1)
+        own = CheckpointManager._find_load_step(self, self.folder)  # torchtitan's scan: step-N/ with its .metadata
+        if own >= 0:
+            log.info("no tiercheck step yet: continuing from torchtitan's own checkpoint %s/step-%d", self.folder, own)
+            states = self._states_to_load(model_only=own == 0)
+            self.dcp_load(states, filesystem.join(self.folder, f"step-{own}"), from_hf=False, from_quantized=False)
+            return True
+        for place in {str(self.local), str(self.folder)}:
+            if not filesystem.is_remote(place):
+                refuse_foreign(place)
+        return super()._load(-1)
 
     def _load_step(self, load: int) -> None:
         begin = time.monotonic()
@@ -255,7 +275,10 @@ class TiercheckCheckpointManager(CheckpointManager):
         return TiercheckReader(self.local, self.remote, remote_options=self.remote_options, **options)
 
     def _own_step(self, checkpoint_id: str) -> int | None:
-        """N when ``checkpoint_id`` is this manager's ``<folder>/step-N``, else None (a path of torchtitan's own)."""
+        """N when ``checkpoint_id`` is this manager's ``<folder>/step-N``, else None (a path of torchtitan's own, or a
+        DCP checkpoint there, such as torchtitan's own ``step-N`` given as ``initial_load_path``)."""
+        if filesystem.isfile(filesystem.join(str(checkpoint_id), ".metadata")):
+            return None
         head, _, name = str(checkpoint_id).rpartition("/")
         m = _STEP_ID.fullmatch(name)
         return int(m.group(1)) if m and head == str(self.folder).rstrip("/") else None
@@ -274,6 +297,17 @@ def _damage(e: CheckpointException) -> CorruptCheckpointError | None:
         if isinstance(error, CorruptCheckpointError):
             return error
     return None
+
+
+def _refuse_pinned_without_cuda(config: Any) -> None:
+    """``async_with_pinned_mem`` stages through DCP's pinned, non-blocking copies, which need an accelerator:
+    without CUDA torchtitan's stager fails at the first save, so the manager is refused when built instead."""
+    if config.enable and str(config.async_mode).lower() == "async_with_pinned_mem" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            "checkpoint.async_mode='async_with_pinned_mem' needs CUDA (DCP's pinned-memory stager copies from the "
+            "accelerator), and torch.cuda.is_available() is False here: use async_mode='async' (the save runs on "
+            "DCP's thread) or 'disabled'"
+        )
 
 
 def _without_purge(config: Any) -> Any:
