@@ -56,7 +56,7 @@ from tiercheck.cluster.assign import assign_all_reads
 from tiercheck.errors import ForeignCheckpointError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
-from tiercheck.format.foreign import find_foreign, say_foreign
+from tiercheck.format.foreign import find_foreign, say_foreign, step_in_name
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.steps import list_steps, read_index, read_manifest
@@ -170,5 +170,6 @@ __all__ = [
     "refuse_foreign",
     "restore_tree",
     "some",
+    "step_in_name",
     "torch_dtype",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tiercheck.tiers.base import Tier
 
-__all__ = ["DCP_METADATA", "Foreign", "find_foreign", "say_foreign"]
+__all__ = ["DCP_METADATA", "Foreign", "find_foreign", "say_foreign", "step_in_name"]
 
 DCP_METADATA = ".metadata"  # DCP's FileSystemWriter's index of a checkpoint
 TORCH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -53,9 +53,9 @@ def find_foreign(tier: Tier) -> list[Foreign]:
         if m:
             found.append(Foreign("deepspeed", name, int(m.group(1))))
         elif _readable(tier, f"{name}/{DCP_METADATA}"):
-            found.append(Foreign("dcp", name, _step_in(name)))
+            found.append(Foreign("dcp", name, step_in_name(name)))
         elif name.endswith(TORCH_SUFFIXES) and _head(tier, name) in (_ZIP, _PICKLE):
-            found.append(Foreign("torch", name, _step_in(name)))
+            found.append(Foreign("torch", name, step_in_name(name)))
     return sorted(found, key=lambda f: (f.step is not None, f.step or 0, f.path))
 
 
@@ -75,7 +75,7 @@ def say_foreign(tier: Tier, found: list[Foreign]) -> str:
     )
 
 
-def _step_in(name: str) -> int | None:
+def step_in_name(name: str) -> int | None:
     """The last number in a checkpoint's name (``step-10``, ``epoch=1-step=400.ckpt``), if any."""
     numbers = _NUMBER.findall(name)
     return int(numbers[-1]) if numbers else None
