@@ -132,3 +132,34 @@ def test_the_command_the_foreign_checkpoint_error_names_imports_and_the_run_resu
     with tiercheck.Checkpointer(state, local=tmp_path) as ck:
         assert ck.restore() == 10
     _equal({"w": state["model.w"], "b": state["model.b"]}, _full_state(10)["model"], "resumed")
+
+
+def test_export_to_dcp_loads_with_dcp_load_bit_identical(tmp_path: Path) -> None:
+    saved = _full_state(4)
+    with tiercheck.Checkpointer(saved, local=tmp_path / "ck") as ck:
+        ck.save(4).wait()
+    ran = run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "out"), "--format", "dcp")
+    assert "exported step 4 as a DCP checkpoint: 3 tensors" in ran.stdout
+    assert (tmp_path / "out" / ".metadata").is_file()
+    back = _full_state(0)
+    dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)  # DCP's own reader, no tiercheck
+    _equal(back, saved, "dcp.load")
+    # --only, and the safetensors options refused by name
+    run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "model"), "--format", "dcp", "--only", "model")
+    model = {"model": _full_state(0)["model"]}
+    dcp.load(model, checkpoint_id=tmp_path / "model", no_dist=True)
+    _equal(model, {"model": saved["model"]}, "--only model")
+    ran = run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "x"), "--format", "dcp", "--dtype", "float16",
+              check=False)  # fmt: skip
+    assert ran.returncode == 2 and "--dtype: safetensors' options" in ran.stderr
+
+
+def test_a_dcp_checkpoint_imported_then_exported_is_what_dcp_saved(tmp_path: Path) -> None:
+    src = tmp_path / "step-10"
+    run_ranks(_save_sharded, 2, str(src))
+    import_checkpoint(src, tmp_path / "ck")
+    run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "out"), "--format", "dcp")
+    back = {"model": {"w": torch.zeros(8, 6), "b": torch.zeros(6, dtype=torch.bfloat16)}, "step": 0}
+    dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)  # its byte items written back as DCP stored them
+    full = _full_state(10)
+    _equal(back, {"model": full["model"], "step": 10}, "round trip")

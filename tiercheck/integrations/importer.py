@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import warnings
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,11 +109,10 @@ def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: i
                 options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
     import torch.distributed.checkpoint as dcp
 
-    from tiercheck.integrations.dcp.source import RawBytesSavePlanner, read_dcp
+    from tiercheck.integrations.dcp.source import RawBytesSavePlanner, count_tensors, read_dcp
     from tiercheck.integrations.dcp.writer import TiercheckWriter
 
     state = read_dcp(src, allow_pickle=allow_pickle)
-    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     writer = TiercheckWriter(to, remote, **options)
     try:
         with warnings.catch_warnings():  # DCP's note that this process saves alone: it does, on purpose
@@ -121,18 +121,19 @@ def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: i
     finally:
         undrained = writer.close()
     _say_undrained(undrained, remote)
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+    return count_tensors(state)
 
 
 def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
                   options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
+    from tiercheck.integrations.dcp.source import count_tensors, unpickling_refused
+
     try:
-        state = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+        # memory-mapped where torch can (its zip format): the tensors are read as the save copies them
+        state = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=zipfile.is_zipfile(src))
     except Exception as e:
         if allow_pickle:
             raise
-        from tiercheck.integrations.dcp.source import unpickling_refused
-
         raise UnsafeCheckpointError(
             f"{src} needs unpickling beyond torch.load(weights_only=True) ({unpickling_refused(e)}); import it with "
             "--allow-pickle (allow_pickle=True) only if you trust the checkpoint"
@@ -140,24 +141,11 @@ def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step:
     if not isinstance(state, Mapping):
         raise InvalidArgumentError(f"{src} holds a {type(state).__name__}, not a mapping: nothing tiercheck saves")
     state = dict(state)
-    tensors: list[torch.Tensor] = []
-    _tensors_in(state, tensors)
     with Checkpointer(state, local=to, remote=remote, allow_pickle=allow_pickle, **options) as ck:
         ck.save(step).wait()
         undrained = ck.close()
     _say_undrained(undrained, remote)
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _tensors_in(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _tensors_in(v, out)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _tensors_in(v, out)
+    return count_tensors(state)
 
 
 def _say_undrained(undrained: list[int], remote: str | None) -> None:

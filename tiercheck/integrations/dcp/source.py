@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,15 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError, UnsafeCheckpointError
 
-__all__ = ["METADATA_FILE", "RawBytes", "RawBytesSavePlanner", "is_dcp_checkpoint", "read_dcp", "unpickling_refused"]
+__all__ = [
+    "METADATA_FILE",
+    "RawBytes",
+    "RawBytesSavePlanner",
+    "count_tensors",
+    "is_dcp_checkpoint",
+    "read_dcp",
+    "unpickling_refused",
+]
 
 METADATA_FILE = ".metadata"
 
@@ -73,6 +82,15 @@ def read_dcp(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> dic
                 raise error from None
         raise
     return state
+
+
+def count_tensors(value: Any) -> tuple[int, int]:
+    """The tensors in a nested state (mappings, lists, tuples) and their bytes."""
+    if isinstance(value, torch.Tensor):
+        return 1, value.numel() * value.element_size()
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, list | tuple) else ()
+    counts = [count_tensors(v) for v in items]
+    return sum(c for c, _ in counts), sum(b for _, b in counts)
 
 
 def unpickling_refused(e: BaseException) -> str:
