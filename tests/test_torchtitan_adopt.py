@@ -1,7 +1,7 @@
 """Moving a torchtitan run over to ``TiercheckCheckpointManager`` mid-way, with the real torchtitan (2 gloo
 ranks, FSDP2, driven as in ``test_torchtitan``): a run killed after torchtitan's own manager wrote ``step-5/``
 continues from it under tiercheck and ends bit-identical to a whole run; ``initial_load_path`` at that DCP
-checkpoint loads it through DCP; ``async_with_pinned_mem`` without CUDA is refused when the manager is built."""
+checkpoint loads it through DCP, at a tiercheck step through tiercheck; ``async_with_pinned_mem`` without CUDA is refused when the manager is built."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tiercheck.errors import InvalidArgumentError
+from tiercheck.format.paths import step_dir
 
 from .distributed import run_ranks
 from .test_dcp import _equal, _full
@@ -90,6 +91,12 @@ def test_a_torchtitan_run_continues_under_tiercheck_from_its_own_newest_step(tmp
     for rank in range(2):
         assert fresh[rank]["resumed"] and fresh[rank]["start"] == 0  # model only: torchtitan's default
         _equal(fresh[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} model from initial_load_path")
+    # initial_load_path at a tiercheck step of another run's directory: restored by tiercheck
+    other = run_ranks(_run, 2, str(tmp_path / "other"), False, 0, initial=str(run / "checkpoint" / step_dir(10)),
+                      timeout=150)  # fmt: skip
+    for rank in range(2):
+        assert other[rank]["resumed"]
+        _equal(other[rank]["loaded"], moved[rank]["model"], f"rank {rank} model from a tiercheck step")
 
 
 def test_async_with_pinned_mem_without_cuda_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:

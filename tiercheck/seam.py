@@ -59,6 +59,7 @@ from tiercheck.format.extents import check_extents
 from tiercheck.format.foreign import find_foreign, say_foreign, step_in_name
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
+from tiercheck.format.paths import COMMIT_FILE, step_of
 from tiercheck.format.steps import list_steps, read_index, read_manifest
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
@@ -128,6 +129,14 @@ def read_regions(
     return move_chunks(ReadSource(tier=tier, step=step, io_threads=io_threads), RestorePlan.alone(plan, records), items)
 
 
+def committed_step_at(path: str | Path) -> int | None:
+    """N where the directory ``path`` is committed tiercheck step N of the directory above it (given as a
+    framework's checkpoint path, such as torchtitan's ``initial_load_path``), else None."""
+    p = Path(path)
+    step = step_of(p.name)
+    return step if step is not None and (p / COMMIT_FILE).is_file() else None
+
+
 def refuse_foreign(path: str | Path) -> None:
     """Raise ``ForeignCheckpointError`` where the directory ``path`` holds another framework's checkpoints:
     for an integration that found no tiercheck step to resume from there, instead of a fresh start."""
@@ -151,6 +160,7 @@ __all__ = [
     "Tier",
     "aligned_empty",
     "check_extents",
+    "committed_step_at",
     "copy_in",
     "decode",
     "dtype_name",

@@ -45,7 +45,7 @@ from tiercheck.integrations.torchtitan.compat import (
 )
 from tiercheck.options import DrainOptions, RetentionOptions, WriteOptions
 from tiercheck.options import StagingOptions as TiercheckStaging
-from tiercheck.seam import refuse_foreign
+from tiercheck.seam import committed_step_at, refuse_foreign
 
 __all__ = ["TiercheckCheckpointManager"]
 
@@ -179,12 +179,17 @@ class TiercheckCheckpointManager(CheckpointManager):
     # -- loading
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        """Load tiercheck step N (``checkpoint_id``: ``_create_checkpoint_id(N)``); anything else as torchtitan does."""
+        """Load tiercheck step N (``checkpoint_id``: ``_create_checkpoint_id(N)``, or another directory's committed
+        ``step-0000000N`` given as ``initial_load_path``); anything else (a DCP checkpoint) as torchtitan does."""
         step = None if from_hf else self._own_step(checkpoint_id)
-        if step is None:
+        other = None if from_hf or step is not None else committed_step_at(checkpoint_id)
+        if other is not None:  # initial_load_path at another directory's tiercheck step: read by tiercheck
+            dcp.load(state_dict, storage_reader=TiercheckReader(Path(checkpoint_id).parent), checkpoint_id=other)
+        elif step is None:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        dcp.load(state_dict, storage_reader=self._reader(), checkpoint_id=step)
+        else:
+            dcp.load(state_dict, storage_reader=self._reader(), checkpoint_id=step)
         if MODEL in self.states:  # torchtitan flattens the model's entries into the state dict (as its own does)
             self.states[MODEL].load_state_dict(state_dict)
 
