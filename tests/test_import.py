@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import tiercheck
 from tests.cli import run
@@ -163,3 +164,10 @@ def test_a_dcp_checkpoint_imported_then_exported_is_what_dcp_saved(tmp_path: Pat
     dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)  # its byte items written back as DCP stored them
     full = _full_state(10)
     _equal(back, {"model": full["model"], "step": 10}, "round trip")
+
+
+def test_dcp_load_through_tiercheck_where_only_dcp_checkpoints_lie_names_the_import(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "step-3", no_dist=True)
+    with pytest.raises(CheckpointException) as e:  # DCP wraps every error, quoting it
+        dcp.load({"w": torch.zeros(2)}, storage_reader=TiercheckReader(tmp_path), no_dist=True)
+    assert f"`tiercheck import {tmp_path}/step-3 --to {tmp_path} --step 3`" in str(e.value)

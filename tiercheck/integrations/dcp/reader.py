@@ -35,7 +35,17 @@ from tiercheck.integrations.dcp.regions import item_start, memory_span, own_targ
 from tiercheck.integrations.dcp.shared import Shared, acquire, checked_options, release
 from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
-from tiercheck.seam import FreshShard, LocalTier, Tier, fmt_steps, host_read_buffer, open_tier, read_index, restore_tree
+from tiercheck.seam import (
+    FreshShard,
+    LocalTier,
+    Tier,
+    fmt_steps,
+    host_read_buffer,
+    open_tier,
+    read_index,
+    refuse_foreign,
+    restore_tree,
+)
 
 __all__ = ["TiercheckReader"]
 
@@ -97,6 +107,7 @@ class TiercheckReader(StorageReader):
         elif whole:
             step = max(whole)
         else:
+            refuse_foreign(self.local)  # DCP checkpoints of its own writer there: name the import, not just "none"
             raise CheckpointNotFoundError(f"{where}: no step is committed on every rank's local tier or the remote")
         self._step = step
         local = LocalTier(self.local)
