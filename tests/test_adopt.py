@@ -85,3 +85,11 @@ def test_a_tiercheck_step_beside_foreign_ones_restores(tmp_path: Path, caplog: p
         assert restore_fresh(tmp_path) == 6
     # the warning about the foreign name gives tiercheck's own name of that very step
     assert "tiercheck's step 5 is step-00000005" in caplog.text
+
+
+def test_the_deepspeed_plugins_own_tags_are_not_foreign(tmp_path: Path) -> None:
+    # tiercheck's DeepSpeed plugin leaves JSON pointers named like DeepSpeed's files in its tags
+    (tmp_path / "global_step7").mkdir()
+    (tmp_path / "global_step7" / "mp_rank_00_model_states.pt").write_text('{"format": "tiercheck-deepspeed-pointer"}')
+    (tmp_path / "latest").write_text("global_step7")
+    assert restore_fresh(tmp_path) is None

@@ -171,3 +171,13 @@ def test_dcp_load_through_tiercheck_where_only_dcp_checkpoints_lie_names_the_imp
     with pytest.raises(CheckpointException) as e:  # DCP wraps every error, quoting it
         dcp.load({"w": torch.zeros(2)}, storage_reader=TiercheckReader(tmp_path), no_dist=True)
     assert f"`tiercheck import {tmp_path}/step-3 --to {tmp_path} --step 3`" in str(e.value)
+
+
+def test_import_to_a_url_drains_the_step_there(tmp_path: Path) -> None:
+    torch.save(_full_state(5), tmp_path / "ckpt_5.pt")
+    remote = (tmp_path / "remote").as_uri()
+    run("import", str(tmp_path / "ckpt_5.pt"), "--to", remote)
+    state = _full_state(0)
+    with tiercheck.Checkpointer(state, local=tmp_path / "new-node", remote=remote) as ck:  # an empty local directory
+        assert ck.restore() == 5
+    _equal(state, _full_state(5), "from the remote")

@@ -4,7 +4,7 @@ its own stops instead of starting from scratch over a run's progress (``restore.
 which ``tiercheck import`` command brings it over.
 
 - DCP (``dcp.save``, torchtitan's ``step-N/``): a directory holding ``.metadata``;
-- DeepSpeed: ``global_stepN/`` directories (beside its ``latest`` file);
+- DeepSpeed: ``global_stepN/`` directories holding ``torch.save`` files (beside its ``latest`` file);
 - ``torch.save`` files (Lightning's ``.ckpt``, ``.pt``, ``.pth``, ``.bin``): a zip archive or a pickle,
   by their first bytes (a tiercheck Lightning pointer is JSON, and is none of these).
 """
@@ -50,7 +50,7 @@ def find_foreign(tier: Tier) -> list[Foreign]:
         found.append(Foreign("dcp", "", None))
     for name in tier.list_dir(""):
         m = _DEEPSPEED_TAG.fullmatch(name)
-        if m:
+        if m and _holds_torch_files(tier, name):  # the DeepSpeed plugin's own tags hold JSON pointers instead
             found.append(Foreign("deepspeed", name, int(m.group(1))))
         elif _readable(tier, f"{name}/{DCP_METADATA}"):
             found.append(Foreign("dcp", name, step_in_name(name)))
@@ -79,6 +79,14 @@ def step_in_name(name: str) -> int | None:
     """The last number in a checkpoint's name (``step-10``, ``epoch=1-step=400.ckpt``), if any."""
     numbers = _NUMBER.findall(name)
     return int(numbers[-1]) if numbers else None
+
+
+def _holds_torch_files(tier: Tier, name: str) -> bool:
+    try:
+        files = [f for f in tier.list_dir(name) if f.endswith(TORCH_SUFFIXES)]
+    except OSError:
+        return False
+    return any(_head(tier, f"{name}/{f}") in (_ZIP, _PICKLE) for f in files[:4])
 
 
 def _readable(tier: Tier, path: str) -> bool:

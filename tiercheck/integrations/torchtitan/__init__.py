@@ -15,8 +15,9 @@ restore, from the local tier or the remote (a new node restores from the remote 
 lineage. Without a tiercheck step yet (a run moved over mid-way), it continues from torchtitan's own newest
 ``step-N/`` in the folder; another framework's checkpoints there stop the start (``ForeignCheckpointError``, naming
 ``tiercheck import``); only a directory holding none is a fresh start. ``initial_load_path`` may name a DCP
-checkpoint (torchtitan's own, loaded by DCP) or another run's tiercheck step directory (restored by tiercheck). Retention is tiercheck's: ``keep_latest_k`` is the local tier's
-``keep_last``, ``remote_keep_last`` the remote's; torchtitan's purge never runs. ``close()`` waits for the drain.
+checkpoint (torchtitan's own, loaded by DCP) or another run's tiercheck step directory (restored by tiercheck).
+Retention is tiercheck's: ``keep_latest_k`` is the local tier's ``keep_last``, ``remote_keep_last`` the remote's;
+torchtitan's purge never runs. ``close()`` waits for the drain.
 
 Supported: torchtitan 0.3 (the ``torchtitan.components.checkpointer`` package, ``CheckpointManager.Config``),
 checked by what the installed torchtitan has (``compat``), not by its version string. ``async_mode``:
