@@ -66,12 +66,19 @@ def say_foreign(tier: Tier, found: list[Foreign]) -> str:
     more = f" and {len(found) - 8} more" if len(found) > 8 else ""
     src = f"{tier.url.rstrip('/')}/{newest.path}" if newest.path else tier.url
     step = f" --step {newest.step}" if newest.step is not None else ""
-    pickle = " --allow-pickle" if newest.kind == "deepspeed" else ""
-    return (
+    head = (
         f"{tier.url} holds no tiercheck step, but holds another framework's checkpoints ({names}{more}; the newest is "
-        f"{newest.what()}): tiercheck will not start from scratch over them. Import it into a tiercheck step, "
-        f"then restore: `tiercheck import {shlex.quote(src)} --to {shlex.quote(tier.url)}{step}{pickle}`; "
-        "or give this run a directory of its own"
+        f"{newest.what()}): tiercheck will not start from scratch over them"
+    )
+    if newest.kind == "deepspeed":  # its engine loads its own tags through tiercheck's plugin, as they are
+        return (
+            f"{head}. Load it with DeepSpeed's engine and tiercheck's DeepSpeed plugin (install(engine, ..., "
+            f"allow_pickle=True) for DeepSpeed's own files): engine.load_checkpoint({str(tier.url)!r}, "
+            f"tag={newest.path!r}); its next save is a tiercheck step. Or give this run a directory of its own"
+        )
+    return (
+        f"{head}. Import it into a tiercheck step, then restore: `tiercheck import {shlex.quote(src)} --to "
+        f"{shlex.quote(tier.url)}{step}`; or give this run a directory of its own"
     )
 
 
