@@ -25,7 +25,9 @@ pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtit
 pytestmark = [pytest.mark.filterwarnings("ignore:`synchronize_staging` is deprecated:FutureWarning")]
 
 
-def _run(rank: int, world: int, root: str, own: bool, stop: int, initial: str | None = None) -> dict[str, Any]:
+def _run(
+    rank: int, world: int, root: str, own: bool, stop: int, initial: str | None = None, load_step: int = -1
+) -> dict[str, Any]:
     """Load, train and save each step up to ``stop`` with torchtitan's own manager (``own``) or tiercheck's;
     between 0 and TOTAL the process dies once the last checkpoint is written (no close)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -53,7 +55,7 @@ def _run(rank: int, world: int, root: str, own: bool, stop: int, initial: str | 
                         last_save_model_only=False, initial_load_path=initial)  # fmt: skip
     manager = config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
                            states={"train_state": state}, sd_adapter=None, base_folder=root)  # fmt: skip
-    resumed = manager.load(step=-1)
+    resumed = manager.load(step=load_step)
     start, loaded = state.step, _full(model.state_dict())
     batches = iter(loader)
     while state.step < stop:
@@ -84,6 +86,11 @@ def test_a_torchtitan_run_continues_under_tiercheck_from_its_own_newest_step(tmp
         for key in ("model", "optim", "lr", "next_batch"):
             _equal(moved[rank][key], whole[rank][key], f"rank {rank} {key}")
     assert _steps(run / "checkpoint") == [10]  # the run goes on in tiercheck's steps
+    # --checkpoint.load_step=5: torchtitan's own step, beside tiercheck's
+    again = run_ranks(_run, 2, str(run), False, 0, load_step=5, timeout=150)
+    for rank in range(2):
+        assert again[rank]["resumed"] and again[rank]["start"] == 5
+        _equal(again[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} load_step=5")
 
     # initial_load_path at that DCP checkpoint (not a tiercheck step): loaded through DCP, the model only
     fresh = run_ranks(_run, 2, str(tmp_path / "fresh"), False, 0, initial=str(run / "checkpoint" / "step-5"),

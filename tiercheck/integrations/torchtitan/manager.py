@@ -201,6 +201,8 @@ class TiercheckCheckpointManager(CheckpointManager):
         """All ranks: resume from ``step`` (-1: the newest restorable step, falling back to the next older one
         where a step is damaged, as ``Checkpointer.restore()`` does); torchtitan's own start without one."""
         steps = self._restorable()
+        if step != -1 and step not in steps and self._torchtitan_step(step):
+            return self._load_torchtitan_step(step)  # a step of the run before it moved over
         if step != -1 and step not in steps:
             raise FileNotFoundError(
                 f"--checkpoint.load_step={step} is not committed on every rank's local tier ({self.local}) "
@@ -238,13 +240,21 @@ class TiercheckCheckpointManager(CheckpointManager):
         own = CheckpointManager._find_load_step(self, self.folder)  # torchtitan's scan: step-N/ with its .metadata
         if own >= 0:
             log.info("no tiercheck step yet: continuing from torchtitan's own checkpoint %s/step-%d", self.folder, own)
-            states = self._states_to_load(model_only=own == 0)
-            self.dcp_load(states, filesystem.join(self.folder, f"step-{own}"), from_hf=False, from_quantized=False)
-            return True
+            return self._load_torchtitan_step(own)
         for place in {str(self.local), str(self.folder)}:
             if not filesystem.is_remote(place):
                 refuse_foreign(place)
         return super()._load(-1)
+
+    def _torchtitan_step(self, step: int) -> bool:
+        """Whether torchtitan's own ``step-N/`` (a DCP checkpoint) is in the folder."""
+        return bool(filesystem.isfile(filesystem.join(filesystem.join(self.folder, f"step-{step}"), ".metadata")))
+
+    def _load_torchtitan_step(self, step: int) -> bool:
+        """torchtitan's own ``step-N/``, read by torchtitan's own loader (DCP's ``FileSystemReader``)."""
+        states = self._states_to_load(model_only=step == 0)
+        self.dcp_load(states, filesystem.join(self.folder, f"step-{step}"), from_hf=False, from_quantized=False)
+        return True
 
     def _load_step(self, load: int) -> None:
         begin = time.monotonic()
