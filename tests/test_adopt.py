@@ -53,7 +53,7 @@ def test_torch_save_files_stop_the_restore(tmp_path: Path) -> None:
 
 
 def test_a_lightning_ckpt_stops_the_restore(tmp_path: Path) -> None:
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    TorchCheckpointIO = pytest.importorskip("lightning.pytorch.plugins.io").TorchCheckpointIO
 
     TorchCheckpointIO().save_checkpoint({"state_dict": make_state(4)["model"]}, tmp_path / "epoch=0-step=400.ckpt")
     with pytest.raises(ForeignCheckpointError, match=r"epoch=0-step=400\.ckpt.*--step 400`"):
