@@ -93,3 +93,21 @@ def test_the_deepspeed_plugins_own_tags_are_not_foreign(tmp_path: Path) -> None:
     (tmp_path / "global_step7" / "mp_rank_00_model_states.pt").write_text('{"format": "tiercheck-deepspeed-pointer"}')
     (tmp_path / "latest").write_text("global_step7")
     assert restore_fresh(tmp_path) is None
+
+
+def _restore_on_node(rank: int, world: int, root: str) -> str:
+    with tiercheck.Checkpointer(make_state(rank), local=Path(root) / f"node{rank}") as ck:
+        try:
+            ck.restore()
+        except ForeignCheckpointError as e:
+            return str(e)
+    return "fresh start"
+
+
+def test_one_nodes_foreign_checkpoints_stop_every_rank_at_once(tmp_path: Path) -> None:
+    from .distributed import run_ranks
+
+    (tmp_path / "node0").mkdir()
+    torch.save(make_state(3), tmp_path / "node0" / "model_3.pt")  # node 1's directory is empty
+    said = run_ranks(_restore_on_node, 2, str(tmp_path), timeout=120)
+    assert all(f"{tmp_path}/node0 holds no tiercheck step" in s for s in said), said

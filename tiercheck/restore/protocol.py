@@ -109,12 +109,19 @@ def restore_state(
     checkpoints, raises ``ForeignCheckpointError`` rather than return None (a fresh start over them)."""
     done = Restore(state, job, request, name=name, pool=pool).run()
     if done is None and request.step is None:
-        # Each rank looks at its own node's directory: the same answer on a shared filesystem, and where
-        # only some nodes hold one, those stop the job (the others' next meeting in the store fails).
-        found = find_foreign(job.tier)
-        if found:
-            raise ForeignCheckpointError(say_foreign(job.tier, found))
+        _refuse_foreign(job, f"{name}/foreign")
     return done
+
+
+def _refuse_foreign(job: Job, scope: str) -> None:
+    """Every rank together: where any rank's directory holds another framework's checkpoints (and no tier a
+    step), every rank raises ``ForeignCheckpointError``, never a fresh start over them on some ranks only."""
+    found = find_foreign(job.tier)
+    error = ForeignCheckpointError(say_foreign(job.tier, found)) if found else None
+    try:
+        drive(job.coord, settle(job.coord, scope, error, shared=(ForeignCheckpointError,)))
+    finally:
+        job.coord.finish(scope)
 
 
 class Restore:
