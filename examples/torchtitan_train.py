@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--remote", default=None, help="a remote URL (default: <dir>/remote as file://)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--stop-after", type=int, default=None)
-    p.add_argument("--async-mode", default="async", choices=["disabled", "async", "async_with_pinned_mem"])
+    p.add_argument("--async-mode", default="async", choices=["disabled", "async", "async_with_pinned_mem"],
+                   help="async_with_pinned_mem needs CUDA (refused without it)")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -91,3 +91,9 @@ class NotADirectoryTierError(StorageError, NotADirectoryError):
 
 class ClosedError(TiercheckError, RuntimeError):
     """A ``Checkpointer`` was used after ``close()``."""
+
+
+class ForeignCheckpointError(TiercheckError, RuntimeError):
+    """A restore found no tiercheck step where another framework's checkpoints lie (DCP or torchtitan
+    ``step-N/``, DeepSpeed ``global_stepN/``, Lightning ``.ckpt``, ``torch.save`` files): rather than start
+    from scratch over them, it stops; the message names what it found and the ``tiercheck import`` command."""

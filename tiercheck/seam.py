@@ -57,11 +57,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiercheck.cluster.assign import assign_all_reads
+from tiercheck.errors import ForeignCheckpointError
 from tiercheck.format.codec import itemsize
 from tiercheck.format.extents import check_extents
+from tiercheck.format.foreign import find_foreign, say_foreign, step_in_name
 from tiercheck.format.lineage import owns_memory
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
+from tiercheck.format.paths import COMMIT_FILE, step_of
 from tiercheck.format.steps import list_steps, read_index, read_manifest
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.lifecycle import exit_deadline
@@ -150,6 +153,23 @@ def memory_steps(memory: MemoryOptions | None, local: str | os.PathLike[str]) ->
     return tier, steps if owns_memory(LocalTier(Path(local).absolute()), tier) else []
 
 
+def committed_step_at(path: str | Path) -> int | None:
+    """N where the directory ``path`` is committed tiercheck step N of the directory above it (given as a
+    framework's checkpoint path, such as torchtitan's ``initial_load_path``), else None."""
+    p = Path(path)
+    step = step_of(p.name)
+    return step if step is not None and (p / COMMIT_FILE).is_file() else None
+
+
+def refuse_foreign(path: str | Path) -> None:
+    """Raise ``ForeignCheckpointError`` where the directory ``path`` holds another framework's checkpoints:
+    for an integration that found no tiercheck step to resume from there, instead of a fresh start."""
+    tier = LocalTier(path)
+    found = find_foreign(tier)
+    if found:
+        raise ForeignCheckpointError(say_foreign(tier, found))
+
+
 __all__ = [
     "BLOCK",
     "JSON",
@@ -164,6 +184,7 @@ __all__ = [
     "Tier",
     "aligned_empty",
     "check_extents",
+    "committed_step_at",
     "copy_in",
     "decode",
     "dtype_name",
@@ -181,7 +202,9 @@ __all__ = [
     "read_index",
     "read_manifest",
     "read_regions",
+    "refuse_foreign",
     "restore_tree",
     "some",
+    "step_in_name",
     "torch_dtype",
 ]

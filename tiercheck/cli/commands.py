@@ -7,7 +7,8 @@ exit status 1; nothing committed is ever deleted or overwritten except by ``gc``
 ``--dry-run``, which never deletes the newest committed step.
 
 This module is the group, ``main``, and its options; the subcommands are in ``steps`` (ls, inspect,
-verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist) and ``plan``.
+verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist), ``adopt`` (import), ``hf``
+(export) and ``plan``.
 """
 
 
@@ -17,6 +18,7 @@ import sys
 
 import click
 
+from tiercheck.cli.adopt import import_command
 from tiercheck.cli.common import Context, OneLineGroup, configure_logging, parse_options, positive_number
 from tiercheck.cli.copy import drain_command, export_deepspeed_command, gc_command, restore_command
 from tiercheck.cli.hf import export_command
@@ -68,6 +70,7 @@ for command in (
     restore_command,
     drain_command,
     persist_command,
+    import_command,
     export_command,
     export_deepspeed_command,
     gc_command,

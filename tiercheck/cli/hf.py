@@ -1,5 +1,6 @@
 """``tiercheck export``: a committed step out of tiercheck's format, as a Hugging Face safetensors
-directory that inference servers and ``from_pretrained`` load (``tiercheck.integrations.hf``)."""
+directory that inference servers and ``from_pretrained`` load (``tiercheck.integrations.hf``), or as a DCP
+checkpoint that ``dcp.load`` reads (``tiercheck.integrations.dcp.export``)."""
 
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--to", "target", required=True, metavar="DIR", help="A new (or empty) directory to write.")
 @click.option("--step", default="latest", show_default=True, callback=step_value, help="Step number, or 'latest'.")
 @click.option(
-    "--format", "fmt", type=click.Choice(["safetensors"]), default="safetensors", show_default=True,
-    help="What to write: Hugging Face safetensors shards and their index.",
+    "--format", "fmt", type=click.Choice(["safetensors", "dcp"]), default="safetensors", show_default=True,
+    help="What to write: Hugging Face safetensors shards and their index; or a DCP checkpoint (dcp.load's).",
 )  # fmt: skip
 @click.option(
     "--only", multiple=True, metavar="ENTRY",
-    help="A top-level entry of the saved state to export; repeatable. [default: model]",
+    help="A top-level entry of the saved state to export; repeatable. [default: model; every entry for dcp]",
 )  # fmt: skip
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Convert floating tensors.")
 @click.option(
@@ -89,9 +90,18 @@ def export_command(
     DIR appears only once whole. Names are the state's keys below the exported entry: a model
     saved as {"model": model} gives its own state_dict names. from_pretrained also needs the
     model's config.json: pass it with --include.
+
+    With --format dcp, writes DIR as a DCP checkpoint (its .distcp files and .metadata) that
+    dcp.load and torchtitan's own manager read without tiercheck: the whole state (or the --only
+    entries), DCP's flattened names, tensors whole.
     """  # fmt: skip
     with errors_as_one_line():
         n = pick_step(ctx.tier(source), step)
+        if fmt == "dcp":
+            _export_dcp(ctx, source, target, n, only=only, threads=threads,
+                        safetensors_only={"--dtype": dtype, "--drop-prefix": drop_prefix, "--names": names_file,
+                                          "--include": include})  # fmt: skip
+            return
         from tiercheck.integrations import hf  # torch: not imported for the other commands
         from tiercheck.integrations.hf.names import read_name_map
 
@@ -111,3 +121,20 @@ def export_command(
             f"{human(result.buffer_bytes)}, peak RSS {human(peak)}"
         )
 
+
+
+def _export_dcp(
+    ctx: Context, source: str, target: str, n: int, *, only: tuple[str, ...], threads: int,
+    safetensors_only: dict[str, Any],
+) -> None:  # fmt: skip
+    given = [name for name, value in safetensors_only.items() if value]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: safetensors' options, not --format dcp's")
+    from tiercheck.integrations.dcp.export import export_dcp  # torch: not imported for the other commands
+
+    result = export_dcp(source, target, step=n, only=only, storage_options=typed_options(ctx.options) or None,
+                        io_threads=threads)  # fmt: skip
+    out.print(
+        f"exported step {n} as a DCP checkpoint: {result.tensors} tensors, {human(result.nbytes)} to "
+        f"{result.directory} in {result.seconds:.1f} s"
+    )

@@ -77,11 +77,16 @@ def list_steps(tier: Tier) -> StepListing:
             continue
         (committed if done else partial).append(step)
     if ignored:
+        # An example from the names found: torchtitan's and DCP's own step-N beside tiercheck's step-0000000N.
+        digits = "".join(c for c in ignored[0][len(STEP_PREFIX) :] if c.isdigit())
+        n = int(digits[:18]) if digits else 2
         log.warning(
-            "ignoring %s in %s: not a step's own name (step 2's is %s), so never counted as a step nor deleted",
+            "ignoring %s in %s: not tiercheck's name for a step (tiercheck's step %d is %s), so never counted "
+            "as a step nor deleted",
             ", ".join(ignored),
             tier.url,
-            step_dir(2),
+            n,
+            step_dir(n),
         )
     return StepListing(sorted(committed), sorted(partial), dict(sorted(unreadable.items())), ignored)
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from tiercheck.cluster.coordination import Coordinator, drive, shard_of
 from tiercheck.cluster.job import Job
-from tiercheck.errors import CorruptCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.errors import CorruptCheckpointError, ForeignCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
@@ -104,8 +105,23 @@ def restore_state(
     explained once, in docs/concepts/restore.md (invariant 7 of docs/design.md). When the chosen
     step turns out damaged (a bad checksum, a missing or unreadable file) on every tier, the ranks
     agree to restore the newest older whole step instead, with a warning; a requested step is never
-    swapped for another."""
-    return Restore(state, job, request, name=name, pool=pool).run()
+    swapped for another. Where no tier holds a step but the local directory holds another framework's
+    checkpoints, raises ``ForeignCheckpointError`` rather than return None (a fresh start over them)."""
+    done = Restore(state, job, request, name=name, pool=pool).run()
+    if done is None and request.step is None:
+        _refuse_foreign(job, f"{name}/foreign")
+    return done
+
+
+def _refuse_foreign(job: Job, scope: str) -> None:
+    """Every rank together: where any rank's directory holds another framework's checkpoints (and no tier a
+    step), every rank raises ``ForeignCheckpointError``, never a fresh start over them on some ranks only."""
+    found = find_foreign(job.tier)
+    error = ForeignCheckpointError(say_foreign(job.tier, found)) if found else None
+    try:
+        drive(job.coord, settle(job.coord, scope, error, shared=(ForeignCheckpointError,)))
+    finally:
+        job.coord.finish(scope)
 
 
 class Restore:

@@ -44,6 +44,7 @@ from tiercheck.seam import (
     memory_steps,
     open_tier,
     read_index,
+    refuse_foreign,
     restore_tree,
 )
 
@@ -113,6 +114,7 @@ class TiercheckReader(StorageReader):
         elif whole:
             step = max(whole)
         else:
+            refuse_foreign(self.local)  # DCP checkpoints of its own writer there: name the import, not just "none"
             raise CheckpointNotFoundError(f"{where}: no step is committed on every rank's local tier or the remote")
         self._step = step
         in_memory, held = memory_steps(memory, self.local)

@@ -46,6 +46,7 @@ from tiercheck.integrations.torchtitan.compat import (
 )
 from tiercheck.options import DrainOptions, MemoryOptions, RetentionOptions, WriteOptions
 from tiercheck.options import StagingOptions as TiercheckStaging
+from tiercheck.seam import committed_step_at, refuse_foreign
 
 __all__ = ["TiercheckCheckpointManager"]
 
@@ -107,6 +108,7 @@ class TiercheckCheckpointManager(CheckpointManager):
                 )
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        _refuse_pinned_without_cuda(config)
         # torchtitan's purge thread is never started: retention is tiercheck's (keep_latest_k, mapped below).
         super().__init__(_without_purge(config), **kwargs)
         if not self.enable:
@@ -189,12 +191,17 @@ class TiercheckCheckpointManager(CheckpointManager):
     # -- loading
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        """Load tiercheck step N (``checkpoint_id``: ``_create_checkpoint_id(N)``); anything else as torchtitan does."""
+        """Load tiercheck step N (``checkpoint_id``: ``_create_checkpoint_id(N)``, or another directory's committed
+        ``step-0000000N`` given as ``initial_load_path``); anything else (a DCP checkpoint) as torchtitan does."""
         step = None if from_hf else self._own_step(checkpoint_id)
-        if step is None:
+        other = None if from_hf or step is not None else committed_step_at(checkpoint_id)
+        if other is not None:  # initial_load_path at another directory's tiercheck step: read by tiercheck
+            dcp.load(state_dict, storage_reader=TiercheckReader(Path(checkpoint_id).parent), checkpoint_id=other)
+        elif step is None:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        dcp.load(state_dict, storage_reader=self._reader(), checkpoint_id=step)
+        else:
+            dcp.load(state_dict, storage_reader=self._reader(), checkpoint_id=step)
         if MODEL in self.states:  # torchtitan flattens the model's entries into the state dict (as its own does)
             self.states[MODEL].load_state_dict(state_dict)
 
@@ -206,6 +213,8 @@ class TiercheckCheckpointManager(CheckpointManager):
         """All ranks: resume from ``step`` (-1: the newest restorable step, falling back to the next older one
         where a step is damaged, as ``Checkpointer.restore()`` does); torchtitan's own start without one."""
         steps = self._restorable()
+        if step != -1 and step not in steps and self._torchtitan_step(step):
+            return self._load_torchtitan_step(step)  # a step of the run before it moved over
         if step != -1 and step not in steps:
             raise FileNotFoundError(
                 f"--checkpoint.load_step={step} is not committed on every rank's local tier ({self.local}) "
@@ -215,7 +224,7 @@ class TiercheckCheckpointManager(CheckpointManager):
             self._load_step(step)
             return True
         if not steps:
-            return super()._load(-1)  # a fresh start, or initial_load_path / HF weights: torchtitan's way
+            return self._load_without_steps()
         damaged: list[str] = []
         for load in sorted(steps, reverse=True):
             try:
@@ -232,6 +241,32 @@ class TiercheckCheckpointManager(CheckpointManager):
         raise CorruptCheckpointError(
             f"no restorable step of {self.local} / {self.remote} is whole: {'; '.join(damaged)}"
         )
+
+    def _load_without_steps(self) -> bool:
+        """No tiercheck step to resume from. ``initial_load_path`` / HF weights: torchtitan's way. Else a run moved
+        over mid-way continues from torchtitan's own newest DCP ``step-N`` in the folder, read by torchtitan's own
+        loader (DCP's ``FileSystemReader``); another framework's checkpoints there stop the start
+        (``ForeignCheckpointError``, naming ``tiercheck import``); a fresh start only where none lies."""
+        if self.initial_load_path or self.initial_load_in_hf:
+            return super()._load(-1)
+        own = CheckpointManager._find_load_step(self, self.folder)  # torchtitan's scan: step-N/ with its .metadata
+        if own >= 0:
+            log.info("no tiercheck step yet: continuing from torchtitan's own checkpoint %s/step-%d", self.folder, own)
+            return self._load_torchtitan_step(own)
+        for place in {str(self.local), str(self.folder)}:
+            if not filesystem.is_remote(place):
+                refuse_foreign(place)
+        return super()._load(-1)
+
+    def _torchtitan_step(self, step: int) -> bool:
+        """Whether torchtitan's own ``step-N/`` (a DCP checkpoint) is in the folder."""
+        return bool(filesystem.isfile(filesystem.join(filesystem.join(self.folder, f"step-{step}"), ".metadata")))
+
+    def _load_torchtitan_step(self, step: int) -> bool:
+        """torchtitan's own ``step-N/``, read by torchtitan's own loader (DCP's ``FileSystemReader``)."""
+        states = self._states_to_load(model_only=step == 0)
+        self.dcp_load(states, filesystem.join(self.folder, f"step-{step}"), from_hf=False, from_quantized=False)
+        return True
 
     def _load_step(self, load: int) -> None:
         begin = time.monotonic()
@@ -269,7 +304,10 @@ class TiercheckCheckpointManager(CheckpointManager):
         return TiercheckReader(self.local, self.remote, remote_options=self.remote_options, **options)
 
     def _own_step(self, checkpoint_id: str) -> int | None:
-        """N when ``checkpoint_id`` is this manager's ``<folder>/step-N``, else None (a path of torchtitan's own)."""
+        """N when ``checkpoint_id`` is this manager's ``<folder>/step-N``, else None (a path of torchtitan's own, or a
+        DCP checkpoint there, such as torchtitan's own ``step-N`` given as ``initial_load_path``)."""
+        if filesystem.isfile(filesystem.join(str(checkpoint_id), ".metadata")):
+            return None
         head, _, name = str(checkpoint_id).rpartition("/")
         m = _STEP_ID.fullmatch(name)
         return int(m.group(1)) if m and head == str(self.folder).rstrip("/") else None
@@ -288,6 +326,17 @@ def _damage(e: CheckpointException) -> CorruptCheckpointError | None:
         if isinstance(error, CorruptCheckpointError):
             return error
     return None
+
+
+def _refuse_pinned_without_cuda(config: Any) -> None:
+    """``async_with_pinned_mem`` stages through DCP's pinned, non-blocking copies, which need an accelerator:
+    without CUDA torchtitan's stager fails at the first save, so the manager is refused when built instead."""
+    if config.enable and str(config.async_mode).lower() == "async_with_pinned_mem" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            "checkpoint.async_mode='async_with_pinned_mem' needs CUDA (DCP's pinned-memory stager copies from the "
+            "accelerator), and torch.cuda.is_available() is False here: use async_mode='async' (the save runs on "
+            "DCP's thread) or 'disabled'"
+        )
 
 
 def _without_purge(config: Any) -> Any:

@@ -1,0 +1,155 @@
+"""``tiercheck import``: one checkpoint of another framework becomes a step of a new tiercheck lineage.
+
+    from tiercheck.integrations.importer import import_checkpoint
+    import_checkpoint("/ckpt/run1/step-10", "/nvme/ckpt/run1")          # step 10, from the name
+    import_checkpoint("/ckpt/model_1000.pt", "/nvme/ckpt/run1", remote="s3://bucket/run1")  # drained too
+
+Sources, told apart by their files (never by trying to unpickle them):
+
+- a DCP checkpoint directory (``dcp.save``'s ``FileSystemWriter``, torchtitan's ``step-N/``), read through DCP's
+  own ``FileSystemReader`` (``dcp.source``: no pickle for its ``.metadata``; byte items kept as stored), every
+  tensor whole however many ranks saved it, written through :class:`TiercheckWriter` with ``dcp.save``: the step
+  is what tiercheck's DCP writer would have saved, so ``dcp.load`` with a ``TiercheckReader`` (torchtitan's
+  tiercheck manager) and ``Checkpointer.restore`` of the flattened names both read it back;
+- a ``torch.save`` file (a loop's ``.pt``, Lightning's ``.ckpt``): ``torch.load(weights_only=True)`` (plain
+  pickle only with ``allow_pickle``), its mapping saved as the state of a ``Checkpointer``.
+
+One process writes the step, every chunk with its CRC32C, committed as any other; with ``remote`` it drains
+before the call returns. The whole source is held in host memory once (memory-mapped for a ``torch.save``
+file). The step is of a new lineage: ``to`` must hold no tiercheck step of another run (``LineageError``).
+Resharding is left to the restore, as for any step.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiercheck import Checkpointer
+from tiercheck.errors import CheckpointNotFoundError, InvalidArgumentError, UnsafeCheckpointError
+from tiercheck.seam import step_in_name
+
+__all__ = ["Imported", "import_checkpoint", "source_kind"]
+
+log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """What ``import_checkpoint`` wrote: the step, the source's kind, its tensors and their bytes."""
+
+    step: int
+    kind: str  # "dcp" or "torch"
+    tensors: int
+    nbytes: int
+    seconds: float
+
+
+def source_kind(src: str | os.PathLike[str]) -> str:
+    """``"dcp"`` for a DCP checkpoint directory, ``"torch"`` for a ``torch.save`` file; anything else is refused,
+    naming what would import it."""
+    from tiercheck.integrations.dcp.source import is_dcp_checkpoint
+
+    path = Path(src)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{src}: no such checkpoint")
+    if path.is_dir():
+        if is_dcp_checkpoint(path):
+            return "dcp"
+        if (path / "latest").is_file() or path.name.startswith("global_step"):
+            raise InvalidArgumentError(
+                f"{src} is a DeepSpeed checkpoint: DeepSpeed's engine with tiercheck's CheckpointEngine loads it as it "
+                "is (load_checkpoint(save_dir, tag), with allow_pickle=True), and its next save is a tiercheck step"
+            )
+        raise InvalidArgumentError(f"{src} is a directory without DCP's .metadata: not a checkpoint tiercheck imports")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" or head[:1] == b"\x80":
+        return "torch"
+    raise InvalidArgumentError(f"{src} is neither a torch.save file (zip or pickle) nor a DCP checkpoint directory")
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    remote: str | None = None,
+    remote_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> Imported:
+    """Write the checkpoint at ``src`` as step ``step`` (default: the last number in its name, else 0) of a new
+    lineage in the local directory ``to`` (and drain it to ``remote`` where given)."""
+    begin = time.monotonic()
+    kind = source_kind(src)
+    if step is None:
+        step = step_in_name(Path(src).name) or 0
+    if step < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, not {step}")
+    options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
+    if kind == "dcp":
+        tensors, nbytes = _import_dcp(src, to, step, remote, options, allow_pickle=allow_pickle)
+    else:
+        tensors, nbytes = _import_torch(src, to, step, remote, options, allow_pickle=allow_pickle)
+    log.info("imported %s as step %d of %s (%d tensors, %d bytes)", src, step, to, tensors, nbytes)
+    return Imported(step=step, kind=kind, tensors=tensors, nbytes=nbytes, seconds=time.monotonic() - begin)
+
+
+def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
+                options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
+    import torch.distributed.checkpoint as dcp
+
+    from tiercheck.integrations.dcp.source import RawBytesSavePlanner, count_tensors, read_dcp
+    from tiercheck.integrations.dcp.writer import TiercheckWriter
+
+    state = read_dcp(src, allow_pickle=allow_pickle)
+    writer = TiercheckWriter(to, remote, **options)
+    try:
+        with warnings.catch_warnings():  # DCP's note that this process saves alone: it does, on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save(state, storage_writer=writer, checkpoint_id=step, planner=RawBytesSavePlanner(), no_dist=True)
+    finally:
+        undrained = writer.close()
+    _say_undrained(undrained, remote)
+    return count_tensors(state)
+
+
+def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
+                  options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
+    from tiercheck.integrations.dcp.source import count_tensors, unpickling_refused
+
+    try:
+        # memory-mapped where torch can (its zip format): the tensors are read as the save copies them
+        state = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=zipfile.is_zipfile(src))
+    except Exception as e:
+        if allow_pickle:
+            raise
+        raise UnsafeCheckpointError(
+            f"{src} needs unpickling beyond torch.load(weights_only=True) ({unpickling_refused(e)}); import it with "
+            "--allow-pickle (allow_pickle=True) only if you trust the checkpoint"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(f"{src} holds a {type(state).__name__}, not a mapping: nothing tiercheck saves")
+    state = dict(state)
+    with Checkpointer(state, local=to, remote=remote, allow_pickle=allow_pickle, **options) as ck:
+        ck.save(step).wait()
+        undrained = ck.close()
+    _say_undrained(undrained, remote)
+    return count_tensors(state)
+
+
+def _say_undrained(undrained: list[int], remote: str | None) -> None:
+    if undrained:
+        raise CheckpointNotFoundError(
+            f"the imported step {undrained} is committed locally but not on {remote} yet: `tiercheck drain` finishes it"
+        )
