@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +36,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailed", "RankOutcome", "run_ranks"]
+__all__ = ["RankFailed", "RankOutcome", "fork_server", "run_ranks"]
 
 
 class RankFailed(AssertionError):
@@ -113,6 +114,15 @@ def _failure(outcomes: list[tuple[RankOutcome, float]], world_size: int) -> Rank
     )
 
 
+def fork_server() -> ForkServerContext:
+    """The multiprocessing context of the fork server ranks are forked from, with torch and tiercheck imported
+    (``tests/rank_preload.py``): a process from it starts in a fraction of a second instead of importing them.
+    The preload has no effect once the server runs: the first use in a pytest run starts it."""
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, "tests.rank_preload"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -133,10 +143,7 @@ def run_ranks(
     ``check=False`` too, listing what each rank had done). ``pg_timeout`` is the store's and process group's timeout,
     so that a collective waiting on a dead peer fails instead of hanging until ``timeout``.
     """
-    ctx = get_context("forkserver") if start_method == "forkserver" else get_context("spawn")
-    if start_method == "forkserver":
-        # No effect once the server runs: the first launch of a pytest run sets what every rank is forked with.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, "tests.rank_preload"])
+    ctx = fork_server() if start_method == "forkserver" else get_context("spawn")
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
