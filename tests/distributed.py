@@ -7,10 +7,10 @@ The rendezvous TCPStore is hosted by the calling (pytest) process, as torchrun's
 rank, and no port is picked and then released (no race for a free port). Each rank writes its outcome to a file in a
 temporary directory before it exits; the parent waits on the process sentinels, so there is no polling and no sleep.
 
-Ranks fork from a fork server (``start_method="forkserver"``, the default) that imported torch and tiercheck's
-save and restore modules once (``tests/rank_preload.py``; its first launch ~2.5 s; later launches ~0.2 s for 8
-ranks). ``start_method="spawn"`` starts each rank as a fresh interpreter,
-importing torch in every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores): pass it only where a
+Ranks fork from a fork server (``start_method="forkserver"``, the default) that imported torch, torch._dynamo,
+DCP and tiercheck's save and restore modules once (``tests/rank_preload.py``; its first launch ~4.5 s of CPU; later
+launches ~0.2 s for 8 ranks). ``start_method="spawn"`` starts each rank as a fresh interpreter, importing torch in
+every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores): pass it only where a
 test needs ranks that share nothing with the fork server. Fork-server ranks inherit the environment of the fork
 server, not the current one, so pass environment variables through ``env``.
 """
