@@ -1,4 +1,5 @@
-"""Child process for the crash tests: saves forever, announcing each commit on stdout.
+"""The saving process of the crash tests (forked from ``tests/distributed.py``'s fork server): saves forever,
+announcing each commit through a pipe.
 
 Step s holds tensors whose content is a function of s alone, so the parent can check that
 whatever is committed after a SIGKILL is exactly the state of that step.
@@ -6,7 +7,7 @@ whatever is committed after a SIGKILL is exactly the state of that step.
 
 from __future__ import annotations
 
-import sys
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -22,8 +23,7 @@ def content(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def main() -> None:
-    directory, mode = sys.argv[1], sys.argv[2]
+def save_forever(directory: str, mode: str, announce: Connection) -> None:
     state = content(0)
     info = {"step": 0}
     with Checkpointer(
@@ -35,16 +35,11 @@ def main() -> None:
     ) as ck:
         last = ck.restore()
         step = 0 if last is None else last + 1
-        print(f"ready {last}", flush=True)
         while True:
             for k, v in content(step).items():
                 state[k].copy_(v)
             info["step"] = step
             h = ck.save(step)
             h.wait()
-            print(f"committed {step}", flush=True)
+            announce.send(step)
             step += 1
-
-
-if __name__ == "__main__":
-    main()

@@ -15,16 +15,48 @@ import torch
 from tests.servers import azure_container, azurite_server, s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.shm import private_shm
 
+_BUILT_EXTENSIONS = "tiercheck-torch-extensions"  # the pytest cache's directory of finished builds
+_PRIVATE_EXTENSIONS = pytest.StashKey[str]()  # this run's own TORCH_EXTENSIONS_DIR, when it made one
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compiled torch extensions (DeepSpeed's shared-memory op) go to a directory of this run's
     own: a test killed mid-compile leaves its lock file there, never in the shared
     ``~/.cache/torch_extensions`` where it would hang every later DeepSpeed use on the machine.
-    Set before any rank or fork server starts, so they inherit it; removed when the run ends."""
+    Set before any rank or fork server starts, so they inherit it; removed when the run ends.
+
+    It starts as a copy of the last finished build kept in pytest's cache (``keep_built_extensions``;
+    none with ``-p no:cacheprovider`` or ``--cache-clear``): torch's loader runs ninja on it, which
+    compiles again only what its sources, headers or flags changed, so the op's ~1 min of g++ is
+    paid by the first run only."""
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         private = tempfile.mkdtemp(prefix="tiercheck-torch-extensions-")
-        os.environ["TORCH_EXTENSIONS_DIR"] = private
+        cache = getattr(config, "cache", None)
+        kept = cache.mkdir(_BUILT_EXTENSIONS) if cache is not None else None
+        if kept is not None:
+            shutil.copytree(kept, private, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+        os.environ["TORCH_EXTENSIONS_DIR"] = config.stash[_PRIVATE_EXTENSIONS] = private
         config.add_cleanup(lambda: shutil.rmtree(private, ignore_errors=True))
+
+
+def keep_built_extensions(config: pytest.Config) -> None:
+    """Keep this run's finished builds (see ``pytest_configure``) in pytest's cache for the next runs: copied
+    beside the kept ones, then swapped in by renames, so a run killed meanwhile leaves no half copy."""
+    cache, private = getattr(config, "cache", None), config.stash.get(_PRIVATE_EXTENSIONS, None)
+    if cache is None or private is None:
+        return
+    kept = cache.mkdir(_BUILT_EXTENSIONS)
+    fresh = Path(tempfile.mkdtemp(prefix=f"{_BUILT_EXTENSIONS}-", dir=kept.parent))
+    old = kept.with_name(f"{fresh.name}-old")
+    try:
+        shutil.copytree(private, fresh, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+        kept.rename(old)
+        fresh.rename(kept)
+    except OSError:  # another run swapping at the same time, a full disk: the next run compiles, as without
+        pass
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

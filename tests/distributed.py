@@ -7,9 +7,10 @@ The rendezvous TCPStore is hosted by the calling (pytest) process, as torchrun's
 rank, and no port is picked and then released (no race for a free port). Each rank writes its outcome to a file in a
 temporary directory before it exits; the parent waits on the process sentinels, so there is no polling and no sleep.
 
-Ranks fork from a fork server (``start_method="forkserver"``, the default) that imported torch once (its first
-launch ~2 s; later launches ~0.2 s for 8 ranks). ``start_method="spawn"`` starts each rank as a fresh interpreter,
-importing torch in every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores): pass it only where a
+Ranks fork from a fork server (``start_method="forkserver"``, the default) that imported torch, torch._dynamo,
+DCP and tiercheck's save and restore modules once (``tests/rank_preload.py``; its first launch ~4.5 s of CPU; later
+launches ~0.2 s for 8 ranks). ``start_method="spawn"`` starts each rank as a fresh interpreter, importing torch in
+every rank (~2.5 s of CPU each: 4 ranks ~6 s, 8 ranks ~12.5 s on 2 cores): pass it only where a
 test needs ranks that share nothing with the fork server. Fork-server ranks inherit the environment of the fork
 server, not the current one, so pass environment variables through ``env``.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +36,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailed", "RankOutcome", "run_ranks"]
+__all__ = ["RankFailed", "RankOutcome", "fork_server", "run_ranks"]
 
 
 class RankFailed(AssertionError):
@@ -112,6 +114,15 @@ def _failure(outcomes: list[tuple[RankOutcome, float]], world_size: int) -> Rank
     )
 
 
+def fork_server() -> ForkServerContext:
+    """The multiprocessing context of the fork server ranks are forked from, with torch and tiercheck imported
+    (``tests/rank_preload.py``): a process from it starts in a fraction of a second instead of importing them.
+    The preload has no effect once the server runs: the first use in a pytest run starts it."""
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__, "tests.rank_preload"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -132,9 +143,7 @@ def run_ranks(
     ``check=False`` too, listing what each rank had done). ``pg_timeout`` is the store's and process group's timeout,
     so that a collective waiting on a dead peer fails instead of hanging until ``timeout``.
     """
-    ctx = get_context("forkserver") if start_method == "forkserver" else get_context("spawn")
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])  # no effect once the server runs
+    ctx = fork_server() if start_method == "forkserver" else get_context("spawn")
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )

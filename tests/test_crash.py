@@ -6,9 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,46 +13,38 @@ import pytest
 import torch
 
 import tiercheck
-from tests._crash_child import content
+from tests._crash_child import content, save_forever
 from tests.conftest import assert_identical
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.distributed import fork_server
 
 
 def run_and_kill(directory: Path, mode: str, delay: float) -> int:
-    """Start a saving child, kill it ``delay`` s after its first commit; return the last step
-    it reported committed."""
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests._crash_child", str(directory), mode],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
+    """Start a saving process, kill it ``delay`` s after its first commit; return the last step
+    it reported committed. It is forked from the fork server, with torch and tiercheck imported: a
+    process of its own, killed as any is, without importing them for each of the test's 12 kills."""
+    ctx = fork_server()
+    announced, announce = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=save_forever, args=(str(directory), mode, announce), daemon=True)
+    child.start()
+    announce.close()  # the child's copy is the only one: its death ends the pipe
     committed: list[int] = []
-    first_commit = threading.Event()
-
-    def read() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if line.startswith("committed "):
-                committed.append(int(line.split()[1]))
-                first_commit.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
-        assert first_commit.wait(timeout=120), "the child never committed a step"
+        assert announced.poll(timeout=120), "the child never committed a step"
+        committed.append(announced.recv())
         time.sleep(delay)  # the random moment of the crash, not synchronisation
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
+        child.kill()  # SIGKILL
+        child.join(timeout=60)
     finally:
-        if child.poll() is None:
+        if child.is_alive():
             child.kill()
-            child.wait()
-    reader.join(timeout=60)
-    child.stdout.close()
-    assert child.returncode == -signal.SIGKILL
+            child.join()
+    while announced.poll(timeout=60):  # what it announced before it died, then the end of the pipe
+        try:
+            committed.append(announced.recv())
+        except EOFError:
+            break
+    announced.close()
+    assert child.exitcode == -signal.SIGKILL, child.exitcode
     return committed[-1]
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.cli import run
+from tests.conftest import keep_built_extensions
 from tests.distributed import RankFailed, run_ranks
 from tests.shm import private_shm
 
@@ -34,11 +35,12 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(_TEST_LIMIT_S, func_on
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _shm_op_built() -> None:
+def _shm_op_built(request: pytest.FixtureRequest) -> None:
     """Compile DeepSpeed's shared-memory op (g++; ~30 s idle, minutes on a loaded machine) once,
     here, before the tests whose rank launches have timeouts: a compile killed by a launch
     timeout would fail the test for the wrong reason. It goes to this run's private
-    TORCH_EXTENSIONS_DIR (conftest.py)."""
+    TORCH_EXTENSIONS_DIR (conftest.py), which starts with the op an earlier run built: then
+    ninja finds it up to date and nothing is compiled."""
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
     try:
         built = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=_BUILD_LIMIT_S)
@@ -47,6 +49,7 @@ def _shm_op_built() -> None:
     assert built.returncode == 0, (
         f"compiling DeepSpeed's shared-memory op failed (it needs g++):\n{built.stderr[-3000:]}"
     )
+    keep_built_extensions(request.config)  # the next run copies it and compiles nothing (conftest.py)
 
 
 def _launch(body: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -36,6 +35,7 @@ from tiercheck.format.paths import step_dir
 from tiercheck.integrations.lightning import TiercheckCheckpointIO
 from tiercheck.options import RetentionOptions
 
+from .distributed import fork_server
 from .shm import private_shm
 from .test_dcp import _equal
 
@@ -127,7 +127,7 @@ def test_killed_fit_resumes_from_last_bit_identical_and_retention_keeps_named_st
     whole = _state(_fit(str(tmp_path / "a"), resume=True))  # an empty directory: a fresh start
 
     run = tmp_path / "b"
-    killed = multiprocessing.get_context("spawn").Process(target=_fit, args=(str(run), False, 2))
+    killed = fork_server().Process(target=_fit, args=(str(run), False, 2))  # torch imported: it imports Lightning only
     killed.start()
     killed.join(120)
     assert killed.exitcode == 0
