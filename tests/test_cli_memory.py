@@ -8,9 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import tiercheck
 from tests.cli import run
 from tests.conftest import assert_identical
 from tests.distributed import run_ranks
+from tests.killed import die
 from tiercheck import Checkpointer, MemoryOptions
 from tiercheck.cli.memory import memory_dir
 from tiercheck.format.paths import pack_file, step_dir
@@ -27,36 +25,27 @@ from tiercheck.format.steps import list_steps
 from tiercheck.state import memory_pool
 from tiercheck.tiers.local import LocalTier
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def state_of(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(256, 512, generator=g), "b": torch.randint(0, 1 << 30, (1024,), generator=g)}
 
 
-_CHILD = """
-    import os, signal, sys
-    from tests.test_cli_memory import state_of
-    from tiercheck import Checkpointer, MemoryOptions
+def _save_and_die(local: str, shm: str) -> None:
     state = state_of(0)
-    ck = Checkpointer(state, local=sys.argv[1], memory=MemoryOptions(path=sys.argv[2], persist_every=100))
+    ck = Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=100))
     for step in (1, 2, 3):
         for k, v in state_of(step).items():
             state[k].copy_(v)
         ck.save(step).wait()
     os.kill(os.getpid(), signal.SIGKILL)  # the job dies: steps 2 and 3 are in memory only
-"""
 
 
 @pytest.fixture
 def crashed(shm: Path, tmp_path: Path) -> Path:
     """A node's local directory whose job saved steps 1-3 to memory only and was killed."""
     local = tmp_path / "local"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD), str(local), str(shm)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    die(_save_and_die, str(local), str(shm))
     assert list_steps(LocalTier(local)).committed == []
     assert list_steps(LocalTier(memory_dir(str(shm), local))).committed == [2, 3]
     return local

@@ -9,10 +9,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
+import threading
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,14 +21,13 @@ import torch
 import tiercheck
 from tests.conftest import assert_identical
 from tests.distributed import run_ranks
+from tests.killed import die
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, ReplicationOptions, StagingOptions
 from tiercheck.errors import InvalidArgumentError
 from tiercheck.format.paths import pack_file, replica_marker, step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.state import memory_pool
 from tiercheck.tiers.local import LocalTier
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -53,40 +53,39 @@ def _memory_dir(shm: Path, local: Path) -> Path:
     return memory_pool.pool_dir(MemoryOptions(path=shm), os.path.abspath(local))
 
 
-def _run_child(code: str, *, kill_on: str | None = None) -> str:
-    """Run ``code`` in a fresh interpreter; with ``kill_on``, SIGKILL it once it prints that line
-    (a crash at that point), else it must SIGKILL itself. Returns what it printed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = []
-    with subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        assert proc.stdout is not None and proc.stderr is not None
-        try:
-            for line in proc.stdout:
-                out.append(line)
-                if kill_on is not None and line.strip() == kill_on:
-                    proc.kill()
-                    break
-            proc.wait(timeout=300)
-        finally:
-            proc.kill()
-        stderr = proc.stderr.read()
-    assert proc.returncode == -signal.SIGKILL, stderr
-    return "".join(out)
-
-
-_CHILD = """
-    import os, signal
-    from tests.test_memory_tier import _state
-    from tiercheck import Checkpointer, MemoryOptions, StagingOptions
+def _save(local: str, shm: str, every: int, steps: list[int]) -> tuple[dict[str, torch.Tensor], Checkpointer]:
+    """A job that saved ``steps`` (the state ``_state(step)`` at each) with the memory tier."""
     state = _state(0)
-    ck = Checkpointer(state, local={local!r}, memory=MemoryOptions(path={shm!r}, persist_every={every}),
-                      staging=StagingOptions(mode="eager"))
-    for step in {steps!r}:
+    memory = MemoryOptions(path=shm, persist_every=every)
+    ck = Checkpointer(state, local=local, memory=memory, staging=StagingOptions(mode="eager"))
+    for step in steps:
         for k, v in _state(step).items():
             state[k].copy_(v)
         ck.save(step).wait()
-"""
+    return state, ck
+
+
+def _save_and_die(local: str, shm: str, every: int, steps: list[int]) -> None:
+    _save(local, shm, every, steps)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_while_staging_step_3(local: str, shm: str, announce: Connection) -> None:
+    """Saves steps 1 and 2 to memory, then announces once part of step 3 is in its slot, and hangs there."""
+    from tiercheck.save.pipeline import Pipeline
+
+    state, ck = _save(local, shm, 100, [1, 2])
+    copy = Pipeline._copy_run
+
+    def copy_then_hang(self: Pipeline, job: Any, run: Any, *, lazy: bool) -> Any:
+        copy(self, job, run, lazy=lazy)
+        announce.send("staging")  # killed here
+        threading.Event().wait()
+
+    Pipeline._copy_run = copy_then_hang  # type: ignore[method-assign]
+    for k, v in _state(3).items():
+        state[k].copy_(v)
+    ck.save(3)
 
 
 def test_save_and_restore_with_memory_are_bit_identical(shm: Path, tmp_path: Path) -> None:
@@ -138,8 +137,7 @@ def test_without_memory_nothing_is_made_on_the_tmpfs(shm: Path, tmp_path: Path) 
 
 def test_a_killed_process_restarts_from_memory_bit_identical(shm: Path, tmp_path: Path) -> None:
     local = tmp_path / "ckpt"
-    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=4, steps=[1, 2, 3])
-               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    die(_save_and_die, str(local), str(shm), 4, [1, 2, 3])
     assert not list_steps(LocalTier(local)).committed, "every save went to memory only"
     restored = _state(9)
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm, persist_every=4)) as ck:
@@ -153,19 +151,7 @@ def test_a_process_killed_while_staging_restarts_from_the_step_before_never_the_
     shm: Path, tmp_path: Path
 ) -> None:
     local = tmp_path / "ckpt"
-    code = _CHILD.format(local=str(local), shm=str(shm), every=100, steps=[1, 2]) + """
-        from tiercheck.save.pipeline import Pipeline
-    copy = Pipeline._copy_run
-    def copy_then_hang(self, job, run, *, lazy):
-        event = copy(self, job, run, lazy=lazy)
-        print("staging", flush=True)  # part of step 3 is in its slot: killed here
-        threading.Event().wait()
-    Pipeline._copy_run = copy_then_hang
-    for k, v in _state(3).items():
-        state[k].copy_(v)
-    ck.save(3)
-    """
-    _run_child(code, kill_on="staging")
+    die(_die_while_staging_step_3, str(local), str(shm), announces=True)
     memory = _memory_dir(shm, local)
     assert list_steps(LocalTier(memory)).committed == [2], "step 1's slot was withdrawn before step 3 staged into it"
     restored = _state(9)
@@ -176,8 +162,7 @@ def test_a_process_killed_while_staging_restarts_from_the_step_before_never_the_
 
 def test_with_the_memory_gone_a_restart_reads_the_local_directory(shm: Path, tmp_path: Path) -> None:
     local = tmp_path / "ckpt"
-    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=1, steps=[1, 2])
-               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    die(_save_and_die, str(local), str(shm), 1, [1, 2])
     shutil.rmtree(shm)  # the node rebooted, or the tmpfs was emptied
     restored = _state(9)
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
@@ -190,8 +175,7 @@ def test_a_damaged_memory_copy_falls_back_to_the_local_directory(
     shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, in_place: bool
 ) -> None:
     local = tmp_path / "ckpt"
-    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=1, steps=[1, 2])
-               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    die(_save_and_die, str(local), str(shm), 1, [1, 2])
     pack = _memory_dir(shm, local) / step_dir(2) / pack_file(0)
     with open(pack, "r+b") as f:  # one flipped bit in the first chunk, in the slot itself
         f.seek(100)
@@ -209,8 +193,7 @@ def test_another_lineages_memory_is_never_restored(
     shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     local = tmp_path / "ckpt"
-    _run_child(_CHILD.format(local=str(local), shm=str(shm), every=100, steps=[1])
-               + "    os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    die(_save_and_die, str(local), str(shm), 100, [1])
     shutil.rmtree(local)  # a new job in a new directory at the same path: another lineage
     with Checkpointer(_state(9), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
         assert ck.restore() is None
