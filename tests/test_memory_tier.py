@@ -201,6 +201,22 @@ def test_another_lineages_memory_is_never_restored(
     assert not list_steps(LocalTier(_memory_dir(shm, local))).committed, "withdrawn"
 
 
+def test_an_owner_file_that_cannot_be_read_names_no_lineage(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "ckpt"
+    die(_save_and_die, str(local), str(shm), 100, [1])
+    owner = _memory_dir(shm, local) / "OWNER"
+    owner.unlink()
+    owner.mkdir()  # hostile or damaged: read as a file, it fails with IsADirectoryError
+    state = _state(9)
+    with Checkpointer(state, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        assert ck.restore() is None
+        ck.save(2).wait()  # names this run's lineage there, in place of what was in the way
+    assert "OWNER unreadable" in caplog.text and "not restored" in caplog.text
+    assert_identical(tiercheck.load(local, step=2), state)
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_clean_close_persists_the_newest_memory_step_and_gives_the_memory_back(
     shm: Path, tmp_path: Path, keep: bool

@@ -268,7 +268,7 @@ class Checkpointer:
         assert self._bg_coord is not None
         bg = replace(self._job, coord=self._bg_coord)
         if self._mem is not None:
-            self._mem.commit(bg, job, library_version=__version__)
+            self._mem.commit(bg, job, library_version=__version__, lineage=self._owner.lineage)
         if job.persist:
             commit_job(bg, job, library_version=__version__)
 

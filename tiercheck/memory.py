@@ -26,7 +26,7 @@ from typing import Any
 from tiercheck.cluster.coordination import drive
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
-from tiercheck.format.lineage import memory_owner, owns_memory, read_lineage
+from tiercheck.format.lineage import lineage_id, memory_owner, owns_memory
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps
 from tiercheck.options import ReplicationOptions
@@ -55,6 +55,7 @@ class Memory:
         self.slots = MemorySlots(tier, job.coord.rank)
         self.job = replace(job, tier=self.slots.root, remote=None)
         self.leader = job.nodes.leader == job.coord.rank
+        self._owner: str | None = None  # the lineage this rank last named in OWNER (the leader's)
         self.peers: MemoryPeers | None = None
         if replication is not None and job.nodes.count > 1:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
@@ -70,9 +71,10 @@ class Memory:
 
     # ---------------------------------------------------------------------------------- saving
 
-    def commit(self, job: Job, save: PendingSave, *, library_version: str) -> None:
-        """The memory tier's vote for ``save`` (``job``: the commit thread's, for its store connection).
-        Its slot is released either way; a failure is the save's (raised)."""
+    def commit(self, job: Job, save: PendingSave, *, library_version: str, lineage: str | None) -> None:
+        """The memory tier's vote for ``save`` (``job``: the commit thread's, for its store connection),
+        of the run's ``lineage`` (the local directory's). Its slot is released either way; a failure is
+        the save's (raised)."""
         try:
             commit_job(replace(self.job, coord=job.coord), save, library_version=library_version, vote="memory")
         except BaseException:
@@ -81,18 +83,11 @@ class Memory:
         self.slots.done(save.step, committed=True)
         if self.peers is not None:
             self.peers.committed(save.step)
-        if self.leader:
-            self._own()
-
-    def _own(self) -> None:
-        """Name the lineage the memory's steps belong to: the local directory's."""
-        try:
-            lineage = read_lineage(self.local_job.tier)
-        except (OSError, TiercheckError):
-            lineage = None
-        owner = lineage.id if lineage is not None else ""
-        if memory_owner(self.slots.root) != owner:
-            self.slots.root.publish(MEMORY_OWNER_FILE, owner.encode())
+        if self.leader and lineage != self._owner:  # named once a lineage, not at every save
+            if (self.slots.root.local_path / MEMORY_OWNER_FILE).is_dir():  # damaged: no file can replace it
+                self.slots.root.delete_tree(MEMORY_OWNER_FILE)
+            self.slots.root.publish(MEMORY_OWNER_FILE, (lineage or "").encode())
+            self._owner = lineage
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -101,12 +96,7 @@ class Memory:
         steps = list_steps(self.slots.root).committed
         if not steps or owns_memory(self.local_job.tier, self.slots.root):
             return True
-        owner = memory_owner(self.slots.root)
-        try:
-            lineage = read_lineage(self.local_job.tier)
-        except (OSError, TiercheckError):
-            lineage = None
-        mine = lineage.id if lineage is not None else None
+        owner, mine = memory_owner(self.slots.root), lineage_id(self.local_job.tier)
         log.warning(
             "the memory tier at %s holds step(s) %s of %s, not of this directory's lineage (%s): not restored; "
             "withdrawn",
@@ -208,6 +198,7 @@ class Memory:
             if not keep:
                 for step in committed:
                     self.slots.withdraw(step)
-                self.slots.root.delete(MEMORY_OWNER_FILE)
+                self.slots.root.delete_tree(MEMORY_OWNER_FILE)  # a file, or whatever damage put there
+                self._owner = None
         if not self.options.keep_at_close:
             self.slots.remove()

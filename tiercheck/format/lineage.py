@@ -210,21 +210,29 @@ _MAX_OWNER = 256  # bytes of a memory directory's OWNER read: a lineage id is 32
 
 def memory_owner(memory: Tier) -> str | None:
     """The lineage a memory directory's steps belong to, as its ``OWNER`` file names it (None: no
-    file). Unreadable bytes come back replaced: they name no lineage."""
+    file). Bytes that are not ASCII come back replaced, and an ``OWNER`` that cannot be read (a
+    directory, say) as what went wrong: neither names a lineage."""
     try:
         raw = memory.read_range(MEMORY_OWNER_FILE, 0, _MAX_OWNER)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        return f"<{MEMORY_OWNER_FILE} unreadable: {e.strerror or e}>"
     return bytes(raw).decode("ascii", "replace").strip()
+
+
+def lineage_id(tier: Tier) -> str | None:
+    """The id of the lineage ``tier`` belongs to; None where it names none or its file cannot be read."""
+    try:
+        lineage = read_lineage(tier)
+    except (OSError, TiercheckError):
+        return None
+    return lineage.id if lineage is not None else None
 
 
 def owns_memory(local: Tier, memory: Tier) -> bool:
     """Whether the memory directory's steps are ``local``'s lineage: its ``OWNER`` names the lineage
     ``local``'s ``LINEAGE.json`` does. False where either is missing or cannot be read (a memory of
     an unknown owner is never restored)."""
-    try:
-        lineage = read_lineage(local)
-        owner = memory_owner(memory)
-    except (OSError, TiercheckError):
-        return False
-    return lineage is not None and owner == lineage.id
+    mine = lineage_id(local)
+    return mine is not None and memory_owner(memory) == mine
