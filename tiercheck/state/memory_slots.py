@@ -66,7 +66,6 @@ class SlotPool:
 
 @dataclass(eq=False)
 class Slot:
-    index: int
     path: Path
     buf: torch.Tensor | None = None
     step: int | None = None  # the memory step whose pack is this slot (committed, or being saved)
@@ -82,7 +81,7 @@ class MemorySlots:
         self.root = LocalTier(memory.directory, fsync=False)  # a tmpfs: nothing to make durable
         self.root.create()
         slots_dir = memory.directory / SLOTS_DIR
-        self.slots = [Slot(k, slots_dir / f"rank-{rank:06d}.{k}") for k in range(memory.options.slots)]
+        self.slots = [Slot(slots_dir / f"rank-{rank:06d}.{k}") for k in range(memory.options.slots)]
         self._cond = threading.Condition()
         self.newest: int | None = None  # the newest memory step committed (by this run or the last)
         self.before_reuse: Callable[[int], None] = lambda step: None  # waits for the copies of a step to peers
@@ -112,7 +111,7 @@ class MemorySlots:
         idle = [s for s in self.slots if not s.busy and (s.step is None or s.step != self.newest)]
         if not idle:
             return None
-        return min(idle, key=lambda s: (s.step is not None, -1 if s.step is None else s.step))
+        return min(idle, key=lambda s: -1 if s.step is None else s.step)  # steps are >= 0
 
     def take(self, step: int, nbytes: int) -> SlotPool:
         """A slot of at least ``nbytes`` for the save of ``step``, linked into the memory tier as
@@ -186,8 +185,3 @@ class MemorySlots:
     def held(self) -> int:
         """Bytes this rank's slots hold mapped."""
         return sum(s.buf.numel() for s in self.slots if s.buf is not None)
-
-    def steps(self) -> list[int]:
-        """The memory steps this rank's slots hold, oldest first."""
-        with self._cond:
-            return sorted(s.step for s in self.slots if s.step is not None and not s.busy)
