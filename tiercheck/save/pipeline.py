@@ -148,16 +148,8 @@ class Pipeline:
     def _stage(self, job: PendingSave) -> None:
         job.t_stage0 = time.perf_counter()
         plan, d = job.plan, step_dir(job.step)
-        if not job.persist:
-            pass  # to the memory tier only: the node-local directory is not written
-        elif self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
-            raise StepExistsError(
-                f"step {job.step} is already committed in {self.tier.url}; a save never overwrites it"
-            )
-        elif self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
-            log.warning("removing partial step %d from %s (left by a failed save) before saving it again", job.step,
-                        self.tier.url)  # fmt: skip
-            self.tier.delete_tree(d)
+        if job.persist:  # else to the memory tier only: the node-local directory is not written
+            self._make_room(job.step)
         runs, need = plan.runs, plan.pool_bytes
         eager, lazy = plan.tasks[: plan.n_eager], plan.tasks[plan.n_eager :]
         if leaf_placement(job.leaves) != plan.placement:  # same shapes, moved or re-strided since the plan
@@ -210,6 +202,16 @@ class Pipeline:
         if job.error is not None:
             raise job.error
         job.handle.staged.set_result(None)
+
+    def _make_room(self, step: int) -> None:
+        """Refuse a step committed in the local directory; remove a partial one a failure left there."""
+        d = step_dir(step)
+        if self.tier.exists(f"{d}/{COMMIT_FILE}"):  # committed by a run before this one: never overwritten
+            raise StepExistsError(f"step {step} is already committed in {self.tier.url}; a save never overwrites it")
+        if self.own_dir and self.tier.list_dir(d):  # a partial step of this number left by a failure
+            log.warning("removing partial step %d from %s (left by a failed save) before saving it again", step,
+                        self.tier.url)  # fmt: skip
+            self.tier.delete_tree(d)
 
     def _copy_run(self, job: PendingSave, run: Run, *, lazy: bool) -> torch.cuda.Event | None:
         """Copy ``run``'s chunks into the pool and hand them to the I/O threads; returns the event
