@@ -69,16 +69,13 @@ class _TrainState:
         self.step = sd["step"]
 
 
-def _build(
-    rank: int, world: int, root: str, remote: str, local: str, async_mode: str, memory: str | None = None
-) -> tuple[Any, ...]:
+def training_parts(rank: int, world: int) -> tuple[Any, ...]:
+    """The run's model (FSDP2 over ``world`` CPU ranks), optimizers, schedulers, data loader and
+    train state, as torchtitan's Trainer builds them, before any checkpoint manager."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-
-    from tiercheck import MemoryOptions
-    from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -91,6 +88,16 @@ def _build(
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=TOTAL)
     loader = ParallelAwareDataloader(_Numbers(rank), dp_rank=rank, dp_world_size=world, batch_size=3)
     state = _TrainState()
+    return model, optimizers, schedulers, loader, state
+
+
+def _build(
+    rank: int, world: int, root: str, remote: str, local: str, async_mode: str, memory: str | None = None
+) -> tuple[Any, ...]:
+    from tiercheck import MemoryOptions
+    from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
+
+    model, optimizers, schedulers, loader, state = training_parts(rank, world)
     config = TiercheckCheckpointManager.Config(
         enable=True,
         folder="checkpoint",

@@ -18,7 +18,7 @@ from tiercheck.format.paths import step_dir
 
 from .distributed import run_ranks
 from .test_dcp import _equal, _full
-from .test_torchtitan import INTERVAL, TOTAL, _Numbers, _steps, _TrainState
+from .test_torchtitan import INTERVAL, TOTAL, _steps, training_parts
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
 
@@ -30,26 +30,12 @@ def _run(
 ) -> dict[str, Any]:
     """Load, train and save each step up to ``stop`` with torchtitan's own manager (``own``) or tiercheck's;
     between 0 and TOTAL the process dies once the last checkpoint is written (no close)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torchtitan.components.checkpointer.dcp import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
 
     warnings.simplefilter("ignore", FutureWarning)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=TOTAL)
-    loader = ParallelAwareDataloader(_Numbers(rank), dp_rank=rank, dp_world_size=world, batch_size=3)
-    state = _TrainState()
+    model, optimizers, schedulers, loader, state = training_parts(rank, world)
     cls = CheckpointManager if own else TiercheckCheckpointManager
     config = cls.Config(enable=True, folder="checkpoint", interval=INTERVAL, keep_latest_k=2,
                         last_save_model_only=False, initial_load_path=initial)  # fmt: skip
