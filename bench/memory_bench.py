@@ -40,7 +40,6 @@ from typing import Any
 import harness as h
 
 GiB, MiB = h.GiB, h.MiB
-D, BATCH, SEED = 1024, 16, 1234
 SAVE_METHODS = ("tiercheck.memory", "tiercheck.lazy", "dcp.async_save", "torch_checkpointing")
 RESTORES = ("memory", "local", "dcp.load")
 NEVER = 10**9  # persist_every: no save of the loop goes to the local directory
@@ -52,34 +51,21 @@ NEVER = 10**9  # persist_every: no save of the loop goes to the local directory
 
 
 def build(gib: float) -> tuple[Any, Any]:
-    """An MLP of ``gib`` GiB of fp32 state with AdamW (weights + 2 moments), after one step."""
+    """dcp_bench's MLP of ``gib`` GiB of fp32 state with AdamW (weights + 2 moments), after one step."""
     import torch
-    from torch import nn
+    from dcp_bench import build as mlp_with_adamw
 
     torch.set_num_threads(1)  # bit-identical steps in every process
-    n_blocks = max(1, round(gib * GiB / (12 * (8 * D * D + 5 * D))))
-    with torch.device("meta"):  # materialised below: nn.Linear's default init costs seconds
-        model = nn.Sequential(*(nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
-                                for _ in range(n_blocks)))  # fmt: skip
-    model.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=g)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = mlp_with_adamw(gib)
     train_step(model, opt, 0)  # the moments exist from here on
     return model, opt
 
 
 def train_step(model: Any, opt: Any, step: int) -> float:
-    import torch
+    """dcp_bench's training step (its own batch per step), timed."""
+    from dcp_bench import train_step as step_once
 
-    x = torch.randn(BATCH, D, generator=torch.Generator().manual_seed(step))
-    t0 = time.perf_counter()
-    model(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    return time.perf_counter() - t0
+    return float(step_once(model, opt, step))
 
 
 def leaves(model: Any, opt: Any) -> list[Any]:
