@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from tiercheck import __version__
 from tiercheck.cluster.assign import LeafDesc, Need, WriteAssignment, assign_all_reads, assign_writes
-from tiercheck.cluster.coordination import Coordinator, Nodes, join_nodes, lockstep
+from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.nodes import Nodes, join_in_lockstep
 from tiercheck.format.codec import chunk_nbytes, seal, zarr_documents
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.saveid import new_save_id
@@ -381,7 +382,7 @@ def _simulate_after(descs_per_rank: Layout, args: argparse.Namespace) -> dict[st
     with tempfile.TemporaryDirectory(prefix="tiercheck-scale-") as tmp:
         tiers = [_CountingTier(Path(tmp) / f"node{k}", fsync=False) for k in range(-(-n // RANKS_PER_NODE))]
         tier_of = [tiers[r // RANKS_PER_NODE] for r in range(n)]
-        nodes = lockstep([join_nodes(c, f"node{c.rank // RANKS_PER_NODE}") for c in coords])
+        nodes = join_in_lockstep(coords, [f"node{r // RANKS_PER_NODE}" for r in range(n)])
         start = [c.store_bytes for c in coords]
 
         plan_s = [0.0] * n

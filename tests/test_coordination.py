@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc, Need
-from tiercheck.cluster.coordination import Coordinator, join_nodes, lockstep
+from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.nodes import join_in_lockstep
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, seal
 from tiercheck.format.layout import chunks_in_box
@@ -40,7 +41,7 @@ def job(world: int, root: Path) -> tuple[list[Coordinator], list[LocalTier], lis
     store = dist.HashStore()
     coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
     tiers = [LocalTier(root / f"node{r // PER_NODE}", fsync=False) for r in range(world)]
-    nodes = lockstep([join_nodes(c, f"node{c.rank // PER_NODE}") for c in coords])
+    nodes = join_in_lockstep(coords, [f"node{r // PER_NODE}" for r in range(world)])
     return coords, tiers, nodes
 
 
@@ -83,7 +84,10 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
             )
         )
     lockstep(commits)
-    assert coords[0].store.num_keys() == 0, "a commit leaves nothing in the store"
+    # The job's store keeps only this vote's five keys, which node 0's leader deletes at the next
+    # vote (when every leader is past this one); the nodes' stores keep nothing.
+    assert coords[0].store.num_keys() == len(coords[0].later) == 5
+    assert all(c.node is not None and c.node.store.num_keys() == 0 for c in coords)
     return per_rank
 
 

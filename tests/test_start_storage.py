@@ -24,7 +24,7 @@ from click.testing import CliRunner
 import tiercheck
 from tiercheck import Checkpointer, CoordinationError, DistributedOptions, StorageError
 from tiercheck.cli import main
-from tiercheck.cluster.coordination import node_id
+from tiercheck.cluster.nodes import node_id
 from tiercheck.format.paths import LOCK_FILE
 
 from .distributed import run_ranks

@@ -28,8 +28,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from tiercheck.cluster.coordination import Coordinator, Nodes, default_store, drive, join_nodes, namespace_of, node_id
+from tiercheck.cluster.coordination import Coordinator, default_store, drive, namespace_of
 from tiercheck.cluster.lock import DirectoryLock, lock_node
+from tiercheck.cluster.nodes import Nodes, join_nodes, node_id, open_channel, tcp_connect, tcp_serve
 from tiercheck.errors import InvalidArgumentError, NotADirectoryTierError, StorageError, TiercheckError
 from tiercheck.options import DistributedOptions, DrainOptions, ReplicationOptions, RetentionOptions, WriteOptions
 from tiercheck.tiering.manager import TierManager
@@ -88,6 +89,8 @@ def start(
     except StorageError as e:  # joins as a node of its own, locks nothing, and tells the others at the lock
         failure, me = e, f"unprepared-{uuid.uuid4().hex}"
     nodes: Nodes = drive(coord, join_nodes(coord, me))
+    timeout = distributed.timeout_s
+    coord.node = drive(coord, open_channel(coord, nodes, tcp_serve(timeout), tcp_connect(timeout)))
     # One writer per directory: before anything here is listed, removed or written.
     lock = DirectoryLock(tier.root)
     drive(coord, lock_node(coord, nodes.leader, lock, failure=failure))

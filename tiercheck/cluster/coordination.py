@@ -24,21 +24,16 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import time
-import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Generator, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 from tiercheck.errors import CoordinationError
-from tiercheck.format.paths import NODE_FILE
-from tiercheck.tiers.refusals import storage_error
 
 log = logging.getLogger("tiercheck")
 
@@ -71,15 +66,19 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class Barrier:
-    """A point a protocol waits at: until ``key`` exists in the store."""
+    """A point a protocol waits at: until ``key`` exists in ``on``'s store (None: the store of the
+    coordinator driving the protocol). With ``fetch``, the wait is the key's read: one blocking
+    request, and the protocol is sent the value."""
 
     key: str
     what: str
+    on: Coordinator | None = None
+    fetch: bool = False
 
 
 # One rank's side of a protocol, sans I/O: a generator that yields the barriers it waits at and
 # returns its result (``drive`` runs it against the store, ``lockstep`` runs many ranks' at once).
-Exchange = Generator[Barrier, None, T]
+Exchange = Generator[Barrier, Any, T]
 
 
 class Coordinator:
@@ -93,6 +92,10 @@ class Coordinator:
         # What this rank moved through the store: requests, bytes sent (keys and values), bytes received.
         self.counters = {"store_ops": 0, "store_bytes_out": 0, "store_bytes_in": 0}
         self._barriers: list[str] = []  # passed since the scope they belong to began (see finish)
+        # This rank's node: its ranks meet there without the job's store (cluster.nodes.open_channel).
+        self.node: Coordinator | None = None
+        self.owns_client = False  # whether its store client is this coordinator's alone (see fetch)
+        self.later: list[str] = []  # keys a protocol deletes at its next run, once every rank is past them
 
     @classmethod
     def single(cls, timeout_s: float) -> Coordinator:
@@ -100,20 +103,23 @@ class Coordinator:
 
         store = dist.HashStore()
         store.set_timeout(timedelta(seconds=timeout_s))  # a read of a key never set waits this long, not 300 s
-        return cls(store, rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
+        coord = cls(store, rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
+        coord.owns_client = True
+        return coord
 
     def key(self, *parts: object) -> str:
         return "/".join(["tiercheck", self.namespace, *map(str, parts)])
 
     def connect_again(self) -> Coordinator:
-        """The same coordinator over a client connection of its own, for use from another thread."""
-        return Coordinator(
-            _own_client(self.store, self.timeout_s),
-            rank=self.rank,
-            world_size=self.world_size,
-            namespace=self.namespace,
-            timeout_s=self.timeout_s,
+        """The same coordinator over a client connection of its own, for use from another thread
+        (its node's too)."""
+        store = _own_client(self.store, self.timeout_s)
+        coord = Coordinator(
+            store, rank=self.rank, world_size=self.world_size, namespace=self.namespace, timeout_s=self.timeout_s
         )
+        coord.owns_client = store is not self.store or self.owns_client
+        coord.node = self.node.connect_again() if self.node is not None else None
+        return coord
 
     @property
     def store_bytes(self) -> int:
@@ -128,9 +134,7 @@ class Coordinator:
     # ---------------------------------------------------------------------------- primitives
 
     def wait(self, keys: list[str], *, what: str, timeout_s: float | None = None) -> None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if self.deadline is not None:
-            timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
+        timeout = self._timeout(timeout_s)
         self._count(out=sum(map(len, keys)))
         try:
             self.store.wait(keys, timedelta(seconds=timeout))
@@ -140,6 +144,29 @@ class Coordinator:
                 f"rank {self.rank}: gave up waiting for {what} after {timeout:.0f} s "
                 f"({len(missing)} of {len(keys)} keys missing, e.g. {missing[:1]}): {e}"
             ) from None
+
+    def _timeout(self, timeout_s: float | None = None) -> float:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.deadline is not None:
+            timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
+        return timeout
+
+    def fetch(self, key: str, *, what: str) -> bytes:
+        """Wait for ``key`` and read it: one request where this coordinator's store client is its
+        own (its timeout may then be set per call), else a wait and a get."""
+        if not self.owns_client:
+            self.wait([key], what=what)
+            return self.get(key)
+        timeout = self._timeout()
+        try:
+            self.store.set_timeout(timedelta(seconds=timeout))
+            value = bytes(self.store.get(key))
+        except RuntimeError as e:  # a timeout (DistStoreError), or the store's server is gone
+            raise CoordinationError(
+                f"rank {self.rank}: gave up waiting for {what} after {timeout:.0f} s ({key} missing): {e}"
+            ) from None
+        self._count(out=len(key), into=len(value))
+        return value
 
     def has(self, key: str) -> bool:
         self._count(out=len(key))
@@ -232,17 +259,18 @@ class Coordinator:
         self._barriers.append(name)
         if self.add(self.key(name, "arrived"), 1) == (self.world_size if count is None else count):
             self.set(done, "1")
-        return Barrier(done, what)
+        return Barrier(done, what, self)
 
-    def finish(self, scope: str) -> None:
+    def finish(self, scope: str, *, keys: tuple[str, ...] = ()) -> None:
         """Leave a protocol whose barriers are all named ``scope/...``, after its last barrier:
-        the last rank to leave deletes the barriers' keys (and any failures reported at them),
-        so the store does not grow with the saves and restores of a long job."""
+        the last rank to leave deletes the barriers' keys (and any failures reported at them, and
+        ``keys``, the protocol's others), so the store does not grow with the saves and restores
+        of a long job."""
         names = [n for n in self._barriers if n == scope or n.startswith(f"{scope}/")]
         self._barriers = [n for n in self._barriers if n not in names]
         if self.add(self.key(scope, "finished"), 1) == self.world_size:
-            keys = [self.key(n, k) for n in dict.fromkeys(names) for k in ("arrived", "open", "error")]
-            self.delete(self.key(scope, "finished"), self.key(scope, "error"), *keys)
+            barriers = [self.key(n, k) for n in dict.fromkeys(names) for k in ("arrived", "open", "error")]
+            self.delete(self.key(scope, "finished"), self.key(scope, "error"), *barriers, *keys)
 
     def report(self, name: str, error: BaseException) -> None:
         """Record that this rank failed at ``name`` (the first report wins); every rank learns of
@@ -288,12 +316,15 @@ def drive(coord: Coordinator, protocol: Exchange[T]) -> T:
     try:
         barrier = next(protocol)
         while True:
+            on = barrier.on or coord
             try:
-                coord.wait([barrier.key], what=barrier.what)
+                got = on.fetch(barrier.key, what=barrier.what) if barrier.fetch else None
+                if not barrier.fetch:
+                    on.wait([barrier.key], what=barrier.what)
             except CoordinationError as e:  # the protocol may tell the others before it gives up
                 barrier = protocol.throw(e)
             else:
-                barrier = protocol.send(None)
+                barrier = protocol.send(got)
     except StopIteration as stop:
         value: T = stop.value  # what the protocol returned: an Exchange[T] returns a T
         return value
@@ -307,42 +338,6 @@ def shard_of(path: str, shards: int) -> int:
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-# ------------------------------------------------------------------------------------- nodes
-
-
-@dataclass(frozen=True, slots=True)
-class Nodes:
-    """Which ranks share this rank's node-local directory, and how many nodes there are."""
-
-    ranks: tuple[int, ...]  # of this node, ascending
-    count: int
-    run: str = ""  # random, the same on every rank of the job: save ids are made from it
-
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
-
-
-def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
-    """Learn this node's ranks: each rank reads its own node's members, never every rank's."""
-    bucket = f"nodes/{node}"
-    mine = coord.post(bucket, str(coord.rank))
-    if mine == 1:
-        coord.add(coord.key("nodes", "count"), 1)
-    if coord.rank == 0:
-        coord.set(coord.key("nodes", "run"), uuid.uuid4().hex)
-    yield coord.arrive("nodes/joined", what="every rank to name its node directory")
-    members = sorted(int(v) for v in coord.collect(bucket, forget=False))
-    count = coord.add(coord.key("nodes", "count"), 0)
-    run = coord.get(coord.key("nodes", "run")).decode()
-    yield coord.arrive("nodes/read", what="every rank to read its node's members")
-    coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
-    if coord.rank == 0:
-        coord.delete(coord.key("nodes", "count"), coord.key("nodes", "run"))
-    coord.finish("nodes")
-    return Nodes(tuple(members), count, run)
 
 
 def _own_client(store: Any, timeout_s: float) -> Any:
@@ -379,46 +374,41 @@ def default_store() -> Any:
     return c10d._get_default_store()
 
 
-def node_id(local: str | os.PathLike[str]) -> str:
-    """The identity of a node-local directory: ranks that see the same directory share its id."""
-    path = Path(local) / NODE_FILE
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        pass
-    tmp = path.with_name(f"{NODE_FILE}.{uuid.uuid4().hex}")
-    try:
-        try:
-            tmp.write_text(uuid.uuid4().hex + "\n")
-            os.link(tmp, path)  # atomic, and fails if another rank got there first
-        except FileExistsError:
-            pass
-        finally:
-            with suppress(FileNotFoundError):  # not even created, on a read-only directory
-                tmp.unlink()
-    except OSError as e:  # a full or read-only directory: no half-written name left behind either
-        raise storage_error(e, local, "write its node name file") from e
-    return path.read_text().strip()
-
-
 def lockstep(protocols: list[Exchange[T]], *, capture: bool = False) -> list[T]:
-    """Run the protocols of many ranks in one thread, round by round: every rank runs to its next
-    barrier before any goes past it, so no wait ever blocks. For simulating a job of thousands of
-    ranks with the real protocol code over one store (``bench/scale_sim.py``) and for tests. With
-    ``capture``, a rank whose protocol raised gets the exception as its result (the others go on)."""
+    """Run the protocols of many ranks in one thread: a rank goes past a barrier once its key is
+    in the barrier's store (every barrier a protocol yields names its coordinator: ``Barrier.on``),
+    so no wait ever blocks. For simulating a job of thousands of ranks with the real protocol code
+    over real stores (``bench/scale_sim.py``) and for tests. Each wait is counted as the one store
+    request it is in ``drive``. With ``capture``, a rank whose protocol raised gets the exception as
+    its result (the others go on); a round in which no rank can move is a deadlock, raised."""
     results: list[Any] = [None] * len(protocols)
-    live = list(range(len(protocols)))
-    while live:
-        still: list[int] = []
-        for i in live:
+    waiting: dict[int, Barrier | None] = dict.fromkeys(range(len(protocols)))
+    while waiting:
+        moved = False
+        for i, barrier in list(waiting.items()):
+            value: bytes | None = None
+            if barrier is not None:
+                on = barrier.on
+                if on is None:
+                    raise CoordinationError(f"lockstep: barrier {barrier.key} names no coordinator")
+                if not on.store.check([barrier.key]):
+                    continue
+                if barrier.fetch:
+                    value = on.get(barrier.key)
+            moved = True
             try:
-                next(protocols[i])
-                still.append(i)
+                barrier = waiting[i] = protocols[i].send(value) if barrier is not None else next(protocols[i])
+                if not barrier.fetch and barrier.on is not None:
+                    barrier.on._count(out=len(barrier.key))  # the wait's one request
             except StopIteration as stop:
                 results[i] = stop.value
+                del waiting[i]
             except Exception as e:
                 if not capture:
                     raise
                 results[i] = e
-        live = still
+                del waiting[i]
+        if not moved:
+            stuck = next(iter(waiting.values()))
+            raise CoordinationError(f"lockstep: {len(waiting)} rank(s) wait forever, e.g. for {stuck}")
     return results

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.tiers.base import Tier
 
 

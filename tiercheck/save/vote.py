@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
@@ -44,72 +45,135 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     """Commit one save once this rank's chunks are durable (or report that they are not).
 
     Each rank writes its part of the manifest (``outcome.part``, and ``shard`` and ``owners`` when
-    it coordinates arrays) beside its chunks and counts itself in; once every rank has, the first rank of each
-    node writes the step's index and commit marker into its node's directory. A rank that failed
-    says so and the step fails on every rank; one that died is given up on after the
-    coordinator's timeout. The step is committed once every node committed it. Store traffic is a
-    few small keys per rank (rank 0's metadata once per node): O(ranks) per save in all.
+    it coordinates arrays) beside its chunks and counts itself in at its node (``Coordinator.node``);
+    each node's leader then counts the node in at the job's store. Once every node has, the
+    leaders write their node's index and commit marker, count in again, and tell their node the
+    verdict. A rank that failed says so in the job's store and the step fails on every rank; one
+    that died is given up on after the coordinator's timeout. The job's store sees four requests
+    per node and a few more in all (rank 0's metadata, the two decisions): O(nodes) per save.
     """
-    coord, tier, nodes = job.coord, job.tier, job.nodes
-    step, part, shard, owners, error = outcome.step, outcome.part, outcome.shard, outcome.owners, outcome.error
-    rank, world = coord.rank, coord.world_size
+    coord, nodes = job.coord, job.nodes
+    node = _node(coord)
+    step, rank, leader = outcome.step, coord.rank, coord.rank == job.nodes.leader
     name = f"{outcome.vote}/{step}/{outcome.attempt}"
-    decided = coord.key(name, "outcome")
-    if error is None:
-        try:
-            d = step_dir(step)
-            tier.write(f"{d}/{part_file(rank)}", [part])
-            if shard is not None:
-                tier.write(f"{d}/{shard_file(rank)}", [shard])
-            if owners is not None:
-                tier.write(f"{d}/{owners_file(rank)}", [owners])
-            if rank == 0:
-                meta = CommitMeta(metadata=outcome.metadata, created=time.time())
-                coord.set(coord.key(name, "meta"), json.dumps(meta.to_json()))
-        except BaseException as e:
-            error = e
+    decided, done = coord.key(name, "outcome"), coord.key(name, "committed")
+    error = outcome.error if outcome.error is not None else _write_parts(job, outcome, coord.key(name, "meta"))
     if error is not None:
         coord.decide(decided, f"rank {rank} failed: {error!r}")
+    try:
+        arrived = node.arrive(f"{name}/in", what=f"the ranks of this node to write step {step}")
+    except CoordinationError as e:  # the node's leader, whose process serves the node's store, is gone
+        coord.decide(decided, f"rank {rank} lost its node's leader: {e}")
+    if error is not None:
+        if leader:
+            node.set(node.key(name, "outcome"), coord.get(decided))
+        _leave(node, name)
         raise error
-    if coord.add(coord.key(name, "arrived"), 1) == world:
-        coord.decide(decided, "ok")
-    verdict = yield from _verdict(coord, decided, f"the other ranks to write step {step}")
-    if verdict != "ok":
-        raise CoordinationError(f"step {step} was not committed: {verdict}")
-    done = coord.key(name, "committed")
-    if rank == nodes.leader:
+    if leader:
         try:
-            where = coord.key(name, "meta")
-            meta = CommitMeta.from_json(loads(coord.get(where), where=where), where=where)
-            index = ManifestIndex(
-                step=step,
-                library_version=outcome.library_version,
-                created_unix=meta.created,
-                world_size=world,
-                nodes=nodes.count,
-                metadata=meta.metadata,
-                save_id=outcome.save_id,
-            )
-            commit_step(tier, step, index.to_bytes(), save_id=outcome.save_id, ranks=nodes.ranks, world_size=world)
+            yield arrived
+        except CoordinationError as e:  # a rank of this node died, or hangs: the step fails everywhere
+            coord.decide(decided, str(e))
+        else:
+            if coord.add(coord.key(name, "arrived"), 1) == nodes.count:
+                meta = coord.get(coord.key(name, "meta")).decode()
+                coord.decide(decided, f"{_OK}{meta}")
+    verdict = yield from _verdict(job, name, "outcome", decided, f"the other ranks to write step {step}")
+    if not verdict.startswith(_OK):
+        _leave(node, name)
+        raise CoordinationError(f"step {step} was not committed: {verdict}")
+    if leader:
+        try:
+            _commit_node(job, outcome, verdict[len(_OK) :], where=decided)
             if coord.add(coord.key(name, "nodes"), 1) == nodes.count:
-                coord.decide(done, "ok")
+                coord.decide(done, _OK)
         except BaseException as e:
             coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
+            node.set(node.key(name, "committed"), coord.get(done))
+            _leave(node, name)
             raise
-    verdict = yield from _verdict(coord, done, f"every node to commit step {step}")
-    if verdict != "ok":
+    verdict = yield from _verdict(job, name, "committed", done, f"every node to commit step {step}")
+    _leave(node, name)
+    if verdict != _OK:
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
-    if coord.add(coord.key(name, "finished"), 1) == world:  # everyone has read everything: clean up
-        coord.delete(*(coord.key(name, k) for k in ("outcome", "arrived", "meta", "committed", "nodes", "finished")))
+    if leader and nodes.number == 0:
+        _forget_older_votes(coord, [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")])
 
 
-def _verdict(coord: Coordinator, key: str, what: str) -> Exchange[str]:
-    """Wait for the first decision at ``key``; a rank that gives up waiting decides it with why."""
+_OK = "ok:"  # a verdict that lets the save go on; anything else says why not
+
+
+def _leave(node: Coordinator, name: str) -> None:
+    """Done with a vote at this node: the last of its ranks deletes the vote's keys there (none
+    need deleting where the node's leader, and with it the node's store, is gone)."""
+    with suppress(CoordinationError):
+        node.finish(name, keys=(node.key(name, "outcome"), node.key(name, "committed")))
+
+
+def _node(coord: Coordinator) -> Coordinator:
+    if coord.node is None:
+        raise CoordinationError(f"rank {coord.rank}: no channel to its node (cluster.nodes.open_channel)")
+    return coord.node
+
+
+def _write_parts(job: Job, outcome: RankOutcome, meta_key: str) -> BaseException | None:
+    """Write this rank's parts of the manifest (rank 0: the save's metadata into the store too)."""
+    coord, tier, rank = job.coord, job.tier, job.coord.rank
     try:
-        yield Barrier(key, what)
+        d = step_dir(outcome.step)
+        tier.write(f"{d}/{part_file(rank)}", [outcome.part])
+        if outcome.shard is not None:
+            tier.write(f"{d}/{shard_file(rank)}", [outcome.shard])
+        if outcome.owners is not None:
+            tier.write(f"{d}/{owners_file(rank)}", [outcome.owners])
+        if rank == 0:
+            coord.set(meta_key, json.dumps(CommitMeta(metadata=outcome.metadata, created=time.time()).to_json()))
+    except BaseException as e:
+        return e
+    return None
+
+
+def _commit_node(job: Job, outcome: RankOutcome, meta: str, *, where: str) -> None:
+    """A node's leader: write the step's index and commit marker into its node's directory."""
+    coord, nodes = job.coord, job.nodes
+    info = CommitMeta.from_json(loads(meta, where=where), where=where)
+    index = ManifestIndex(
+        step=outcome.step,
+        library_version=outcome.library_version,
+        created_unix=info.created,
+        world_size=coord.world_size,
+        nodes=nodes.count,
+        metadata=info.metadata,
+        save_id=outcome.save_id,
+    )
+    commit_step(job.tier, outcome.step, index.to_bytes(), save_id=outcome.save_id, ranks=nodes.ranks,
+                world_size=coord.world_size)  # fmt: skip
+
+
+def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchange[str]:
+    """The job's decision at ``key``: the leader reads it from the job's store and tells its node,
+    the node's other ranks read it from the node. A rank that gives up waiting decides it with why
+    (the first decision wins, so every rank reads the same one)."""
+    coord, node = job.coord, _node(job.coord)
+    leader = coord.rank == job.nodes.leader
+    try:
+        raw = yield Barrier(key, what, coord, fetch=True) if leader else Barrier(node.key(name, what_key), what, node,
+                                                                                 fetch=True)  # fmt: skip
+        verdict = bytes(raw).decode()
     except CoordinationError as e:
         coord.decide(key, str(e))
-    return coord.get(key).decode()
+        verdict = coord.get(key).decode()
+    if leader:
+        node.set(node.key(name, what_key), verdict)
+    return verdict
+
+
+def _forget_older_votes(coord: Coordinator, keys: list[str]) -> None:
+    """Node 0's leader, once every leader has counted in at a vote that succeeded (so each has read
+    all of the votes before it): delete the earlier votes' keys from the job's store, and remember
+    this vote's for the next one. A few requests per save in all, none per node."""
+    coord.delete(*coord.later)
+    coord.later = keys
 
 
 def commit_job(job: Job, save: PendingSave, *, library_version: str, vote: str = "save") -> None:

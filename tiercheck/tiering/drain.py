@@ -27,7 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CoordinationError,

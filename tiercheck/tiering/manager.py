@@ -11,7 +11,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import InvalidArgumentError, RemoteStorageError
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import DrainOptions, ReplicationOptions

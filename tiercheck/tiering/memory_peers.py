@@ -21,7 +21,8 @@ import socket
 import threading
 from concurrent.futures import Future
 
-from tiercheck.cluster.coordination import Coordinator, Nodes
+from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiering.replication import Replicator
 from tiercheck.tiers.local import LocalTier

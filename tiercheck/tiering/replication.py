@@ -18,8 +18,8 @@ replicates the same committed steps in the same order, so the pairs stay in step
 timeout) is reported and left out for the rest of the run; the step stays committed and restorable from
 its own node or the remote tier. Steps committed before a restart are not replicated again.
 
-Node numbering costs O(nodes) store traffic in all (rank 0 reads one entry per node and writes each leader
-its number); each leader then knows only its own ``replicas`` peers each way.
+Nodes are numbered once per job, as they join (``cluster.nodes.join_nodes``); each leader knows only its own
+``replicas`` peers each way.
 """
 
 
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiercheck.cluster.coordination import Coordinator, Exchange, Nodes, _own_client, drive
+from tiercheck.cluster.coordination import Coordinator, _own_client
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.cluster.wire import as_dict, as_int, as_list, as_rank, as_ranks, as_str, loads
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
@@ -50,27 +51,6 @@ from tiercheck.options import ReplicationOptions
 from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
-
-
-def number_nodes(coord: Coordinator, nodes: Nodes, name: str = "replicate") -> Exchange[int | None]:
-    """Each node's number, 0 to nodes - 1 in the order of their first ranks (None on other ranks);
-    ``name`` scopes the store keys (the memory tier's replication numbers its own)."""
-    leader = coord.rank == nodes.leader
-    if leader:
-        coord.post(f"{name}/leaders", str(coord.rank))
-    yield coord.arrive(f"{name}/joined", what="every node's first rank to join replication")
-    if coord.rank == 0:
-        where = f"{name}/leaders"
-        leaders = sorted(as_rank(loads(v, where=where), where, "leader") for v in coord.collect(where))
-        coord.multi_set({coord.key(name, "number", r): str(i) for i, r in enumerate(leaders)})
-    yield coord.arrive(f"{name}/numbered", what="rank 0 to number the nodes")
-    number = None
-    if leader:
-        key = coord.key(name, "number", coord.rank)
-        number = as_rank(loads(coord.get(key), where=key), key, "number")
-        coord.delete(key)
-    coord.finish(name)
-    return number
 
 
 def replica_files(tier: LocalTier, step: int, ranks: Iterable[int]) -> list[tuple[str, int]]:
@@ -166,7 +146,7 @@ class Replicator:
         self.options = options
         self.node = node
         self.leader = coord.rank == nodes.leader
-        number = drive(coord, number_nodes(coord, nodes, name))
+        number = nodes.number if self.leader else None
         self.number = number
         self.targets: list[_Pair] = []
         self.sources: list[_Pair] = []

@@ -1,0 +1,193 @@
+"""Nodes: the ranks that share a node-local directory, numbered, with a channel of their own.
+
+The job's store is one server (rank 0's TCPStore) that every rank of the job talks to. What the
+ranks of one node must agree on among themselves (that all of them wrote their part of a save,
+what their leader learned from the other nodes) goes through their node's own store, served by
+the node's first rank (its leader) on the node: the job's store then sees only the leaders,
+O(nodes) requests where it saw O(ranks) (``cluster.hierarchy``).
+
+``join_nodes`` learns a rank's node once per job: its members, its number (0 to nodes - 1 in the
+order of the nodes' first ranks: node 0 holds rank 0), and the job's run id. ``open_channel``
+then connects the node's ranks to their leader's store. Both cost each rank a few requests to the
+job's store, once; rank 0 numbers the nodes (one entry per node).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, lockstep
+from tiercheck.cluster.wire import as_rank, loads
+from tiercheck.errors import CoordinationError
+from tiercheck.format.paths import NODE_FILE
+from tiercheck.tiers.refusals import storage_error
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """Which ranks share this rank's node-local directory, and how many nodes there are."""
+
+    ranks: tuple[int, ...]  # of this node, ascending
+    count: int
+    run: str = ""  # random, the same on every rank of the job: save ids are made from it
+    number: int = 0  # this node's, 0 to count - 1 in the order of the nodes' first ranks
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
+    """Learn this node's ranks and number: each rank reads its own node's members, never every
+    rank's; rank 0 reads one entry per node to number them."""
+    bucket = f"nodes/{node}"
+    mine = coord.post(bucket, str(coord.rank))
+    if mine == 1:
+        coord.add(coord.key("nodes", "count"), 1)
+    if coord.rank == 0:
+        coord.set(coord.key("nodes", "run"), uuid.uuid4().hex)
+    yield coord.arrive("nodes/joined", what="every rank to name its node directory")
+    members = sorted(int(v) for v in coord.collect(bucket, forget=False))
+    count = coord.add(coord.key("nodes", "count"), 0)
+    run = coord.get(coord.key("nodes", "run")).decode()
+    if coord.rank == members[0]:
+        coord.post("nodes/leaders", str(coord.rank))
+    yield coord.arrive("nodes/read", what="every rank to read its node's members")
+    coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
+    if coord.rank == 0:
+        coord.delete(coord.key("nodes", "count"), coord.key("nodes", "run"))
+        where = "nodes/leaders"
+        leaders = sorted(as_rank(loads(v, where=where), where, "leader") for v in coord.collect(where))
+        coord.multi_set({coord.key("nodes", "number", r): str(i) for i, r in enumerate(leaders)})
+    key = coord.key("nodes", "number", members[0])
+    raw = yield Barrier(key, "rank 0 to number the nodes", coord, fetch=True)
+    number = as_rank(loads(raw, where=key), key, "number")
+    yield coord.arrive("nodes/numbered", what="every rank to learn its node's number")
+    if coord.rank == members[0]:
+        coord.delete(key)
+    coord.finish("nodes")
+    return Nodes(tuple(members), count, run, number)
+
+
+# ---------------------------------------------------------------------------------- channels
+
+Serve = Callable[[], tuple[Any, str]]  # a leader's new store server, and the address its node's ranks reach it at
+Connect = Callable[[str], Any]  # a client of the store at an address
+
+
+def tcp_serve(timeout_s: float) -> Serve:
+    """A TCPStore on a free port of this host, for the node's ranks (on this host by definition)."""
+
+    def serve() -> tuple[Any, str]:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        return store, f"{socket.gethostname()}:{store.port}"
+
+    return serve
+
+
+def tcp_connect(timeout_s: float) -> Connect:
+    def connect(address: str) -> Any:
+        import torch.distributed as dist
+
+        host, _, port = address.rpartition(":")
+        if host == socket.gethostname():
+            host = "127.0.0.1"  # the leader is on this host: no name lookup, no route off it
+        try:
+            return dist.TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            )
+        except (RuntimeError, ValueError) as e:
+            raise CoordinationError(
+                f"cannot reach the node's store at {address} (served by the first rank sharing this "
+                f"node-local directory; is the directory shared between hosts?): {e}"
+            ) from None
+
+    return connect
+
+
+def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connect) -> Exchange[Coordinator]:
+    """The coordinator of this rank's node: its ranks (numbered from 0, the leader) over the store
+    the leader serves. A node of one rank, and a job of one node, need no server of their own: the
+    node's keys are a namespace of the job's store."""
+    local = nodes.ranks.index(coord.rank)
+    namespace = f"{coord.namespace}/node{nodes.number}"
+    if len(nodes.ranks) == 1 or nodes.count == 1:
+        node = Coordinator(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace,
+                           timeout_s=coord.timeout_s)  # fmt: skip
+        node.owns_client = coord.owns_client
+        return node
+    key = coord.key("nodes", "channel", nodes.number)
+    if local == 0:
+        store, address = serve()
+        coord.set(key, address)
+    else:
+        address = (yield Barrier(key, "the node's leader to serve its store", coord, fetch=True)).decode()
+        store = connect(address)
+    node = Coordinator(store, rank=local, world_size=len(nodes.ranks), namespace=namespace, timeout_s=coord.timeout_s)
+    node.owns_client = True
+    yield node.arrive("channel", what="every rank of the node to reach its store")
+    node.finish("channel")
+    if local == 0:
+        coord.delete(key)
+    return node
+
+
+def node_id(local: str | os.PathLike[str]) -> str:
+    """The identity of a node-local directory: ranks that see the same directory share its id."""
+    path = Path(local) / NODE_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f"{NODE_FILE}.{uuid.uuid4().hex}")
+    try:
+        try:
+            tmp.write_text(uuid.uuid4().hex + "\n")
+            os.link(tmp, path)  # atomic, and fails if another rank got there first
+        except FileExistsError:
+            pass
+        finally:
+            with suppress(FileNotFoundError):  # not even created, on a read-only directory
+                tmp.unlink()
+    except OSError as e:  # a full or read-only directory: no half-written name left behind either
+        raise storage_error(e, local, "write its node name file") from e
+    return path.read_text().strip()
+
+
+def local_channel() -> tuple[Serve, Connect]:
+    """Node stores inside this process (``torch.distributed.HashStore``): for simulating many nodes
+    in one process (``bench/scale_sim.py``) and for tests."""
+    import torch.distributed as dist
+
+    stores: dict[str, Any] = {}
+
+    def serve() -> tuple[Any, str]:
+        address = f"local:{len(stores)}"
+        stores[address] = dist.HashStore()
+        return stores[address], address
+
+    return serve, stores.__getitem__
+
+
+def join_in_lockstep(coords: list[Coordinator], node_names: list[str]) -> list[Nodes]:
+    """Every simulated rank joins its node (``node_names[rank]``) and opens its node's channel,
+    all in this process (``lockstep`` over ``local_channel`` stores): for ``bench/scale_sim.py``
+    and tests. Sets each coordinator's ``node``."""
+    nodes = lockstep([join_nodes(c, node_names[c.rank]) for c in coords])
+    serve, connect = local_channel()
+    channels = lockstep([open_channel(c, nodes[c.rank], serve, connect) for c in coords])
+    for c, node in zip(coords, channels, strict=True):
+        c.node = node
+    return nodes
