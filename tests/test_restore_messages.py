@@ -15,12 +15,14 @@ from tests.test_coordination import agreed_manifest, job, save
 from tiercheck.cluster.assign import Need
 from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
-from tiercheck.errors import CoordinationError
+from tiercheck.errors import CheckpointNotFoundError, CoordinationError
+from tiercheck.restore.agree import choose_step
 from tiercheck.restore.messages import (
     ArrayShape,
     AssignedMove,
     AssignedRead,
-    HeldPost,
+    Held,
+    HeldSteps,
     HolderClaim,
     NeedsPost,
     NodeHolds,
@@ -31,7 +33,7 @@ from tiercheck.restore.messages import (
 from tiercheck.restore.plan import ReadRequest, plan_restore
 
 MESSAGES: list[Any] = [
-    HeldPost((0, 1), {"3": [[0, 1, 2], 4, [0, 1]]}),
+    HeldSteps({3: Held(4, ((0, 3),), ((0, 2),)), 7: Held(8, ((0, 2), (4, 8)), ((0, 2),))}),
     StepDecision(3, remote=True),
     StepDecision(None),
     StepDecision(None, error="no step"),
@@ -72,13 +74,28 @@ def test_the_wire_is_what_the_plan_always_sent() -> None:
         (NeedsPost, {"rank": 0, "needs": [["w", [0]]]}, "needs[0]"),
         (NodeHolds, {"here": [0], "written": None}, "written"),
         (StepDecision, {"step": 1.5, "remote": False}, "step"),
-        (HeldPost, {"ranks": [0], "held": {"x": [[0], 1, [0]]}}, "held"),
+        (HeldSteps, {"x": [1, [[0, 1]], [[0, 1]]]}, "held"),
+        (HeldSteps, {"3": [1, [[0, 2], [1, 3]], [[0, 1]]]}, "held['3'][1][1]"),
+        (HeldSteps, {"3": [1, [[0, 1]], [[2, 2]]]}, "held['3'][2][0]"),
         (HolderClaim, [0, True], "holder ranks[1]"),
     ],
 )
 def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, field: str) -> None:
     with pytest.raises(CoordinationError, match="^" + re.escape(f"t/reads/work/3: field {field!r}")):
         cls.from_json(doc, where="t/reads/work/3")
+
+
+def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> None:
+    a = HeldSteps.of_node((0, 1), {"5": [[0, 1], 8, [0, 1]], "6": [[0, 1], 8, [0, 1]]})
+    b = HeldSteps.of_node((2, 3), {"5": [[2, 3], 8, [2, 3]]})
+    c = HeldSteps.of_node((4, 5, 6, 7), {"5": [[4, 5, 6, 7], 8, [4, 5, 6, 7]], "6": [[6, 7], 8, [6, 7]]})
+    folded = HeldSteps.merge([a, HeldSteps.merge([b, c])])
+    assert folded.steps[5] == Held(8, ((0, 8),), ((0, 8),))  # a whole step is one span, at any size
+    assert folded.steps[6] == Held(8, ((0, 2), (6, 8)), ((0, 2), (4, 8)))
+    assert choose_step(folded, None, set(), world=8, where="w") == 5
+    with pytest.raises(CheckpointNotFoundError, match=re.escape("step 6: the files of saving rank(s) 2-5 are on no "
+                                                                "rank's local tier (restoring rank(s) 2-3 have no copy")):
+        choose_step(folded, 6, set(), world=8, where="w")
 
 
 def test_bytes_that_are_not_json_name_their_key() -> None:

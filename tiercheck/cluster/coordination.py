@@ -261,14 +261,14 @@ class Coordinator:
             self.set(done, "1")
         return Barrier(done, what, self)
 
-    def finish(self, scope: str, *, keys: tuple[str, ...] = ()) -> None:
+    def finish(self, scope: str, *, keys: tuple[str, ...] = (), count: int | None = None) -> None:
         """Leave a protocol whose barriers are all named ``scope/...``, after its last barrier:
         the last rank to leave deletes the barriers' keys (and any failures reported at them, and
         ``keys``, the protocol's others), so the store does not grow with the saves and restores
-        of a long job."""
+        of a long job. ``count``: how many ranks take part (default: every rank)."""
         names = [n for n in self._barriers if n == scope or n.startswith(f"{scope}/")]
         self._barriers = [n for n in self._barriers if n not in names]
-        if self.add(self.key(scope, "finished"), 1) == self.world_size:
+        if self.add(self.key(scope, "finished"), 1) == (self.world_size if count is None else count):
             barriers = [self.key(n, k) for n in dict.fromkeys(names) for k in ("arrived", "open", "error")]
             self.delete(self.key(scope, "finished"), self.key(scope, "error"), *barriers, *keys)
 

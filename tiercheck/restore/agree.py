@@ -6,11 +6,11 @@ fall back together."""
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps
+from tiercheck.cluster.hierarchy import fold, forget_later, tell
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.lineage import abandoned_on, read_lineage
@@ -18,7 +18,7 @@ from tiercheck.format.manifest import JSON
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps, ranges
-from tiercheck.restore.messages import HeldPost, StepDecision, loads
+from tiercheck.restore.messages import HeldSteps, StepDecision, loads, missing
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -69,28 +69,28 @@ def agree_on_step(
     below: int | None = None,
 ) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
-    when given. ``remote_steps`` is called on rank 0 only."""
+    when given. The node leaders fold what their nodes hold up a tree to rank 0
+    (``cluster.hierarchy``), which picks the step and calls ``remote_steps`` (on rank 0 only); each
+    leader reads the answer and tells its node."""
     coord, tier, nodes = job.coord, job.tier, job.nodes
     damaged: dict[int, str] = {}
     held = held_steps(tier, damaged) if coord.rank == nodes.leader else {}
+    answer: bytes | None = None
     if coord.rank == nodes.leader:
-        coord.post(f"{name}/held", dumps(HeldPost(nodes.ranks, held).to_json()))
-    yield coord.arrive(f"{name}/held", what="every node to list its committed steps")
-    answer = coord.key(name, "step")
-    if coord.rank == 0:
         where = f"{name}/held"
-        per_node = [HeldPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
-        remote = set(remote_steps())
-        if below is not None:
-            remote = {s for s in remote if s < below}
-            per_node = [replace(n, held={s: v for s, v in n.held.items() if int(s) < below}) for n in per_node]
-        try:
-            step = choose_step(per_node, requested, remote, world=coord.world_size, where=tier.url)
-            coord.set(answer, dumps(StepDecision(step, step is not None and step in remote).to_json()))
-        except CheckpointNotFoundError as e:
-            coord.set(answer, dumps(StepDecision(None, error=str(e)).to_json()))
-    yield coord.arrive(f"{name}/chosen", what="rank 0 to choose the step to restore")
-    decision = StepDecision.from_json(loads(coord.get(answer), where=answer), where=answer)
+        mine = HeldSteps.of_node(nodes.ranks, held)
+        folded = yield from fold(
+            coord, nodes, where, dumps(mine.to_json()).encode(),
+            lambda parts: dumps(HeldSteps.merge([HeldSteps.from_json(loads(p, where=where), where=where)
+                                                 for p in parts]).to_json()).encode(),
+            what="the nodes to list their committed steps",
+        )  # fmt: skip
+        if folded is not None:  # node 0's leader: every leader is past what it kept for later
+            forget_later(coord)
+            answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
+                             remote_steps, world=coord.world_size, where=tier.url)  # fmt: skip
+    raw = yield from tell(coord, nodes, f"{name}/step", answer, what="rank 0 to choose the step to restore")
+    decision = StepDecision.from_json(loads(raw, where=name), where=name)
     if decision.error is not None:
         raise CheckpointNotFoundError(decision.error)
     if coord.rank != nodes.leader:
@@ -98,30 +98,41 @@ def agree_on_step(
     return StepChoice(decision.step, decision.remote, held, damaged)
 
 
-def choose_step(
-    per_node: list[HeldPost], requested: int | None, remote: set[int], *, world: int, where: str
-) -> int | None:
-    """The step to restore: committed on the remote tier, or whole across the nodes' local
-    directories. ``per_node`` holds each node's ranks and ``held_steps``."""
-    have: dict[int, set[int]] = defaultdict(set)  # step -> saving ranks whose files some node holds
-    saved_world: dict[int, int] = {}
-    holders: dict[int, set[int]] = defaultdict(set)  # step -> restoring ranks holding a copy
-    for node in per_node:
-        for s, (saving, ws, *_) in node.held.items():
-            have[int(s)].update(saving)
-            saved_world[int(s)] = ws
-            holders[int(s)].update(node.ranks)
+def _decide(
+    held: HeldSteps,
+    requested: int | None,
+    below: int | None,
+    remote_steps: Callable[[], list[int]],
+    *,
+    world: int,
+    where: str,
+) -> bytes:
+    """Rank 0's answer: the step every rank restores, or why none can be."""
+    remote = set(remote_steps())
+    if below is not None:
+        remote = {s for s in remote if s < below}
+        held = HeldSteps({s: h for s, h in held.steps.items() if s < below})
+    try:
+        step = choose_step(held, requested, remote, world=world, where=where)
+        decision = StepDecision(step, step is not None and step in remote)
+    except CheckpointNotFoundError as e:
+        decision = StepDecision(None, error=str(e))
+    return dumps(decision.to_json()).encode()
 
-    def missing(s: int) -> list[int]:
-        return sorted(set(range(saved_world[s])) - have[s])
+
+def choose_step(held: HeldSteps, requested: int | None, remote: set[int], *, world: int, where: str) -> int | None:
+    """The step to restore: committed on the remote tier, or whole across the nodes' local
+    directories (``held``: what all of them hold)."""
 
     def lacking(s: int) -> str:
-        without = sorted(set(range(world)) - holders[s])
-        return f"step {s}: the files of saving rank(s) {ranges(missing(s))} are on no rank's local tier" + (
-            f" (restoring rank(s) {ranges(without)} have no copy of the step)" if without else ""
+        h = held.steps[s]
+        without = missing(h.holders, world)
+        return f"step {s}: the files of saving rank(s) {ranges(missing(h.saving, h.world))} are on no rank's " + (
+            f"local tier (restoring rank(s) {ranges(without)} have no copy of the step)" if without else "local tier"
         )
 
-    whole = sorted(remote | {s for s in have if not missing(s)})
+    have = set(held.steps)
+    whole = sorted(remote | {s for s, h in held.steps.items() if not missing(h.saving, h.world)})
     if requested is not None:
         if requested in whole:
             return requested

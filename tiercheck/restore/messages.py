@@ -10,7 +10,8 @@ of every rank's flat cost, ``bench/scale_sim.py``).
 
 Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, ``restore.holders``):
 
-- agreeing on the step: each node leader posts ``HeldPost``; rank 0 sets one ``StepDecision``;
+- agreeing on the step: the node leaders fold their ``HeldSteps`` up a tree to rank 0, which sets one
+  ``StepDecision`` every rank reads;
 - finding holders: each node leader sets its ``NodeHolds`` for its other ranks, and claims saving
   ranks' files with a ``HolderClaim``;
 - planning the reads: each rank posts ``NeedsPost`` to each array coordinator it needs, and each
@@ -19,7 +20,7 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import Need
@@ -38,29 +39,101 @@ from tiercheck.format.manifest import JSON, ArrayRecord
 # -------------------------------------------------------------------------------- agreeing on a step
 
 
+Spans = tuple[tuple[int, int], ...]  # ranks as sorted, disjoint [start, stop) ranges: a whole job is one
+
+
+def spans_of(ranks: Iterable[int]) -> Spans:
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return tuple(out)
+
+
+def union(a: Spans, b: Spans) -> Spans:
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(a + b):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return tuple(out)
+
+
+def missing(spans: Spans, n: int) -> list[int]:
+    """The ranks below ``n`` that ``spans`` leaves out."""
+    out: list[int] = []
+    at = 0
+    for start, stop in spans:
+        out.extend(range(at, min(start, n)))
+        at = max(at, stop)
+    out.extend(range(at, n))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
-class HeldPost:
-    """A node leader's committed steps, to rank 0: its ranks, and ``held_steps`` of its directory
-    (``{step: [saving ranks here, saving world size, those this node wrote]}``)."""
+class Held:
+    """Of one step, what some nodes hold: the saving job's world size, the saving ranks whose files
+    they hold, and the restoring ranks (of those nodes) that hold a copy."""
 
-    ranks: tuple[int, ...]
-    held: dict[str, JSON]
+    world: int
+    saving: Spans
+    holders: Spans
 
-    def to_json(self) -> dict[str, JSON]:
-        return {"ranks": list(self.ranks), "held": self.held}
+
+@dataclass(frozen=True, slots=True)
+class HeldSteps:
+    """The committed steps of some nodes, folded up the leaders' tree to rank 0
+    (``cluster.hierarchy.fold``): its size grows with the steps and with how broken they are (the
+    gaps in their spans), not with the nodes."""
+
+    steps: dict[int, Held]
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str) -> HeldPost:
-        d = _dict(doc, where, "held post")
-        held = _dict(d.get("held"), where, "held")
+    def of_node(cls, ranks: Sequence[int], held: Mapping[str, JSON]) -> HeldSteps:
+        """A node's, from its ranks and ``restore.agree.held_steps`` of its directory."""
+        out, where = {}, "this node's committed steps"
         for s, v in held.items():
+            saving, world, _ = _list(v, where, f"held[{s!r}]", 3)
+            out[int(s)] = Held(_rank(world, where, "world"), spans_of(_ints(saving, where, "saving")), spans_of(ranks))
+        return cls(out)
+
+    @classmethod
+    def merge(cls, parts: Sequence[HeldSteps]) -> HeldSteps:
+        steps: dict[int, Held] = {}
+        for part in parts:
+            for s, h in part.steps.items():
+                have = steps.get(s)
+                steps[s] = h if have is None else Held(have.world, union(have.saving, h.saving),
+                                                        union(have.holders, h.holders))  # fmt: skip
+        return cls(steps)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {str(s): [h.world, [list(x) for x in h.saving], [list(x) for x in h.holders]]
+                for s, h in self.steps.items()}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str) -> HeldSteps:
+        steps = {}
+        for s, v in _dict(doc, where, "held steps").items():
             if not s.isdigit():
                 raise _bad(where, "held", "steps by number", s)
-            saving, world, own = _list(v, where, f"held[{s!r}]", 3)
-            _ints(saving, where, f"held[{s!r}][0]")
-            _rank(world, where, f"held[{s!r}][1]")
-            _ints(own, where, f"held[{s!r}][2]")
-        return cls(_ints(d.get("ranks"), where, "ranks"), held)
+            world, saving, holders = _list(v, where, f"held[{s!r}]", 3)
+            steps[int(s)] = Held(_rank(world, where, f"held[{s!r}][0]"), _spans(saving, where, f"held[{s!r}][1]"),
+                                 _spans(holders, where, f"held[{s!r}][2]"))  # fmt: skip
+        return cls(steps)
+
+
+def _spans(v: object, where: str, field: str) -> Spans:
+    out: list[tuple[int, int]] = []
+    for i, pair in enumerate(_list(v, where, field)):
+        start, stop = (_rank(x, where, f"{field}[{i}]") for x in _list(pair, where, f"{field}[{i}]", 2))
+        if stop <= start or (out and start < out[-1][1]):
+            raise _bad(where, f"{field}[{i}]", "ascending disjoint [start, stop) ranges", pair)
+        out.append((start, stop))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -456,7 +456,7 @@ def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
 
 def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
     """Every rank is past every key of this restore attempt: remove them."""
-    coord.delete(*claimed, *([coord.key(f"{name}/step", "step")] if coord.rank == 0 else []))
+    coord.delete(*claimed)
     coord.finish(name)
 
 

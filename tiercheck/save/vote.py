@@ -10,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
+from tiercheck.cluster.hierarchy import forget_later, node_of
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
@@ -53,7 +54,7 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     per node and a few more in all (rank 0's metadata, the two decisions): O(nodes) per save.
     """
     coord, nodes = job.coord, job.nodes
-    node = _node(coord)
+    node = node_of(coord)
     step, rank, leader = outcome.step, coord.rank, coord.rank == job.nodes.leader
     name = f"{outcome.vote}/{step}/{outcome.attempt}"
     decided, done = coord.key(name, "outcome"), coord.key(name, "committed")
@@ -97,7 +98,8 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     if verdict != _OK:
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
     if leader and nodes.number == 0:
-        _forget_older_votes(coord, [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")])
+        forget_later(coord)  # every leader counted in at this vote: each is past the votes before it
+        coord.later = [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")]
 
 
 _OK = "ok:"  # a verdict that lets the save go on; anything else says why not
@@ -108,12 +110,6 @@ def _leave(node: Coordinator, name: str) -> None:
     need deleting where the node's leader, and with it the node's store, is gone)."""
     with suppress(CoordinationError):
         node.finish(name, keys=(node.key(name, "outcome"), node.key(name, "committed")))
-
-
-def _node(coord: Coordinator) -> Coordinator:
-    if coord.node is None:
-        raise CoordinationError(f"rank {coord.rank}: no channel to its node (cluster.nodes.open_channel)")
-    return coord.node
 
 
 def _write_parts(job: Job, outcome: RankOutcome, meta_key: str) -> BaseException | None:
@@ -154,7 +150,7 @@ def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchang
     """The job's decision at ``key``: the leader reads it from the job's store and tells its node,
     the node's other ranks read it from the node. A rank that gives up waiting decides it with why
     (the first decision wins, so every rank reads the same one)."""
-    coord, node = job.coord, _node(job.coord)
+    coord, node = job.coord, node_of(job.coord)
     leader = coord.rank == job.nodes.leader
     try:
         raw = yield Barrier(key, what, coord, fetch=True) if leader else Barrier(node.key(name, what_key), what, node,
@@ -166,14 +162,6 @@ def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchang
     if leader:
         node.set(node.key(name, what_key), verdict)
     return verdict
-
-
-def _forget_older_votes(coord: Coordinator, keys: list[str]) -> None:
-    """Node 0's leader, once every leader has counted in at a vote that succeeded (so each has read
-    all of the votes before it): delete the earlier votes' keys from the job's store, and remember
-    this vote's for the next one. A few requests per save in all, none per node."""
-    coord.delete(*coord.later)
-    coord.later = keys
 
 
 def commit_job(job: Job, save: PendingSave, *, library_version: str, vote: str = "save") -> None:

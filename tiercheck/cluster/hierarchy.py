@@ -1,0 +1,98 @@
+"""Agreement in two levels, so that neither the job's store nor any one rank hears from every rank.
+
+A node's ranks meet in their node's store (``Coordinator.node``, served by the node's leader:
+``cluster.nodes.open_channel``); only the leaders meet in the job's store. Where the leaders must
+pool what each node knows (the steps each holds, for a restore), they fold it up a tree over their
+node numbers, ``FAN_IN`` children to a parent, to node 0's leader (rank 0): no rank reads more than
+``FAN_IN`` values, and the tree of 16,384 nodes is three levels deep. The answer comes back down in
+one key every leader reads, and each leader tells its node.
+
+Per node and per use, the job's store sees a few requests (a barrier: two; a fold: a value set, read
+and deleted; an answer: one read), so its load grows with the nodes, not the ranks; a rank's own
+traffic stays the same at any size. Keys a protocol leaves behind are deleted by node 0's leader at
+the next fold or vote, once every leader is known to be past them (``Coordinator.later``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange
+from tiercheck.cluster.nodes import Nodes
+from tiercheck.errors import CoordinationError
+
+FAN_IN = 32  # children per parent in a fold: 3 levels for 16,384 nodes, 4 for up to a million
+
+
+def node_of(coord: Coordinator) -> Coordinator:
+    """This rank's node's coordinator (set as the job starts)."""
+    if coord.node is None:
+        raise CoordinationError(f"rank {coord.rank}: no channel to its node (cluster.nodes.open_channel)")
+    return coord.node
+
+
+def everyone(coord: Coordinator, nodes: Nodes, name: str, *, what: str) -> Exchange[None]:
+    """A barrier of every rank of the job: the node's ranks count in at their node, its leader at
+    the job's store once all of them have, and tells them when every node has."""
+    node = node_of(coord)
+    here = node.arrive(f"{name}/in", what=f"this node's ranks: {what}")
+    out = node.key(name, "out")
+    if coord.rank != nodes.leader:
+        yield Barrier(out, what, node)
+        node.finish(name, keys=(out,))
+        return
+    yield here
+    yield coord.arrive(name, what=f"every node: {what}", count=nodes.count)
+    node.set(out, "1")
+    node.finish(name, keys=(out,))
+    coord.finish(name, count=nodes.count)
+
+
+def fold(
+    coord: Coordinator, nodes: Nodes, name: str, value: bytes, merge: Callable[[list[bytes]], bytes], *, what: str
+) -> Exchange[bytes | None]:
+    """Leaders only: every node's ``value`` folded with ``merge`` (over a list: the node's own
+    first, then its children's, each already folded) up the tree to node 0's leader, which gets
+    the fold of all of them; the other leaders get None."""
+    k = nodes.number
+    values = [value]
+    for child in range(FAN_IN * k + 1, min(FAN_IN * (k + 1), nodes.count - 1) + 1):
+        key = coord.key(name, "up", child)
+        values.append(bytes((yield Barrier(key, what, coord, fetch=True))))
+        coord.delete(key)
+    folded = merge(values) if len(values) > 1 else value
+    if k == 0:
+        return folded
+    coord.set(coord.key(name, "up", k), folded)
+    return None
+
+
+def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, what: str) -> Exchange[bytes]:
+    """Every rank learns node 0's leader's ``answer`` (given there only): each leader reads it from
+    the job's store, the node's other ranks from their leader. Node 0's leader deletes it at its
+    next fold (``forget_later``)."""
+    node = node_of(coord)
+    key = coord.key(name, "answer")
+    if coord.rank == nodes.leader:
+        if nodes.number == 0:
+            if answer is None:
+                raise CoordinationError(f"rank {coord.rank}: node 0's leader has no answer to tell at {name}")
+            coord.set(key, answer)
+            coord.later.append(key)
+            got = answer
+        else:
+            got = bytes((yield Barrier(key, what, coord, fetch=True)))
+        if len(nodes.ranks) > 1:
+            node.set(node.key(name, "answer"), got)
+    else:
+        got = bytes((yield Barrier(node.key(name, "answer"), what, node, fetch=True)))
+    if len(nodes.ranks) > 1:
+        node.finish(f"{name}/answer", keys=(node.key(name, "answer"),))
+    return got
+
+
+def forget_later(coord: Coordinator) -> None:
+    """Node 0's leader, where every leader is known to be past the keys it kept for later (it
+    heard from all of them since): delete them."""
+    coord.delete(*coord.later)
+    coord.later = []
