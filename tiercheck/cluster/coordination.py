@@ -168,6 +168,14 @@ class Coordinator:
         self._count(out=len(key), into=len(value))
         return value
 
+    def waited(self, key: str) -> None:
+        """Count a wait for ``key`` that ``lockstep`` passed: the one request it is in ``drive``."""
+        self._count(out=len(key))
+
+    def fork(self, store: Any, *, rank: int, world_size: int, namespace: str) -> Coordinator:
+        """A coordinator of this rank over another store (its node's), with this one's timeout."""
+        return type(self)(store, rank=rank, world_size=world_size, namespace=namespace, timeout_s=self.timeout_s)
+
     def has(self, key: str) -> bool:
         self._count(out=len(key))
         try:
@@ -399,7 +407,7 @@ def lockstep(protocols: list[Exchange[T]], *, capture: bool = False) -> list[T]:
             try:
                 barrier = waiting[i] = protocols[i].send(value) if barrier is not None else next(protocols[i])
                 if not barrier.fetch and barrier.on is not None:
-                    barrier.on._count(out=len(barrier.key))  # the wait's one request
+                    barrier.on.waited(barrier.key)
             except StopIteration as stop:
                 results[i] = stop.value
                 del waiting[i]

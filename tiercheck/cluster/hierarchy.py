@@ -86,7 +86,10 @@ def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, w
             node.set(node.key(name, "answer"), got)
     else:
         got = bytes((yield Barrier(node.key(name, "answer"), what, node, fetch=True)))
-    if len(nodes.ranks) > 1:
+    if len(nodes.ranks) > 1:  # the leader may exit next, and its store with it: its ranks read first
+        read = node.arrive(f"{name}/answer/read", what="this node's ranks to read the answer")
+        if coord.rank == nodes.leader:
+            yield read
         node.finish(f"{name}/answer", keys=(node.key(name, "answer"),))
     return got
 

@@ -124,8 +124,7 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     local = nodes.ranks.index(coord.rank)
     namespace = f"{coord.namespace}/node{nodes.number}"
     if len(nodes.ranks) == 1 or nodes.count == 1:
-        node = Coordinator(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace,
-                           timeout_s=coord.timeout_s)  # fmt: skip
+        node = coord.fork(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
         node.owns_client = coord.owns_client
         return node
     key = coord.key("nodes", "channel", nodes.number)
@@ -135,7 +134,7 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     else:
         address = (yield Barrier(key, "the node's leader to serve its store", coord, fetch=True)).decode()
         store = connect(address)
-    node = Coordinator(store, rank=local, world_size=len(nodes.ranks), namespace=namespace, timeout_s=coord.timeout_s)
+    node = coord.fork(store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
     node.owns_client = True
     yield node.arrive("channel", what="every rank of the node to reach its store")
     node.finish("channel")

@@ -5,8 +5,8 @@ failure anywhere withdraws the step everywhere (``commit_save``, a sans-I/O prot
 from __future__ import annotations
 
 import json
+import logging
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
@@ -22,6 +22,8 @@ from tiercheck.format.manifest import (
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.save.handle import PendingSave
 from tiercheck.save.messages import CommitMeta
+
+log = logging.getLogger("tiercheck")
 
 # ------------------------------------------------------------------------------------ commit
 
@@ -65,23 +67,25 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
         arrived = node.arrive(f"{name}/in", what=f"the ranks of this node to write step {step}")
     except CoordinationError as e:  # the node's leader, whose process serves the node's store, is gone
         coord.decide(decided, f"rank {rank} lost its node's leader: {e}")
+    whole = leader  # whether the leader waits for its node's ranks as it leaves (all of them arrived)
     if error is not None:
         if leader:
             node.set(node.key(name, "outcome"), coord.get(decided))
-        _leave(node, name)
+        yield from _leave(node, name, leader=whole)
         raise error
     if leader:
         try:
             yield arrived
         except CoordinationError as e:  # a rank of this node died, or hangs: the step fails everywhere
             coord.decide(decided, str(e))
+            whole = False  # so it does not wait for that rank again as it leaves
         else:
             if coord.add(coord.key(name, "arrived"), 1) == nodes.count:
                 meta = coord.get(coord.key(name, "meta")).decode()
                 coord.decide(decided, f"{_OK}{meta}")
     verdict = yield from _verdict(job, name, "outcome", decided, f"the other ranks to write step {step}")
     if not verdict.startswith(_OK):
-        _leave(node, name)
+        yield from _leave(node, name, leader=whole)
         raise CoordinationError(f"step {step} was not committed: {verdict}")
     if leader:
         try:
@@ -91,10 +95,10 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
         except BaseException as e:
             coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
             node.set(node.key(name, "committed"), coord.get(done))
-            _leave(node, name)
+            yield from _leave(node, name, leader=whole)
             raise
     verdict = yield from _verdict(job, name, "committed", done, f"every node to commit step {step}")
-    _leave(node, name)
+    yield from _leave(node, name, leader=whole)
     if verdict != _OK:
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
     if leader and nodes.number == 0:
@@ -105,11 +109,17 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
 _OK = "ok:"  # a verdict that lets the save go on; anything else says why not
 
 
-def _leave(node: Coordinator, name: str) -> None:
-    """Done with a vote at this node: the last of its ranks deletes the vote's keys there (none
-    need deleting where the node's leader, and with it the node's store, is gone)."""
-    with suppress(CoordinationError):
+def _leave(node: Coordinator, name: str, *, leader: bool) -> Exchange[None]:  # leader: wait for the others
+    """Done with a vote at this node. The leader, whose process serves the node's store, waits for
+    its node's ranks to be done too (it may exit next); the last of them deletes the vote's keys
+    there. Where the leader is gone, so is the node's store: nothing is left to delete."""
+    try:
+        done = node.arrive(f"{name}/left", what="this node's ranks to read the vote's outcome")
+        if leader:
+            yield done
         node.finish(name, keys=(node.key(name, "outcome"), node.key(name, "committed")))
+    except CoordinationError as e:  # the outcome stands; only the node's keys are left behind
+        log.debug("leaving vote %s at the node: %s", name, e)
 
 
 def _write_parts(job: Job, outcome: RankOutcome, meta_key: str) -> BaseException | None:
