@@ -489,3 +489,30 @@ def test_a_node_that_lost_its_memory_restores_from_its_peers_memory(shm: Path) -
     for rank in (0, 1):
         shutil.rmtree(shm / f"node{rank}" / step_dir(3))  # persisted at close: only memory holds it now
     assert run_ranks(_two_ranks, 2, str(shm), "restore", False, 1) == [3, 3]
+
+
+def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, int]:
+    """``_two_ranks``' restore, each rank a node: the step, and where its chunks came from."""
+    state = _state(0)
+    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
+    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory) as ck:
+        step = ck.restore()
+        assert_identical(state, _state(3))
+        got = ck.stats()
+    return step, got["restore_from_memory"], got["restore_local_reads"]
+
+
+def test_two_nodes_read_a_chunk_damaged_in_one_nodes_memory_from_that_nodes_local_directory(
+    shm: Path, tmp_path: Path
+) -> None:
+    shm.mkdir()
+    root = shm
+    run_ranks(_two_ranks, 2, str(root), "save")  # the clean close persisted step 3 to both local directories
+    steps = [_memory_dir(root / f"shm{r}", root / f"node{r}") / step_dir(3) for r in (0, 1)]
+    holder = next(r for r, step in enumerate(steps) if "c.0.0" in chunks_of(step, "w"))
+    flip_chunk_byte(steps[holder], "w", "c.0.0", 5)
+    counts = run_ranks(_restore_counting, 2, str(root))
+    assert [c[:2] for c in counts] == [(3, 1), (3, 1)], "both ranks restored step 3 from memory"
+    assert [c[2] for c in counts] == [int(r == holder) for r in (0, 1)], (
+        "the damaged chunk alone, read from its node's local directory by the rank reading it"
+    )
