@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import tiercheck
+from tests.cli import run
 from tests.conftest import assert_identical
 from tests.distributed import run_ranks
 from tests.killed import die
+from tests.ondisk import chunks_of, flip_chunk_byte
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, ReplicationOptions, StagingOptions
 from tiercheck.errors import InvalidArgumentError
 from tiercheck.format.paths import pack_file, replica_marker, step_dir
@@ -171,22 +173,79 @@ def test_with_the_memory_gone_a_restart_reads_the_local_directory(shm: Path, tmp
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_a_damaged_memory_copy_falls_back_to_the_local_directory(
+def test_a_flipped_byte_in_a_memory_chunk_reads_that_chunk_from_the_local_directory(
     shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, in_place: bool
 ) -> None:
     local = tmp_path / "ckpt"
-    die(_save_and_die, str(local), str(shm), 1, [1, 2])
-    pack = _memory_dir(shm, local) / step_dir(2) / pack_file(0)
-    with open(pack, "r+b") as f:  # one flipped bit in the first chunk, in the slot itself
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 1]))
+    die(_save_and_die, str(local), str(shm), 1, [1, 2])  # step 2 in memory and on the local directory
+    memory = _memory_dir(shm, local) / step_dir(2)
+    assert chunks_of(memory, "b"), "the state has another chunk, read from memory"
+    flip_chunk_byte(memory, "w", "c.0.0", 5)  # one flipped bit in the slot itself
     restored = _state(9)
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm)) as ck:
         assert ck.restore(in_place=in_place) == 2
+        got = ck.stats()
     assert_identical(restored, _state(2))
-    assert "cannot restore step 2 from the memory tier" in caplog.text
+    assert got["restore_from_memory"] == 1, "the step came from memory"
+    assert (got["restore_fallbacks"], got["restore_local_reads"], got["restore_remote_reads"]) == (1, 1, 0), (
+        "that chunk alone was read from the local directory"
+    )
+    assert f"reading it from {LocalTier(local).url} instead" in caplog.text
+    assert "cannot restore step 2 from the memory tier" not in caplog.text
+
+
+def _another_save_of_step_3(local: Path, elsewhere: Path) -> None:
+    """The local directory gets step 3 of another save (another job's, state ``_state(33)``)."""
+    with Checkpointer(_state(33), local=elsewhere) as ck:
+        ck.save(3).wait()
+    shutil.copytree(elsewhere / step_dir(3), local / step_dir(3))
+
+
+@pytest.mark.parametrize("copy", ["none", "local", "remote", "another save"])
+def test_a_damaged_chunk_of_a_memory_only_step_is_read_from_a_copy_of_the_same_save_or_the_restore_says_so(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, copy: str
+) -> None:
+    """persist_every=2: step 3 is in memory only (the local directory has step 2). A chunk of it damaged
+    in memory is read from a copy of the same save where one exists (``tiercheck persist`` made one on
+    the local directory and the remote; "remote": the local one lost since), never an older step. Where
+    none does, the restore falls back as before the chunk fallback, and says so; a copy of another save
+    of step 3 is never read for the chunk (the step restored is all of that save)."""
+    local, remote = tmp_path / "ckpt", tmp_path / "remote"
+    die(_save_and_die, str(local), str(shm), 2, [1, 2, 3])
+    assert list_steps(LocalTier(local)).committed == [2]
+    if copy in ("local", "remote"):
+        run("persist", str(local), "--memory", str(shm), "--remote", f"file://{remote}")
+        assert list_steps(LocalTier(remote)).committed[-1] == 3
+    if copy == "remote":
+        shutil.rmtree(local / step_dir(3))
+    if copy == "another save":
+        _another_save_of_step_3(local, tmp_path / "elsewhere")
+    flip_chunk_byte(_memory_dir(shm, local) / step_dir(3), "w", "c.0.0", 5)
+    restored = _state(9)
+    memory = MemoryOptions(path=shm, persist_every=2)
+    with Checkpointer(restored, local=local, memory=memory, remote=f"file://{remote}" if copy != "none" else None) as ck:
+        step = ck.restore()
+        got = ck.stats()
+    if copy in ("local", "remote"):
+        assert step == 3
+        assert_identical(restored, _state(3))
+        assert (got["restore_from_memory"], got["restore_fallbacks"]) == (1, 1)
+        assert got["restore_local_reads"] == int(copy == "local"), "the damaged chunk's tier: local, else the remote"
+        assert f"reading it from {local if copy == 'local' else remote} instead" in caplog.text
+        assert list_steps(LocalTier(local)).committed[-1] == 3, "persisted, the damaged chunk from the remote"
+        assert_identical(tiercheck.load(local, step=3), _state(3))
+        assert "cannot restore step 3 from the memory tier" not in caplog.text
+        return
+    assert got["restore_from_memory"] == 0
+    said = next(r.getMessage() for r in caplog.records if "cannot restore step 3 from the memory tier" in r.getMessage())
+    assert "no other tier holds that save of it" in said
+    if copy == "none":
+        assert "which may restore an older step" in said
+        assert step == 2, "the newest step no tier holds whole is lost, and the restore says so"
+        assert_identical(restored, _state(2))
+    else:
+        assert step == 3
+        assert_identical(restored, _state(33)), "all of the other save, not one chunk of it among memory's"
 
 
 def test_another_lineages_memory_is_never_restored(
@@ -430,3 +489,30 @@ def test_a_node_that_lost_its_memory_restores_from_its_peers_memory(shm: Path) -
     for rank in (0, 1):
         shutil.rmtree(shm / f"node{rank}" / step_dir(3))  # persisted at close: only memory holds it now
     assert run_ranks(_two_ranks, 2, str(shm), "restore", False, 1) == [3, 3]
+
+
+def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, int]:
+    """``_two_ranks``' restore, each rank a node: the step, and where its chunks came from."""
+    state = _state(0)
+    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
+    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory) as ck:
+        step = ck.restore()
+        assert_identical(state, _state(3))
+        got = ck.stats()
+    return step, got["restore_from_memory"], got["restore_local_reads"]
+
+
+def test_two_nodes_read_a_chunk_damaged_in_one_nodes_memory_from_that_nodes_local_directory(
+    shm: Path, tmp_path: Path
+) -> None:
+    shm.mkdir()
+    root = shm
+    run_ranks(_two_ranks, 2, str(root), "save")  # the clean close persisted step 3 to both local directories
+    steps = [_memory_dir(root / f"shm{r}", root / f"node{r}") / step_dir(3) for r in (0, 1)]
+    holder = next(r for r, step in enumerate(steps) if "c.0.0" in chunks_of(step, "w"))
+    flip_chunk_byte(steps[holder], "w", "c.0.0", 5)
+    counts = run_ranks(_restore_counting, 2, str(root))
+    assert [c[:2] for c in counts] == [(3, 1), (3, 1)], "both ranks restored step 3 from memory"
+    assert [c[2] for c in counts] == [int(r == holder) for r in (0, 1)], (
+        "the damaged chunk alone, read from its node's local directory by the rank reading it"
+    )

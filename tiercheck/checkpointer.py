@@ -389,7 +389,9 @@ class Checkpointer:
         (received through shared memory), ``restore_unstaged_bytes`` (filled straight from shared
         memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
         ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
-        (read straight into the state) and ``restore_copied_up_bytes`` (staged on the host for a GPU).
+        (read straight into the state), ``restore_copied_up_bytes`` (staged on the host for a GPU),
+        ``restore_from_memory`` (1: the step came from the memory tier) and ``restore_local_reads`` (chunks
+        such a restore read from the local directory, where memory's copy was damaged).
         With an object-store remote: ``drain_part_buffer_bytes`` (the bound on memory its parts
         hold) and ``drain_part_bytes_peak``.
         """

@@ -5,9 +5,12 @@ steps in it are committed by the save's vote (a vote of its own, before the loca
 the usual restore. What this module adds is the choice between tiers, made alike on every rank:
 
 * A restore reads the memory tier when the newest step whole in the memory of every node is at
-  least as new as the newest step the local and remote tiers offer (or is the step asked for). It
-  reads it all or nothing; where the memory copy turns out damaged or incomplete, the restore falls
-  back to the local and remote tiers, as if the memory held nothing.
+  least as new as the newest step the local and remote tiers offer (or is the step asked for). A
+  chunk missing or damaged in memory is read from the next tier holding the same save of the step
+  (its commit marker names the same save): the node's local directory, else the remote tier, by the
+  restore's own fallback for a damaged local chunk (``restore.read``). Only where no tier holds that
+  save, or its copy is damaged too, does the restore read the local and remote tiers instead, as if
+  the memory held nothing (an older step, when the step was in memory only).
 * A memory step belongs to the lineage of the node-local directory it was saved for (invariants
   11 and 13): a memory directory whose owner is not that lineage is never restored, and is
   withdrawn, with a warning, before this run saves.
@@ -28,7 +31,7 @@ from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
 from tiercheck.format.lineage import lineage_id, memory_owner, owns_memory
 from tiercheck.format.paths import MEMORY_OWNER_FILE
-from tiercheck.format.steps import list_steps
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import ReplicationOptions
 from tiercheck.restore.agree import agree_on_step, remote_steps
 from tiercheck.restore.protocol import Restored, RestoreRequest, restore_state
@@ -40,9 +43,9 @@ from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.memory_peers import MemoryPeers
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
-
 
 
 class Memory:
@@ -126,22 +129,49 @@ class Memory:
                 return None
         # In place only where the fallback overwrites whatever a failed attempt wrote: every tensor (strict).
         in_place = request.in_place and request.strict
+        backup = self._backup(mem)
+        job = replace(self.job, remote=backup)
         try:
-            done = restore_state(state, self.job, replace(request, step=mem, in_place=in_place), name=f"{name}/m")
-        except PartlyRestoredError as e:
-            if not in_place:
+            done = restore_state(state, job, replace(request, step=mem, in_place=in_place), name=f"{name}/m")
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            partly = isinstance(e, PartlyRestoredError)
+            if partly and not in_place:
                 raise
             if coord.rank == 0:
-                log.warning("cannot restore step %d from the memory tier (read in part, in place), reading the other "
-                            "tiers: %s", mem, e)  # fmt: skip
+                log.warning("cannot restore step %d from the memory tier%s, %s; reading the other tiers, which may "
+                            "restore an older step: %s", mem, " (read in part, in place)" if partly else "",
+                            _no_backup(backup), e)  # fmt: skip
             return None
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-            if coord.rank == 0:
-                log.warning("cannot restore step %d from the memory tier, reading the other tiers: %s", mem, e)
+        if done is None:
             return None
-        if done is not None:
-            log.info("restored step %d from the memory tier at %s", done.step, self.slots.root.url)
+        # The step came from memory, whatever the backup supplied: not "from the remote" (that would
+        # populate the local directory from there). What the restore read from its "remote" (planned,
+        # or after a bad copy: ``fallbacks``) was read from the local directory where that is the backup.
+        if backup is not None and backup is self.local_job.tier:
+            done = replace(done, remote_reads=0, local_reads=done.remote_reads + done.fallbacks)
+        done = replace(done, from_remote=False, from_memory=True)
+        log.info("restored step %d from the memory tier at %s%s", done.step, self.slots.root.url,
+                 f" ({done.fallbacks} chunk(s) read from {backup.url} after a bad copy in memory)"
+                 if done.fallbacks and backup is not None else "")  # fmt: skip
         return done
+
+    def _backup(self, step: int) -> Tier | None:
+        """The tier a memory chunk of ``step`` missing or damaged here is read from: this node's local
+        directory, else the remote tier, the first whose commit marker of ``step`` names the save the
+        memory's does (invariant: a chunk is read only from a copy of its own save). None: neither.
+
+        Each node chooses its own; rank 0's choice says whether any node reads a backup at all (the
+        restore's ``from_remote``). The local directory holds this node's ranks' files only: a
+        damaged chunk of a peer's copy in memory, or a node whose memory manifest is damaged (it
+        then reads all of the step from the backup, as a node holding none of it), may find
+        nothing there, and the restore then fails and falls back whole, as without a backup."""
+        save = _save_of(self.slots.root, step)
+        if save is None:
+            return None
+        for tier in (self.local_job.tier, self.local_job.remote):
+            if tier is not None and _save_of(tier, step) == save:
+                return tier
+        return None
 
     def _choose(self, name: str, requested: int | None) -> int | None:
         """The step every rank would restore from memory (None: none, or not the one asked for)."""
@@ -170,9 +200,18 @@ class Memory:
                             step, self.local_job.tier.url, e)  # fmt: skip
 
     def persist(self, step: int, *, local: LocalSteps, tiers: TierManager) -> None:
-        """Copy this node's files of memory step ``step`` to the local tier, committed there."""
-        nodes = self.local_job.nodes
-        copy_step(self.slots.root, self.local_job.tier, step, ranks=set(nodes.ranks))
+        """Copy this node's files of memory step ``step`` to the local tier, committed there. A chunk
+        damaged in memory (the restore read it from the remote tier) is copied from the remote
+        tier, where it holds the same save: the copy resumes, keeping what memory gave whole."""
+        ranks, dst = set(self.local_job.nodes.ranks), self.local_job.tier
+        try:
+            copy_step(self.slots.root, dst, step, ranks=ranks)
+        except CorruptCheckpointError as e:
+            remote = self.local_job.remote
+            if remote is None or _save_of(remote, step) != _save_of(self.slots.root, step):
+                raise
+            log.warning("step %d is damaged in the memory tier, persisting it from %s: %s", step, remote.url, e)
+            copy_step(remote, dst, step, ranks=ranks)
         local.add(step)
         local.whole(step)
         tiers.committed(step, Future(), Future())
@@ -202,3 +241,18 @@ class Memory:
                 self._owner = None
         if not self.options.keep_at_close:
             self.slots.remove()
+
+
+def _save_of(tier: Tier, step: int) -> str | None:
+    """The save ``tier``'s commit marker of ``step`` names; None where it holds no readable one."""
+    try:
+        return read_marker(tier, step).save_id
+    except (TiercheckError, OSError):
+        return None
+
+
+def _no_backup(backup: Tier | None) -> str:
+    """Why a damaged memory copy of a step was not made whole from another tier."""
+    if backup is None:
+        return "and no other tier holds that save of it"
+    return f"nor from {backup.url}, which holds that save of it"

@@ -60,6 +60,8 @@ class Restored:
     passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
     read_in_place: int = 0  # bytes read straight into the state's own tensors (no staging copy)
     copied_up: int = 0  # bytes staged in host memory for GPU tensors, copied up through page-locked buffers
+    from_memory: bool = False  # the step was restored from the memory tier (``tiercheck.memory``)
+    local_reads: int = 0  # chunks a restore from the memory tier read from the local tier (bad in memory)
 
     def counters(self) -> dict[str, int]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
@@ -75,6 +77,8 @@ class Restored:
             "restore_read_direct_bytes": self.read_direct,
             "restore_in_place_bytes": self.read_in_place,
             "restore_copied_up_bytes": self.copied_up,
+            "restore_from_memory": int(self.from_memory),
+            "restore_local_reads": self.local_reads,
         }
 
 
