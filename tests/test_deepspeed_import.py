@@ -1,0 +1,133 @@
+"""``tiercheck import`` of checkpoints DeepSpeed wrote itself (its engine's ``torch.save`` files, ZeRO-2 on CPU,
+gloo, real processes): the step restores through the DeepSpeed plugin into a fresh engine bit-identical (parameters,
+ZeRO's optimizer partitions, DeepSpeed's counters, the ``client_state``) and the run continues as the
+uninterrupted one; a tag whose files need pickle is refused without the opt-in, naming the file."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.cli import run
+from tests.test_deepspeed import (
+    _TEST_LIMIT_S,
+    _assert_identical,
+    _config,
+    _engine,
+    _launch,
+    _shm_op_built,  # noqa: F401 - the module fixture that compiles DeepSpeed's op once, before any launch
+    _snapshot,
+    _train,
+)
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(_TEST_LIMIT_S, func_only=True)]
+
+STAGE, SAVE_AT, STEPS = 2, 4, 6
+
+
+class Opaque:
+    """A user's object in ``client_state``: not among the types allowed without pickle."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _native(stage: int, world_size: int, seed: int) -> Any:
+    """An engine with DeepSpeed's own checkpoint engine: its saves are ``torch.save`` files, no tiercheck."""
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    config = _config(stage, world_size)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _save_natively(rank: int, world_size: int, tmp: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DeepSpeed's own save of tag ``global_stepN``, then a later tag whose ``client_state`` holds a class of the
+    user's (``latest`` names it); returns this rank's state at the save and after the uninterrupted run."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    native_dir = os.path.join(tmp, "native")
+    native = _native(STAGE, world_size, seed=0)
+    _train(native, range(SAVE_AT), rank)
+    native.save_checkpoint(native_dir, tag=f"global_step{SAVE_AT}", client_state={"epoch": 7})
+    at_save = _snapshot(native)
+    _train(native, range(SAVE_AT, STEPS), rank)
+    native.save_checkpoint(native_dir, tag="opaque", client_state={"obj": Opaque(3)})
+    uninterrupted = _snapshot(native)
+    native.destroy()
+    return at_save, uninterrupted
+
+
+def _resume(rank: int, world_size: int, tmp: str, expected: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """A fresh engine with the plugin, its local directory the imported step's: restores it, then trains on."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    at_save, uninterrupted = expected[rank]
+    resumed = os.path.join(tmp, "resumed")  # a save_dir of its own: the pointers go there
+    fresh = _engine(STAGE, world_size, seed=1, local=os.path.join(tmp, "ck"))
+    before = fresh.module.state_dict()
+    assert not all(torch.equal(before[k], v) for k, v in at_save["module"].items())  # the load has work to do
+    load_path, client_state = fresh.load_checkpoint(resumed)  # no tag: the newest tiercheck step
+    assert load_path == os.path.join(resumed, f"global_step{SAVE_AT}", "mp_rank_00_model_states.pt"), load_path
+    assert client_state["epoch"] == 7, client_state
+    _assert_identical(_snapshot(fresh), at_save)
+    _train(fresh, range(SAVE_AT, STEPS), rank)
+    _assert_identical(_snapshot(fresh), uninterrupted)
+    fresh.destroy()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_deepspeed_checkpoint_imports_and_resumes_bit_identical(tmp_path: Path, world_size: int) -> None:
+    """ZeRO-2 on 1 and 2 ranks: the files one process imports (every rank's optimizer partition) go back to
+    their ranks, through the plugin's load_checkpoint."""
+    from tiercheck.errors import UnsafeCheckpointError
+    from tiercheck.format.steps import read_manifest
+    from tiercheck.integrations.importer import import_checkpoint
+    from tiercheck.tiers.local import LocalTier
+
+    expected = _launch(_save_natively, world_size, str(tmp_path), timeout=180)
+    native_dir = tmp_path / "native"
+    model_file = native_dir / "opaque" / "mp_rank_00_model_states.pt"
+    with pytest.raises(UnsafeCheckpointError, match=rf"{re.escape(str(model_file))} needs unpickling .*--allow-pickle"):
+        import_checkpoint(native_dir, tmp_path / "refused")  # the tag `latest` names
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+    trusted = import_checkpoint(native_dir, tmp_path / "trusted", allow_pickle=True)
+    assert (trusted.step, trusted.tag) == (STEPS, "opaque")  # numbered by its global_steps
+
+    ck = tmp_path / "ck"
+    done = run("import", str(native_dir), "--tag", f"global_step{SAVE_AT}", "--to", str(ck))
+    assert f"(DeepSpeed checkpoint 'global_step{SAVE_AT}') as step {SAVE_AT} of {ck}" in done.stdout
+    manifest = read_manifest(LocalTier(ck), SAVE_AT)
+    assert manifest.metadata == {"deepspeed": {"tag": f"global_step{SAVE_AT}"}}
+    files = {path.split("/")[0] for path in manifest.arrays}
+    partitions = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)}
+    assert files == {"mp_rank_00_model_states.pt", *partitions}, files
+
+    shutil.rmtree(native_dir)  # the resumed run reads the imported step alone
+    _launch(_resume, world_size, str(tmp_path), expected, timeout=180)
+
+
+def test_import_refuses_a_source_that_is_not_one_deepspeed_tag(tmp_path: Path) -> None:
+    """Told before anything is written: a missing tag, --tag for another format, a --step that is not the
+    checkpoint's own, the plugin's pointer files (already a tiercheck step)."""
+    tag = tmp_path / "ds" / "global_step3"
+    tag.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "ds" / "latest").write_text("global_step3")
+    missing = run("import", str(tmp_path / "ds"), "--tag", "global_step9", "--to", str(tmp_path / "ck"), check=False)
+    assert missing.returncode == 1 and "global_step9: no such DeepSpeed tag folder" in missing.stderr
+    wrong = run("import", str(tmp_path / "ds"), "--step", "5", "--to", str(tmp_path / "ck"), check=False)
+    assert wrong.returncode == 1 and "--step 5:" in wrong.stderr and "global_steps=3" in wrong.stderr
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    other = run("import", str(tmp_path / "a.pt"), "--tag", "x", "--to", str(tmp_path / "ck"), check=False)
+    assert other.returncode == 1 and "not a DeepSpeed checkpoint" in other.stderr
+    (tag / "mp_rank_00_model_states.pt").write_text('{"format": "tiercheck-deepspeed-pointer", "step": 3}')
+    ours = run("import", str(tag), "--to", str(tmp_path / "ck"), check=False)
+    assert ours.returncode == 1 and "is a tiercheck step already" in ours.stderr
+    assert not (tmp_path / "ck").exists()
