@@ -131,3 +131,29 @@ def test_import_refuses_a_source_that_is_not_one_deepspeed_tag(tmp_path: Path) -
     ours = run("import", str(tag), "--to", str(tmp_path / "ck"), check=False)
     assert ours.returncode == 1 and "is a tiercheck step already" in ours.stderr
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("tag", ["global_step7", "mytag"])
+def test_the_command_the_foreign_checkpoint_error_names_for_a_deepspeed_tag_imports_it(tmp_path: Path, tag: str) -> None:
+    """A Checkpointer pointed at DeepSpeed's save_dir stops, naming `tiercheck import` for the newest tag (a
+    `global_stepN/` one, or whatever `latest` names); that command writes the tag as a step, and then the same
+    restore finds it instead of stopping."""
+    import tiercheck
+    from tiercheck.errors import ForeignCheckpointError
+
+    (tmp_path / tag).mkdir()
+    saved = {"module": {"w": torch.arange(6.0)}, "global_steps": 7, "epoch": 2}
+    torch.save(saved, tmp_path / tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text(tag)
+    state: dict[str, Any] = {"mp_rank_00_model_states.pt": {"module": {"w": torch.zeros(6)}, "global_steps": 0,
+                                                            "epoch": 0}}  # fmt: skip
+    with pytest.raises(ForeignCheckpointError) as e, tiercheck.Checkpointer(state, local=tmp_path) as ck:
+        ck.restore()
+    assert "engine.load_checkpoint(" in str(e.value)
+    command = str(e.value).split("`")[1].split()
+    assert command == ["tiercheck", "import", str(tmp_path), "--tag", tag, "--to", str(tmp_path)]
+    run(*command[1:])
+    with tiercheck.Checkpointer(state, local=tmp_path) as ck:
+        assert ck.restore() == 7
+    assert torch.equal(state["mp_rank_00_model_states.pt"]["module"]["w"], saved["module"]["w"])
+    assert state["mp_rank_00_model_states.pt"]["epoch"] == 2
