@@ -157,3 +157,35 @@ def test_the_command_the_foreign_checkpoint_error_names_for_a_deepspeed_tag_impo
         assert ck.restore() == 7
     assert torch.equal(state["mp_rank_00_model_states.pt"]["module"]["w"], saved["module"]["w"])
     assert state["mp_rank_00_model_states.pt"]["epoch"] == 2
+
+
+def _plugin_in_deepspeeds_own_directory(rank: int, world_size: int, tmp: str) -> None:
+    """install(engine, local=save_dir), save_dir holding DeepSpeed's own tags: load_checkpoint continues from the
+    tag `latest` names (DeepSpeed's files read with weights_only), not a fresh start and not an error; the next
+    save is a tiercheck step in that directory, which the next load restores."""
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    save_dir = os.path.join(tmp, "checkpoints")
+    native = _native(STAGE, 1, seed=0)
+    _train(native, range(SAVE_AT), rank)
+    native.save_checkpoint(save_dir)
+    at_save = _snapshot(native)
+    native.destroy()
+
+    adopted = _engine(STAGE, 1, seed=1, local=save_dir)
+    load_path, _ = adopted.load_checkpoint(save_dir)
+    assert load_path == os.path.join(save_dir, f"global_step{SAVE_AT}", "mp_rank_00_model_states.pt"), load_path
+    _assert_identical(_snapshot(adopted), at_save)
+    _train(adopted, range(SAVE_AT, STEPS), rank)
+    adopted.save_checkpoint(save_dir)
+    at_next = _snapshot(adopted)
+    adopted.destroy()
+    assert os.path.isdir(os.path.join(save_dir, f"step-{STEPS:08d}"))
+
+    fresh = _engine(STAGE, 1, seed=2, local=save_dir)
+    fresh.load_checkpoint(save_dir)
+    _assert_identical(_snapshot(fresh), at_next)
+    fresh.destroy()
+
+
+def test_the_plugin_pointed_at_deepspeeds_own_directory_continues_from_its_newest_tag(tmp_path: Path) -> None:
+    _launch(_plugin_in_deepspeeds_own_directory, 1, str(tmp_path), timeout=180)
