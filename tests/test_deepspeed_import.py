@@ -28,7 +28,7 @@ from tests.test_deepspeed import (
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(_TEST_LIMIT_S, func_only=True)]
 
-STAGE, SAVE_AT, STEPS = 2, 4, 6
+STAGE, SAVE_AT, STEPS = 2, 4, 6  # STAGE: where a test does not say
 
 
 class Opaque:
@@ -49,12 +49,12 @@ def _native(stage: int, world_size: int, seed: int) -> Any:
     return engine
 
 
-def _save_natively(rank: int, world_size: int, tmp: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _save_natively(rank: int, world_size: int, tmp: str, stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """DeepSpeed's own save of tag ``global_stepN``, then a later tag whose ``client_state`` holds a class of the
     user's (``latest`` names it); returns this rank's state at the save and after the uninterrupted run."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     native_dir = os.path.join(tmp, "native")
-    native = _native(STAGE, world_size, seed=0)
+    native = _native(stage, world_size, seed=0)
     _train(native, range(SAVE_AT), rank)
     native.save_checkpoint(native_dir, tag=f"global_step{SAVE_AT}", client_state={"epoch": 7})
     at_save = _snapshot(native)
@@ -65,16 +65,19 @@ def _save_natively(rank: int, world_size: int, tmp: str) -> tuple[dict[str, Any]
     return at_save, uninterrupted
 
 
-def _resume(rank: int, world_size: int, tmp: str, expected: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+def _resume(
+    rank: int, world_size: int, tmp: str, stage: int, expected: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> None:
     """A fresh engine with the plugin, its local directory the imported step's: restores it, then trains on."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     at_save, uninterrupted = expected[rank]
     resumed = os.path.join(tmp, "resumed")  # a save_dir of its own: the pointers go there
-    fresh = _engine(STAGE, world_size, seed=1, local=os.path.join(tmp, "ck"))
+    fresh = _engine(stage, world_size, seed=1, local=os.path.join(tmp, "ck"))
     before = fresh.module.state_dict()
     assert not all(torch.equal(before[k], v) for k, v in at_save["module"].items())  # the load has work to do
     load_path, client_state = fresh.load_checkpoint(resumed)  # no tag: the newest tiercheck step
-    assert load_path == os.path.join(resumed, f"global_step{SAVE_AT}", "mp_rank_00_model_states.pt"), load_path
+    model_file = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    assert load_path == os.path.join(resumed, f"global_step{SAVE_AT}", model_file), load_path
     assert client_state["epoch"] == 7, client_state
     _assert_identical(_snapshot(fresh), at_save)
     _train(fresh, range(SAVE_AT, STEPS), rank)
@@ -82,18 +85,19 @@ def _resume(rank: int, world_size: int, tmp: str, expected: list[tuple[dict[str,
     fresh.destroy()
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_deepspeed_checkpoint_imports_and_resumes_bit_identical(tmp_path: Path, world_size: int) -> None:
-    """ZeRO-2 on 1 and 2 ranks: the files one process imports (every rank's optimizer partition) go back to
-    their ranks, through the plugin's load_checkpoint."""
+@pytest.mark.parametrize(("stage", "world_size"), [(2, 1), (2, 2), (3, 2)])
+def test_a_deepspeed_checkpoint_imports_and_resumes_bit_identical(tmp_path: Path, stage: int, world_size: int) -> None:
+    """ZeRO-2 on 1 and 2 ranks, ZeRO-3 on 2 (each rank its own model states too): the files one process imports
+    (every rank's partition) go back to their ranks, through the plugin's load_checkpoint."""
     from tiercheck.errors import UnsafeCheckpointError
     from tiercheck.format.steps import read_manifest
     from tiercheck.integrations.importer import import_checkpoint
     from tiercheck.tiers.local import LocalTier
 
-    expected = _launch(_save_natively, world_size, str(tmp_path), timeout=180)
+    expected = _launch(_save_natively, world_size, str(tmp_path), stage, timeout=180)
     native_dir = tmp_path / "native"
-    model_file = native_dir / "opaque" / "mp_rank_00_model_states.pt"
+    model_file = native_dir / "opaque" / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else
+                                          "mp_rank_00_model_states.pt")
     with pytest.raises(UnsafeCheckpointError, match=rf"{re.escape(str(model_file))} needs unpickling .*--allow-pickle"):
         import_checkpoint(native_dir, tmp_path / "refused")  # the tag `latest` names
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
@@ -106,11 +110,12 @@ def test_a_deepspeed_checkpoint_imports_and_resumes_bit_identical(tmp_path: Path
     manifest = read_manifest(LocalTier(ck), SAVE_AT)
     assert manifest.metadata == {"deepspeed": {"tag": f"global_step{SAVE_AT}"}}
     files = {path.split("/")[0] for path in manifest.arrays}
-    partitions = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)}
-    assert files == {"mp_rank_00_model_states.pt", *partitions}, files
+    kinds = ["optim_states", "model_states"] if stage == 3 else ["optim_states"]
+    partitions = {f"zero_pp_rank_{r}_mp_rank_00_{kind}.pt" for r in range(world_size) for kind in kinds}
+    assert files == (partitions if stage == 3 else {"mp_rank_00_model_states.pt", *partitions}), files
 
     shutil.rmtree(native_dir)  # the resumed run reads the imported step alone
-    _launch(_resume, world_size, str(tmp_path), expected, timeout=180)
+    _launch(_resume, world_size, str(tmp_path), stage, expected, timeout=180)
 
 
 def test_import_refuses_a_source_that_is_not_one_deepspeed_tag(tmp_path: Path) -> None:
