@@ -22,7 +22,8 @@ from tiercheck.tiers.urls import tier_url
 )  # fmt: skip
 @click.option(
     "--step", type=click.IntRange(min=0), default=None,
-    help="The step to write. [default: the last number in SRC's name, else 0]",
+    help="The step to write. [default: a DeepSpeed checkpoint's global_steps; else the last number in SRC's name, "
+    "else 0]",
 )  # fmt: skip
 @click.option(
     "--tag", default=None, metavar="TAG",

@@ -104,7 +104,10 @@ def import_checkpoint(
         raise InvalidArgumentError(f"tag {tag!r}: tags are DeepSpeed's, and {src} is not a DeepSpeed checkpoint")
     options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
     if kind == "deepspeed":  # its own module: it needs DeepSpeed, for the types DeepSpeed's files hold
-        from tiercheck.integrations.deepspeed.source import import_deepspeed
+        try:
+            from tiercheck.integrations.deepspeed.source import import_deepspeed
+        except ImportError as e:  # the install command, as one line of the CLI's rather than a traceback
+            raise InvalidArgumentError(f"{src} is a DeepSpeed checkpoint: {e}") from e
 
         done = import_deepspeed(src, to, tag=tag, step=step, remote=remote, options=options, allow_pickle=allow_pickle)
         _say_undrained(done.undrained, remote)
