@@ -96,7 +96,8 @@ def find_source(src: str | os.PathLike[str], tag: str | None) -> DeepSpeedSource
                 f"{folder / name} is tiercheck's pointer to step {pointer.get('step')} in {pointer.get('root')}: "
                 "this checkpoint is a tiercheck step already (`tiercheck copy` or `tiercheck restore` moves it)"
             )
-    return DeepSpeedSource(folder=folder, tag=folder.name, files=files)
+    named = checked_tag(folder.resolve().name, where=str(folder))  # `.` for the tag's folder: its real name
+    return DeepSpeedSource(folder=folder, tag=named, files=files)
 
 
 def import_deepspeed(
@@ -111,7 +112,6 @@ def import_deepspeed(
 ) -> DeepSpeedImport:
     """Write DeepSpeed's checkpoint at ``src`` (see :func:`find_source`) as a step of a new lineage in ``to``
     (drained to ``remote`` where given)."""
-
     source = find_source(src, tag)
     contents = {name: _read(source.folder / name, allow_pickle=allow_pickle) for name in source.files}
     step = _step(source, contents, step)
