@@ -9,6 +9,7 @@ they share one.
 
 from __future__ import annotations
 
+import enum
 import glob
 import json
 import os
@@ -138,6 +139,8 @@ def _clone(obj: Any) -> Any:
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [_clone(v) for v in obj]
+    if isinstance(obj, enum.Enum):  # ZeRO's stage: as it is, so that a snapshot pickles to another process
+        return obj
     if hasattr(obj, "__dict__"):  # DeepSpeed's loss scaler
         return {"__class__": type(obj).__name__, **_clone(vars(obj))}
     return obj

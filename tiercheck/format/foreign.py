@@ -4,7 +4,7 @@ its own stops instead of starting from scratch over a run's progress (``restore.
 which ``tiercheck import`` command brings it over.
 
 - DCP (``dcp.save``, torchtitan's ``step-N/``): a directory holding ``.metadata``;
-- DeepSpeed: ``global_stepN/`` directories holding ``torch.save`` files (beside its ``latest`` file);
+- DeepSpeed: ``global_stepN/`` directories, and the one its ``latest`` file names, holding ``torch.save`` files;
 - ``torch.save`` files (Lightning's ``.ckpt``, ``.pt``, ``.pth``, ``.bin``): a zip archive or a pickle,
   by their first bytes (a tiercheck Lightning pointer is JSON, and is none of these).
 """
@@ -21,6 +21,7 @@ from tiercheck.tiers.base import Tier
 __all__ = ["DCP_METADATA", "Foreign", "find_foreign", "say_foreign", "step_in_name"]
 
 DCP_METADATA = ".metadata"  # DCP's FileSystemWriter's index of a checkpoint
+DEEPSPEED_LATEST = "latest"  # DeepSpeed's file naming a save_dir's newest tag
 TORCH_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _ZIP = b"PK\x03\x04"  # torch.save's archive (the default since torch 1.6)
 _PICKLE = b"\x80"  # a pickle's PROTO opcode: torch.save's legacy format
@@ -48,10 +49,11 @@ def find_foreign(tier: Tier) -> list[Foreign]:
     found: list[Foreign] = []
     if _readable(tier, DCP_METADATA):
         found.append(Foreign("dcp", "", None))
+    latest = _latest_tag(tier)  # DeepSpeed's newest tag, whatever its name (save_checkpoint(dir, tag=...))
     for name in tier.list_dir(""):
         m = _DEEPSPEED_TAG.fullmatch(name)
-        if m and _holds_torch_files(tier, name):  # the DeepSpeed plugin's own tags hold JSON pointers instead
-            found.append(Foreign("deepspeed", name, int(m.group(1))))
+        if (m or name == latest) and _holds_torch_files(tier, name):  # the plugin's own tags hold JSON pointers
+            found.append(Foreign("deepspeed", name, int(m.group(1)) if m else step_in_name(name)))
         elif _readable(tier, f"{name}/{DCP_METADATA}"):
             found.append(Foreign("dcp", name, step_in_name(name)))
         elif name.endswith(TORCH_SUFFIXES) and _head(tier, name) in (_ZIP, _PICKLE):
@@ -70,11 +72,13 @@ def say_foreign(tier: Tier, found: list[Foreign]) -> str:
         f"{tier.url} holds no tiercheck step, but holds another framework's checkpoints ({names}{more}; the newest is "
         f"{newest.what()}): tiercheck will not start from scratch over them"
     )
-    if newest.kind == "deepspeed":  # its engine loads its own tags through tiercheck's plugin, as they are
+    if newest.kind == "deepspeed":  # the plugin loads its tags as they are, or a tag is imported as a step
         return (
             f"{head}. Load it with DeepSpeed's engine and tiercheck's DeepSpeed plugin (install(engine, ..., "
-            f"allow_pickle=True) for DeepSpeed's own files): engine.load_checkpoint({str(tier.url)!r}, "
-            f"tag={newest.path!r}); its next save is a tiercheck step. Or give this run a directory of its own"
+            f"allow_pickle=True) where its files hold more than DeepSpeed's allow-listed types): "
+            f"engine.load_checkpoint({str(tier.url)!r}, tag={newest.path!r}); its next save is a tiercheck step. "
+            f"Or import it as a step the plugin restores: `tiercheck import {shlex.quote(tier.url)} --tag "
+            f"{shlex.quote(newest.path)} --to {shlex.quote(tier.url)}`; or give this run a directory of its own"
         )
     return (
         f"{head}. Import it into a tiercheck step, then restore: `tiercheck import {shlex.quote(src)} --to "
@@ -94,6 +98,17 @@ def _holds_torch_files(tier: Tier, name: str) -> bool:
     except OSError:
         return False
     return any(_head(tier, f"{name}/{f}") in (_ZIP, _PICKLE) for f in files[:4])
+
+
+def _latest_tag(tier: Tier) -> str | None:
+    """The tag DeepSpeed's ``latest`` file names, where it is a short text naming one folder."""
+    try:
+        if not tier.exists(DEEPSPEED_LATEST):
+            return None
+        text = bytes(tier.read_range(DEEPSPEED_LATEST, 0, 256)).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text and "/" not in text and text not in (".", "..") else None
 
 
 def _readable(tier: Tier, path: str) -> bool:

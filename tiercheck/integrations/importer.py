@@ -12,7 +12,11 @@ Sources, told apart by their files (never by trying to unpickle them):
   is what tiercheck's DCP writer would have saved, so ``dcp.load`` with a ``TiercheckReader`` (torchtitan's
   tiercheck manager) and ``Checkpointer.restore`` of the flattened names both read it back;
 - a ``torch.save`` file (a loop's ``.pt``, Lightning's ``.ckpt``): ``torch.load(weights_only=True)`` (plain
-  pickle only with ``allow_pickle``), its mapping saved as the state of a ``Checkpointer``.
+  pickle only with ``allow_pickle``), its mapping saved as the state of a ``Checkpointer``;
+- a DeepSpeed checkpoint (its ``save_dir``, holding ``latest``, or one tag's folder): its ``torch.save`` files with
+  ``torch.load(weights_only=True)`` and the DeepSpeed plugin's allow-list, written as the step the plugin would
+  have saved, numbered by DeepSpeed's ``global_steps`` (``deepspeed.source``: it needs DeepSpeed installed), so
+  ``engine.load_checkpoint`` with the plugin installed continues from it.
 
 One process writes the step, every chunk with its CRC32C, committed as any other; with ``remote`` it drains
 before the call returns. The whole source is held in host memory once (memory-mapped for a ``torch.save``
@@ -49,15 +53,16 @@ class Imported:
     """What ``import_checkpoint`` wrote: the step, the source's kind, its tensors and their bytes."""
 
     step: int
-    kind: str  # "dcp" or "torch"
+    kind: str  # "dcp", "deepspeed" or "torch"
     tensors: int
     nbytes: int
     seconds: float
+    tag: str | None = None  # a DeepSpeed checkpoint's
 
 
 def source_kind(src: str | os.PathLike[str]) -> str:
-    """``"dcp"`` for a DCP checkpoint directory, ``"torch"`` for a ``torch.save`` file; anything else is refused,
-    naming what would import it."""
+    """``"dcp"`` for a DCP checkpoint directory, ``"deepspeed"`` for DeepSpeed's ``save_dir`` (holding ``latest``)
+    or one of its tags' folders, ``"torch"`` for a ``torch.save`` file; anything else is refused."""
     from tiercheck.integrations.dcp.source import is_dcp_checkpoint
 
     path = Path(src)
@@ -66,17 +71,16 @@ def source_kind(src: str | os.PathLike[str]) -> str:
     if path.is_dir():
         if is_dcp_checkpoint(path):
             return "dcp"
-        if (path / "latest").is_file() or path.name.startswith("global_step"):
-            raise InvalidArgumentError(
-                f"{src} is a DeepSpeed checkpoint: DeepSpeed's engine with tiercheck's CheckpointEngine loads it as it "
-                "is (load_checkpoint(save_dir, tag), with allow_pickle=True), and its next save is a tiercheck step"
-            )
+        if (path / "latest").is_file() or any(path.glob("*model_states.pt")):  # DeepSpeed's save_dir, or a tag
+            return "deepspeed"
         raise InvalidArgumentError(f"{src} is a directory without DCP's .metadata: not a checkpoint tiercheck imports")
     with open(path, "rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04" or head[:1] == b"\x80":
         return "torch"
-    raise InvalidArgumentError(f"{src} is neither a torch.save file (zip or pickle) nor a DCP checkpoint directory")
+    raise InvalidArgumentError(
+        f"{src} is neither a torch.save file (zip or pickle) nor a DCP or DeepSpeed checkpoint directory"
+    )
 
 
 def import_checkpoint(
@@ -87,16 +91,30 @@ def import_checkpoint(
     remote: str | None = None,
     remote_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
+    tag: str | None = None,
 ) -> Imported:
-    """Write the checkpoint at ``src`` as step ``step`` (default: the last number in its name, else 0) of a new
-    lineage in the local directory ``to`` (and drain it to ``remote`` where given)."""
+    """Write the checkpoint at ``src`` as step ``step`` (default: the last number in its name, else 0; for
+    DeepSpeed, the ``global_steps`` it saved) of a new lineage in the local directory ``to`` (and drain it to
+    ``remote`` where given). ``tag`` picks a DeepSpeed checkpoint's tag (default: the one its ``latest`` names)."""
     begin = time.monotonic()
     kind = source_kind(src)
+    if step is not None and step < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, not {step}")
+    if tag is not None and kind != "deepspeed":
+        raise InvalidArgumentError(f"tag {tag!r}: tags are DeepSpeed's, and {src} is not a DeepSpeed checkpoint")
+    options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
+    if kind == "deepspeed":  # its own module: it needs DeepSpeed, for the types DeepSpeed's files hold
+        try:
+            from tiercheck.integrations.deepspeed.source import import_deepspeed
+        except ImportError as e:  # the install command, as one line of the CLI's rather than a traceback
+            raise InvalidArgumentError(f"{src} is a DeepSpeed checkpoint: {e}") from e
+
+        done = import_deepspeed(src, to, tag=tag, step=step, remote=remote, options=options, allow_pickle=allow_pickle)
+        _say_undrained(done.undrained, remote)
+        return Imported(step=done.step, kind=kind, tensors=done.tensors, nbytes=done.nbytes,
+                        seconds=time.monotonic() - begin, tag=done.tag)  # fmt: skip
     if step is None:
         step = step_in_name(Path(src).name) or 0
-    if step < 0:
-        raise InvalidArgumentError(f"step must be a non-negative int, not {step}")
-    options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
     if kind == "dcp":
         tensors, nbytes = _import_dcp(src, to, step, remote, options, allow_pickle=allow_pickle)
     else:

@@ -34,7 +34,8 @@ numbered by ``engine.global_steps`` and committed only when every rank's part is
   convert with DeepSpeed's ``ds_to_universal``: universal checkpoints are read by DeepSpeed itself.
 
 Modules: ``engine`` (:class:`TiercheckCheckpointEngine`), ``installer`` (:func:`install`), ``files`` (packed
-state dicts, pointer files, :func:`export`), ``compat`` (what is imported from DeepSpeed).
+state dicts, pointer files, :func:`export`), ``source`` (``tiercheck import`` of DeepSpeed's own checkpoints),
+``compat`` (what is imported from DeepSpeed).
 """
 
 

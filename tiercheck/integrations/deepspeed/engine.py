@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tiercheck import Checkpointer, load
-from tiercheck.errors import CheckpointNotFoundError, StepExistsError, TiercheckError
+from tiercheck.errors import CheckpointNotFoundError, ForeignCheckpointError, StepExistsError, TiercheckError
 from tiercheck.integrations._collectives import all_gather_object
 from tiercheck.integrations.deepspeed.compat import SAFE_GLOBALS, CheckpointEngine, commit_info
 from tiercheck.integrations.deepspeed.files import (
@@ -225,7 +225,15 @@ class TiercheckCheckpointEngine(CheckpointEngine):
                 + f" has it, and {os.path.join(load_dir, tag)} does not exist"
             )
         self._state.clear()
-        got = restore_tree(ckpt, step, strict=False, others=self._wanted)
+        try:
+            got = restore_tree(ckpt, step, strict=False, others=self._wanted)
+        except ForeignCheckpointError:  # raised on every rank at once
+            if step is None and os.path.isfile(os.path.join(load_dir, "latest")):
+                # The local directory is DeepSpeed's own save_dir (or holds its tags): what the error would tell
+                # the caller to do is this very call, which loads DeepSpeed's files, the tag `latest` names.
+                log.info("tiercheck: no tiercheck step in %s yet: loading DeepSpeed's own checkpoint", ckpt.tier.url)
+                return None
+            raise
         if got is None:
             self._state.clear()
             return None
