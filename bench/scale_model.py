@@ -77,8 +77,10 @@ class SimCoordinator(Coordinator):
         self._stamp(*items)
 
     def add(self, key: str, n: int) -> int:
-        self._after(key)
+        # The count a rank gets back tells it of every add before its own: it is no earlier than they
+        # were (the last to arrive at a barrier opens it no earlier than anyone arrived).
         value = super().add(key, n)
+        self._after(key)
         self._stamp(key)
         return value
 
@@ -87,8 +89,8 @@ class SimCoordinator(Coordinator):
         self._stamp(key)
 
     def decide(self, key: str, proposal: str) -> str:
-        self._after(key)
         got = super().decide(key, proposal)
+        self._after(key)
         self._stamp(key)
         return got
 
