@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.coordination import Coordinator, store_traffic
 from tiercheck.cluster.job import Job
 from tiercheck.errors import ClosedError, InvalidArgumentError, StepExistsError, UnsupportedValueError
 from tiercheck.format.manifest import JSON
@@ -38,7 +38,7 @@ from tiercheck.restore.load import load
 from tiercheck.restore.protocol import RestoreRequest, restore_state
 from tiercheck.save.handle import PendingSave, SaveHandle, record_ready, wait_staged
 from tiercheck.save.pipeline import Pipeline
-from tiercheck.save.plan import RUN_ALIGN, Planner
+from tiercheck.save.planner import RUN_ALIGN, Planner
 from tiercheck.save.prefault import Prefaulter
 from tiercheck.save.vote import commit_job
 from tiercheck.state import memory_pool
@@ -377,12 +377,13 @@ class Checkpointer:
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, for logs and dashboards.
 
-        Always: ``saves``, ``skipped``, ``staging_blocked_s`` (time ``optimizer.step()`` and
-        ``wait_staged()`` waited for lazy copies), ``inflight`` (steps being written), ``pool_capacity_bytes``,
-        ``pool_peak_bytes``, ``pool_allocations``, ``pool_pinned``, ``pool_pinned_bytes`` (host memory the pool
-        holds page-locked), ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes
-        per save), ``memory_held_bytes`` (the memory tier's slots), ``store_ops`` and ``store_bytes`` (this rank's
-        traffic through the job's store).
+        Always: ``saves``, ``skipped``, ``staging_blocked_s`` (time ``optimizer.step()`` and ``wait_staged()``
+        waited for lazy copies), ``inflight`` (steps being written), ``pool_capacity_bytes``, ``pool_peak_bytes``,
+        ``pool_allocations``, ``pool_pinned``, ``pool_pinned_bytes`` (host memory the pool holds page-locked),
+        ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes per save),
+        ``plans_made`` and ``plans_reused`` (saves that planned with the other ranks; that reused the plan,
+        exchanging nothing), ``memory_held_bytes`` (the memory tier's slots), ``store_ops``, ``store_bytes``,
+        ``node_store_ops`` and ``node_store_bytes`` (this rank's traffic through the job's and its node's store).
         After the first save: ``committed``, ``failed``, ``state_changed`` (lazy saves failed
         because a tensor changed during its copy) and ``bytes_written``. After a restore, of the
         last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
@@ -401,11 +402,8 @@ class Checkpointer:
         out["inflight"] = sorted(self._pipeline.inflight_steps()) if self._pipeline else []
         out.update(self._pool.stats() if self._pool else NO_POOL)
         out.update(lazy=self.lazy, rank=self.rank, world_size=self.world_size)
-        out["plan_bytes_per_save"] = self._planner.bytes_per_save
-        out["memory_held_bytes"] = self._mem.held() if self._mem else 0
-        coords = [c for c in (self._coord, self._bg_coord) if c is not None]  # this rank's store traffic so far
-        out["store_ops"] = sum(c.counters["store_ops"] for c in coords)
-        out["store_bytes"] = sum(c.store_bytes for c in coords)
+        out.update(self._planner.stats(), memory_held_bytes=self._mem.held() if self._mem else 0)
+        out.update(store_traffic([c for c in (self._coord, self._bg_coord) if c is not None]))
         return out
 
     def drain(self, timeout: float | None = None) -> dict[str, Any]:

@@ -318,6 +318,18 @@ class Coordinator:
         return values
 
 
+def store_traffic(coords: list[Coordinator]) -> dict[str, int]:
+    """What these coordinators of one rank (one per thread) moved so far, through the job's store
+    and through the rank's node's (``stats()``)."""
+    nodes = [c.node for c in coords if c.node is not None and c.node.store is not c.store]
+    return {
+        "store_ops": sum(c.counters["store_ops"] for c in coords),
+        "store_bytes": sum(c.store_bytes for c in coords),
+        "node_store_ops": sum(c.counters["store_ops"] for c in nodes),
+        "node_store_bytes": sum(c.store_bytes for c in nodes),
+    }
+
+
 def drive(coord: Coordinator, protocol: Exchange[T]) -> T:
     """Run one rank's protocol to its end, waiting in the store at each barrier it yields. A wait
     that times out is raised inside the protocol, at its ``yield``."""

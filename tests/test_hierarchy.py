@@ -1,0 +1,111 @@
+"""Two-level agreement (``cluster.nodes``, ``cluster.hierarchy``): the job's store hears from node
+leaders only, a fold of the nodes' steps never has one rank read every node's, and a real job's
+non-leader ranks make no request to the job's store in a save that reuses its plan."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tiercheck
+from tiercheck.cluster.coordination import Coordinator, lockstep
+from tiercheck.cluster.hierarchy import FAN_IN
+from tiercheck.cluster.job import Job
+from tiercheck.cluster.nodes import Nodes, join_in_lockstep
+from tiercheck.errors import CoordinationError
+from tiercheck.format.codec import seal
+from tiercheck.format.manifest import RankPart
+from tiercheck.format.saveid import new_save_id
+from tiercheck.restore.agree import agree_on_step
+from tiercheck.save.vote import RankOutcome, commit_save
+from tiercheck.tiers.local import LocalTier
+
+from .distributed import run_ranks
+
+
+def _job(world: int, per_node: int, root: Path) -> tuple[list[Coordinator], list[Nodes], list[Job]]:
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="h", timeout_s=5) for r in range(world)]
+    nodes = join_in_lockstep(coords, [f"node{r // per_node}" for r in range(world)])
+    tiers = [LocalTier(root / f"node{r // per_node}", fsync=False) for r in range(world)]
+    return coords, nodes, [Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank]) for c in coords]
+
+
+def _commit(jobs: list[Job], step: int, failing: int | None = None) -> list[Any]:
+    def one(job: Job) -> Any:
+        save = new_save_id(job.nodes.run, step, 0)
+        error = RuntimeError("disk full") if job.coord.rank == failing else None
+        outcome = RankOutcome(step=step, attempt=0, save_id=save, part=seal(RankPart({}, {}, {}, {}, save).to_bytes()),
+                              error=error, library_version="t")  # fmt: skip
+        return (yield from commit_save(job, outcome))
+
+    return lockstep([one(j) for j in jobs], capture=True)
+
+
+def test_a_commit_costs_the_jobs_store_four_requests_per_node_and_none_from_other_ranks(tmp_path: Path) -> None:
+    world, per_node = 32, 4
+    coords, nodes, jobs = _job(world, per_node, tmp_path)
+    before = [c.counters["store_ops"] for c in coords]
+    assert _commit(jobs, 1) == [None] * world
+    ops = [c.counters["store_ops"] - b for c, b in zip(coords, before, strict=True)]
+    leaders = {n.leader for n in nodes}
+    assert all(ops[r] == 0 for r in range(world) if r not in leaders), ops
+    # Four per leader (count in, read the outcome, count in again, read the verdict), plus rank 0's
+    # metadata and the two decisions of the last leaders to count in.
+    assert sum(ops) <= 4 * len(leaders) + 4, ops
+    assert all(c.node is not None and c.node.counters["store_ops"] > 0 for c in coords)
+    # The job's store keeps the last vote's keys only: the first vote's are gone after the second.
+    keys = coords[0].store.num_keys()
+    assert _commit(jobs, 2) == [None] * world
+    assert coords[0].store.num_keys() == keys == 5
+    assert all((tmp_path / f"node{k}" / "step-00000002" / "COMMIT").exists() for k in range(world // per_node))
+
+
+def test_a_rank_that_fails_fails_the_step_on_every_rank_of_every_node(tmp_path: Path) -> None:
+    _, _, jobs = _job(16, 4, tmp_path)
+    outcomes = _commit(jobs, 1, failing=6)
+    assert isinstance(outcomes[6], RuntimeError)
+    for rank, o in enumerate(outcomes):
+        if rank != 6:
+            assert isinstance(o, CoordinationError) and "rank 6 failed: RuntimeError('disk full')" in str(o), o
+    assert not list(tmp_path.glob("node*/step-00000001/COMMIT"))
+
+
+def test_the_newest_step_whole_on_every_node_folds_up_a_tree_no_rank_hears_every_node_of(tmp_path: Path) -> None:
+    world = 2 * FAN_IN + 6  # one rank per node: three levels of the tree
+    coords, _, jobs = _job(world, 1, tmp_path)
+    for step in (1, 2):
+        assert _commit(jobs, step) == [None] * world
+    (tmp_path / f"node{world - 1}" / "step-00000002" / "COMMIT").unlink()  # the deepest node lost step 2
+    before = [c.counters["store_ops"] for c in coords]
+    choices = lockstep([agree_on_step(j, "r/step", requested=None, remote_steps=list) for j in jobs])
+    assert {c.step for c in choices} == {1}
+    ops = [c.counters["store_ops"] - b for c, b in zip(coords, before, strict=True)]
+    assert max(ops) <= 2 * FAN_IN + 8, ops  # a parent reads (and deletes) its children's folds, not every node's
+    asked = lockstep([agree_on_step(j, "q/step", requested=2, remote_steps=list) for j in jobs], capture=True)
+    assert all(f"saving rank(s) {world - 1} are on no rank's local tier" in str(e) for e in asked), asked[0]
+
+
+def _two_saves(rank: int, world: int, root: str) -> dict[str, Any]:
+    state = {"w": torch.full((64,), float(rank)), "step": torch.zeros(())}
+    local = os.path.join(root, f"node{rank // 2}")
+    with tiercheck.Checkpointer(state, local=local, distributed=tiercheck.DistributedOptions(timeout_s=30)) as ck:
+        ck.save(1).wait()
+        first = ck.stats()
+        ck.save(2).wait()
+        second = ck.stats()
+    return {k: second[k] - first[k] for k in ("store_ops", "node_store_ops", "plans_made", "plans_reused")}
+
+
+def test_a_save_that_reuses_its_plan_asks_the_jobs_store_nothing_on_ranks_that_lead_no_node(tmp_path: Path) -> None:
+    results = run_ranks(_two_saves, 4, str(tmp_path))  # two ranks on each of two nodes
+    for rank, got in enumerate(results):
+        assert got["plans_made"] == 0 and got["plans_reused"] == 1, got
+        assert got["node_store_ops"] > 0, got
+        # A leader: four requests (and two decisions if it was the last to count in); rank 0 adds
+        # the save's metadata and deletes the previous vote's five keys.
+        assert got["store_ops"] == 0 if rank % 2 else 4 <= got["store_ops"] <= (12 if rank == 0 else 6), (rank, got)
