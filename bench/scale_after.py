@@ -184,7 +184,7 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
     here, _, own = choice.held[str(choice.step)]
     st = yield from find_holders(job, "restore0", choice.step, here, own, from_remote=False)
     manifest = yield from manifest_for(job, "restore0", st, {}, others=False)
-    yield from settle(job.coord, "restore0/prepared", None)
+    yield from settle(job, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
     request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False)
     return (yield from plan_restore(job, "restore0", st, request))

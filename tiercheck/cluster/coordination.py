@@ -292,9 +292,12 @@ class Coordinator:
         if own is not None:
             raise own
         key = self.key(name, "error")
-        if not self.has(key):
-            return
-        failed = Failure.from_json(self.get(key), where=key)
+        if self.has(key):
+            self.raise_failure(self.get(key), where=key, shared=shared)
+
+    def raise_failure(self, raw: bytes, *, where: str, shared: tuple[type[Exception], ...] = ()) -> None:
+        """Raise the failure another rank reported (``report``), as ``check`` does."""
+        failed = Failure.from_json(raw, where=where)
         for cls in shared:
             if cls.__name__ == failed.kind:
                 raise cls(failed.text)

@@ -31,21 +31,42 @@ def node_of(coord: Coordinator) -> Coordinator:
     return coord.node
 
 
-def everyone(coord: Coordinator, nodes: Nodes, name: str, *, what: str) -> Exchange[None]:
-    """A barrier of every rank of the job: the node's ranks count in at their node, its leader at
-    the job's store once all of them have, and tells them when every node has."""
+def verdict(
+    coord: Coordinator,
+    nodes: Nodes,
+    name: str,
+    failure: BaseException | None,
+    *,
+    what: str,
+    shared: tuple[type[Exception], ...] = (),
+) -> Exchange[None]:
+    """A barrier of every rank of the job that also tells each whether any rank failed before it:
+    the first failure is raised on all (as ``Coordinator.check`` does). The node's ranks count in at
+    their node, its leader at the job's store once all of them have; the leader then reads whether
+    a failure was reported and tells its node. Only a failing rank writes to the job's store."""
     node = node_of(coord)
+    if failure is not None:
+        coord.report(name, failure)
     here = node.arrive(f"{name}/in", what=f"this node's ranks: {what}")
     out = node.key(name, "out")
-    if coord.rank != nodes.leader:
-        yield Barrier(out, what, node)
+    if coord.rank == nodes.leader:
+        yield here
+        yield coord.arrive(name, what=f"every node: {what}", count=nodes.count)
+        error = coord.key(name, "error")
+        raw = coord.get(error) if coord.has(error) else b""
+        node.set(out, raw or b"-")
+        read = node.arrive(f"{name}/read", what=f"this node's ranks to read the verdict: {what}")
+        yield read  # its process serves the node's store: it leaves after its ranks have read
         node.finish(name, keys=(out,))
-        return
-    yield here
-    yield coord.arrive(name, what=f"every node: {what}", count=nodes.count)
-    node.set(out, "1")
-    node.finish(name, keys=(out,))
-    coord.finish(name, count=nodes.count)
+        coord.finish(name, count=nodes.count)
+    else:
+        raw = bytes((yield Barrier(out, what, node, fetch=True)))
+        node.arrive(f"{name}/read", what=what)
+        node.finish(name, keys=(out,))
+    if failure is not None:
+        raise failure
+    if raw not in (b"", b"-"):
+        coord.raise_failure(raw, where=coord.key(name, "error"), shared=shared)
 
 
 def fold(

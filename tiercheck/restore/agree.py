@@ -9,8 +9,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiercheck.cluster.coordination import Coordinator, Exchange, dumps
-from tiercheck.cluster.hierarchy import fold, forget_later, tell
+from tiercheck.cluster.coordination import Exchange, dumps
+from tiercheck.cluster.hierarchy import fold, forget_later, tell, verdict
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.lineage import abandoned_on, read_lineage
@@ -153,15 +153,14 @@ def choose_step(held: HeldSteps, requested: int | None, remote: set[int], *, wor
 
 
 def settle(
-    coord: Coordinator, name: str, failure: TiercheckError | None, *, shared: tuple[type[Exception], ...] = ()
+    job: Job, name: str, failure: TiercheckError | None, *, shared: tuple[type[Exception], ...] = ()
 ) -> Exchange[None]:
     """Every rank learns whether any rank failed at this point; the first failure is raised on all
     of them (a rank's own failure as it is, the others' as ``CoordinationError`` naming it, or as
-    the same error where its type is one of ``shared``)."""
-    if failure is not None:
-        coord.report(name, failure)
-    yield coord.arrive(name, what="every rank to get this far in the restore")
-    coord.check(name, failure, shared=shared)
+    the same error where its type is one of ``shared``). Through each node's leader
+    (``cluster.hierarchy.verdict``)."""
+    yield from verdict(job.coord, job.nodes, name, failure, what="every rank to get this far in the restore",
+                       shared=shared)  # fmt: skip
 
 
 def remote_steps(remote: Tier | None, local: Tier) -> list[int]:

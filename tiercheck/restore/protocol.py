@@ -123,7 +123,7 @@ def _refuse_foreign(job: Job, scope: str) -> None:
     found = find_foreign(job.tier)
     error = ForeignCheckpointError(say_foreign(job.tier, found)) if found else None
     try:
-        drive(job.coord, settle(job.coord, scope, error, shared=(ForeignCheckpointError,)))
+        drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError,)))
     finally:
         job.coord.finish(scope)
 
@@ -309,7 +309,7 @@ class Restore:
                 if coord.world_size == 1:
                     raise
                 failure = e
-            drive(coord, settle(coord, f"{name}/prepared", failure, shared=DAMAGE))
+            drive(coord, settle(job, f"{name}/prepared", failure, shared=DAMAGE))
         except CorruptCheckpointError as e:
             _leave(coord, name, claimed)
             raise _Damaged(step, e) from None
@@ -369,7 +369,7 @@ class Restore:
                 failure = e
             try:
                 if coord.world_size > 1:
-                    drive(coord, settle(coord, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+                    drive(coord, settle(job, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
                 elif failure is not None:
                     raise failure
             except CorruptCheckpointError as e:

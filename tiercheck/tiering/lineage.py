@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Generator
 from dataclasses import replace
 
-from tiercheck.cluster.coordination import Barrier, drive
+from tiercheck.cluster.coordination import Exchange, drive
+from tiercheck.cluster.hierarchy import verdict
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
@@ -200,7 +200,7 @@ def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | N
 
 def settle(
     job: Job, *, lineage: str | None, take_over: bool, branch: int | None = None
-) -> Generator[Barrier, None, str]:
+) -> Exchange[str]:
     """Before a run's first save: every node's leader checks its directory, rank 0 the remote
     prefix; all ranks raise the same ``LineageError`` if one may not write, else every leader
     claims its directory. Returns the run's lineage (``lineage``, or a new one: the job's run).
@@ -226,12 +226,8 @@ def settle(
             mark_rollback(local, mine, branch)
     except (LineageError, CorruptCheckpointError, OSError) as e:  # StorageError is an OSError
         failure = e
-        coord.report("lineage", e)
-    yield coord.arrive("lineage/checked", what="every node to check who owns its directory")
-    try:
-        coord.check("lineage", failure, shared=(LineageError, StorageError))
-    finally:
-        coord.finish("lineage")
+    yield from verdict(coord, job.nodes, "lineage", failure, what="every node to check who owns its directory",
+                       shared=(LineageError, StorageError))  # fmt: skip
     remember(local, mine)
     return mine
 
@@ -358,7 +354,7 @@ def carry(source: Tier, target: Tier, step: int) -> None:
         claim(target, found.id, found.run, keep=frozenset({(step, save)}) if save is not None else frozenset())
 
 
-def after_restore(job: Job, *, from_remote: bool, key: str) -> Generator[Barrier, None, str]:
+def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
     """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
     it continues that step's lineage. The ranks agree on one (``key``: this restore's, removed once
     all have read it), each node's leader claims its directory for it; the remote prefix is checked
