@@ -107,8 +107,8 @@ class SimCoordinator(Coordinator):
         self._after(key)
         super().waited(key)
 
-    def arrive(self, name: str, *, what: str, count: int | None = None) -> Barrier:
-        return super().arrive(name, what=what, count=self.participants if count is None else count)
+    def arrive(self, name: str, *, what: str, count: int | None = None, record: bool = True) -> Barrier:
+        return super().arrive(name, what=what, count=self.participants if count is None else count, record=record)
 
     def finish(self, scope: str, *, keys: tuple[str, ...] = (), count: int | None = None) -> None:
         super().finish(scope, keys=keys, count=self.participants if count is None else count)

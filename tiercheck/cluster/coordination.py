@@ -260,11 +260,13 @@ class Coordinator:
 
     # ---------------------------------------------------------------------------- patterns
 
-    def arrive(self, name: str, *, what: str, count: int | None = None) -> Barrier:
+    def arrive(self, name: str, *, what: str, count: int | None = None, record: bool = True) -> Barrier:
         """Count this rank in at barrier ``name``; the last of ``count`` (default: every rank) to
-        arrive opens it. Yield the result to wait there."""
+        arrive opens it. Yield the result to wait there. ``record``: for ``finish`` to delete (else
+        the protocol deletes its keys itself)."""
         done = self.key(name, "open")
-        self._barriers.append(name)
+        if record:
+            self._barriers.append(name)
         if self.add(self.key(name, "arrived"), 1) == (self.world_size if count is None else count):
             self.set(done, "1")
         return Barrier(done, what, self)

@@ -9,8 +9,10 @@ one key every leader reads, and each leader tells its node.
 
 Per node and per use, the job's store sees a few requests (a barrier: two; a fold: a value set, read
 and deleted; an answer: one read), so its load grows with the nodes, not the ranks; a rank's own
-traffic stays the same at any size. Keys a protocol leaves behind are deleted by node 0's leader at
-the next fold or vote, once every leader is known to be past them (``Coordinator.later``).
+traffic stays the same at any size. Keys a protocol leaves in the job's store are deleted by node 0's
+leader at the next fold or vote, once every leader is known to be past them (``Coordinator.later``);
+a node's by its leader once its ranks are done (``leave_node``), never before: its process serves
+the node's store.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def verdict(
     node = node_of(coord)
     if failure is not None:
         coord.report(name, failure)
-    here = node.arrive(f"{name}/in", what=f"this node's ranks: {what}")
+    here = node.arrive(f"{name}/in", what=f"this node's ranks: {what}", record=False)
     out = node.key(name, "out")
     if coord.rank == nodes.leader:
         yield here
@@ -55,18 +57,35 @@ def verdict(
         error = coord.key(name, "error")
         raw = coord.get(error) if coord.has(error) else b""
         node.set(out, raw or b"-")
-        read = node.arrive(f"{name}/read", what=f"this node's ranks to read the verdict: {what}")
-        yield read  # its process serves the node's store: it leaves after its ranks have read
-        node.finish(name, keys=(out,))
+        yield from leave_node(node, nodes, name, keys=(out, *_barrier_keys(node, f"{name}/in")), wait=True)
         coord.finish(name, count=nodes.count)
     else:
         raw = bytes((yield Barrier(out, what, node, fetch=True)))
-        node.arrive(f"{name}/read", what=what)
-        node.finish(name, keys=(out,))
+        yield from leave_node(node, nodes, name, keys=(), wait=False)
     if failure is not None:
         raise failure
     if raw not in (b"", b"-"):
         coord.raise_failure(raw, where=coord.key(name, "error"), shared=shared)
+
+
+def leave_node(
+    node: Coordinator, nodes: Nodes, name: str, *, keys: tuple[str, ...], wait: bool
+) -> Exchange[None]:
+    """The end of a protocol at a node. Its other ranks count themselves out (their last request to
+    the node's store); the leader, whose process serves that store and may exit next, waits for them
+    (``wait``: not where one of them is known to be gone) and deletes the protocol's ``keys`` there."""
+    left, all_left = node.key(name, "left"), node.key(name, "left", "all")
+    if node.rank != 0:
+        if node.add(left, 1) == len(nodes.ranks) - 1:
+            node.set(all_left, "1")
+        return
+    if wait and len(nodes.ranks) > 1:
+        yield Barrier(all_left, "this node's ranks to be done", node)
+    node.delete(left, all_left, *keys)
+
+
+def _barrier_keys(node: Coordinator, name: str) -> tuple[str, str]:
+    return node.key(name, "arrived"), node.key(name, "open")
 
 
 def fold(
@@ -93,7 +112,7 @@ def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, w
     the job's store, the node's other ranks from their leader. Node 0's leader deletes it at its
     next fold (``forget_later``)."""
     node = node_of(coord)
-    key = coord.key(name, "answer")
+    key, here = coord.key(name, "answer"), node.key(name, "answer")
     if coord.rank == nodes.leader:
         if nodes.number == 0:
             if answer is None:
@@ -104,14 +123,10 @@ def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, w
         else:
             got = bytes((yield Barrier(key, what, coord, fetch=True)))
         if len(nodes.ranks) > 1:
-            node.set(node.key(name, "answer"), got)
+            node.set(here, got)
     else:
-        got = bytes((yield Barrier(node.key(name, "answer"), what, node, fetch=True)))
-    if len(nodes.ranks) > 1:  # the leader may exit next, and its store with it: its ranks read first
-        read = node.arrive(f"{name}/answer/read", what="this node's ranks to read the answer")
-        if coord.rank == nodes.leader:
-            yield read
-        node.finish(f"{name}/answer", keys=(node.key(name, "answer"),))
+        got = bytes((yield Barrier(here, what, node, fetch=True)))
+    yield from leave_node(node, nodes, name, keys=(here,), wait=True)
     return got
 
 

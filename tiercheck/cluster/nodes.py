@@ -119,11 +119,17 @@ def tcp_connect(timeout_s: float) -> Connect:
 
 def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connect) -> Exchange[Coordinator]:
     """The coordinator of this rank's node: its ranks (numbered from 0, the leader) over the store
-    the leader serves. A node of one rank, and a job of one node, need no server of their own: the
-    node's keys are a namespace of the job's store."""
+    the leader serves. A node of one rank keeps its node's keys in its own process; the node of a
+    job of one node keeps them in a namespace of the job's store (its only node is the job)."""
     local = nodes.ranks.index(coord.rank)
     namespace = f"{coord.namespace}/node{nodes.number}"
-    if len(nodes.ranks) == 1 or nodes.count == 1:
+    if len(nodes.ranks) == 1:  # its node's store is this process's alone
+        import torch.distributed as dist
+
+        node = coord.fork(dist.HashStore(), rank=local, world_size=1, namespace=namespace)
+        node.owns_client = True
+        return node
+    if nodes.count == 1:
         node = coord.fork(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
         node.owns_client = coord.owns_client
         return node

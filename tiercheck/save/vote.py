@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
-from tiercheck.cluster.hierarchy import forget_later, node_of
+from tiercheck.cluster.hierarchy import forget_later, leave_node, node_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.commit import commit_step
@@ -64,14 +65,14 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     if error is not None:
         coord.decide(decided, f"rank {rank} failed: {error!r}")
     try:
-        arrived = node.arrive(f"{name}/in", what=f"the ranks of this node to write step {step}")
+        arrived = node.arrive(f"{name}/in", what=f"the ranks of this node to write step {step}", record=False)
     except CoordinationError as e:  # the node's leader, whose process serves the node's store, is gone
         coord.decide(decided, f"rank {rank} lost its node's leader: {e}")
     whole = leader  # whether the leader waits for its node's ranks as it leaves (all of them arrived)
     if error is not None:
         if leader:
             node.set(node.key(name, "outcome"), coord.get(decided))
-        yield from _leave(node, name, leader=whole)
+        yield from _leave(node, nodes, name, wait=whole)
         raise error
     if leader:
         try:
@@ -85,7 +86,7 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
                 coord.decide(decided, f"{_OK}{meta}")
     verdict = yield from _verdict(job, name, "outcome", decided, f"the other ranks to write step {step}")
     if not verdict.startswith(_OK):
-        yield from _leave(node, name, leader=whole)
+        yield from _leave(node, nodes, name, wait=whole)
         raise CoordinationError(f"step {step} was not committed: {verdict}")
     if leader:
         try:
@@ -95,10 +96,10 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
         except BaseException as e:
             coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
             node.set(node.key(name, "committed"), coord.get(done))
-            yield from _leave(node, name, leader=whole)
+            yield from _leave(node, nodes, name, wait=whole)
             raise
     verdict = yield from _verdict(job, name, "committed", done, f"every node to commit step {step}")
-    yield from _leave(node, name, leader=whole)
+    yield from _leave(node, nodes, name, wait=whole)
     if verdict != _OK:
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
     if leader and nodes.number == 0:
@@ -109,17 +110,19 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
 _OK = "ok:"  # a verdict that lets the save go on; anything else says why not
 
 
-def _leave(node: Coordinator, name: str, *, leader: bool) -> Exchange[None]:  # leader: wait for the others
-    """Done with a vote at this node. The leader, whose process serves the node's store, waits for
-    its node's ranks to be done too (it may exit next); the last of them deletes the vote's keys
-    there. Where the leader is gone, so is the node's store: nothing is left to delete."""
+def _leave(node: Coordinator, nodes: Nodes, name: str, *, wait: bool) -> Exchange[None]:
+    """Done with a vote at this node; its leader waits for the node's ranks (``wait``: all of them
+    arrived) and deletes the vote's keys there. Where the leader is gone, so is the node's store:
+    the outcome stands, and nothing is left to delete."""
+    keys = (node.key(name, "outcome"), node.key(name, "committed"), *_in(node, name))
     try:
-        done = node.arrive(f"{name}/left", what="this node's ranks to read the vote's outcome")
-        if leader:
-            yield done
-        node.finish(name, keys=(node.key(name, "outcome"), node.key(name, "committed")))
-    except CoordinationError as e:  # the outcome stands; only the node's keys are left behind
+        yield from leave_node(node, nodes, name, keys=keys, wait=wait)
+    except CoordinationError as e:
         log.debug("leaving vote %s at the node: %s", name, e)
+
+
+def _in(node: Coordinator, name: str) -> tuple[str, str]:
+    return node.key(f"{name}/in", "arrived"), node.key(f"{name}/in", "open")
 
 
 def _write_parts(job: Job, outcome: RankOutcome, meta_key: str) -> BaseException | None:
