@@ -191,8 +191,11 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
 
 
 def _in_group(sim: Sim, on: bool) -> None:
+    nodes = len({sim.nodes[r].number for r in sim.group})
     for r in sim.group:
-        sim.coords[r].participants = len(sim.group) if on else sim.n
+        c = sim.coords[r]
+        c.participants = len(sim.group) if on else sim.n
+        c.nodes_total, c.participant_nodes = sim.nodes[r].count, nodes if on else 0
 
 
 def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dict[str, Any]:

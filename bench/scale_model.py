@@ -11,7 +11,8 @@ serves, measured in the same run.
 
 Symmetry. Where a protocol is run for a group of the job's ranks only (the ranks of one pipeline
 stage and the coordinators of its arrays: the other stages do the same work on other arrays), its
-barriers count the ranks of the group (``participants``); everything else, the world size that
+barriers count the ranks of the group (``participants``; those among node leaders, its nodes);
+everything else, the world size that
 places every array's coordinator included, is the real job's.
 """
 
@@ -50,6 +51,7 @@ class SimCoordinator(Coordinator):
         super().__init__(store, rank=rank, world_size=world_size, namespace=namespace, timeout_s=timeout_s)
         self.clock, self.stamps, self.rtt_s = clock, stamps, rtt_s
         self.participants = world_size if participants is None else participants
+        self.nodes_total = self.participant_nodes = 0  # the job's nodes, and those taking part (set by the sim)
         self.owns_client = True
 
     def fork(self, store: Any, *, rank: int, world_size: int, namespace: str) -> Coordinator:
@@ -107,11 +109,18 @@ class SimCoordinator(Coordinator):
         self._after(key)
         super().waited(key)
 
+    def _taking_part(self, count: int | None) -> int:
+        """The count a barrier of every rank (None) or of every node's leader waits for, among those
+        taking part."""
+        if count is None:
+            return self.participants
+        return self.participant_nodes if count == self.nodes_total and self.participant_nodes else count
+
     def arrive(self, name: str, *, what: str, count: int | None = None, record: bool = True) -> Barrier:
-        return super().arrive(name, what=what, count=self.participants if count is None else count, record=record)
+        return super().arrive(name, what=what, count=self._taking_part(count), record=record)
 
     def finish(self, scope: str, *, keys: tuple[str, ...] = (), count: int | None = None) -> None:
-        super().finish(scope, keys=keys, count=self.participants if count is None else count)
+        super().finish(scope, keys=keys, count=self._taking_part(count))
 
 
 class Timed:
