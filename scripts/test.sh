@@ -7,13 +7,15 @@ cd "$root"
 # The setup's output (pip's, with every index warning of a machine whose pip has extra indexes) goes to a
 # log, shown (its end, and where the rest is) only when a step fails.
 setup_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-setup.XXXXXX.log")"
-trap 'rm -f "$setup_log"' EXIT
+megatron_job=""
+# On a failed step, the Megatron lane's venv (made in the background, below) stops being made too.
+trap 'rm -f "$setup_log"; [ -z "$megatron_job" ] || kill "$megatron_job" 2>/dev/null || true' EXIT
 quietly() {  # quietly CMD...: one setup step, its output in $setup_log (kept when it fails)
     if ! "$@" >>"$setup_log" 2>&1; then
         tail -n 30 "$setup_log" >&2
         echo "scripts/test.sh: this setup step failed: $*" >&2
         echo "scripts/test.sh: its whole output, and the earlier steps': $setup_log" >&2
-        trap - EXIT
+        trap '[ -z "$megatron_job" ] || kill "$megatron_job" 2>/dev/null || true' EXIT
         exit 1
     fi
 }
@@ -24,6 +26,41 @@ export NO_MKDOCS_2_WARNING=1
 if [ ! -x .venv/bin/python ]; then
     say "creating .venv"
     quietly python3 -m venv .venv
+fi
+# The Megatron lane's venv: megatron-core's current release (0.19, Python 3.12+) beside the main suite's 0.16
+# on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a few minutes the first
+# time; `import torch` needs no GPU): made in the background while the main venv is set up, kept and reused
+# while these pins are unchanged. TIERCHECK_MEGATRON_LANE=0 leaves the lane out (it says so: nothing is counted
+# as run).
+megatron_pins="torch==2.13.0 megatron-core==0.19.2 psutil pytest pytest-timeout"
+if [ "${TIERCHECK_MEGATRON_LANE:-1}" != 0 ]; then
+    py312=""  # a working one: pyenv's shim exists even where 3.12 is not selected
+    for candidate in "${TIERCHECK_PYTHON312:-python3.12}" "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            py312="$candidate"
+            break
+        fi
+    done
+    if [ -z "$py312" ]; then
+        echo "scripts/test.sh: python3.12 is needed for the megatron-core 0.19 lane (pyenv install 3.12, or set" \
+             "TIERCHECK_MEGATRON_LANE=0 to leave the lane out)" >&2
+        exit 1
+    fi
+    megatron_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-megatron.XXXXXX.log")"
+    if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
+        say "creating .venv-megatron in the background: torch 2.13.0 for Python 3.12 (the CUDA build: ~2.7 GB)" \
+            "and megatron-core 0.19.2"
+        (
+            set -e
+            rm -rf .venv-megatron
+            "$py312" -m venv .venv-megatron
+            .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
+            echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
+        ) >"$megatron_log" 2>&1 &
+    else
+        true &
+    fi
+    megatron_job=$!
 fi
 # torch is pinned to 2.13.0, the CPU build this project tests against. On Linux, PyPI's torch==2.13.0 is
 # the CUDA build (~2.5 GB with its nvidia-* wheels): ask for the CPU build by name (2.13.0+cpu), from
@@ -79,33 +116,16 @@ fi
 rm -f "$checks_log"
 
 # The Megatron lane: megatron-core's current release (0.19, Python 3.12+) in a venv of its own, beside the
-# main suite's 0.16 on this Python. torch for 3.12 comes from PyPI as its CUDA build (~2.7 GB of wheels, a
-# few minutes the first time; `import torch` needs no GPU). The venv is kept and reused while this block's
-# pins are unchanged. TIERCHECK_MEGATRON_LANE=0 leaves the lane out (it says so: nothing is counted as run).
-megatron_pins="torch==2.13.0 megatron-core==0.19.2 psutil pytest pytest-timeout"
+# main suite's 0.16 on this Python (its venv is made in the background, above: it is mostly download).
 if [ "${TIERCHECK_MEGATRON_LANE:-1}" = 0 ]; then
     echo "scripts/test.sh: TIERCHECK_MEGATRON_LANE=0: the megatron-core 0.19 lane was NOT run" >&2
 else
-    py312=""  # a working one: pyenv's shim exists even where 3.12 is not selected
-    for candidate in "${TIERCHECK_PYTHON312:-python3.12}" "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            py312="$candidate"
-            break
-        fi
-    done
-    if [ -z "$py312" ]; then
-        echo "scripts/test.sh: python3.12 is needed for the megatron-core 0.19 lane (pyenv install 3.12, or set" \
-             "TIERCHECK_MEGATRON_LANE=0 to leave the lane out)" >&2
+    if ! wait "$megatron_job"; then
+        tail -n 30 "$megatron_log" >&2
+        echo "scripts/test.sh: creating .venv-megatron failed; its whole output: $megatron_log" >&2
         exit 1
     fi
-    if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
-        rm -rf .venv-megatron
-        say "creating .venv-megatron: torch 2.13.0 for Python 3.12 (the CUDA build: ~2.7 GB, a few minutes)" \
-            "and megatron-core 0.19.2"
-        quietly "$py312" -m venv .venv-megatron
-        quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
-        echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
-    fi
+    rm -f "$megatron_log"
     say "installing tiercheck (editable) into .venv-megatron"
     quietly .venv-megatron/bin/python -m pip install -q --disable-pip-version-check -e .
     echo "== megatron-core 0.19 lane (Python 3.12): tests/test_megatron.py"
