@@ -54,7 +54,8 @@ class CountingTier(LocalTier):
         return data
 
 
-def _tree(descs: list[LeafDesc]) -> dict[str, Any]:
+def tree(descs: list[LeafDesc]) -> dict[str, Any]:
+    """The state tree a rank saves, approximated: nested dicts along each path's components."""
     root: dict[str, Any] = {}
     for d in descs:
         *parents, name = d.path.split("/")
@@ -77,7 +78,7 @@ def _part(descs: list[LeafDesc], plan: SavePlan, save: str) -> bytes:
         crcs.setdefault(path, {})[t.chunk.key] = 0
         offsets.setdefault(path, {})[t.chunk.key] = end
         end += sizes[path] + 4
-    return seal(RankPart(_tree(descs), crcs, offsets, sizes, save).to_bytes())
+    return seal(RankPart(tree(descs), crcs, offsets, sizes, save).to_bytes())
 
 
 class Sim:

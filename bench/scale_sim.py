@@ -26,6 +26,7 @@ from typing import Any
 import harness as h  # puts the repository first on sys.path
 import scale_after
 import torch.distributed as dist
+from scale_after import tree as _tree
 from scale_layouts import Layout, worlds
 
 from tiercheck import __version__
@@ -60,18 +61,6 @@ COLUMNS = (
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-def _tree(descs: Sequence[LeafDesc]) -> dict[str, Any]:
-    """The state tree a rank posts, approximated: nested dicts along each path's components."""
-    root: dict[str, Any] = {}
-    for d in descs:
-        *parents, name = d.path.split("/")
-        node = root
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[name] = {"$tensor": d.path}
-    return root
 
 
 def _commit_parts(descs_per_rank: Layout, plan: WriteAssignment, rng: random.Random) -> list[dict[str, Any]]:
