@@ -449,9 +449,9 @@ class Checkpointer:
             return
         bound = self.distributed.timeout_s
         deadline = exit_deadline(bound)
-        for coord in (self._coord, self._bg_coord):  # commits not begun yet wait no longer than that either
-            if coord is not None:
-                coord.deadline = deadline
+        for c in (self._coord, self._bg_coord, *(x.node for x in (self._coord, self._bg_coord) if x)):
+            if c is not None:  # commits not begun yet (and their nodes' waits) wait no longer than that either
+                c.deadline = deadline
         log.info("exiting: closing the open Checkpointer of %s within %.0f s", self.tier.url, bound)
         self._close(drain=True, timeout=max(0.0, deadline - time.monotonic()), deadline=deadline)
 
