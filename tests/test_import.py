@@ -80,6 +80,20 @@ def test_a_torch_save_file_imports_and_restores_bit_identical(tmp_path: Path) ->
     _equal(state, _full_state(7), "restored")
 
 
+def test_a_large_torch_save_file_streams_through_a_bounded_pool(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    source = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(8)}  # 32 MiB in 4 MiB tensors
+    torch.save(source, tmp_path / "big_5.pt")
+    bound = 4 << 20
+    done = import_checkpoint(tmp_path / "big_5.pt", tmp_path / "ck", max_host_bytes=bound)
+    assert done.step == 5 and done.nbytes == 32 << 20
+    assert done.staged_peak_bytes is not None and 0 < done.staged_peak_bytes <= bound, done
+    state = {k: torch.zeros_like(v) for k, v in source.items()}
+    with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
+        assert ck.restore() == 5
+    _equal(state, source, "restored")
+
+
 def test_a_lightning_ckpt_imports_at_its_step(tmp_path: Path) -> None:
     TorchCheckpointIO = pytest.importorskip("lightning.pytorch.plugins.io").TorchCheckpointIO
 

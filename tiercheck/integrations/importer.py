@@ -19,8 +19,10 @@ Sources, told apart by their files (never by trying to unpickle them):
   ``engine.load_checkpoint`` with the plugin installed continues from it.
 
 One process writes the step, every chunk with its CRC32C, committed as any other; with ``remote`` it drains
-before the call returns. The whole source is held in host memory once (memory-mapped for a ``torch.save``
-file). The step is of a new lineage: ``to`` must hold no tiercheck step of another run (``LineageError``).
+before the call returns. The step is staged through a pool of at most ``max_host_bytes`` (1 GiB), straight
+from the source: a ``torch.save`` file (and DeepSpeed's) is memory-mapped, so the import's own memory stays at
+that bound whatever the checkpoint's size; a DCP checkpoint is read whole first, through DCP's reader.
+The step is of a new lineage: ``to`` must hold no tiercheck step of another run (``LineageError``).
 Resharding is left to the restore, as for any step.
 """
 
@@ -39,13 +41,15 @@ from typing import Any
 
 import torch
 
-from tiercheck import Checkpointer
+from tiercheck import Checkpointer, StagingOptions
 from tiercheck.errors import CheckpointNotFoundError, InvalidArgumentError, UnsafeCheckpointError
 from tiercheck.seam import step_in_name
 
 __all__ = ["Imported", "import_checkpoint", "source_kind"]
 
 log = logging.getLogger("tiercheck")
+
+IMPORT_HOST_BYTES = 1 << 30  # the staging pool an import streams the source through
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,7 @@ class Imported:
     nbytes: int
     seconds: float
     tag: str | None = None  # a DeepSpeed checkpoint's
+    staged_peak_bytes: int | None = None  # the most host memory the staging held (a torch.save source's)
 
 
 def source_kind(src: str | os.PathLike[str]) -> str:
@@ -92,10 +97,12 @@ def import_checkpoint(
     remote_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
     tag: str | None = None,
+    max_host_bytes: int = IMPORT_HOST_BYTES,
 ) -> Imported:
     """Write the checkpoint at ``src`` as step ``step`` (default: the last number in its name, else 0; for
     DeepSpeed, the ``global_steps`` it saved) of a new lineage in the local directory ``to`` (and drain it to
-    ``remote`` where given). ``tag`` picks a DeepSpeed checkpoint's tag (default: the one its ``latest`` names)."""
+    ``remote`` where given). ``tag`` picks a DeepSpeed checkpoint's tag (default: the one its ``latest`` names).
+    ``max_host_bytes`` bounds the host memory the step is staged through (``StagingOptions.max_host_bytes``)."""
     begin = time.monotonic()
     kind = source_kind(src)
     if step is not None and step < 0:
@@ -103,6 +110,9 @@ def import_checkpoint(
     if tag is not None and kind != "deepspeed":
         raise InvalidArgumentError(f"tag {tag!r}: tags are DeepSpeed's, and {src} is not a DeepSpeed checkpoint")
     options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
+    # Staged a bounded pool at a time, straight from the source (memory-mapped where torch can map it): the
+    # import's own memory stays at the bound however large the checkpoint (a DCP source is read whole first).
+    options["staging"] = StagingOptions(mode="eager", max_host_bytes=max_host_bytes)
     if kind == "deepspeed":  # its own module: it needs DeepSpeed, for the types DeepSpeed's files hold
         try:
             from tiercheck.integrations.deepspeed.source import import_deepspeed
@@ -115,12 +125,14 @@ def import_checkpoint(
                         seconds=time.monotonic() - begin, tag=done.tag)  # fmt: skip
     if step is None:
         step = step_in_name(Path(src).name) or 0
+    peak = None
     if kind == "dcp":
         tensors, nbytes = _import_dcp(src, to, step, remote, options, allow_pickle=allow_pickle)
     else:
-        tensors, nbytes = _import_torch(src, to, step, remote, options, allow_pickle=allow_pickle)
+        tensors, nbytes, peak = _import_torch(src, to, step, remote, options, allow_pickle=allow_pickle)
     log.info("imported %s as step %d of %s (%d tensors, %d bytes)", src, step, to, tensors, nbytes)
-    return Imported(step=step, kind=kind, tensors=tensors, nbytes=nbytes, seconds=time.monotonic() - begin)
+    return Imported(step=step, kind=kind, tensors=tensors, nbytes=nbytes, seconds=time.monotonic() - begin,
+                    staged_peak_bytes=peak)  # fmt: skip
 
 
 def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
@@ -143,7 +155,7 @@ def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: i
 
 
 def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
-                  options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
+                  options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int, int]:  # fmt: skip
     from tiercheck.integrations.dcp.source import count_tensors, unpickling_refused
 
     try:
@@ -161,9 +173,10 @@ def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step:
     state = dict(state)
     with Checkpointer(state, local=to, remote=remote, allow_pickle=allow_pickle, **options) as ck:
         ck.save(step).wait()
+        peak = ck.stats()["pool_peak_bytes"]
         undrained = ck.close()
     _say_undrained(undrained, remote)
-    return count_tensors(state)
+    return (*count_tensors(state), peak)
 
 
 def _say_undrained(undrained: list[int], remote: str | None) -> None:
