@@ -18,8 +18,8 @@ import logging
 import threading
 from dataclasses import replace
 
-from tiercheck.cluster.coordination import Exchange, drive
-from tiercheck.cluster.hierarchy import verdict
+from tiercheck.cluster.coordination import Barrier, Exchange, drive
+from tiercheck.cluster.hierarchy import node_of, verdict
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
@@ -356,18 +356,24 @@ def carry(source: Tier, target: Tier, step: int) -> None:
 
 def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
     """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
-    it continues that step's lineage. The ranks agree on one (``key``: this restore's, removed once
-    all have read it), each node's leader claims its directory for it; the remote prefix is checked
+    it continues that step's lineage. The node leaders agree on one (``key``: this restore's, removed
+    once all have read it) and tell their nodes; each leader claims its directory for it; the remote prefix is checked
     and claimed at the next save (``settle``) and drain (``check_remote``)."""
-    coord, local, remote, run = job.coord, job.tier, job.remote, job.nodes.run
-    source, other = (remote, local) if from_remote and remote is not None else (local, remote)
-    agreed = coord.decide(key, restored(source, other, run))
-    yield coord.arrive(f"{key}/read", what="every rank to learn the lineage it continues")
+    coord, local, remote, nodes = job.coord, job.tier, job.remote, job.nodes
+    node, leader = node_of(coord), nodes.leader == coord.rank
+    here = node.key(key, "agreed")
+    if leader:  # the leaders read the source's lineage (the remote's: one request per node), the first wins
+        source, other = (remote, local) if from_remote and remote is not None else (local, remote)
+        agreed = coord.decide(key, restored(source, other, nodes.run))
+        node.set(here, agreed)
+    else:
+        agreed = bytes((yield Barrier(here, "the node's leader to learn the lineage", node, fetch=True))).decode()
+    yield from verdict(coord, nodes, f"{key}/read", None, what="every rank to learn the lineage it continues")
     if coord.rank == 0:
         coord.delete(key)
-    coord.finish(key)
-    if job.nodes.leader == coord.rank:
-        claim(local, agreed, run)
+    if leader:  # its node's ranks are past reading it (verdict)
+        node.delete(here)
+        claim(local, agreed, nodes.run)
     remember(local, agreed)
     return agreed
 
