@@ -66,13 +66,16 @@ def test_a_commit_costs_the_jobs_store_four_requests_per_node_and_none_from_othe
 
 
 def test_a_rank_that_fails_fails_the_step_on_every_rank_of_every_node(tmp_path: Path) -> None:
-    _, _, jobs = _job(16, 4, tmp_path)
+    coords, _, jobs = _job(16, 4, tmp_path)
     outcomes = _commit(jobs, 1, failing=6)
     assert isinstance(outcomes[6], RuntimeError)
     for rank, o in enumerate(outcomes):
         if rank != 6:
             assert isinstance(o, CoordinationError) and "rank 6 failed: RuntimeError('disk full')" in str(o), o
     assert not list(tmp_path.glob("node*/step-00000001/COMMIT"))
+    # The next vote commits, and the failed one's keys go with it: only the last vote's stay.
+    assert _commit(jobs, 2) == [None] * 16
+    assert coords[0].store.num_keys() == 5 and all(c.node is not None and c.node.store.num_keys() == 0 for c in coords)
 
 
 def test_the_newest_step_whole_on_every_node_folds_up_a_tree_no_rank_hears_every_node_of(tmp_path: Path) -> None:

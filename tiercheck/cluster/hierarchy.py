@@ -130,8 +130,9 @@ def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, w
     return got
 
 
-def forget_later(coord: Coordinator) -> None:
+def forget_later(coord: Coordinator, *, keep: list[str] | None = None) -> None:
     """Node 0's leader, where every leader is known to be past the keys it kept for later (it
-    heard from all of them since): delete them."""
-    coord.delete(*coord.later)
-    coord.later = []
+    heard from all of them since): delete them, but ``keep`` (those still being read)."""
+    kept = keep or []
+    coord.delete(*(k for k in coord.later if k not in kept))
+    coord.later = list(kept)

@@ -61,6 +61,9 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     step, rank, leader = outcome.step, coord.rank, coord.rank == job.nodes.leader
     name = f"{outcome.vote}/{step}/{outcome.attempt}"
     decided, done = coord.key(name, "outcome"), coord.key(name, "committed")
+    mine = [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")]
+    if leader and nodes.number == 0:  # deleted at a later vote that every leader counted in at
+        coord.later.extend(mine)
     error = outcome.error if outcome.error is not None else _write_parts(job, outcome, coord.key(name, "meta"))
     if error is not None:
         coord.decide(decided, f"rank {rank} failed: {error!r}")
@@ -103,8 +106,7 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     if verdict != _OK:
         raise CoordinationError(f"step {step} is not committed on every node: {verdict}")
     if leader and nodes.number == 0:
-        forget_later(coord)  # every leader counted in at this vote: each is past the votes before it
-        coord.later = [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")]
+        forget_later(coord, keep=mine)  # every leader counted in at this vote: each is past the votes before it
 
 
 _OK = "ok:"  # a verdict that lets the save go on; anything else says why not
