@@ -16,7 +16,10 @@ Phases, each method in a fresh process (``harness.run_worker``):
     local directory; ``dcp.save`` beside it), then SIGKILLs itself; fresh processes then restore it from
     memory, from the local directory cold, and with ``dcp.load`` cold. Cold: the page cache dropped where
     allowed (``/proc/sys/vm/drop_caches``), else ``posix_fadvise(DONTNEED)`` on the files, and the table says
-    which. Limits in the same run: memcpy + CRC32C of the same bytes, the cold sequential read of the step.
+    which. Then a restart from a peer's memory (``memory_peer.py``): two ranks on two simulated nodes, one
+    node's tmpfs emptied, every byte it restores read from the other node's memory and sent over loopback.
+    Limits in the same run: memcpy + CRC32C of the same bytes (on one thread, and on the restore's 4 reader
+    threads), the cold sequential read of the step, loopback TCP and gloo send/recv.
 
 Memory tiers live in a private directory under ``--shm`` (default /dev/shm), removed at the end, on failure too.
 """
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
+from memory_peer import peer_rows, peer_summary
 
 GiB, MiB = h.GiB, h.MiB
 SAVE_METHODS = ("tiercheck.memory", "tiercheck.lazy", "dcp.async_save", "torch_checkpointing")
@@ -320,6 +324,13 @@ def run(args: argparse.Namespace, root: Path, shm: Path) -> dict[str, Any]:
             h.log(f"  {kind}: {got['s']:.3f}s from {got['tier']}, bit-identical {got['bit_identical']}")
         restarts.append(rnd)
         shutil.rmtree(mem, ignore_errors=True)  # its slots: RAM
+    h.log("restart from a peer's memory: two ranks, two nodes, one node's tmpfs gone")
+    rep["peer"] = h.run_worker(h.BENCH_DIR / "memory_peer.py", "peer_restart", {"gib": args.gib, "local": str(root / "peer"), "shm": str(shm / "peer"),
+                                                    "timeout": args.worker_timeout}, timeout=args.worker_timeout)  # fmt: skip
+    if "error" in rep["peer"]:
+        raise RuntimeError(f"restart from a peer's memory failed: {rep['peer']['error']}\n{rep['peer'].get('traceback', '')}")
+    for f in rep["peer"]["failures"]:
+        h.log(f"  peer memory, attempt {f['attempt']}: restored steps {f['steps']}: {f['said']}")
     files = [str(p) for p in sorted((root / f"r{args.repeats - 1}-local").rglob("step-*/**/*")) if p.is_file()]
     rep["limits"] = h.run_worker(me, "limits", {"nbytes": restarts[0]["state_bytes"], "files": files, "drop": drop,
                                                 "repeats": 3, "threads": READERS}, timeout=args.worker_timeout)  # fmt: skip
@@ -360,6 +371,7 @@ def summarise(rep: dict[str, Any]) -> dict[str, Any]:
         "added_memory_vs_dcp_async": h.ratio(added.get("tiercheck.memory"), added.get("dcp.async_save"))
         if added.get("dcp.async_save", 0) > 0 else None,
         "memory_held_vs_shard": h.ratio(mem["memory_held_bytes"], mem["state_bytes"]),
+        **peer_summary(rep.get("peer")),
         "all_from_memory": all(r["memory"]["tier"] == "memory" for r in rep["restarts"]),
         "all_bit_identical": all(r[k]["bit_identical"] for r in rep["restarts"] for k in RESTORES),
     }  # fmt: skip
@@ -386,7 +398,8 @@ def render(rep: dict[str, Any]) -> str:
     rows = [[k, h.fmt(v, ".3f"), h.fmt(gib / v if v else None, ".2f"),
              ", ".join(sorted({r[k]["tier"] for r in rep["restarts"]})),
              all(r[k]["bit_identical"] for r in rep["restarts"])] for k, v in s["restore_s"].items()]  # fmt: skip
-    rows.insert(1, ["peer memory", "-", "-", "not measured here (needs two nodes; tested in tests/test_memory_tier.py)", "-"])
+    peer_row, limit_rows = peer_rows(s, rep.get("peer") or {})
+    rows.insert(1, peer_row)
     if not importable("torch_checkpointing"):
         rows.append(["torch_checkpointing", "-", "-", "not installed", "-"])
     rows.append(["limit: memcpy + CRC32C, 1 thread, reused buffer", h.fmt(lim["reused"]["s"], ".3f"),
@@ -399,7 +412,7 @@ def render(rep: dict[str, Any]) -> str:
                  h.fmt(gib / lim["fresh"]["s"], ".2f"), "-", "-"])  # fmt: skip
     rows.append(["limit: cold sequential read of the step", h.fmt(lim["cold_read"]["s"], ".3f"),
                  h.fmt(lim["cold_read"]["gib_s"], ".2f"), "-", "-"])  # fmt: skip
-    rows.append(["limit: loopback TCP", "-", "-", "not measured: no peer restart here", "-"])
+    rows += limit_rows
     lines += [h.table(["restore", "s", "GiB/s", "from tier", "bit-identical"], rows), ""]
     lines += [f"Cold reads: {'; '.join(cold.get(c, c) for c in sorted(caches))}.", ""]
     mem = rep["saves"]["tiercheck.memory"]
@@ -416,6 +429,9 @@ def render(rep: dict[str, Any]) -> str:
         f"dcp.load / memory: {h.fmt(s['dcp_load_vs_memory'])}x",
         f"- added per step, memory tier / plain lazy save: {h.fmt(s['added_memory_vs_lazy'])}x (target <= 1.05x); "
         f"/ dcp.async_save: {h.fmt(s['added_memory_vs_dcp_async'])}x",
+        f"- restart from a peer's memory (attempts that failed: {s.get('peer_failures', '-')}) "
+        f"{h.fmt(s.get('peer_gib_s'))} GiB/s / loopback TCP: "
+        f"{h.fmt(s.get('peer_vs_tcp_loopback'))}x (target >= 0.8x); / gloo send/recv: {h.fmt(s.get('peer_vs_gloo'))}x",
         f"- memory held {h.fmt_bytes(mem['memory_held_bytes'])} / shard {h.fmt_bytes(mem['state_bytes'])}: "
         f"{h.fmt(s['memory_held_vs_shard'])}x (target <= 2x, no replicas)",
     ]
