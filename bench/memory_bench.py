@@ -16,7 +16,10 @@ Phases, each method in a fresh process (``harness.run_worker``):
     local directory; ``dcp.save`` beside it), then SIGKILLs itself; fresh processes then restore it from
     memory, from the local directory cold, and with ``dcp.load`` cold. Cold: the page cache dropped where
     allowed (``/proc/sys/vm/drop_caches``), else ``posix_fadvise(DONTNEED)`` on the files, and the table says
-    which. Limits in the same run: memcpy + CRC32C of the same bytes, the cold sequential read of the step.
+    which. Then a restart from a peer's memory (``memory_peer.py``): two ranks on two simulated nodes, one
+    node's tmpfs emptied, every byte it restores read from the other node's memory and sent over loopback.
+    Limits in the same run: memcpy + CRC32C of the same bytes (on one thread, and on the restore's 4 reader
+    threads), the cold sequential read of the step, loopback TCP and gloo send/recv.
 
 Memory tiers live in a private directory under ``--shm`` (default /dev/shm), removed at the end, on failure too.
 """
@@ -38,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
+from memory_peer import peer_rows, peer_summary
 
 GiB, MiB = h.GiB, h.MiB
 SAVE_METHODS = ("tiercheck.memory", "tiercheck.lazy", "dcp.async_save", "torch_checkpointing")
 RESTORES = ("memory", "local", "dcp.load")
 NEVER = 10**9  # persist_every: no save of the loop goes to the local directory
+READERS = 4  # the threads a restore reads on (WriteOptions.io_threads, its default): the limit's threads too
 
 
 # ------------------------------------------------------------------------------------------
@@ -238,13 +243,15 @@ def restore_from(kind: str, gib: float, local: str, shm: str, dcp_dir: str, drop
     return out | ({"restore_bytes_read": stats["restore_bytes_read"]} if kind != "dcp.load" else {})
 
 
-def limits(nbytes: int, files: list[str], drop: bool, repeats: int) -> dict[str, Any]:
-    """memcpy + CRC32C of ``nbytes`` (one thread, into a reused and into a fresh buffer) and the cold read."""
+def limits(nbytes: int, files: list[str], drop: bool, repeats: int, threads: int) -> dict[str, Any]:
+    """memcpy + CRC32C of ``nbytes``: on one thread, into a reused and into a fresh buffer, and on
+    ``threads`` threads (the restore's readers, each a part: a copy, then its CRC32C) into a reused
+    buffer; and the cold read."""
     import torch
 
     from tiercheck.format.codec import checksum
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one thread a copy: the threads below are the parallelism
     src = torch.rand(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -260,8 +267,27 @@ def limits(nbytes: int, files: list[str], drop: bool, repeats: int) -> dict[str,
             copy_s, crc_s = t1 - t0, time.perf_counter() - t1
             best = {"memcpy_s": min(best["memcpy_s"], copy_s), "crc_s": min(best["crc_s"], crc_s)}
         out[name] = best | {"s": best["memcpy_s"] + best["crc_s"]}
+    out["threads"] = {"threads": threads, "s": min(_copy_crc_on(threads, src, dst, checksum) for _ in range(repeats))}
     out["cold_read"] = h.measure_cold_read(files, drop=drop)
     return out
+
+
+def _copy_crc_on(threads: int, src: Any, dst: Any, checksum: Any) -> float:
+    """Seconds for ``threads`` threads to copy ``src`` into ``dst`` and CRC32C it, a part each (both
+    calls let go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [len(src) * i // threads for i in range(threads + 1)]
+
+    def part(i: int) -> None:
+        into = dst[bounds[i] : bounds[i + 1]]
+        into.copy_(src[bounds[i] : bounds[i + 1]])
+        checksum(into.numpy().data)
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(part, range(threads)))
+        return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------
@@ -298,9 +324,16 @@ def run(args: argparse.Namespace, root: Path, shm: Path) -> dict[str, Any]:
             h.log(f"  {kind}: {got['s']:.3f}s from {got['tier']}, bit-identical {got['bit_identical']}")
         restarts.append(rnd)
         shutil.rmtree(mem, ignore_errors=True)  # its slots: RAM
+    h.log("restart from a peer's memory: two ranks, two nodes, one node's tmpfs gone")
+    rep["peer"] = h.run_worker(h.BENCH_DIR / "memory_peer.py", "peer_restart", {"gib": args.gib, "local": str(root / "peer"), "shm": str(shm / "peer"),
+                                                    "timeout": args.worker_timeout}, timeout=args.worker_timeout)  # fmt: skip
+    if "error" in rep["peer"]:
+        raise RuntimeError(f"restart from a peer's memory failed: {rep['peer']['error']}\n{rep['peer'].get('traceback', '')}")
+    for f in rep["peer"]["failures"]:
+        h.log(f"  peer memory, attempt {f['attempt']}: restored steps {f['steps']}: {f['said']}")
     files = [str(p) for p in sorted((root / f"r{args.repeats - 1}-local").rglob("step-*/**/*")) if p.is_file()]
     rep["limits"] = h.run_worker(me, "limits", {"nbytes": restarts[0]["state_bytes"], "files": files, "drop": drop,
-                                                "repeats": 3}, timeout=args.worker_timeout)  # fmt: skip
+                                                "repeats": 3, "threads": READERS}, timeout=args.worker_timeout)  # fmt: skip
     rep["restarts"] = restarts
     rep["saves"] = {}
     for method in SAVE_METHODS:
@@ -326,6 +359,8 @@ def summarise(rep: dict[str, Any]) -> dict[str, Any]:
     return {
         "restore_s": med,
         "memory_vs_memcpy_crc": h.ratio(med["memory"], lim["reused"]["s"]),
+        # the restore reads on READERS threads: against the same bytes copied and checked on as many
+        "memory_vs_memcpy_crc_threads": h.ratio(med["memory"], lim["threads"]["s"]) if "threads" in lim else None,
         # a restore from memory reads into new buffers (it overwrites nothing before every chunk is
         # verified): the limit of that is the copy into fresh memory, its pages faulted on first touch
         "memory_vs_memcpy_crc_fresh": h.ratio(med["memory"], lim["fresh"]["s"]),
@@ -336,6 +371,7 @@ def summarise(rep: dict[str, Any]) -> dict[str, Any]:
         "added_memory_vs_dcp_async": h.ratio(added.get("tiercheck.memory"), added.get("dcp.async_save"))
         if added.get("dcp.async_save", 0) > 0 else None,
         "memory_held_vs_shard": h.ratio(mem["memory_held_bytes"], mem["state_bytes"]),
+        **peer_summary(rep.get("peer")),
         "all_from_memory": all(r["memory"]["tier"] == "memory" for r in rep["restarts"]),
         "all_bit_identical": all(r[k]["bit_identical"] for r in rep["restarts"] for k in RESTORES),
     }  # fmt: skip
@@ -362,27 +398,40 @@ def render(rep: dict[str, Any]) -> str:
     rows = [[k, h.fmt(v, ".3f"), h.fmt(gib / v if v else None, ".2f"),
              ", ".join(sorted({r[k]["tier"] for r in rep["restarts"]})),
              all(r[k]["bit_identical"] for r in rep["restarts"])] for k, v in s["restore_s"].items()]  # fmt: skip
-    rows.insert(1, ["peer memory", "-", "-", "not measured here (needs two nodes; tested in tests/test_memory_tier.py)", "-"])
+    peer_row, limit_rows = peer_rows(s, rep.get("peer") or {})
+    rows.insert(1, peer_row)
     if not importable("torch_checkpointing"):
         rows.append(["torch_checkpointing", "-", "-", "not installed", "-"])
     rows.append(["limit: memcpy + CRC32C, 1 thread, reused buffer", h.fmt(lim["reused"]["s"], ".3f"),
                  h.fmt(gib / lim["reused"]["s"], ".2f"), "-", "-"])  # fmt: skip
+    if "threads" in lim:
+        k = lim["threads"]["threads"]
+        rows.append([f"limit: memcpy + CRC32C, {k} threads (the restore's readers), reused buffer",
+                     h.fmt(lim["threads"]["s"], ".3f"), h.fmt(gib / lim["threads"]["s"], ".2f"), "-", "-"])  # fmt: skip
     rows.append(["limit: memcpy + CRC32C, 1 thread, fresh memory", h.fmt(lim["fresh"]["s"], ".3f"),
                  h.fmt(gib / lim["fresh"]["s"], ".2f"), "-", "-"])  # fmt: skip
     rows.append(["limit: cold sequential read of the step", h.fmt(lim["cold_read"]["s"], ".3f"),
                  h.fmt(lim["cold_read"]["gib_s"], ".2f"), "-", "-"])  # fmt: skip
-    rows.append(["limit: loopback TCP", "-", "-", "not measured: no peer restart here", "-"])
+    rows += limit_rows
     lines += [h.table(["restore", "s", "GiB/s", "from tier", "bit-identical"], rows), ""]
     lines += [f"Cold reads: {'; '.join(cold.get(c, c) for c in sorted(caches))}.", ""]
     mem = rep["saves"]["tiercheck.memory"]
+    threads, cpus = lim.get("threads", {}).get("threads", "-"), rep.get("machine", {}).get("cpu_count", "-")
     lines += [
         "(c) targets (issue 52), this run's numbers:",
-        f"- restart from own memory / (memcpy + CRC32C): {h.fmt(s['memory_vs_memcpy_crc'])}x (target <= 1.25x); "
-        f"/ (memcpy into fresh memory + CRC32C): {h.fmt(s['memory_vs_memcpy_crc_fresh'])}x",
+        f"- restart from own memory / (memcpy + CRC32C, 1 thread): {h.fmt(s['memory_vs_memcpy_crc'])}x (target <= 1.25x); "
+        f"/ (memcpy + CRC32C on the restore's {threads} reader threads, {cpus} CPUs): "
+        f"{h.fmt(s.get('memory_vs_memcpy_crc_threads'))}x; / (memcpy into fresh memory + CRC32C, 1 thread): "
+        f"{h.fmt(s['memory_vs_memcpy_crc_fresh'])}x. The restore's time includes the Checkpointer's start and the "
+        "restore's agreement and plan; it reads the tmpfs into the live tensors and folds each chunk's CRC32C "
+        "piece by piece as it lands (in the CPU's cache), where the limit copies, then checks",
         f"- cold local restore / restart from memory: {h.fmt(s['local_cold_vs_memory'])}x (target >= 5x); "
         f"dcp.load / memory: {h.fmt(s['dcp_load_vs_memory'])}x",
         f"- added per step, memory tier / plain lazy save: {h.fmt(s['added_memory_vs_lazy'])}x (target <= 1.05x); "
         f"/ dcp.async_save: {h.fmt(s['added_memory_vs_dcp_async'])}x",
+        f"- restart from a peer's memory (attempts that failed: {s.get('peer_failures', '-')}) "
+        f"{h.fmt(s.get('peer_gib_s'))} GiB/s / loopback TCP: "
+        f"{h.fmt(s.get('peer_vs_tcp_loopback'))}x (target >= 0.8x); / gloo send/recv: {h.fmt(s.get('peer_vs_gloo'))}x",
         f"- memory held {h.fmt_bytes(mem['memory_held_bytes'])} / shard {h.fmt_bytes(mem['state_bytes'])}: "
         f"{h.fmt(s['memory_held_vs_shard'])}x (target <= 2x, no replicas)",
     ]

@@ -298,8 +298,8 @@ def test_a_cold_load_reads_big_tensors_around_the_page_cache(tmp_path: Path, mon
     direct_bytes: list[int] = []
     read_vectored = LocalTier.read_vectored
 
-    def recording(self: LocalTier, path: str, offset: int, views: Any, *, direct: bool = False) -> tuple[int, bool]:
-        n, went_direct = read_vectored(self, path, offset, views, direct=direct)
+    def recording(self: LocalTier, path: str, offset: int, views: Any, *, direct: bool = False, each: Any = None) -> tuple[int, bool]:
+        n, went_direct = read_vectored(self, path, offset, views, direct=direct, each=each)
         direct_bytes.append(n if went_direct else 0)
         return n, went_direct
 

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from click.testing import CliRunner
@@ -271,3 +271,25 @@ def test_a_copy_of_a_nodes_ranks_takes_a_replica_only_with_its_files_and_ls_coun
     rows = {r["step"]: next(iter(r["tiers"].values())) for r in json.loads(listing.stdout)["steps"]}
     assert (rows[2]["replica_ranks"], rows[1]["replica_ranks"]) == ([], [0, 1])
     assert rows[2]["status"] == "committed (ranks 2-3)"
+
+
+def test_a_received_piece_keeps_its_bytes_while_the_next_ones_arrive() -> None:
+    """The file's writer (``LocalTier.write_stream``) writes up to two pieces while the next is received:
+    a piece still held is never received into again (one buffer received into again damaged the replica
+    under its write, after its CRC32C had been folded over the right bytes)."""
+    import torch
+
+    from tiercheck.tiering.replication import Replicator
+    from tiercheck.tiering.transfer import _Ring
+
+    class Sender:
+        sent = 0
+
+        def recv(self, t: torch.Tensor) -> None:
+            self.sent += 1
+            t.fill_(self.sent)
+
+    counter = type("Counter", (), {"_count": lambda self, key, n: None})()
+    held = list(Replicator._pieces(cast(Any, counter), cast(Any, Sender()), _Ring(1 << 16), 5 * (1 << 16) - 3))
+    assert [len(p) for p in held] == [1 << 16] * 4 + [(1 << 16) - 3]
+    assert [set(bytes(p)) for p in held] == [{1}, {2}, {3}, {4}, {5}]

@@ -17,7 +17,7 @@ from tiercheck.format.saveid import new_save_id
 from tiercheck.format.steps import list_steps, read_manifest
 from tiercheck.options import RetryOptions
 from tiercheck.tiers.base import Tier
-from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.local import PIECE_BYTES, LocalTier
 from tiercheck.tiers.remote import RemoteTier, open_tier
 
 
@@ -76,6 +76,28 @@ def test_byte_ranges_read_back_exactly_and_stop_at_the_end(tier: Tier) -> None:
     assert (n, bytes(out[:n]), rest) == (20, data[2980:], b"")  # a truncated file: fewer bytes, no error
     with pytest.raises(FileNotFoundError):
         tier.read_range("packs/nope.bin", 0, 1)
+
+
+def test_a_vectored_read_passes_every_byte_it_read_to_each_in_file_order(tier: Tier) -> None:
+    data = os.urandom(3000)
+    tier.write("packs/rank-000000.bin", [data])
+    views = [memoryview(bytearray(n)) for n in (1000, 0, 1500, 1000)]  # the last runs past the end
+    pieces: list[bytes] = []
+    n, _ = tier.read_vectored("packs/rank-000000.bin", 100, views, each=lambda p: pieces.append(bytes(p)))
+    assert n == 2900
+    assert b"".join(bytes(v) for v in views)[:n] == data[100:]
+    assert b"".join(pieces) == data[100:], "each byte read once, in order, and no byte past the end"
+
+
+def test_a_local_vectored_read_checked_as_it_lands_reads_in_pieces_of_piece_bytes(tmp_path: Path) -> None:
+    tier = LocalTier(tmp_path / "tier")
+    data = os.urandom(3 * PIECE_BYTES + 5)
+    tier.write("p.bin", [data])
+    views = [memoryview(bytearray(PIECE_BYTES // 2)), memoryview(bytearray(len(data) - PIECE_BYTES // 2))]
+    pieces: list[bytes] = []
+    assert tier.read_vectored("p.bin", 0, views, each=lambda p: pieces.append(bytes(p)))[0] == len(data)
+    assert b"".join(pieces) == data
+    assert max(len(p) for p in pieces) <= PIECE_BYTES and len(pieces) >= 4
 
 
 @pytest.mark.parametrize("offset", [0, 2990, 10**9])

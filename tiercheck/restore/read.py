@@ -36,7 +36,7 @@ from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
 from tiercheck.restore.plan import RestorePlan
-from tiercheck.restore.runs import RunLayout, Slot, read_runs
+from tiercheck.restore.runs import Folded, RunLayout, Slot, read_runs
 from tiercheck.restore.share import HEADER, Sharing, host_key, unshared
 from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
 from tiercheck.state.flatten import torch_dtype
@@ -250,7 +250,7 @@ class _Moves:
         for item in items:
             self.by_path[item.record.path].append(item)
         self.sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, bool]]] = defaultdict(list)
-        self.recvs: list[tuple[Transfer, torch.Tensor, Any]] = []
+        self.recvs: list[tuple[Transfer, torch.Tensor, Any, bool]] = []  # and whether it lands in place
         self.ops: list[Any] = []  # sends
         self.keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
         self.errors: list[BaseException] = []
@@ -261,8 +261,13 @@ class _Moves:
         for t in transfers:
             if t.dst == rank:
                 n = HEADER if t.shared else chunk_nbytes(records[t.path])
-                buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=self.device)
-                self.recvs.append((t, buf, dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)))
+                # Straight into its destination where the whole chunk lies in one (no new memory to fault
+                # in, no copy after), else into a buffer of its own, filled from as it lands.
+                into = None if t.shared or self.device.type != "cpu" else self.receivable(t, n)
+                buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=self.device) \
+                    if into is None else into  # fmt: skip
+                op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
+                self.recvs.append((t, buf, op, into is not None))
             elif t.src == rank:
                 self.sends[(t.path, t.chunk.coords)].append((t.dst, t.tag, t.shared))
         self.shared_out = {k for k, to in self.sends.items() if any(shared for _, _, shared in to)}
@@ -273,6 +278,12 @@ class _Moves:
                 self.outbox = sharing.open_outbox({k: chunk_nbytes(records[k[0]]) for k in sorted(self.shared_out)})
             except TiercheckError as e:  # the receivers still get a header, saying so (they would hang otherwise)
                 self.errors.append(e)
+
+    def receivable(self, t: Transfer, nbytes: int) -> torch.Tensor | None:
+        """The destination memory a chunk sent to this rank is received straight into: where the whole
+        chunk (``nbytes``, padding included, as it is sent) lies within one (``direct_target``)."""
+        target = direct_target(self.records[t.path], t.chunk, self.by_path.get(t.path, ()), whole=True)
+        return target if target is not None and target.numel() == nbytes else None
 
     def place(
         self, rec: ArrayRecord, c: Chunk, data: torch.Tensor, dests: Sequence[ReadItem], *, reused: bool = False
@@ -347,9 +358,14 @@ class _Moves:
                 slots.append(Slot(job, offset, chunk_nbytes(rec), target))
         file, _ = records[run[0].path].location(run[0].chunk.key)
         layout = (RunLayout.unbuffered(slots) if src.direct_io else None) or RunLayout.buffered(slots)
+        # Through the page cache (a tmpfs: the memory tier), each chunk's checksum is folded piece by
+        # piece as the read copies them, while they are in the CPU's cache: one pass over memory fewer
+        # than a checksum of the destination once the whole run is read. Not around it: the device
+        # writes memory, not the CPU, and it reads faster in big requests.
+        fold = None if layout.direct else Folded(records, slots, layout.start, src.url)
         try:
             path = f"{step_dir(self.step)}/{file}"
-            n, direct = src.read_vectored(path, layout.start, layout.views, direct=layout.direct)
+            n, direct = src.read_vectored(path, layout.start, layout.views, direct=layout.direct, each=fold)
             whole = n >= layout.end - layout.start
         except OSError:
             whole = False
@@ -359,12 +375,14 @@ class _Moves:
             self.counts.remote_reads += len(run)
         for into, scratch in layout.copies:
             into[:] = scratch
+        verified = fold is not None and fold.whole()
         out = []
         for slot, (data, rest, chunk) in zip(slots, layout.parts, strict=True):
             job, c = slot.job, slot.job.chunk
             rec = records[job.path]
-            try:
-                verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes, where=src.url)
+            try:  # a run the fold found damaged: each chunk checked on its own, to know which
+                if not verified:
+                    verify_parts(data, rest, expected_crc=rec.checksums[c.key], nbytes=slot.nbytes, where=src.url)
             except CorruptCheckpointError:  # read again alone, which names the chunk in its error
                 out.append(self.read_and_fill(job))
                 continue
@@ -422,9 +440,9 @@ class _Moves:
         try:
             if self.device.type == "cuda":  # a new thread starts on GPU 0
                 torch.cuda.set_device(self.device)
-            for t, buf, op in self.recvs:
+            for t, buf, op, in_place in self.recvs:
                 op.wait()
-                if self.errors:
+                if self.errors or in_place:
                     continue  # every message is still taken in: no sender waits on this rank
                 data = buf  # on the GPU for NCCL: filled there, never through host memory
                 if t.shared:

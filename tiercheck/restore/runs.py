@@ -2,8 +2,9 @@
 
 A restore reads chunks one after the other in a pack with one request where the tier can
 (``Tier.vectored_reads``: a local file's ``preadv``, a few ranged GETs in parallel on an object
-store): ``read_runs`` groups them, and a ``RunLayout`` says where each byte of the run goes
-(straight into its destination, or scratch memory) and what is verified.
+store): ``read_runs`` groups them, a ``RunLayout`` says where each byte of the run goes
+(straight into its destination, or scratch memory) and what is verified, and ``Folded`` checks the
+chunks as the read lands them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tiercheck.cluster.assign import Read
-from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
+from tiercheck.errors import CorruptCheckpointError
+from tiercheck.format.codec import CHECKSUM_BYTES, PackCheck, chunk_nbytes
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.restore.stage import whole_blocks
 from tiercheck.state.staging import aligned_empty
@@ -124,6 +126,37 @@ class RunLayout:
                 layout.copies.append((data[body:], at(s.offset + body, len(data) - body).numpy().data))
             layout.parts.append((data, at(s.offset + len(data), whole - len(data)).numpy().data, None))
         return layout
+
+
+class Folded:
+    """The checksums of a run's chunks folded as a read lands its bytes (``Tier.read_vectored``'s
+    ``each``, in file order from ``start``): ``whole()`` says whether every chunk checked out. The
+    first mismatch stops the folding, never the read: the run's chunks are then checked one by one."""
+
+    def __init__(self, records: dict[str, ArrayRecord], slots: Sequence[Slot], start: int, where: str) -> None:
+        spans = [
+            (s.offset - start, s.nbytes, s.job.path, s.job.chunk.key, records[s.job.path].checksums[s.job.chunk.key])
+            for s in slots
+        ]
+        self._check: PackCheck | None = PackCheck(spans, where)
+
+    def __call__(self, piece: memoryview) -> None:
+        if self._check is None:
+            return
+        try:
+            self._check.feed(piece)
+        except CorruptCheckpointError:
+            self._check = None
+
+    def whole(self) -> bool:
+        """Every chunk passed and checked out."""
+        if self._check is None:
+            return False
+        try:
+            self._check.close()
+        except CorruptCheckpointError:
+            return False
+        return True
 
 
 def read_runs(

@@ -48,6 +48,7 @@ from tiercheck.format.paths import COMMIT_FILE, replica_marker, step_dir
 from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement
 from tiercheck.format.steps import read_marker
 from tiercheck.options import ReplicationOptions
+from tiercheck.tiering.transfer import _Ring
 from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
@@ -319,12 +320,16 @@ class Replicator:
         elif not self.tier.exists(f"{d}/{COMMIT_FILE}"):
             problem = "the step is not committed here (deleted, or its save failed on this node)"
         keep = problem is None
-        buf = torch.empty(self.options.piece_bytes, dtype=torch.uint8)
+        # A piece is received into memory the file's writer no longer holds: ``write_stream`` writes
+        # up to two pieces while the next is received, and a single buffer received into again
+        # changed a piece under its write after its CRC32C was folded (a replica marked whole, and
+        # damaged).
+        ring = _Ring(self.options.piece_bytes)
         crcs: dict[str, int] = {}
         written: list[str] = []
         try:
             for name, size in files:
-                pieces = self._pieces(pair, buf, size)
+                pieces = self._pieces(pair, ring, size)
                 if keep:
                     crcs[name] = 0
 
@@ -357,13 +362,13 @@ class Replicator:
             log.warning("%s: not kept: %s", where, problem)
         pair.send(torch.tensor([1 if keep else 0], dtype=torch.int64))
 
-    def _pieces(self, pair: _Pair, buf: torch.Tensor, size: int) -> Iterator[memoryview]:
-        view = memoryview(buf.numpy())  # type: ignore[arg-type]
-        for offset in range(0, size, len(view)):
-            n = min(len(view), size - offset)
-            pair.recv(buf[:n])
+    def _pieces(self, pair: _Pair, ring: _Ring, size: int) -> Iterator[memoryview]:
+        for offset in range(0, size, ring.size):
+            n = min(ring.size, size - offset)
+            view = ring.take()[:n]
+            pair.recv(torch.frombuffer(view, dtype=torch.uint8))
             self._count("bytes_received", n)
-            yield view[:n]
+            yield view
 
     def _count(self, key: str, n: int) -> None:
         """Add to a status counter: the sending and receiving threads of a step count at once."""

@@ -88,18 +88,26 @@ class Tier(ABC):
         return n, bytes(raw[n:])
 
     def read_vectored(
-        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+        self,
+        path: str,
+        offset: int,
+        views: Sequence[memoryview],
+        *,
+        direct: bool = False,
+        each: Callable[[memoryview], None] | None = None,
     ) -> tuple[int, bool]:
         """Fill ``views`` (writable) from ``path`` at ``offset`` on, in order; returns the bytes read
-        (fewer where the file ends first) and whether they bypassed the page cache. The default
-        reads the range, then copies; tiers with ``vectored_reads`` do better."""
+        (fewer where the file ends first) and whether they bypassed the page cache. ``each``, where
+        given, is passed every byte read, in file order, in pieces (as they land, where the tier
+        can: ``LocalTier``; here, each view's part once all is read). The default reads the range,
+        then copies; tiers with ``vectored_reads`` do better."""
         raw = memoryview(self.read_range(path, offset, sum(len(v) for v in views)))
         pos = 0
         for v in views:
             n = min(len(v), len(raw) - pos)
             v[:n] = raw[pos : pos + n]
             pos += n
-        return pos, False
+        return pos, pass_read(views, pos, each)
 
     def open_pack(self, path: str) -> PackWriter:
         """A file the I/O threads fill at given offsets, concurrently: a save's pack. Only tiers a
@@ -163,3 +171,14 @@ class Tier(ABC):
         """Stop retrying: requests in flight give up at their next retry (a closing drain whose
         wait ran out). A no-op for tiers that do not retry."""
         return None
+
+
+def pass_read(views: Sequence[memoryview], n: int, each: Callable[[memoryview], None] | None) -> bool:
+    """The first ``n`` bytes of ``views`` given to ``each`` (``Tier.read_vectored``), view by view;
+    False (what a read that bypassed no page cache returns)."""
+    for v in views:
+        if each is None or n <= 0:
+            break
+        each(v[:n])
+        n -= len(v)
+    return False

@@ -25,6 +25,9 @@ STREAM_WRITERS = 2  # pieces a copy writes at once (``write_stream``), beside th
 STREAM_PIECE_BYTES = 64 << 20  # and their size: from a remote tier, each read as ranged GETs in parallel
 BLOCK = 4096  # O_DIRECT needs buffer address, length and file offset aligned to the device block
 DIRECT_MIN_BYTES = 1 << 20  # below this the page cache is cheaper than a direct write
+# A read whose pieces are checked as they land (``read_vectored(each=...)``) reads this much at a time:
+# well within a core's L2 cache (bigger pieces measured slower, smaller ones cost more calls).
+PIECE_BYTES = 512 << 10
 
 
 class LocalTier(Tier):
@@ -154,7 +157,13 @@ class LocalTier(Tier):
             return n, f.read(rest)
 
     def read_vectored(
-        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+        self,
+        path: str,
+        offset: int,
+        views: Sequence[memoryview],
+        *,
+        direct: bool = False,
+        each: Callable[[memoryview], None] | None = None,
     ) -> tuple[int, bool]:
         """Fill ``views`` (writable) from ``path`` at ``offset`` on, in order, with as few reads as
         it takes (one ``preadv`` of up to 1024 buffers each); returns the bytes read, fewer where
@@ -164,7 +173,12 @@ class LocalTier(Tier):
         With ``direct``, and where the tier does direct I/O, ``offset`` and every view's address
         and length are whole blocks, and the page cache does not hold most of the largest view's
         bytes already (``mincore`` says), the reads bypass the page cache: no copy out of
-        it, and no cache memory to fill and reclaim."""
+        it, and no cache memory to fill and reclaim.
+
+        With ``each``, the reads are of ``PIECE_BYTES`` at most, and each piece read is passed to
+        ``each`` (in file order) before the next is read: a restore folds its chunks' checksums
+        while their bytes are still in the CPU's cache, rather than read them back from memory
+        after a read of 64 MiB (from a tmpfs: 1.2-1.35x the bytes per CPU second)."""
         target = self._abs(path)
         fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -173,8 +187,12 @@ class LocalTier(Tier):
                 fd, direct = self._reopen_direct(target, fd)
             total, pending = 0, [v for v in views if len(v)]
             while pending:
-                n = os.preadv(fd, pending[:1024], offset + total)
+                batch = pending[:1024] if each is None else _head(pending, PIECE_BYTES)
+                n = os.preadv(fd, batch, offset + total)
                 total += n
+                if each is not None:
+                    for piece in _head(batch, n):
+                        each(piece)
                 if n == 0 or (direct and n % BLOCK):
                     break  # the end of the file (a direct read cannot go on from within a block)
                 _advance(pending, n)  # a short read resumes mid-buffer
@@ -438,6 +456,17 @@ def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
         written = os.pwritev(fd, views[:1024], offset)
         offset += written
         _advance(views, written)  # a short write resumes mid-buffer
+
+
+def _head(views: Sequence[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views``, as views of them (1024 at most, what one ``preadv`` takes)."""
+    out: list[memoryview] = []
+    for v in views:
+        if n <= 0 or len(out) == 1024:
+            break
+        out.append(v[:n])
+        n -= len(v)
+    return out
 
 
 def _advance(views: list[memoryview], n: int) -> None:

@@ -33,7 +33,7 @@ from tenacity.wait import wait_random_exponential
 from tiercheck.errors import RemoteStorageError, UnsafeCheckpointError
 from tiercheck.options import RetryOptions
 from tiercheck.tiers import transient
-from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.base import Buffer, Tier, pass_read
 from tiercheck.tiers.credentials import credential_sources, missing_credentials
 from tiercheck.tiers.inflight import Inflight, SourceError, sourced
 from tiercheck.tiers.local import LocalTier
@@ -421,18 +421,25 @@ class RemoteTier(Tier):
         return min(n, len(out)), bytes(rest[: max(0, n - len(out))])
 
     def read_vectored(
-        self, path: str, offset: int, views: Sequence[memoryview], *, direct: bool = False
+        self,
+        path: str,
+        offset: int,
+        views: Sequence[memoryview],
+        *,
+        direct: bool = False,
+        each: Callable[[memoryview], None] | None = None,
     ) -> tuple[int, bool]:
         """Fill ``views`` from ``path`` at ``offset`` on with ranged GETs of about ``part_bytes``,
         ``part_concurrency`` in flight (``Inflight.fill``: a restore's run of chunks, a large
         chunk). Returns the bytes read (fewer where the object ends first) and False: there is
-        no page cache to bypass."""
+        no page cache to bypass. ``each`` is passed the bytes read once all are (GETs land out of order)."""
         target = self._p(path)
 
         def get(at: int, view: memoryview) -> int:
             return self._get_into(path, target, offset + at, view)
 
-        return self.inflight.fill(views, self.part_bytes, get), False
+        n = self.inflight.fill(views, self.part_bytes, get)
+        return n, pass_read(views, n, each)
 
     def exists(self, path: str) -> bool:
         target = self._p(path)
