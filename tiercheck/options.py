@@ -246,7 +246,8 @@ class ReplicationOptions:
             the number of nodes in a failure domain (a rack, a power domain) so that the copies land in other
             domains. ``None``: 1 (every node its own domain).
         every: replicate only steps divisible by this.
-        piece_bytes: bytes read, sent and written at a time per peer (the memory replication holds).
+        piece_bytes: bytes read, sent and written at a time per peer; a receiving leader holds up to three
+            pieces per peer while they are written (the memory replication holds about that).
         timeout_s: how long a leader waits on a peer (to connect, for one piece) before it leaves that peer out.
     """
 
