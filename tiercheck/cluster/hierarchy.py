@@ -4,8 +4,8 @@ A node's ranks meet in their node's store (``Coordinator.node``, served by the n
 ``cluster.nodes.open_channel``); only the leaders meet in the job's store. Where the leaders must
 pool what each node knows (the steps each holds, for a restore), they fold it up a tree over their
 node numbers, ``FAN_IN`` children to a parent, to node 0's leader (rank 0): no rank reads more than
-``FAN_IN`` values, and the tree of 16,384 nodes is three levels deep. The answer comes back down in
-one key every leader reads, and each leader tells its node.
+``FAN_IN`` values, and the farthest of 16,384 nodes is three hops from rank 0. The answer comes back
+down in one key every leader reads, and each leader tells its node.
 
 Per node and per use, the job's store sees a few requests (a barrier: two; a fold: a value set, read
 and deleted; an answer: one read), so its load grows with the nodes, not the ranks; a rank's own
@@ -23,7 +23,7 @@ from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import CoordinationError
 
-FAN_IN = 32  # children per parent in a fold: 3 levels for 16,384 nodes, 4 for up to a million
+FAN_IN = 32  # children per parent in a fold: 3 hops to rank 0 from 16,384 nodes, 4 from a million
 
 
 def node_of(coord: Coordinator) -> Coordinator:
