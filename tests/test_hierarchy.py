@@ -15,7 +15,7 @@ import tiercheck
 from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.cluster.hierarchy import FAN_IN
 from tiercheck.cluster.job import Job
-from tiercheck.cluster.nodes import Nodes, join_in_lockstep
+from tiercheck.cluster.nodes import Nodes, join_in_lockstep, join_nodes, local_channel, open_channel
 from tiercheck.errors import CoordinationError
 from tiercheck.format.codec import seal
 from tiercheck.format.manifest import RankPart
@@ -91,6 +91,30 @@ def test_the_newest_step_whole_on_every_node_folds_up_a_tree_no_rank_hears_every
     assert max(ops) <= 2 * FAN_IN + 8, ops  # a parent reads (and deletes) its children's folds, not every node's
     asked = lockstep([agree_on_step(j, "q/step", requested=2, remote_steps=list) for j in jobs], capture=True)
     assert all(f"saving rank(s) {world - 1} are on no rank's local tier" in str(e) for e in asked), asked[0]
+
+
+def test_a_node_whose_ranks_cannot_reach_their_leaders_store_meets_in_the_jobs_store(tmp_path: Path) -> None:
+    world, per_node = 8, 4
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="h", timeout_s=5) for r in range(world)]
+    nodes = lockstep([join_nodes(c, f"node{c.rank // per_node}") for c in coords])
+    serve, connect = local_channel()
+    refused = {"n": 0}
+
+    def connect_or_not(address: str) -> Any:
+        refused["n"] += 1
+        if refused["n"] == 4:  # one rank of node 1 (containers of one host, each a network of its own)
+            raise RuntimeError("connection refused")
+        return connect(address)
+
+    for c, node in zip(coords, lockstep([open_channel(c, nodes[c.rank], serve, connect_or_not) for c in coords]),
+                       strict=True):  # fmt: skip
+        c.node = node
+    assert [c.node is not None and c.node.store is store for c in coords] == [False] * 4 + [True] * 4
+    jobs = [Job(coord=c, nodes=nodes[c.rank], tier=LocalTier(tmp_path / f"node{c.rank // per_node}", fsync=False))
+            for c in coords]  # fmt: skip
+    assert _commit(jobs, 1) == [None] * world
+    assert store.num_keys() == 5  # the channel's keys are gone; the vote's stay until the next
 
 
 def _two_saves(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ job's store, once; rank 0 numbers the nodes (one entry per node).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -26,9 +27,10 @@ from typing import Any
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, lockstep
 from tiercheck.cluster.wire import as_rank, loads
-from tiercheck.errors import CoordinationError
 from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
+
+log = logging.getLogger("tiercheck")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,9 @@ def tcp_serve(timeout_s: float) -> Serve:
     return serve
 
 
+CONNECT_S = 10.0  # how long a rank tries to reach its node's store before the node does without it
+
+
 def tcp_connect(timeout_s: float) -> Connect:
     def connect(address: str) -> Any:
         import torch.distributed as dist
@@ -104,15 +109,10 @@ def tcp_connect(timeout_s: float) -> Connect:
         host, _, port = address.rpartition(":")
         if host == socket.gethostname():
             host = "127.0.0.1"  # the leader is on this host: no name lookup, no route off it
-        try:
-            return dist.TCPStore(
-                host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-            )
-        except (RuntimeError, ValueError) as e:
-            raise CoordinationError(
-                f"cannot reach the node's store at {address} (served by the first rank sharing this "
-                f"node-local directory; is the directory shared between hosts?): {e}"
-            ) from None
+        client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=min(timeout_s, CONNECT_S)))  # fmt: skip
+        client.set_timeout(timedelta(seconds=timeout_s))
+        return client
 
     return connect
 
@@ -120,7 +120,9 @@ def tcp_connect(timeout_s: float) -> Connect:
 def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connect) -> Exchange[Coordinator]:
     """The coordinator of this rank's node: its ranks (numbered from 0, the leader) over the store
     the leader serves. A node of one rank keeps its node's keys in its own process; the node of a
-    job of one node keeps them in a namespace of the job's store (its only node is the job)."""
+    job of one node keeps them in a namespace of the job's store (its only node is the job), and so
+    does a node whose ranks cannot all reach their leader's store (containers of one host, each with
+    a network of its own, sharing the directory): it works as before, through the job's store."""
     local = nodes.ranks.index(coord.rank)
     namespace = f"{coord.namespace}/node{nodes.number}"
     if len(nodes.ranks) == 1:  # its node's store is this process's alone
@@ -129,23 +131,35 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
         node = coord.fork(dist.HashStore(), rank=local, world_size=1, namespace=namespace)
         node.owns_client = True
         return node
+    shared = coord.fork(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
+    shared.owns_client = coord.owns_client
     if nodes.count == 1:
-        node = coord.fork(coord.store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
-        node.owns_client = coord.owns_client
-        return node
+        return shared
     key = coord.key("nodes", "channel", nodes.number)
+    store: Any = None
     if local == 0:
         store, address = serve()
         coord.set(key, address)
     else:
         address = (yield Barrier(key, "the node's leader to serve its store", coord, fetch=True)).decode()
-        store = connect(address)
+        try:
+            store = connect(address)
+        except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
+            log.warning("rank %d cannot reach its node's store at %s (%s): the node's ranks meet in the job's "
+                        "store instead", coord.rank, address, str(e).splitlines()[0] if str(e) else e)  # fmt: skip
+    # Whether every rank reached it: one count per rank (the low bits), and one per failure (the high).
+    tried = coord.add(coord.key("nodes", "channel", nodes.number, "tried"), 1 if store is not None else 1 + (1 << 20))
+    if tried & 0xFFFFF == len(nodes.ranks):
+        coord.set(coord.key("nodes", "channel", nodes.number, "whole"), "1" if tried < 1 << 20 else "0")
+    whole = (yield Barrier(coord.key("nodes", "channel", nodes.number, "whole"), "the node's ranks to reach its store",
+                           coord, fetch=True)) == b"1"  # fmt: skip
+    yield shared.arrive("channel", what="every rank of the node to learn how it meets")
+    shared.finish("channel", keys=(coord.key("nodes", "channel", nodes.number, "tried"),
+                                   coord.key("nodes", "channel", nodes.number, "whole"), key))  # fmt: skip
+    if not whole:
+        return shared
     node = coord.fork(store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
     node.owns_client = True
-    yield node.arrive("channel", what="every rank of the node to reach its store")
-    node.finish("channel")
-    if local == 0:
-        coord.delete(key)
     return node
 
 
