@@ -9,13 +9,13 @@ cd "$root"
 setup_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-setup.XXXXXX.log")"
 megatron_job=""
 # On a failed step, the Megatron lane's venv (made in the background, below) stops being made too.
-trap 'rm -f "$setup_log"; [ -z "$megatron_job" ] || kill "$megatron_job" 2>/dev/null || true' EXIT
+trap 'rm -f "$setup_log"; [ -z "$megatron_job" ] || kill -- -"$megatron_job" 2>/dev/null || kill "$megatron_job" 2>/dev/null || true' EXIT
 quietly() {  # quietly CMD...: one setup step, its output in $setup_log (kept when it fails)
     if ! "$@" >>"$setup_log" 2>&1; then
         tail -n 30 "$setup_log" >&2
         echo "scripts/test.sh: this setup step failed: $*" >&2
         echo "scripts/test.sh: its whole output, and the earlier steps': $setup_log" >&2
-        trap '[ -z "$megatron_job" ] || kill "$megatron_job" 2>/dev/null || true' EXIT
+        trap '[ -z "$megatron_job" ] || kill -- -"$megatron_job" 2>/dev/null || kill "$megatron_job" 2>/dev/null || true' EXIT
         exit 1
     fi
 }
@@ -50,13 +50,14 @@ if [ "${TIERCHECK_MEGATRON_LANE:-1}" != 0 ]; then
     if [ "$(cat .venv-megatron/.tiercheck-pins 2>/dev/null)" != "$megatron_pins" ]; then
         say "creating .venv-megatron in the background: torch 2.13.0 for Python 3.12 (the CUDA build: ~2.7 GB)" \
             "and megatron-core 0.19.2"
-        (
-            set -e
+        # A process group of its own (setsid), so that a failed step stops pip too, not only its shell.
+        group=setsid
+        command -v setsid >/dev/null || group=""  # then a failed step stops its shell only
+        $group bash -c 'set -e
             rm -rf .venv-megatron
-            "$py312" -m venv .venv-megatron
-            .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $megatron_pins
-            echo "$megatron_pins" > .venv-megatron/.tiercheck-pins
-        ) >"$megatron_log" 2>&1 &
+            "$1" -m venv .venv-megatron
+            .venv-megatron/bin/python -m pip install -q --disable-pip-version-check $2
+            echo "$2" > .venv-megatron/.tiercheck-pins' _ "$py312" "$megatron_pins" >"$megatron_log" 2>&1 &
     else
         true &
     fi

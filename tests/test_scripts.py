@@ -80,7 +80,7 @@ def test_test_sh_keeps_setup_output_in_a_log_it_names_when_a_step_fails(tmp_path
     """scripts/test.sh printed pip's output (125 lines of index warnings on a machine with extra indexes). Its
     setup steps are quiet; the one that fails shows the end of the log and names the log, which is kept."""
     root = sandbox(tmp_path, "test.sh")
-    done, calls = run_script(root, "test.sh", FAIL_PIP_IF="deepspeed==")
+    done, calls = run_script(root, "test.sh", FAIL_PIP_IF="deepspeed==", TIERCHECK_MEGATRON_LANE="0")
     assert done.returncode == 1 and done.stdout == "", done
     assert calls[-1].endswith("deepspeed==0.19.8"), calls  # torch and setuptools went through before it
     [log] = root.glob("tiercheck-setup.*.log")  # kept, and named
@@ -95,7 +95,7 @@ def test_test_sh_says_each_setup_step_as_it_starts(tmp_path: Path) -> None:
     """scripts/test.sh printed nothing for ~3 minutes while it installed. Each setup step is named on stderr as
     it starts (stdout stays the checks' and the tests'), in the order the steps run, up to the one that fails."""
     root = sandbox(tmp_path, "test.sh")
-    done, calls = run_script(root, "test.sh", FAIL_PIP_IF="torchtitan==")
+    done, calls = run_script(root, "test.sh", FAIL_PIP_IF="torchtitan==", TIERCHECK_MEGATRON_LANE="0")
     assert done.returncode == 1 and done.stdout == "", done
     said = [line for line in done.stderr.splitlines() if line.startswith("==> ")]
     assert said == [
