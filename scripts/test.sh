@@ -96,6 +96,20 @@ if ! cmp -s package-lock.json node_modules/.tiercheck-installed-lock; then
     quietly npm ci --no-audit --no-fund --loglevel=error
     cp package-lock.json node_modules/.tiercheck-installed-lock
 fi
+# DeepSpeed's shared-memory op (~30 s of g++) is compiled in the background, beside the checks and the Megatron
+# lane, where the suite's fixture finds it (pytest's cache, tests/conftest.py): it then compiles nothing. A
+# failed build here costs nothing but the time: the fixture compiles it, and says why it cannot.
+shm_cache=.pytest_cache/d/tiercheck-torch-extensions
+shm_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-shm-op.XXXXXX.log")"
+if [ -z "$(ls -A "$shm_cache" 2>/dev/null)" ]; then
+    mkdir -p "$shm_cache"
+    TORCH_EXTENSIONS_DIR="$root/$shm_cache" .venv/bin/python -c \
+        "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >"$shm_log" 2>&1 &
+    shm_job=$!
+else
+    true &
+    shm_job=$!
+fi
 say "checking: ruff, mypy, import layers, the documentation site"
 .venv/bin/ruff check tiercheck tests examples bench
 .venv/bin/mypy tiercheck
@@ -133,5 +147,8 @@ else
     .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
     echo "== main suite"
 fi
+wait "$shm_job" || echo "scripts/test.sh: DeepSpeed's shared-memory op did not build here (its tests build it):" \
+    "$(tail -n 3 "$shm_log")" >&2
+rm -f "$shm_log"
 rm -f "$setup_log"  # exec runs no EXIT trap
 exec .venv/bin/python -m pytest "$@"
