@@ -7,15 +7,17 @@ cd "$root"
 # The setup's output (pip's, with every index warning of a machine whose pip has extra indexes) goes to a
 # log, shown (its end, and where the rest is) only when a step fails.
 setup_log="$(mktemp "${TMPDIR:-/tmp}/tiercheck-setup.XXXXXX.log")"
-megatron_job=""
-# On a failed step, the Megatron lane's venv (made in the background, below) stops being made too.
-trap 'rm -f "$setup_log"; [ -z "$megatron_job" ] || kill -- -"$megatron_job" 2>/dev/null || kill "$megatron_job" 2>/dev/null || true' EXIT
+megatron_job="" shm_job=""
+stop_background() {  # on a failed step, what runs in the background (below) stops too: a process group, or one
+    for job in $megatron_job $shm_job; do kill -- -"$job" 2>/dev/null || kill "$job" 2>/dev/null || true; done
+}
+trap 'rm -f "$setup_log"; stop_background' EXIT
 quietly() {  # quietly CMD...: one setup step, its output in $setup_log (kept when it fails)
     if ! "$@" >>"$setup_log" 2>&1; then
         tail -n 30 "$setup_log" >&2
         echo "scripts/test.sh: this setup step failed: $*" >&2
         echo "scripts/test.sh: its whole output, and the earlier steps': $setup_log" >&2
-        trap '[ -z "$megatron_job" ] || kill -- -"$megatron_job" 2>/dev/null || kill "$megatron_job" 2>/dev/null || true' EXIT
+        trap stop_background EXIT
         exit 1
     fi
 }
