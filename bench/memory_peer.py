@@ -7,7 +7,6 @@ loopback). Limits in the same worker: loopback TCP (``sendall`` to a thread) and
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -86,35 +85,8 @@ def _gloo_p2p(rank: int, nbytes: int) -> dict[str, float]:
 
 
 def tcp_loopback(nbytes: int, block: int = 4 * MiB) -> dict[str, float]:
-    """``sendall`` over 127.0.0.1 to a thread that ``recv_into``'s a buffer: what any transfer between
-    two processes of this machine can reach (remote_bench's measure, best of 3)."""
-    import socket
-    import threading
-
-    best = float("inf")
-    for _ in range(3):
-        srv = socket.create_server(("127.0.0.1", 0))
-        got = [0]
-
-        def sink(srv: socket.socket = srv, got: list[int] = got) -> None:
-            conn, _ = srv.accept()
-            buf = bytearray(block)
-            with conn:
-                while n := conn.recv_into(buf):
-                    got[0] += n
-
-        t = threading.Thread(target=sink)
-        t.start()
-        data = os.urandom(block)
-        with socket.create_connection(srv.getsockname()) as c:
-            t0 = time.perf_counter()
-            for _ in range(0, nbytes, block):
-                c.sendall(data)
-            c.shutdown(socket.SHUT_WR)
-            t.join()
-            best = min(best, time.perf_counter() - t0)
-        srv.close()
-    return {"bytes": got[0], "s": best, "gib_s": got[0] / GiB / best}
+    """The loopback TCP ceiling (``harness.tcp_loopback``, remote_bench's measure), best of 3."""
+    return h.tcp_loopback(nbytes, block, repeats=3)
 
 
 def peer_restart(gib: float, local: str, shm: str, timeout: float, attempts: int = 2) -> dict[str, Any]:

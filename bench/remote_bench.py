@@ -27,10 +27,8 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -175,30 +173,7 @@ def drain_phases(tap: LogTap, t_wait: float, t_drained: float) -> dict[str, Any]
 
 def measure_tcp_loopback(nbytes: int, block: int = 4 * MiB) -> dict[str, float]:
     """sendall over 127.0.0.1 to a thread that recv_into's a buffer: the ceiling of any transfer here."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    got = [0]
-
-    def sink() -> None:
-        conn, _ = srv.accept()
-        buf = bytearray(block)
-        with conn:
-            while n := conn.recv_into(buf):
-                got[0] += n
-
-    t = threading.Thread(target=sink)
-    t.start()
-    data = os.urandom(block)
-    with socket.create_connection(srv.getsockname()) as c:
-        t0 = time.perf_counter()
-        for _ in range(0, nbytes, block):
-            c.sendall(data)
-        c.shutdown(socket.SHUT_WR)
-        t.join()
-        dt = time.perf_counter() - t0
-    srv.close()
-    return {"bytes": got[0], "s": dt, "mib_s": got[0] / MiB / dt}
+    return h.tcp_loopback(nbytes, block)
 
 
 # ---------------------------------------------------------------------------------------------
