@@ -14,6 +14,10 @@ ranks under keys both sides can name. The protocols built on these (``save.plan`
 ``restore.protocol``) are generators that yield a :class:`Barrier` wherever a rank must wait for the
 others: :func:`drive` runs one rank's protocol against the store, and a simulation can run the
 same generators of thousands of simulated ranks in lockstep over one store (``bench/scale_sim.py``).
+
+A rank also has a coordinator of its node (``Coordinator.node``: the store its node's leader serves,
+``cluster.nodes``), so that what a node's ranks agree on among themselves never reaches the job's
+store; ``cluster.hierarchy`` builds the two-level protocols on both.
 """
 
 
