@@ -117,6 +117,28 @@ def test_a_node_whose_ranks_cannot_reach_their_leaders_store_meets_in_the_jobs_s
     assert store.num_keys() == 5  # the channel's keys are gone; the vote's stay until the next
 
 
+def test_a_leader_that_cannot_serve_its_nodes_store_leaves_its_node_in_the_jobs_store(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=8, namespace="h", timeout_s=5) for r in range(8)]
+    nodes = lockstep([join_nodes(c, f"node{c.rank // 4}") for c in coords])
+    serve, connect = local_channel()
+    served = {"n": 0}
+
+    def serve_or_not() -> tuple[Any, str]:
+        served["n"] += 1
+        if served["n"] == 2:  # node 1's leader: no port to listen on
+            raise OSError("address already in use")
+        return serve()
+
+    for c, node in zip(coords, lockstep([open_channel(c, nodes[c.rank], serve_or_not, connect) for c in coords]),
+                       strict=True):  # fmt: skip
+        c.node = node
+    assert [c.node is not None and c.node.store is store for c in coords] == [False] * 4 + [True] * 4
+    jobs = [Job(coord=c, nodes=nodes[c.rank], tier=LocalTier(tmp_path / f"node{c.rank // 4}", fsync=False))
+            for c in coords]  # fmt: skip
+    assert _commit(jobs, 1) == [None] * 8
+
+
 def _two_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     state = {"w": torch.full((64,), float(rank)), "step": torch.zeros(())}
     local = os.path.join(root, f"node{rank // 2}")

@@ -138,12 +138,17 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     key = coord.key("nodes", "channel", nodes.number)
     store: Any = None
     if local == 0:
-        store, address = serve()
+        try:
+            store, address = serve()
+        except (RuntimeError, OSError) as e:  # no port to listen on: the node meets in the job's store
+            log.warning("rank %d cannot serve its node's store (%s): the node's ranks meet in the job's store",
+                        coord.rank, e)  # fmt: skip
+            address = ""
         coord.set(key, address)
     else:
         address = (yield Barrier(key, "the node's leader to serve its store", coord, fetch=True)).decode()
         try:
-            store = connect(address)
+            store = connect(address) if address else None
         except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
             log.warning("rank %d cannot reach its node's store at %s (%s): the node's ranks meet in the job's "
                         "store instead", coord.rank, address, str(e).splitlines()[0] if str(e) else e)  # fmt: skip
