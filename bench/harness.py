@@ -598,36 +598,3 @@ def _worker_main(script: str, func: str, kwargs: str, out: str) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     sys.exit(_worker_main(*sys.argv[2:6]))
-
-
-def tcp_loopback(nbytes: int, block: int = 4 << 20, repeats: int = 1) -> dict[str, float]:
-    """``sendall`` over 127.0.0.1 to a thread that ``recv_into``'s a buffer: the ceiling of any transfer
-    between two processes of this machine (the best of ``repeats``): bytes, seconds, MiB/s and GiB/s."""
-    import socket
-    import threading
-
-    best, got = float("inf"), [0]
-    for _ in range(repeats):
-        srv = socket.create_server(("127.0.0.1", 0))
-        got = [0]
-
-        def sink(srv: socket.socket = srv, got: list[int] = got) -> None:
-            conn, _ = srv.accept()
-            buf = bytearray(block)
-            with conn:
-                while n := conn.recv_into(buf):
-                    got[0] += n
-
-        t = threading.Thread(target=sink)
-        t.start()
-        data = os.urandom(block)
-        with socket.create_connection(srv.getsockname()) as c:
-            t0 = time.perf_counter()
-            for _ in range(0, nbytes, block):
-                c.sendall(data)
-            c.shutdown(socket.SHUT_WR)
-            t.join()
-            best = min(best, time.perf_counter() - t0)
-        srv.close()
-    return {"bytes": got[0], "s": best, "mib_s": got[0] / (1 << 20) / best, "gib_s": got[0] / (1 << 30) / best}
-

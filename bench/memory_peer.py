@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
+import limits
 
 GiB, MiB = h.GiB, h.MiB
 
@@ -86,7 +87,7 @@ def _gloo_p2p(rank: int, nbytes: int) -> dict[str, float]:
 
 def tcp_loopback(nbytes: int, block: int = 4 * MiB) -> dict[str, float]:
     """The loopback TCP ceiling (``harness.tcp_loopback``, remote_bench's measure), best of 3."""
-    return h.tcp_loopback(nbytes, block, repeats=3)
+    return limits.tcp_loopback(nbytes, block, repeats=3)
 
 
 def peer_restart(gib: float, local: str, shm: str, timeout: float, attempts: int = 2) -> dict[str, Any]:

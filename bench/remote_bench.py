@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import harness as h
+import limits
 from harness import GiB, MiB
 from remote_peers import Peers, failure
 from remote_tables import UPLOAD_LABELS, render
@@ -173,7 +174,7 @@ def drain_phases(tap: LogTap, t_wait: float, t_drained: float) -> dict[str, Any]
 
 def measure_tcp_loopback(nbytes: int, block: int = 4 * MiB) -> dict[str, float]:
     """sendall over 127.0.0.1 to a thread that recv_into's a buffer: the ceiling of any transfer here."""
-    return h.tcp_loopback(nbytes, block)
+    return limits.tcp_loopback(nbytes, block)
 
 
 # ---------------------------------------------------------------------------------------------
