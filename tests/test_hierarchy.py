@@ -93,50 +93,46 @@ def test_the_newest_step_whole_on_every_node_folds_up_a_tree_no_rank_hears_every
     assert all(f"saving rank(s) {world - 1} are on no rank's local tier" in str(e) for e in asked), asked[0]
 
 
-def test_a_node_whose_ranks_cannot_reach_their_leaders_store_meets_in_the_jobs_store(tmp_path: Path) -> None:
-    world, per_node = 8, 4
-    store = dist.HashStore()
-    coords = [Coordinator(store, rank=r, world_size=world, namespace="h", timeout_s=5) for r in range(world)]
-    nodes = lockstep([join_nodes(c, f"node{c.rank // per_node}") for c in coords])
-    serve, connect = local_channel()
-    refused = {"n": 0}
-
-    def connect_or_not(address: str) -> Any:
-        refused["n"] += 1
-        if refused["n"] == 4:  # one rank of node 1 (containers of one host, each a network of its own)
-            raise RuntimeError("connection refused")
-        return connect(address)
-
-    for c, node in zip(coords, lockstep([open_channel(c, nodes[c.rank], serve, connect_or_not) for c in coords]),
-                       strict=True):  # fmt: skip
-        c.node = node
-    assert [c.node is not None and c.node.store is store for c in coords] == [False] * 4 + [True] * 4
-    jobs = [Job(coord=c, nodes=nodes[c.rank], tier=LocalTier(tmp_path / f"node{c.rank // per_node}", fsync=False))
-            for c in coords]  # fmt: skip
-    assert _commit(jobs, 1) == [None] * world
-    assert store.num_keys() == 5  # the channel's keys are gone; the vote's stay until the next
-
-
-def test_a_leader_that_cannot_serve_its_nodes_store_leaves_its_node_in_the_jobs_store(tmp_path: Path) -> None:
+def _node_1_meets_in_the_jobs_store(tmp_path: Path, *, serve_fails: int = 0, connect_fails: int = 0) -> Any:
+    """8 ranks on 2 nodes open their nodes' channels, the ``serve_fails``-th serve or the
+    ``connect_fails``-th connect failing (both on node 1); node 0 meets in its leader's store, node 1 in
+    the job's, and a commit works. Returns the job's store."""
     store = dist.HashStore()
     coords = [Coordinator(store, rank=r, world_size=8, namespace="h", timeout_s=5) for r in range(8)]
     nodes = lockstep([join_nodes(c, f"node{c.rank // 4}") for c in coords])
     serve, connect = local_channel()
-    served = {"n": 0}
+    calls = {"serve": 0, "connect": 0}
 
     def serve_or_not() -> tuple[Any, str]:
-        served["n"] += 1
-        if served["n"] == 2:  # node 1's leader: no port to listen on
+        calls["serve"] += 1
+        if calls["serve"] == serve_fails:
             raise OSError("address already in use")
         return serve()
 
-    for c, node in zip(coords, lockstep([open_channel(c, nodes[c.rank], serve_or_not, connect) for c in coords]),
-                       strict=True):  # fmt: skip
+    def connect_or_not(address: str) -> Any:
+        calls["connect"] += 1
+        if calls["connect"] == connect_fails:
+            raise RuntimeError("connection refused")
+        return connect(address)
+
+    for c, node in zip(coords, lockstep([open_channel(c, nodes[c.rank], serve_or_not, connect_or_not)
+                                         for c in coords]), strict=True):  # fmt: skip
         c.node = node
     assert [c.node is not None and c.node.store is store for c in coords] == [False] * 4 + [True] * 4
     jobs = [Job(coord=c, nodes=nodes[c.rank], tier=LocalTier(tmp_path / f"node{c.rank // 4}", fsync=False))
             for c in coords]  # fmt: skip
     assert _commit(jobs, 1) == [None] * 8
+    return store
+
+
+def test_a_node_whose_ranks_cannot_reach_their_leaders_store_meets_in_the_jobs_store(tmp_path: Path) -> None:
+    # The 4th connect is a rank of node 1 (containers of one host, each a network of its own).
+    store = _node_1_meets_in_the_jobs_store(tmp_path, connect_fails=4)
+    assert store.num_keys() == 5  # the channel's keys are gone; the vote's stay until the next
+
+
+def test_a_leader_that_cannot_serve_its_nodes_store_leaves_its_node_in_the_jobs_store(tmp_path: Path) -> None:
+    _node_1_meets_in_the_jobs_store(tmp_path, serve_fails=2)  # the 2nd serve is node 1's leader: no port free
 
 
 def _two_saves(rank: int, world: int, root: str) -> dict[str, Any]:

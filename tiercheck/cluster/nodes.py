@@ -136,6 +136,7 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     if nodes.count == 1:
         return shared
     key = coord.key("nodes", "channel", nodes.number)
+    tried_key, whole_key = f"{key}/tried", f"{key}/whole"
     store: Any = None
     if local == 0:
         try:
@@ -153,14 +154,12 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
             log.warning("rank %d cannot reach its node's store at %s (%s): the node's ranks meet in the job's "
                         "store instead", coord.rank, address, str(e).splitlines()[0] if str(e) else e)  # fmt: skip
     # Whether every rank reached it: one count per rank (the low bits), and one per failure (the high).
-    tried = coord.add(coord.key("nodes", "channel", nodes.number, "tried"), 1 if store is not None else 1 + (1 << 20))
+    tried = coord.add(tried_key, 1 if store is not None else 1 + (1 << 20))
     if tried & 0xFFFFF == len(nodes.ranks):
-        coord.set(coord.key("nodes", "channel", nodes.number, "whole"), "1" if tried < 1 << 20 else "0")
-    whole = (yield Barrier(coord.key("nodes", "channel", nodes.number, "whole"), "the node's ranks to reach its store",
-                           coord, fetch=True)) == b"1"  # fmt: skip
+        coord.set(whole_key, "1" if tried < 1 << 20 else "0")
+    whole = (yield Barrier(whole_key, "the node's ranks to reach its store", coord, fetch=True)) == b"1"
     yield shared.arrive("channel", what="every rank of the node to learn how it meets")
-    shared.finish("channel", keys=(coord.key("nodes", "channel", nodes.number, "tried"),
-                                   coord.key("nodes", "channel", nodes.number, "whole"), key))  # fmt: skip
+    shared.finish("channel", keys=(tried_key, whole_key, key))
     if not whole:
         return shared
     node = coord.fork(store, rank=local, world_size=len(nodes.ranks), namespace=namespace)
