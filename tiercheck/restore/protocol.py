@@ -122,10 +122,9 @@ def _refuse_foreign(job: Job, scope: str) -> None:
     step), every rank raises ``ForeignCheckpointError``, never a fresh start over them on some ranks only."""
     found = find_foreign(job.tier)
     error = ForeignCheckpointError(say_foreign(job.tier, found)) if found else None
-    try:
-        drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError,)))
-    finally:
-        job.coord.finish(scope)
+    # settle finishes the scope itself (its leaders count out once): finishing it here again let the first rank
+    # out delete the failure before a slower rank had read it, which then started fresh
+    drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError,)))
 
 
 class Restore:
