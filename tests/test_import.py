@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import tiercheck
 from tests.cli import run
 from tests.test_dcp import _equal
-from tiercheck.errors import ForeignCheckpointError, UnsafeCheckpointError
+from tiercheck.errors import CorruptCheckpointError, ForeignCheckpointError, UnsafeCheckpointError
 from tiercheck.integrations.dcp import TiercheckReader
 from tiercheck.integrations.importer import import_checkpoint
 
@@ -105,6 +105,83 @@ def test_a_lightning_ckpt_imports_at_its_step(tmp_path: Path) -> None:
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.restore() == 400
     _equal(state, ckpt, "restored")
+
+
+def _save_big_sharded(rank: int, world: int, path: str) -> None:
+    """32 MiB through ``dcp.save`` on 2 ranks: half of it whole on one rank, half sharded by rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    big = _big_state()
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("s") else v for k, v in big.items()}
+    dcp.save(state, checkpoint_id=path)
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    whole = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(4)}  # 4 MiB each, saved by one rank
+    return {**whole, "wt": torch.randn(1024, 1024, generator=g).t(), "s0": torch.randn(1024, 1024, generator=g),
+            "b": torch.randn(3, generator=g).to(torch.bfloat16)}  # fmt: skip
+
+
+def _mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process ("" for anonymous memory), from /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, _, *path = line.split(maxsplit=5)
+        start, stop = (int(x, 16) for x in span.split("-"))
+        if start <= address < stop:
+            return path[0] if path else ""
+    return ""
+
+
+def test_a_large_dcp_checkpoint_streams_its_tensors_from_their_files(tmp_path: Path) -> None:
+    from tiercheck.integrations.dcp.source import read_dcp
+
+    src = tmp_path / "step-5"
+    run_ranks(_save_big_sharded, 2, str(src))
+    # each tensor saved whole is a view of its file, not read into memory; one saved in pieces lies in a
+    # scratch file, already unlinked
+    (tmp_path / "scratch").mkdir()
+    state = read_dcp(src, tmp_path / "scratch")
+    mapped = {name: _mapped_file(value.data_ptr()) for name, value in state.items()}
+    files = {str(src / "__0_0.distcp"), str(src / "__1_0.distcp")}  # DCP spreads the whole ones over its ranks
+    assert {mapped[f"w{i}"] for i in range(4)} | {mapped["wt"], mapped["b"]} <= files, mapped
+    assert Path(mapped["s0"]).name.startswith(".tiercheck-import-") and mapped["s0"].endswith(" (deleted)"), mapped
+    assert list((tmp_path / "scratch").iterdir()) == []
+    _equal(state, _big_state(), "read")
+    del state
+    bound = 4 << 20
+    done = import_checkpoint(src, tmp_path / "ck", max_host_bytes=bound)
+    assert done.step == 5 and done.nbytes == (24 << 20) + 6 and done.kind == "dcp"
+    assert done.staged_peak_bytes is not None and 0 < done.staged_peak_bytes <= bound, done
+    state = {k: torch.zeros_like(v) for k, v in _big_state().items()}
+    with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
+        assert ck.restore() == 5
+    _equal(state, _big_state(), "restored")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [("relative_path", "../outside.distcp", "outside the checkpoint's directory"),
+     ("offset", 1 << 40, "of a file of"),
+     ("length", 12, "is not a tensor torch.save wrote")],
+)  # fmt: skip
+def test_a_dcp_metadata_placing_a_tensor_where_it_cannot_be_is_refused(
+    tmp_path: Path, field: str, value: object, said: str
+) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "d", no_dist=True)
+    (tmp_path / "outside.distcp").write_bytes((tmp_path / "d" / "__0_0.distcp").read_bytes())
+    with open(tmp_path / "d" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own file
+    info = metadata.storage_data[MetadataIndex("w", torch.Size([0]))]
+    setattr(info, field, value)
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError, match=f"{tmp_path}.*w.*{said}"):
+        import_checkpoint(tmp_path / "d", tmp_path / "ck")
+    assert not any((tmp_path / "ck").iterdir())
 
 
 class _Config:

@@ -20,8 +20,10 @@ Sources, told apart by their files (never by trying to unpickle them):
 
 One process writes the step, every chunk with its CRC32C, committed as any other; with ``remote`` it drains
 before the call returns. The step is staged through a pool of at most ``max_host_bytes`` (1 GiB), straight
-from the source: a ``torch.save`` file (and DeepSpeed's) is memory-mapped, so the import's own memory stays at
-that bound whatever the checkpoint's size; a DCP checkpoint is read whole first, through DCP's reader.
+from the source: a ``torch.save`` file (and DeepSpeed's) is memory-mapped, and so is each tensor of a DCP
+checkpoint saved in one piece (a tensor saved in pieces by several ranks is put together by DCP's reader in a
+scratch file on ``to``'s disk, unlinked at once, ``dcp.mapped``), so the import's own memory stays at that bound
+whatever the checkpoint's size.
 The step is of a new lineage: ``to`` must hold no tiercheck step of another run (``LineageError``).
 Resharding is left to the restore, as for any step.
 """
@@ -62,7 +64,7 @@ class Imported:
     nbytes: int
     seconds: float
     tag: str | None = None  # a DeepSpeed checkpoint's
-    staged_peak_bytes: int | None = None  # the most host memory the staging held (a torch.save source's)
+    staged_peak_bytes: int | None = None  # the most host memory the staging held (a DCP or torch.save source's)
 
 
 def source_kind(src: str | os.PathLike[str]) -> str:
@@ -111,7 +113,7 @@ def import_checkpoint(
         raise InvalidArgumentError(f"tag {tag!r}: tags are DeepSpeed's, and {src} is not a DeepSpeed checkpoint")
     options: dict[str, Any] = {"remote_options": remote_options} if remote_options else {}
     # Staged a bounded pool at a time, straight from the source (memory-mapped where torch can map it): the
-    # import's own memory stays at the bound however large the checkpoint (a DCP source is read whole first).
+    # import's own memory stays at the bound however large the checkpoint.
     options["staging"] = StagingOptions(mode="eager", max_host_bytes=max_host_bytes)
     if kind == "deepspeed":  # its own module: it needs DeepSpeed, for the types DeepSpeed's files hold
         try:
@@ -127,7 +129,7 @@ def import_checkpoint(
         step = step_in_name(Path(src).name) or 0
     peak = None
     if kind == "dcp":
-        tensors, nbytes = _import_dcp(src, to, step, remote, options, allow_pickle=allow_pickle)
+        tensors, nbytes, peak = _import_dcp(src, to, step, remote, options, allow_pickle=allow_pickle)
     else:
         tensors, nbytes, peak = _import_torch(src, to, step, remote, options, allow_pickle=allow_pickle)
     log.info("imported %s as step %d of %s (%d tensors, %d bytes)", src, step, to, tensors, nbytes)
@@ -136,22 +138,25 @@ def import_checkpoint(
 
 
 def _import_dcp(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,
-                options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int]:  # fmt: skip
+                options: dict[str, Any], *, allow_pickle: bool) -> tuple[int, int, int | None]:  # fmt: skip
     import torch.distributed.checkpoint as dcp
 
     from tiercheck.integrations.dcp.source import RawBytesSavePlanner, count_tensors, read_dcp
     from tiercheck.integrations.dcp.writer import TiercheckWriter
 
-    state = read_dcp(src, allow_pickle=allow_pickle)
+    Path(to).mkdir(parents=True, exist_ok=True)  # the scratch file for tensors saved in pieces lies there
+    state = read_dcp(src, to, allow_pickle=allow_pickle)
     writer = TiercheckWriter(to, remote, **options)
     try:
         with warnings.catch_warnings():  # DCP's note that this process saves alone: it does, on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.save(state, storage_writer=writer, checkpoint_id=step, planner=RawBytesSavePlanner(), no_dist=True)
+        ck = writer.checkpointer
+        peak = None if ck is None else ck.stats()["pool_peak_bytes"]
     finally:
         undrained = writer.close()
     _say_undrained(undrained, remote)
-    return count_tensors(state)
+    return (*count_tensors(state), peak)
 
 
 def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step: int, remote: str | None,

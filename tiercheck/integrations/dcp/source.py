@@ -1,6 +1,7 @@
-"""A DCP checkpoint directory (``dcp.save``'s ``FileSystemWriter``, torchtitan's ``step-N/``) read whole into
-one process, through DCP's own ``FileSystemReader``, for ``tiercheck import``; and raw DCP byte items written
-back verbatim (``RawBytesSavePlanner``), for the import and ``tiercheck export --format dcp``.
+"""A DCP checkpoint directory (``dcp.save``'s ``FileSystemWriter``, torchtitan's ``step-N/``) opened in one
+process, through DCP's own ``FileSystemReader`` (its tensors mapped, not read: ``dcp.mapped``), for
+``tiercheck import``; and raw DCP byte items written back verbatim (``RawBytesSavePlanner``), for the import
+and ``tiercheck export --format dcp``.
 
 DCP's ``.metadata`` is a pickle, and ``FileSystemReader`` unpickles it with ``pickle.load``: here it is read
 with an unpickler that builds only DCP's own metadata classes, ``torch.Size``, dtypes and paths (plain pickle
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemT
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from tiercheck.errors import CorruptCheckpointError, TiercheckError, UnsafeCheckpointError
+from tiercheck.integrations.dcp.mapped import Mapped, scratch_tensors
 
 __all__ = [
     "METADATA_FILE",
@@ -60,27 +62,39 @@ def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / METADATA_FILE).is_file()
 
 
-def read_dcp(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> dict[str, Any]:
+def read_dcp(
+    path: str | os.PathLike[str], scratch: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> dict[str, Any]:
     """Every item of the DCP checkpoint at ``path``, by DCP's flattened name: tensors whole (however many
-    ranks saved their shards), byte items as ``RawBytes``."""
+    ranks saved their shards), byte items as ``RawBytes``. No tensor is read here: each is mapped from its file,
+    or, if saved in pieces, put together by DCP's reader in a scratch file in ``scratch`` (``dcp.mapped``)."""
     reader = _Reader(path, allow_pickle=allow_pickle)
     metadata = reader.read_metadata()
+    mapped = Mapped(Path(path), metadata)
     state: dict[str, Any] = {}
+    pieces: dict[str, TensorStorageMetadata] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            state[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+            view = mapped.view(fqn, md)
+            if view is None:
+                pieces[fqn] = md
+            state[fqn] = view
         elif isinstance(md, BytesStorageMetadata):
             state[fqn] = None  # filled by the planner's load_bytes
         else:
             raise UnsafeCheckpointError(f"{path}: {fqn} is a {type(md).__name__}, which tiercheck does not import")
-    planner = _RawBytesLoadPlanner(path, allow_pickle=allow_pickle)
-    try:
-        dcp_load(state, storage_reader=reader, planner=planner, no_dist=True)
-    except CheckpointException as e:  # DCP wraps every error: the library's own goes out as it was raised
-        for error, _ in e.failures.values():
-            if isinstance(error, TiercheckError):
-                raise error from None
-        raise
+    to_read: dict[str, Any] = {fqn: value for fqn, value in state.items() if value is None}
+    to_read.update(scratch_tensors(pieces, Path(scratch)))
+    if to_read:
+        planner = _RawBytesLoadPlanner(path, allow_pickle=allow_pickle)
+        try:
+            dcp_load(to_read, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as e:  # DCP wraps every error: the library's own goes out as it was raised
+            for error, _ in e.failures.values():
+                if isinstance(error, TiercheckError):
+                    raise error from None
+            raise
+    state.update(to_read)
     return state
 
 
