@@ -9,7 +9,7 @@ reader a piece at a time. Either way the import's own memory does not grow with 
 
 Every number here comes from the checkpoint and is checked before it is used: the file a piece names lies
 inside the checkpoint's directory, its byte range inside that file, and the tensor ``torch.save`` wrote there
-(read with ``weights_only`` and a fake tensor mode: its header only, none of its data) is the dtype and shape
+(read with ``weights_only`` onto the meta device: its header only, none of its data) is the dtype and shape
 the metadata names and lies inside its range.
 """
 
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import IO, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from tiercheck.errors import CorruptCheckpointError, StorageError
@@ -95,6 +94,7 @@ class Mapped:
             if relative not in self._files and size:
                 with open(path, "rb") as f:  # a private mapping: a view written to never reaches the file
                     self._files[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    self._files[relative].madvise(mmap.MADV_SEQUENTIAL)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: {fqn} lies in this file, which cannot be read ({e})") from None
         return path, size, self._files.get(relative, _EMPTY)
@@ -104,12 +104,11 @@ _EMPTY = mmap.mmap(-1, 1)  # what an empty file "maps" to: no range inside it pa
 
 
 def _header(path: Path, offset: int, length: int, fqn: str) -> torch.Tensor:
-    """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of ``path``, as a fake tensor: its dtype,
+    """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of ``path``, on the meta device: its dtype,
     shape, strides and where its data starts (a few KiB of the file read, none of the data)."""
     with open(path, "rb") as f:
         try:
-            with FakeTensorMode():
-                saved = torch.load(cast(IO[bytes], _Window(f, offset, length)), weights_only=True)
+            saved = torch.load(cast(IO[bytes], _Window(f, offset, length)), weights_only=True, map_location="meta")
         except Exception as e:
             raise CorruptCheckpointError(
                 f"{path}: {fqn} (at byte {offset}) is not a tensor torch.save wrote ({e})"
