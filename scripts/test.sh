@@ -153,4 +153,7 @@ wait "$shm_job" || echo "scripts/test.sh: DeepSpeed's shared-memory op did not b
     "$(tail -n 3 "$shm_log")" >&2
 rm -f "$shm_log"
 rm -f "$setup_log"  # exec runs no EXIT trap
-exec .venv/bin/python -m pytest "$@"
+# Two test processes (pytest-xdist), each taking whole files: most tests spend their time waiting on their ranks,
+# servers and disks, so two share 2 cores well (CI's). TIERCHECK_TEST_WORKERS=0 runs the suite in this process
+# (-n 0 as an argument does the same).
+exec .venv/bin/python -m pytest -n "${TIERCHECK_TEST_WORKERS:-2}" --dist loadfile "$@"
