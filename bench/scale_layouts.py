@@ -1,5 +1,6 @@
 """Layouts for bench/scale_sim.py: every rank's tensor descriptions in a GPT-3 175B job under
-Megatron (TP x PP x DP) and a Llama-70B job under FSDP2, without tensors."""
+Megatron (TP x PP x DP), a Llama-3 405B job under torchtitan (TP x PP x HSDP) and a Llama-70B job
+under FSDP2, without tensors."""
 
 from __future__ import annotations
 
@@ -118,6 +119,66 @@ def llama70b_fsdp2(world: int) -> Layout:
     return ranks
 
 
+LLAMA405_TP, LLAMA405_PP, LLAMA405_SHARD = 8, 16, 64
+LLAMA405_WORLDS = (1024, 16384, 131072)
+
+
+def llama405b_hsdp(world: int, stage: int | None = None, *, pad_vocab: bool = False) -> Layout:
+    """Llama-3 405B under torchtitan's 4-D parallelism: TP 8 (inside a node), PP 16, and HSDP, FSDP2
+    sharding dim 0 of each TP piece over a group of up to 64 ranks, the groups replicas of each other.
+    The mesh is ``[pp, dp_replicate, dp_shard, tp]``, tp innermost. Column-parallel weights (q, k, v,
+    gate, up, the vocabulary-parallel embedding and output) are cut on rows over TP, row-parallel ones (o,
+    down) on columns, norms replicated over TP; bf16 parameters and both fp32 Adam moments alike. With
+    ``stage``, only the ranks of that pipeline stage are described (the others get no leaves).
+
+    The vocabulary (128,256) cut over TP 8 and then 64 FSDP ranks gives pieces of 251 rows beside TP cuts
+    every 16,032 rows: no chunk extent but one row divides them all, so the embedding and output weights
+    (and their moments) are cut into 128,256 one-row chunks each. ``pad_vocab`` pads the vocabulary to a
+    multiple of TP x 64 (128,512), as Megatron pads its own, for even pieces."""
+    h, ffn, kv, vocab, layers = 16384, 53248, 1024, 128256, 126
+    if pad_vocab:
+        vocab = -(-vocab // (LLAMA405_TP * LLAMA405_SHARD)) * (LLAMA405_TP * LLAMA405_SHARD)
+    tp, pp = LLAMA405_TP, LLAMA405_PP
+    shard = min(LLAMA405_SHARD, world // (tp * pp))
+    if shard < 1 or world % (tp * pp * shard):
+        raise SystemExit(f"llama405: --ranks {world} is not a multiple of TP*PP*shard = {tp * pp * shard}")
+    replicas = world // (tp * pp * shard)
+    per_stage = -(-layers // pp)
+    specs: list[list[tuple[str, tuple[int, ...], int | None]]] = []
+    for p in range(pp):
+        spec: list[tuple[str, tuple[int, ...], int | None]] = []
+        if p == 0:
+            spec.append(("tok_embeddings.weight", (vocab, h), 0))
+        for layer in range(p * per_stage, min((p + 1) * per_stage, layers)):
+            pre = f"layers.{layer}."
+            spec += [(pre + "attention.wq.weight", (h, h), 0), (pre + "attention.wk.weight", (kv, h), 0),
+                     (pre + "attention.wv.weight", (kv, h), 0), (pre + "attention.wo.weight", (h, h), 1),
+                     (pre + "feed_forward.w1.weight", (ffn, h), 0), (pre + "feed_forward.w3.weight", (ffn, h), 0),
+                     (pre + "feed_forward.w2.weight", (h, ffn), 1), (pre + "attention_norm.weight", (h,), None),
+                     (pre + "ffn_norm.weight", (h,), None)]  # fmt: skip
+        if p == pp - 1:
+            spec += [("norm.weight", (h,), None), ("output.weight", (vocab, h), 0)]
+        specs.append(spec)
+    ranks: Layout = []
+    for r in range(world):
+        t, f, p = r % tp, (r // tp) % shard, r // (tp * shard * replicas)
+        if stage is not None and p != stage:
+            ranks.append([])
+            continue
+        out: list[LeafDesc] = []
+        for name, shape, dim in specs[p]:
+            offsets, local = [0] * len(shape), list(shape)
+            if dim is not None:  # the TP piece
+                offsets[dim], local[dim] = _split(shape[dim], tp, t)
+            start, rows = _split(local[0], shard, f)  # FSDP2: dim 0 of the TP piece, torch.chunk style
+            offsets[0], local[0] = offsets[0] + start, rows
+            for path, dtype in ((f"model/{name}", "bfloat16"), (f"optim/state/{name}/exp_avg", "float32"),
+                                (f"optim/state/{name}/exp_avg_sq", "float32")):  # fmt: skip
+                out.append(LeafDesc(path, dtype, "tensor", shape, tuple(offsets), tuple(local), False))
+        ranks.append(out)
+    return ranks
+
+
 def worlds(layout: str, ranks: Sequence[int] | None, *, stage: int | None) -> list[tuple[int, Callable[[], Layout]]]:
     """The (world size, generator) pairs to run for ``layout`` (gpt3: describing the ranks of pipeline
     ``stage`` only, when given)."""
@@ -128,6 +189,10 @@ def worlds(layout: str, ranks: Sequence[int] | None, *, stage: int | None) -> li
             if n % unit:
                 raise SystemExit(f"gpt3: --ranks {n} is not a multiple of TP*PP = {unit}")
         return [(unit * dp, partial(gpt3, GPT3_TP, GPT3_PP, dp, stage)) for dp in dps]
+    if layout.startswith("llama405"):
+        pad = layout == "llama405-padded"  # unpadded, 131,072 ranks do not fit in 23 GiB (the one-row chunks)
+        default = LLAMA405_WORLDS if pad else LLAMA405_WORLDS[:2]
+        return [(n, partial(llama405b_hsdp, n, stage, pad_vocab=pad)) for n in (ranks or default)]
     return [(n, partial(llama70b_fsdp2, n)) for n in (ranks or LLAMA_WORLDS)]
 
 

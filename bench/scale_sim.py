@@ -6,7 +6,8 @@ Usage::
     .venv/bin/python bench/scale_sim.py --before --layout gpt3 --ranks 1024
     .venv/bin/python bench/scale_sim.py --before --layout all --json
 
-Every simulated rank of a Megatron GPT-3 175B or FSDP2 Llama-70B layout runs tiercheck's own
+Every simulated rank of a Megatron GPT-3 175B, a torchtitan Llama-3 405B (TP x PP x HSDP; ``llama405-padded``:
+its vocabulary padded for even pieces) or an FSDP2 Llama-70B layout runs tiercheck's own
 protocol generators ("after", always) or the previous design's planning ("--before"), in one
 process, without tensors or chunk data. Method and columns: bench/README.md ("Scale simulation").
 """
@@ -233,7 +234,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", help="world sizes (gpt3: TP8 x PP16 x DP=ranks/128)")
-    ap.add_argument("--layout", choices=("gpt3", "llama", "all"), default="all")
+    ap.add_argument("--layout", choices=("gpt3", "llama405", "llama405-padded", "llama", "all"), default="all")
     ap.add_argument("--json", action="store_true", help="one JSON object per (layout, world size, mode)")
     ap.add_argument("--before", action="store_true", help="measure today's path too")
     ap.add_argument("--before-max-ranks", type=int, default=2048, help="skip 'before' above this world size")
@@ -243,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--chunk-bytes", type=int, default=TARGET_CHUNK_BYTES, help=argparse.SUPPRESS)
     ap.add_argument("--rtt-ms", type=float, default=0.2, help="a store request's round trip in the time model")
     ap.add_argument(
-        "--full", action="store_true", help="gpt3: plan for every rank, not one pipeline stage and its coordinators"
+        "--full", action="store_true",
+        help="gpt3, llama405*: plan for every rank, not one pipeline stage and its coordinators",
     )
     args = ap.parse_args(argv)
     args.server_ops_per_s = store_rate()
@@ -251,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     rows: list[dict[str, Any]] = []
     after_missing: str | None = None
-    for layout in ("gpt3", "llama") if args.layout == "all" else (args.layout,):
+    all_layouts = ("gpt3", "llama405", "llama405-padded", "llama")
+    for layout in all_layouts if args.layout == "all" else (args.layout,):
         for n, generate in worlds(layout, args.ranks, stage=None if args.full else 0):
             gc.disable()  # millions of small objects: collections would only slow generation down
             t0 = time.perf_counter()

@@ -30,3 +30,21 @@ def test_the_simulated_job_store_hears_four_requests_per_node_for_a_save_that_re
     assert row["store_ops_server_per_save"] <= 4 * row["nodes"] + 9, row
     assert row["second_save_store_bytes"] < 0.1 * row["first_save_store_bytes"], row
     assert 0 < row["commit_s"] < 1 and 0 < row["find_latest_s"] < 1, row
+
+
+def test_the_llama405_layout_covers_its_arrays_and_its_vocabulary_cuts_them_into_rows() -> None:
+    """The 405B layout (TP 8 x PP 16 x HSDP over 64) holds every array whole; Llama's vocabulary, cut over TP
+    and then over 64 FSDP ranks, leaves no chunk extent but one row; padded to a multiple of 512, a chunk a piece."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale_layouts import llama405b_hsdp
+
+    from tiercheck.cluster.assign import chunk_array
+    from tiercheck.format.layout import grid_size
+
+    for pad, extent, count in ((False, 1, 128256), (True, 251, 512)):  # padded: a chunk per piece, 128512 / 512
+        layout = llama405b_hsdp(16384, 0, pad_vocab=pad)  # stage 0: TP 8 x shard 64 x 2 replicas
+        assert sum(bool(r) for r in layout) == 1024
+        pieces = [(r, d) for r, descs in enumerate(layout) for d in descs if d.path == "model/tok_embeddings.weight"]
+        rec, chunks = chunk_array("model/tok_embeddings.weight", pieces, 64 << 20)  # no hole, no disagreement
+        assert len(chunks) == grid_size(rec.shape, rec.chunks)
+        assert (rec.chunks[0], len(chunks)) == (extent, count), rec.chunks
