@@ -90,14 +90,15 @@ class Mapped:
                 f"{self._root}: DCP's .metadata puts {fqn} in {relative!r}, outside the checkpoint's directory"
             )
         try:
-            size = path.stat().st_size
-            if relative not in self._files and size:
+            if relative not in self._files and path.stat().st_size:
                 with open(path, "rb") as f:  # a private mapping: a view written to never reaches the file
-                    self._files[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                    self._files[relative].madvise(mmap.MADV_SEQUENTIAL)
+                    mapped = self._files[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if hasattr(mmap, "MADV_SEQUENTIAL"):  # read ahead as the copies go through it
+                    mapped.madvise(mmap.MADV_SEQUENTIAL)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: {fqn} lies in this file, which cannot be read ({e})") from None
-        return path, size, self._files.get(relative, _EMPTY)
+        mapped = self._files.get(relative, _EMPTY)
+        return path, len(mapped) if relative in self._files else 0, mapped
 
 
 _EMPTY = mmap.mmap(-1, 1)  # what an empty file "maps" to: no range inside it passes the checks
