@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +68,20 @@ def _tiercheck_logs(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MiB tmpfs (a container's /dev/shm is 64 MiB), mounted for the test."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.fixture

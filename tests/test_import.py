@@ -184,6 +184,21 @@ def test_a_dcp_metadata_placing_a_tensor_where_it_cannot_be_is_refused(
     assert not any((tmp_path / "ck").iterdir())
 
 
+def test_scratch_space_the_disk_has_not_is_refused_before_anything_is_mapped(tiny_tmpfs: Path) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from tiercheck.errors import StorageError
+    from tiercheck.integrations.dcp.mapped import scratch_tensors
+
+    size = torch.Size([4 << 20])  # 16 MiB of float32 on an 8 MiB tmpfs
+    md = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata(torch.Size([0]), size)]
+    )
+    with pytest.raises(StorageError, match=r"needs 16,777,216 bytes of scratch space .* and the disk has [\d,]+ free"):
+        scratch_tensors({"w": md}, tiny_tmpfs)
+    assert list(tiny_tmpfs.iterdir()) == []
+
+
 class _Config:
     def __init__(self) -> None:
         self.depth = 3

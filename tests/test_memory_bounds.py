@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,6 @@ from tests.test_memory_tier import _state
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
 from tiercheck.errors import InvalidArgumentError
 from tiercheck.state import memory_pool
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 8 MiB tmpfs (a container's /dev/shm is 64 MiB), mounted for the test."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_tmpfs_too_small_is_refused_at_start(tiny_tmpfs: Path, tmp_path: Path) -> None:

@@ -169,7 +169,17 @@ def scratch_tensors(tensors: Mapping[str, TensorStorageMetadata], where: Path) -
         )
     fd, name = tempfile.mkstemp(prefix=".tiercheck-import-", dir=where)
     try:
-        os.ftruncate(fd, total)
+        # Reserved in full before it is mapped: a sparse file on a disk that fills meanwhile would fail a write
+        # into the mapping with SIGBUS, not an error (where the platform cannot reserve, it is only sized).
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, total)
+            else:
+                os.ftruncate(fd, total)
+        except OSError as e:
+            raise StorageError(
+                e.errno, f"{where}: cannot reserve {total:,} bytes of scratch space for the import: {e.strerror}"
+            ) from None
         scratch = torch.from_file(name, shared=True, size=total, dtype=torch.uint8)
     finally:
         os.close(fd)
