@@ -14,6 +14,7 @@ the simulated stage for their commit. Method and columns: bench/README.md (Scale
 from __future__ import annotations
 
 import argparse
+import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -187,7 +188,10 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
     manifest = yield from manifest_for(job, "restore0", st, {}, others=False)
     yield from settle(job, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
-    request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False)
+    # As ``restore.protocol`` asks: with its node and a host key (one host per node, 16 hex digits as
+    # ``restore.share.host_key``'s), so the reads are planned per node and shared memory is used in one.
+    host = hashlib.blake2b(f"host{sim.nodes[r].number}".encode(), digest_size=8).hexdigest()
+    request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False, node=sim.nodes[r].leader, host=host)
     return (yield from plan_restore(job, "restore0", st, request))
 
 

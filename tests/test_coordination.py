@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc, Need
-from tiercheck.cluster.coordination import Coordinator, lockstep
+from tiercheck.cluster.coordination import Coordinator, lockstep, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.nodes import join_in_lockstep
 from tiercheck.errors import CorruptCheckpointError
@@ -101,26 +101,33 @@ def agreed_manifest(rank_job: Job) -> Any:
     return st, manifest
 
 
-def restore_plan(world: int, root: Path, needs: list[list[Need]]) -> tuple[list[Any], list[Coordinator]]:
+def restore_plan(
+    world: int, root: Path, needs: list[list[Need]], *, hosts: bool = False
+) -> tuple[list[Any], list[Coordinator]]:
+    """Every rank's restore plan; with ``hosts``, each rank asks as ``restore.protocol`` does, with
+    its node and a host key (one host per node)."""
     coords, tiers, nodes = job(world, root)
 
     def one(c: Coordinator) -> Any:
         rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
         st, manifest = yield from agreed_manifest(rank_job)
-        asked = ReadRequest(needs=needs[c.rank], records=manifest.arrays, read_once=False)
+        node, host = (nodes[c.rank].leader, f"host{c.rank // PER_NODE}") if hosts else (None, None)
+        asked = ReadRequest(needs=needs[c.rank], records=manifest.arrays, read_once=False, node=node, host=host)
         plan = yield from plan_restore(rank_job, "r", st, asked)
         return manifest, plan
 
     return lockstep([one(c) for c in coords]), coords
 
 
-@pytest.mark.parametrize(("world", "tp"), [(8, 2), (16, 4)])
-def test_every_needed_chunk_is_read_or_received_exactly_as_planned(tmp_path: Path, world: int, tp: int) -> None:
+@pytest.mark.parametrize(("world", "tp", "hosts"), [(8, 2, False), (16, 4, False), (16, 2, True)])
+def test_every_needed_chunk_is_read_or_received_exactly_as_planned(
+    tmp_path: Path, world: int, tp: int, hosts: bool
+) -> None:
     per_rank = save(world, tp, tmp_path)
     needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
-    results, _ = restore_plan(world, tmp_path, needs)
+    results, _ = restore_plan(world, tmp_path, needs, hosts=hosts)
     whole = read_manifest(_merged(tmp_path, world), 1)
-    sends: dict[int, tuple[int, int, str, tuple[int, ...]]] = {}
+    sends: dict[tuple[int, int], tuple[int, int, str, tuple[int, ...]]] = {}
     for rank, (manifest, plan) in enumerate(results):
         assert manifest.tree(rank)["rank"] == rank  # its own saving rank's tree
         got = {(x.path, x.chunk.coords) for x in plan.reads}
@@ -131,8 +138,10 @@ def test_every_needed_chunk_is_read_or_received_exactly_as_planned(tmp_path: Pat
         for t in plan.transfers:
             if t.dst == rank:
                 got.add((t.path, t.chunk.coords))
+            # Through shared memory exactly between ranks of one host (here: of one node).
+            assert t.shared == (hosts and t.src // PER_NODE == t.dst // PER_NODE), t
             key = (t.src, t.dst, t.path, t.chunk.coords)
-            assert sends.setdefault(t.tag, key) == key, "a tag pairs one send with one receive"
+            assert sends.setdefault((t.tag, t.dst), key) == key, "a tag and its receiver pair one send with one receive"
         wanted = {
             (n.path, c.coords)
             for n in needs[rank]
@@ -141,6 +150,40 @@ def test_every_needed_chunk_is_read_or_received_exactly_as_planned(tmp_path: Pat
         assert got == wanted, rank
     for src, _, path, coords in sends.values():  # a sender reads what it sends
         assert (path, coords) in {(x.path, x.chunk.coords) for x in results[src][1].reads}
+
+
+def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """Ranks needing the same boxes of a coordinator's arrays (data-parallel replicas) post them
+    once and register themselves; the coordinator answers the group once, not each rank."""
+    world = 16
+    per_rank = save(world, 2, tmp_path)
+    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+    posted: list[str] = []
+    told: list[str] = []
+    post, multi_set = Coordinator.post, Coordinator.multi_set
+
+    def counting_post(self: Coordinator, bucket: str, value: str | bytes) -> int:
+        posted.append(bucket)
+        return post(self, bucket, value)
+
+    def counting_set(self: Coordinator, items: Any) -> None:
+        told.extend(k for k in items if "/reads/route/" in k)
+        multi_set(self, items)
+
+    monkeypatch.setattr(Coordinator, "post", counting_post)
+    monkeypatch.setattr(Coordinator, "multi_set", counting_set)
+    _, coords = restore_plan(world, tmp_path, needs, hosts=True)
+    groups: dict[tuple[int, str], set[int]] = {}
+    for rank, rank_needs in enumerate(needs):
+        by_coord: dict[int, list[Need]] = {}
+        for n in rank_needs:
+            by_coord.setdefault(shard_of(n.path, world), []).append(n)  # one coordinator per shard
+        for c, ns in by_coord.items():
+            groups.setdefault((c, repr(ns)), set()).add(rank)
+    needs_posts = [b for b in posted if "/reads/needs/" in b]
+    assert len(needs_posts) == len(told) == len(groups) < sum(map(len, groups.values()))
+    assert max(map(len, groups.values())) == world  # the norm: every rank needs all of it, and says so once
+    assert not any(coords[0].has(k) for k in told)  # each deleted once every rank has read it
 
 
 def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:

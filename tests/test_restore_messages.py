@@ -12,21 +12,22 @@ from typing import Any
 import pytest
 
 from tests.test_coordination import agreed_manifest, job, save
-from tiercheck.cluster.assign import Need
+from tiercheck.cluster.assign import Need, Route, Source
 from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.ranksets import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CoordinationError
+from tiercheck.format.layout import chunk_at
 from tiercheck.restore.agree import choose_step
 from tiercheck.restore.messages import (
     ArrayShape,
-    AssignedMove,
-    AssignedRead,
     Held,
     HeldSteps,
     HolderClaim,
+    Member,
     NeedsPost,
     NodeHolds,
-    ReadWork,
+    RouteWork,
     StepDecision,
     loads,
 )
@@ -39,39 +40,70 @@ MESSAGES: list[Any] = [
     StepDecision(None, error="no step"),
     NodeHolds((0, 1), (1,)),
     HolderClaim((4, 5, 6, 7)),
-    NeedsPost(2, (Need("model/w", (0, 4), (8, 4)),), node=0, host="h1"),
-    NeedsPost(0, ()),
-    ReadWork(
-        reads=(AssignedRead("model/w", (1, 0), False, 3),),
-        moves=(AssignedMove("model/w", (1, 0), 2, 5, 17, shared=True), AssignedMove("b", (0,), 2, 9, 18)),
-        records=(ArrayShape("model/w", "bfloat16", "tensor", (16, 8), (8, 8)),),
-    ),
+    NeedsPost("9f3a", (Need("model/w", (0, 4), (8, 4)),)),
+    NeedsPost("0", ()),
 ]
 
-
+W = ArrayShape("model/w", "bfloat16", "tensor", (16, 8), (8, 8))
+REPLICAS = frozenset(range(3, 1024, 128)) | frozenset(range(4, 1024, 128))  # two ranks of each of 8 replicas
+WORK = RouteWork(
+    routes=(
+        (Route("model/w", chunk_at((16, 8), (8, 8), (1, 0)), 3, REPLICAS, (
+            Source(3, False, None, frozenset({4})),
+            Source(131, True, frozenset({132}), frozenset({132})),
+        )), 17),
+    ),
+    records=(W,),
+)  # fmt: skip
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
     raw = dumps(message.to_json())
     assert type(message).from_json(loads(raw.encode(), where="k"), where="k") == message
 
 
+def test_route_work_comes_back_as_it_was_sent() -> None:
+    raw = dumps(WORK.to_json())
+    assert RouteWork.from_json(loads(raw.encode(), where="k"), where="k", world=1024) == WORK
+
+
 def test_the_wire_is_what_the_plan_always_sent() -> None:
-    # The store carries these once per rank and coordinator: their size is each rank's cost.
-    assert NeedsPost(2, (Need("w", (0,), (4,)),), node=2).to_json() == {"rank": 2, "needs": [["w", [0], [4]]]}
-    assert NeedsPost(2, (), node=0, host="h").to_json() == {"rank": 2, "needs": [], "node": 0, "host": "h"}
-    work = ReadWork((AssignedRead("w", (1,), True, 3),), (AssignedMove("w", (1,), 0, 1, 7, shared=True),))
-    assert work.to_json() == {"reads": [["w", [1], True, 3]], "moves": [["w", [1], 0, 1, 7, 1]], "records": []}
+    # The store carries these once per group and coordinator: their size is each rank's cost.
+    assert NeedsPost("d", (Need("w", (0,), (4,)),)).to_json() == {"digest": "d", "needs": [["w", [0], [4]]]}
+    # A node's first rank says its host key, the others only that they share memory.
+    assert [Member(8, 8, "h").entry(), Member(10, 8, "h").entry(), Member(3, 3).entry()] == ["8:0:h;", "10:2:s;", "3:0:;"]
+    got = Member.register(b"8:0:h;10:2:s;3:0:;17:1:s;18:2:;", where="k")
+    assert got == [Member(8, 8, "h"), Member(10, 8, "s"), Member(3, 3), Member(17, 16, "s"), Member(18, 16)]
+    assert Member.hosts(got) == {8: "h", 10: "h", 3: None, 17: "@16", 18: None}
+    # Eight replicas' routes cost the same as two: every set of ranks is a few runs.
+    assert WORK.to_json() == {
+        "sets": [[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 8]]],
+        "chunks": [["model/w", [1, 0], 3, 17, 2, [[3, False, -1, 0], [131, True, 1, 1]]]],
+        "records": [W.to_json()],
+    }
+
+
+@pytest.mark.parametrize(
+    "ranks", [[], [5], [0, 1, 2, 3], [1, 3, 5, 7], [0, 1, 8, 9, 16, 17, 40], list(range(3, 131072, 128)), [2, 9, 10, 11]]
+)
+def test_a_set_of_ranks_comes_back_from_its_runs(ranks: list[int]) -> None:
+    got = RankSet.from_json(RankSet.of(ranks).to_json(), where="k", field="s", world=131072)
+    assert list(got) == ranks and len(got) == len(ranks)
+    assert all(r in got for r in ranks) and not any(r in got for r in set(range(50)) - set(ranks))
+    assert len(RankSet.of(ranks).runs) <= 3  # replicas at any stride: one run
+
+
+def _work(**change: Any) -> dict[str, Any]:
+    doc = WORK.to_json()
+    for key, value in change.items():
+        doc[key] = value
+    return doc
 
 
 @pytest.mark.parametrize(
     ("cls", "doc", "field"),
     [
-        (ReadWork, {"reads": [["w", [0], "yes", 1]], "moves": [], "records": []}, "reads[0][2]"),
-        (ReadWork, {"reads": [], "moves": [["w", [0], 0, 1]], "records": []}, "moves[0]"),
-        (ReadWork, {"reads": [], "moves": [], "records": [["w", "f4", "tensor", [4], [-1]]]}, "records[0][4][0]"),
-        (ReadWork, {"reads": [], "moves": []}, "records"),
-        (NeedsPost, {"rank": "0", "needs": []}, "rank"),
-        (NeedsPost, {"rank": 0, "needs": [["w", [0]]]}, "needs[0]"),
+        (NeedsPost, {"digest": 0, "needs": []}, "digest"),
+        (NeedsPost, {"digest": "d", "needs": [["w", [0]]]}, "needs[0]"),
         (NodeHolds, {"here": [0], "written": None}, "written"),
         (StepDecision, {"step": 1.5, "remote": False}, "step"),
         (HeldSteps, {"x": [1, [[0, 1]], [[0, 1]]]}, "held"),
@@ -83,6 +115,31 @@ def test_the_wire_is_what_the_plan_always_sent() -> None:
 def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, field: str) -> None:
     with pytest.raises(CoordinationError, match="^" + re.escape(f"t/reads/work/3: field {field!r}")):
         cls.from_json(doc, where="t/reads/work/3")
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        (_work(records=[["model/w", "f4", "tensor", [4], [-1]]]), "records[0][4][0]"),
+        (_work(sets=[[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 9]]]), "sets[2][0]"),  # past the world's last rank
+        (_work(sets=[[[3, 2, 1, 8]]]), "sets[0][0]"),  # blocks that overlap
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 5, [[3, False, -1, -1]]]]), "chunks[0][4]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, -1, [[3, False, -1, -1]]]]), "chunks[0]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [[131, True, 0, -1], [3, False, -1, -1]]]]), "chunks[0]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [[3, "no", -1, -1]]]]), "chunks[0][5][0][1]"),
+        (_work(chunks=[["b", [0], 3, 17, 0, [[3, False, -1, -1]]]]), "chunks[0][1]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0]]), "chunks[0]"),
+    ],
+)
+def test_malformed_route_work_names_its_key_and_field(doc: dict[str, Any], field: str) -> None:
+    with pytest.raises(CoordinationError, match="^" + re.escape(f"t/reads/route/3: field {field!r}")):
+        RouteWork.from_json(doc, where="t/reads/route/3", world=1024)
+
+
+@pytest.mark.parametrize("raw", [b"3", b"3:4:;", b"x:0:;", b"3:0;", b"\xff"])
+def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
+    with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members[0]'") + "|members"):
+        Member.register(raw, where="t/reads/needs/3/d/ranks")
 
 
 def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> None:
@@ -112,7 +169,7 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
         rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
         st, manifest = yield from agreed_manifest(rank_job)
         if c.rank == 0:  # posted before any coordinator collects its bucket
-            c.post(f"r/reads/needs/{target}", json.dumps({"rank": 0, "needs": [["w", [0], "x"]]}))
+            c.post(f"r/reads/needs/{target}", json.dumps({"digest": "d", "needs": [["w", [0], "x"]]}))
         needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
         return (yield from plan_restore(rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)))
 

@@ -297,31 +297,74 @@ def needed_chunks(records: Mapping[str, ArrayRecord], needs: Mapping[int, Sequen
     return needers
 
 
-def assign_reads(
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A rank reading a chunk from storage, and whom it sends it to: ``to``, the needers of its
+    node (None for the chunk's main source: every needer no other source serves), ``shared`` those
+    of them on its host (the bytes pass through shared memory)."""
+
+    rank: int
+    remote: bool  # from the remote tier (no restoring rank's node holds the file)
+    to: frozenset[int] | None
+    shared: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one needed chunk reaches every rank needing it: who reads it (the main source first),
+    and the ranks needing it. Each rank works out its own part (``sends``, ``source_of``) from
+    the route alone, so a route is said once to every rank that needs the chunk."""
+
+    path: str
+    chunk: Chunk
+    owner: int  # the saving rank that wrote it (its part holds the checksum)
+    needers: frozenset[int]
+    sources: tuple[Source, ...]
+
+    def readers(self) -> frozenset[int]:
+        return frozenset(s.rank for s in self.sources)
+
+    def sends(self, s: Source) -> list[tuple[int, bool]]:
+        """The ranks source ``s`` sends the chunk to, and whether through shared memory."""
+        if s.to is not None:
+            dsts: frozenset[int] | set[int] = s.to
+        else:
+            dsts = set(self.needers) - self.readers()
+            for other in self.sources:
+                dsts -= other.to or frozenset()
+        return [(d, d in s.shared) for d in sorted(dsts)]
+
+    def source_of(self, rank: int) -> Source:
+        """The source a needer that reads nothing receives the chunk from."""
+        for s in self.sources:
+            if s.to is not None and rank in s.to:
+                return s
+        return self.sources[0]
+
+
+def route_chunks(
     records: Mapping[str, ArrayRecord],
     needers: Needers,
     readers_of: Callable[[int], Sequence[int]],
     *,
     read_once: bool,
     remote: bool,
-    tag: Callable[[int], int],
     node_of: Callable[[int], Hashable] | None = None,
     host_of: Callable[[int], str | None] | None = None,
-) -> tuple[dict[int, list[Read]], list[Transfer], dict[int, int]]:
-    """Readers and transfers of the needed chunks. ``readers_of(owner)`` lists the restoring
-    ranks that can read the files of saving rank ``owner``; ``tag(i)`` numbers the i-th transfer
-    (unique in the whole restore). Returns reads per rank, transfers, and bytes read per rank.
+) -> tuple[list[Route], dict[int, int]]:
+    """Who reads each needed chunk and who gets it from whom (in ``needers``' sorted order), and the
+    bytes each rank reads. ``readers_of(owner)`` lists the restoring ranks that can read the files
+    of saving rank ``owner``.
 
     Each node (``node_of(rank)``; by default every rank is a node of its own) that needs a chunk
     and holds it reads it once, by its least loaded rank needing it, and passes it to its other
-    ranks needing it; a node that does not hold it receives it from a reader elsewhere, one on
-    the same node first. With ``read_once``, one rank in the whole job reads each chunk. A transfer
-    between two ranks of one host (equal, non-None ``host_of``) is ``shared``."""
+    ranks needing it; a node that does not hold it receives it from the main source. With
+    ``read_once``, one rank in the whole job reads each chunk. A transfer between two ranks of one
+    host (equal, non-None ``host_of``) is ``shared``."""
     node = node_of or (lambda r: r)
     host = host_of or (lambda r: None)
-    reads: dict[int, list[Read]] = defaultdict(list)
     load: dict[int, int] = defaultdict(int)
-    transfers: list[Transfer] = []
+    routes: list[Route] = []
     for (path, _), (c, who) in sorted(needers.items()):
         rec = records[path]
         owner = rec.owner(c.key)
@@ -344,11 +387,45 @@ def assign_reads(
                 if node(r) not in chosen or (load[r], r) < (load[chosen[node(r)]], chosen[node(r)]):
                     chosen[node(r)] = r
         for r in chosen.values():
-            reads[r].append(Read(path, c, from_remote))
             load[r] += nbytes
-        anywhere = min(chosen.values(), key=lambda r: (load[r], r))
-        for dst in sorted(who.difference(chosen.values())):
-            src = chosen.get(node(dst), anywhere)
-            shared = host(src) is not None and host(src) == host(dst)
-            transfers.append(Transfer(path, c, src, dst, tag(len(transfers)), shared))
-    return dict(reads), transfers, dict(load)
+        main = min(chosen.values(), key=lambda r: (load[r], r))
+        served: dict[int, set[int]] = {r: set() for r in chosen.values()}
+        for dst in who.difference(chosen.values()):
+            served[chosen.get(node(dst), main)].add(dst)
+        sources = tuple(
+            Source(
+                r,
+                from_remote,
+                None if r == main else frozenset(served[r]),
+                frozenset(d for d in served[r] if host(r) is not None and host(r) == host(d)),
+            )
+            for r in sorted(chosen.values(), key=lambda r: r != main)
+        )
+        routes.append(Route(path, c, owner, frozenset(who), sources))
+    return routes, dict(load)
+
+
+def assign_reads(
+    records: Mapping[str, ArrayRecord],
+    needers: Needers,
+    readers_of: Callable[[int], Sequence[int]],
+    *,
+    read_once: bool,
+    remote: bool,
+    tag: Callable[[int], int],
+    node_of: Callable[[int], Hashable] | None = None,
+    host_of: Callable[[int], str | None] | None = None,
+) -> tuple[dict[int, list[Read]], list[Transfer], dict[int, int]]:
+    """``route_chunks``, as reads per rank and transfers: ``tag(i)`` numbers the i-th chunk's
+    transfers (unique in the whole restore: each rank receives a chunk once)."""
+    routes, load = route_chunks(
+        records, needers, readers_of, read_once=read_once, remote=remote, node_of=node_of, host_of=host_of
+    )
+    reads: dict[int, list[Read]] = defaultdict(list)
+    transfers: list[Transfer] = []
+    for i, route in enumerate(routes):
+        for s in route.sources:
+            reads[s.rank].append(Read(route.path, route.chunk, s.remote))
+            for dst, shared in route.sends(s):
+                transfers.append(Transfer(route.path, route.chunk, s.rank, dst, tag(i), shared))
+    return dict(reads), transfers, load

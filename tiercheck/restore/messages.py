@@ -14,8 +14,9 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
   ``StepDecision`` every rank reads;
 - finding holders: each node leader sets its ``NodeHolds`` for its other ranks, and claims saving
   ranks' files with a ``HolderClaim``;
-- planning the reads: each rank posts ``NeedsPost`` to each array coordinator it needs, and each
-  coordinator posts each rank its ``ReadWork``.
+- planning the reads: each group of ranks needing the same posts one ``NeedsPost`` to each array
+  coordinator it needs and each member registers itself (``Member``); each coordinator posts each
+  group one ``RouteWork`` (and one to each rank reading for others whose group it does not plan).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercheck.cluster.assign import Need
+from tiercheck.cluster.assign import Need, Route, Source
+from tiercheck.cluster.ranksets import RankSet
 from tiercheck.cluster.wire import as_bool as _bool
 from tiercheck.cluster.wire import as_dict as _dict
 from tiercheck.cluster.wire import as_fields
@@ -34,6 +36,7 @@ from tiercheck.cluster.wire import as_ranks as _ints
 from tiercheck.cluster.wire import as_str as _str
 from tiercheck.cluster.wire import bad as _bad
 from tiercheck.cluster.wire import loads as loads  # where restore.* have always taken it from
+from tiercheck.format.layout import chunk_at
 from tiercheck.format.manifest import JSON, ArrayRecord
 
 # -------------------------------------------------------------------------------- agreeing on a step
@@ -200,23 +203,16 @@ class HolderClaim:
 
 @dataclass(frozen=True, slots=True)
 class NeedsPost:
-    """What one rank needs of the arrays one coordinator plans: boxes of global arrays, the rank's
-    node (its first rank; left out where it is the rank itself) and host key (left out: it shares
-    no memory)."""
+    """What the ranks of one group need of the arrays one coordinator plans: boxes of global
+    arrays. Ranks needing the same (data-parallel replicas) have the same ``digest``: the first
+    of them posts the boxes, each adds itself to the group's register (``Member``)."""
 
-    rank: int
+    digest: str
     needs: tuple[Need, ...]
-    node: int | None = None
-    host: str | None = None
 
     def to_json(self) -> dict[str, JSON]:
         needs: list[JSON] = [[n.path, list(n.offsets), list(n.shape)] for n in self.needs]
-        doc: dict[str, JSON] = {"rank": self.rank, "needs": needs}
-        if self.node is not None and self.node != self.rank:  # left out where it says nothing
-            doc["node"] = self.node
-        if self.host is not None:
-            doc["host"] = self.host
-        return doc
+        return {"digest": self.digest, "needs": needs}
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> NeedsPost:
@@ -226,65 +222,51 @@ class NeedsPost:
             f = f"needs[{i}]"
             path, offsets, shape = _list(n, where, f, 3)
             needs.append(Need(_str(path, where, f), _ints(offsets, where, f"{f}[1]"), _ints(shape, where, f"{f}[2]")))
-        node, host = d.get("node"), d.get("host")
-        return cls(
-            _rank(d.get("rank"), where, "rank"),
-            tuple(needs),
-            None if node is None else _rank(node, where, "node"),
-            None if host is None else _str(host, where, "host"),
-        )
-
-    @property
-    def node_or_rank(self) -> int:
-        return self.rank if self.node is None else self.node
+        return cls(_str(d.get("digest"), where, "digest"), tuple(needs))
 
 
 @dataclass(frozen=True, slots=True)
-class AssignedRead:
-    """A chunk a rank reads from storage: its array, its grid position, whether from the remote
-    tier, and the saving rank that wrote it (whose part of the manifest holds its checksum)."""
+class Member:
+    """A rank of a group of needers, as it registers itself: its node (its first rank) and host
+    key (None: it shares no memory). A few bytes, appended to the group's register: a node's
+    first rank says its host key, the others only whether they share memory (``hosts`` puts the
+    key back, the node's own where its first rank is in no register: a node is on one host)."""
 
-    path: str
-    coords: tuple[int, ...]
-    remote: bool
-    owner: int
+    rank: int
+    node: int
+    host: str | None = None
 
-    def to_json(self) -> list[JSON]:
-        return [self.path, list(self.coords), self.remote, self.owner]
-
-    @classmethod
-    def from_json(cls, doc: object, *, where: str, field: str) -> AssignedRead:
-        return cls(*as_fields(doc, where, field, (_str, _ints, _bool, _rank)))
-
-
-@dataclass(frozen=True, slots=True)
-class AssignedMove:
-    """A chunk sent from one rank to another (``cluster.assign.Transfer``, by grid position)."""
-
-    path: str
-    coords: tuple[int, ...]
-    src: int
-    dst: int
-    tag: int
-    shared: bool = False
-
-    def to_json(self) -> list[JSON]:
-        return [self.path, list(self.coords), self.src, self.dst, self.tag, *([1] if self.shared else [])]
+    def entry(self) -> str:
+        host = self.host if self.rank == self.node else ("s" if self.host else "")
+        return f"{self.rank}:{self.rank - self.node}:{host or ''};"
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str, field: str) -> AssignedMove:
-        items = _list(doc, where, field)
-        if len(items) not in (5, 6) or items[5:] not in ([], [1]):
-            raise _bad(where, field, "a list of 5 or 6", doc)
-        path, coords, src, dst, tag = items[:5]
-        return cls(
-            _str(path, where, f"{field}[0]"),
-            _ints(coords, where, f"{field}[1]"),
-            _rank(src, where, f"{field}[2]"),
-            _rank(dst, where, f"{field}[3]"),
-            _int(tag, where, f"{field}[4]"),
-            len(items) == 6,
-        )
+    def register(cls, raw: bytes, *, where: str) -> list[Member]:
+        """The members in a register (``entry`` after ``entry``), each checked; a member not first
+        on its node has ``host`` "s" where it shares memory (see ``hosts``)."""
+        try:
+            text = raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise _bad(where, "members", "a register of ranks", raw) from None
+        out = []
+        for i, entry in enumerate(text.removesuffix(";").split(";") if text else ()):
+            rank, back, host = entry.split(":") if entry.count(":") == 2 else ("", "", "")
+            if not (rank.isdigit() and back.isdigit() and int(back) <= int(rank)):
+                raise _bad(where, f"members[{i}]", "a rank, its node and host", entry)
+            out.append(cls(int(rank), int(rank) - int(back), host or None))
+        return out
+
+    @staticmethod
+    def hosts(members: Iterable[Member]) -> dict[int, str | None]:
+        """Each member's host key, by rank: its own, or its node's first rank's, or one that names
+        its node (ranks of one node share a host; where the first rank is not here, the node's
+        ranks share memory with each other only)."""
+        members = list(members)
+        leaders = {m.node: m.host for m in members if m.rank == m.node}
+        return {
+            m.rank: m.host if m.rank == m.node else (leaders.get(m.node) or f"@{m.node}") if m.host else None
+            for m in members
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,29 +296,72 @@ class ArrayShape:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadWork:
-    """A coordinator's word to one rank: the chunks of its arrays the rank reads, those it sends
-    or receives, and the shapes of the arrays they belong to."""
+class RouteWork:
+    """A coordinator's word to a group of needers (or to one rank reading for others): the routes
+    of the chunks they need (``cluster.assign.Route``, each rank works out its own part), the
+    shapes of their arrays, and the transfers' tags. Rank sets are said once each, as runs
+    (``cluster.ranksets``): whatever the number of replicas, a route costs a few numbers."""
 
-    reads: tuple[AssignedRead, ...] = ()
-    moves: tuple[AssignedMove, ...] = ()
+    routes: tuple[tuple[Route, int], ...] = ()  # and each chunk's tag
     records: tuple[ArrayShape, ...] = ()
 
     def to_json(self) -> dict[str, JSON]:
+        sets: dict[frozenset[int], int] = {}
+
+        def ref(ranks: frozenset[int] | None) -> int:
+            return -1 if ranks is None else sets.setdefault(ranks, len(sets))
+
+        chunks: list[JSON] = []
+        for route, tag in self.routes:
+            sources: list[JSON] = [[s.rank, s.remote, ref(s.to), ref(s.shared)] for s in route.sources]
+            chunks.append([route.path, list(route.chunk.coords), route.owner, tag, ref(route.needers), sources])
         return {
-            "reads": [x.to_json() for x in self.reads],
-            "moves": [m.to_json() for m in self.moves],
+            "sets": [RankSet.of(ranks).to_json() for ranks in sets],  # type: ignore[misc]
+            "chunks": chunks,
             "records": [r.to_json() for r in self.records],
         }
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str) -> ReadWork:
-        d = _dict(doc, where, "read work")
-        return cls(
-            tuple(AssignedRead.from_json(x, where=where, field=f"reads[{i}]") for i, x in _each(d, "reads", where)),
-            tuple(AssignedMove.from_json(x, where=where, field=f"moves[{i}]") for i, x in _each(d, "moves", where)),
-            tuple(ArrayShape.from_json(x, where=where, field=f"records[{i}]") for i, x in _each(d, "records", where)),
+    def from_json(cls, doc: object, *, where: str, world: int) -> RouteWork:
+        """Checked against the restoring job's ``world`` size (ranks, and what their sets expand to)."""
+        d = _dict(doc, where, "route work")
+        records = tuple(
+            ArrayShape.from_json(x, where=where, field=f"records[{i}]") for i, x in _each(d, "records", where)
         )
+        shapes = {r.path: r for r in records}
+        sets = [
+            frozenset(RankSet.from_json(x, where=where, field=f"sets[{i}]", world=world))
+            for i, x in _each(d, "sets", where)
+        ]
+
+        def ranks(v: object, field: str) -> frozenset[int] | None:
+            i = _int(v, where, field)
+            if not -1 <= i < len(sets):
+                raise _bad(where, field, f"one of the {len(sets)} sets, or -1", v)
+            return None if i == -1 else sets[i]
+
+        routes = []
+        for i, x in _each(d, "chunks", where):
+            f = f"chunks[{i}]"
+            path, coords, owner, tag, needers, sources = _list(x, where, f, 6)
+            path = _str(path, where, f"{f}[0]")
+            shape = shapes.get(path)
+            coords = _ints(coords, where, f"{f}[1]")
+            if shape is None or len(coords) != len(shape.shape):
+                raise _bad(where, f"{f}[1]", "a chunk of an array whose shape the message gives", x)
+            out = []
+            for j, y in enumerate(_list(sources, where, f"{f}[5]")):
+                g = f"{f}[5][{j}]"
+                rank, remote, to, shared = _list(y, where, g, 4)
+                to_set, shared_set = ranks(to, f"{g}[2]"), ranks(shared, f"{g}[3]") or frozenset()
+                out.append(Source(_rank(rank, where, f"{g}[0]"), _bool(remote, where, f"{g}[1]"), to_set, shared_set))
+            every = ranks(needers, f"{f}[4]")
+            if not out or every is None or out[0].to is not None or any(s.to is None for s in out[1:]):
+                raise _bad(where, f, "a route: its needers, its main source first, then sources of nodes", x)
+            chunk = chunk_at(shape.shape, shape.chunks, coords)
+            route = Route(path, chunk, _rank(owner, where, f"{f}[2]"), every, tuple(out))
+            routes.append((route, _int(tag, where, f"{f}[3]")))
+        return cls(tuple(routes), records)
 
 
 def _each(d: Mapping[str, object], key: str, where: str) -> Sequence[tuple[int, object]]:

@@ -11,24 +11,29 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
    refers to. Each file is read from this node's directory when it is here, from the remote tier
    when the step comes from there, and otherwise from the store, where the node holding it posts
    it on request.
-3. **Plan reads** (``plan_restore``): each rank posts what it needs of each array to the array's
-   coordinator (a rank on the node holding the array's shard, which reads the shard from disk);
-   each coordinator decides who reads each needed chunk and who sends it to whom
-   (``cluster.assign.assign_reads``), and posts every rank its work (``restore.messages``: a
-   ``NeedsPost`` to the coordinator, a ``ReadWork`` back). A rank learns its reads, sends and
-   receives, with the checksum of each chunk it reads taken from the writer's part on its node.
+3. **Plan reads** (``plan_restore``): ranks needing the same boxes of a coordinator's arrays
+   (data-parallel replicas) are a group: the first of them posts the boxes to the arrays'
+   coordinator (a rank on the node holding the array's shard, which reads the shard from disk),
+   each member registers itself there in a few bytes (``NeedsPost``, ``Member``). The coordinator
+   decides who reads each needed chunk and who gets it from whom (``cluster.assign.route_chunks``)
+   and posts each group its routes once (``RouteWork``), with every set of ranks as a few runs
+   (``cluster.ranksets``); a rank reading for ranks outside its group gets those routes too. Each
+   rank works out its own reads, sends and receives from the routes, with the checksum of each
+   chunk it reads taken from the writer's part on its node. What a coordinator still reads per
+   member is its register entry: a few bytes.
 """
 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiercheck.cluster.assign import Need, Read, ReadAssignment, Transfer, assign_reads, needed_chunks
-from tiercheck.cluster.coordination import Exchange, dumps, shard_of
+from tiercheck.cluster.assign import Need, Needers, Read, ReadAssignment, Route, Transfer, needed_chunks, route_chunks
+from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
@@ -44,7 +49,7 @@ from tiercheck.format.manifest import (
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.restore.holders import FileId, Step, holders_of, read_manifest_file
-from tiercheck.restore.messages import ArrayShape, AssignedMove, AssignedRead, NeedsPost, ReadWork, loads
+from tiercheck.restore.messages import ArrayShape, Member, NeedsPost, RouteWork, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -149,21 +154,20 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     for n in request.needs:
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
-    for c, items in sorted(by_coord.items()):
-        post = NeedsPost(rank, tuple(items), request.node, request.host)
-        coord.post(f"{name}/needs/{c}", dumps(post.to_json()))
+    me = Member(rank, rank if request.node is None else request.node, request.host)
+    groups = _post_needs(coord, name, by_coord, me)
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
 
-    # As a coordinator: plan the reads of my arrays, post each rank its work.
-    where, garbled = f"{name}/needs/{rank}", None
+    # As a coordinator: plan the reads of my arrays, post each group (and each other reader) its work.
+    garbled, told = None, []
     try:
-        posted = [NeedsPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
+        wanted, members = _collect_needs(coord, name)
     except CoordinationError as e:  # said to every rank, which would otherwise wait for its work
-        garbled, posted = e, []
+        garbled, wanted, members = e, {}, {}
         coord.report(name, e)
-    if posted:
-        _coordinate_reads(job, root, st, posted, request.records, read_once=request.read_once)
-    del posted, by_coord
+    if wanted:
+        told = _coordinate_reads(job, root, st, wanted, members, request.records, read_once=request.read_once)
+    del wanted, members, by_coord
     yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
     coord.check(name, garbled, shared=(IncompatibleStateError, CorruptCheckpointError))
 
@@ -173,40 +177,82 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     plan: RestorePlan | None = None
     failure: TiercheckError | None = None
     try:
-        plan = _my_work(job, name, st, request.records, request.parts)
+        plan = _my_work(job, name, st, groups, request.records, request.parts)
     except TiercheckError as e:
         failure = e
         coord.report(f"{name}/done", e)
     yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
+    coord.delete(*told)  # read by now: every rank is past 'done'
     coord.check(f"{name}/done", failure, shared=(IncompatibleStateError, CorruptCheckpointError))
     assert plan is not None
     return plan
 
 
+def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]], me: Member) -> dict[int, str]:
+    """Round 1: post my needs to their coordinators; the digest of each group, by coordinator.
+    Ranks needing the same boxes (replicas) have the same digest: the first of them posts the
+    boxes, each registers itself (a few bytes, not its needs)."""
+    digests: dict[int, str] = {}
+    for c, items in sorted(by_coord.items()):
+        body = dumps(NeedsPost("", tuple(items)).to_json()["needs"])
+        digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+        if coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1:
+            coord.post(f"{name}/needs/{c}", dumps(NeedsPost(digest, tuple(items)).to_json()))
+        coord.append(coord.key(name, "needs", c, digest, "ranks"), me.entry())
+    return digests
+
+
+def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]], dict[str, list[Member]]]:
+    """Round 2, as a coordinator: what each group posted to me, and its members."""
+    where = f"{name}/needs/{coord.rank}"
+    posted = [NeedsPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
+    wanted = {p.digest: list(p.needs) for p in posted}
+    registers = {d: coord.key(name, "needs", coord.rank, d, "ranks") for d in wanted}
+    members = {
+        d: Member.register(raw, where=key)
+        for (d, key), raw in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True)
+    }
+    coord.delete(*registers.values(), *(coord.key(name, "needs", coord.rank, d, "n") for d in wanted))
+    return wanted, members
+
+
 def _my_work(
-    job: Job, name: str, st: Step, records: Mapping[str, ArrayRecord], parts: Mapping[int, RankPart]
+    job: Job,
+    name: str,
+    st: Step,
+    groups: Mapping[int, str],
+    records: Mapping[str, ArrayRecord],
+    parts: Mapping[int, RankPart],
 ) -> RestorePlan:
-    """This rank's reads, sends and receives, as its coordinators posted them, with the checksum
-    of every chunk it reads."""
+    """This rank's reads, sends and receives, worked out from the routes its coordinators posted
+    (to each of its groups, and to it alone where it reads for ranks of other groups), with the
+    checksum of every chunk it reads."""
     coord, tier, remote = job.coord, job.tier, job.remote
     rank = coord.rank
-    out_reads: list[Read] = []
-    out_moves: dict[int, Transfer] = {}
+    out_reads: dict[tuple[str, tuple[int, ...]], Read] = {}
+    out_moves: dict[tuple[int, int], Transfer] = {}
     recs: dict[str, ArrayRecord] = {}
     owners_of: dict[tuple[str, str], int] = {}
-    where = f"{name}/work/{rank}"
-    for value in coord.collect(where):
-        w = ReadWork.from_json(loads(value, where=where), where=where)
+    personal = f"{name}/work/{rank}"
+    keys = [coord.key(name, "route", c, d) for c, d in sorted(groups.items())]
+    told = [(personal, v) for v in coord.collect(personal)]
+    told += list(zip(keys, coord.multi_get(keys), strict=True))
+    for where, value in told:
+        w = RouteWork.from_json(loads(value, where=where), where=where, world=coord.world_size)
         for short in w.records:  # shape and chunks: as this rank parsed them where it did
             if short.path not in recs:
                 recs[short.path] = records.get(short.path) or short.record()
-        for x in w.reads:
-            chunk = _chunk(recs, x.path, x.coords, where=where)
-            out_reads.append(Read(x.path, chunk, x.remote))
-            owners_of[x.path, chunk.key] = x.owner
-        for m in w.moves:
-            chunk = _chunk(recs, m.path, m.coords, where=where)
-            out_moves[m.tag] = Transfer(m.path, chunk, m.src, m.dst, m.tag, m.shared)
+        for route, tag in w.routes:
+            c = route.chunk
+            mine = [s for s in route.sources if s.rank == rank]
+            if mine:
+                out_reads[route.path, c.coords] = Read(route.path, c, mine[0].remote)
+                owners_of[route.path, c.key] = route.owner
+                for dst, shared in route.sends(mine[0]):
+                    out_moves[tag, dst] = Transfer(route.path, c, rank, dst, tag, shared)
+            elif rank in route.needers:
+                src = route.source_of(rank)
+                out_moves[tag, rank] = Transfer(route.path, c, src.rank, rank, tag, rank in src.shared)
     by_path: dict[str, dict[str, int]] = defaultdict(dict)
     offsets: dict[str, dict[str, int]] = defaultdict(dict)
     for (path, key), (crc, offset) in _checksums(tier, remote, st, owners_of, parts, recs).items():
@@ -221,95 +267,106 @@ def _my_work(
         )
     for path, rec in records.items():
         recs.setdefault(path, rec)
-    out_reads.sort(key=lambda x: (x.path, x.chunk.coords))
-    transfers = sorted(out_moves.values(), key=lambda t: t.tag)
-    nbytes = sum(chunk_nbytes(recs[x.path]) for x in out_reads)
-    return RestorePlan(out_reads, transfers, recs, nbytes)
+    reads = sorted(out_reads.values(), key=lambda x: (x.path, x.chunk.coords))
+    transfers = [out_moves[k] for k in sorted(out_moves)]
+    nbytes = sum(chunk_nbytes(recs[x.path]) for x in reads)
+    return RestorePlan(reads, transfers, recs, nbytes)
 
 
 def _coordinate_reads(
-    job: Job, root: str, st: Step, posted: list[NeedsPost], known: Mapping[str, ArrayRecord], *, read_once: bool
-) -> None:
-    """Plan the reads of the arrays whose needs were posted to this rank; post every rank its work
-    (or report why the plan cannot be made). ``known``: records this rank parsed already from the
-    same shards (its own manifest's, without owners): where they cover a shard's needed arrays,
-    the shard is not parsed again (the owners are in a file of their own)."""
-    coord, tier, remote = job.coord, job.tier, job.remote
+    job: Job,
+    root: str,
+    st: Step,
+    wanted: Mapping[str, list[Need]],
+    members: Mapping[str, list[Member]],
+    known: Mapping[str, ArrayRecord],
+    *,
+    read_once: bool,
+) -> list[str]:
+    """Plan the reads of the arrays whose needs were posted to this rank (by group, ``wanted``);
+    post each group its routes, and each rank reading for another group its own (or report why
+    the plan cannot be made). Returns the keys posted to groups (deleted once all read them).
+    ``known``: records this rank parsed already from the same shards (its own manifest's, without
+    owners): where they cover a shard's needed arrays, the shard is not parsed again."""
+    coord = job.coord
     name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
-    failure: TiercheckError | None = None
-    d = step_dir(st.step)
-    wanted: dict[int, list[Need]] = defaultdict(list)
-    node_of: dict[int, int] = {}
-    host_of: dict[int, str | None] = {}  # a rank that needs none of these arrays: None (shares no memory)
-    for post in posted:
-        wanted[post.rank].extend(post.needs)
-        node_of[post.rank], host_of[post.rank] = post.node_or_rank, post.host
+    by_rank = {m.rank: m for ms in members.values() for m in ms}
+    hosts = Member.hosts(by_rank.values())
     try:
-        mine: dict[str, ArrayRecord] = {}
-        by_shard: dict[int, set[str]] = defaultdict(set)
-        for ns in wanted.values():
-            for n in ns:
-                by_shard[shard_of(n.path, st.world_size)].add(n.path)
-        for s, paths in sorted(by_shard.items()):
-            source = tier if s in st.here else remote
-            if source is None:
-                raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
-            if paths <= known.keys():
-                mine.update((p, known[p]) for p in paths)  # a single rank's restore: all of them
-            else:
-                raw = read_manifest_file(source, d, ("arrays", s))
-                where = f"{source.url}: {d}/{shard_file(s)}"
-                if raw:
-                    records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
-                    for path, rec in records.items():
-                        _check_owners(path, rec.owners, st.world_size, where=where)  # none, unless forged
-                    mine.update(records)
-            raw = read_manifest_file(source, d, ("owners", s))
-            where = f"{source.url}: {d}/{owners_file(s)}"
-            owned = parse_owners(unseal(raw, where=where), where=where, save=st.save_id) if raw else {}
-            for path, writers in owned.items():
-                _check_owners(path, writers, st.world_size, where=where)
-                if path in mine:
-                    mine[path] = mine[path].with_chunks(owners=writers)
-        for ns in wanted.values():
-            for n in ns:
-                if n.path not in mine:
-                    raise CorruptCheckpointError(f"{tier.url}: step {st.step}: no record of array {n.path!r}")
-        needers = needed_chunks(mine, wanted)
+        mine = _records_of(job, st, {n.path for ns in wanted.values() for n in ns}, known)
+        chunks_of = {d: needed_chunks(mine, {0: ns}) for d, ns in wanted.items()}
+        needers: Needers = {}
+        for d, got in chunks_of.items():
+            for k, (c, _) in got.items():
+                needers.setdefault(k, (c, set()))[1].update(m.rank for m in members[d])
         owners = {mine[p].owner(c.key) for (p, _), (c, _) in needers.items()}
         readers = holders_of(coord, root, owners, remote=st.from_remote)
-        reads, transfers, _ = assign_reads(
+        routes, _ = route_chunks(
             mine,
             needers,
             lambda o: readers.get(o, []),
             read_once=read_once,
             remote=st.from_remote,
-            tag=lambda i: i * world + rank,
-            node_of=lambda r: node_of.get(r, r),
-            host_of=host_of.get,
+            node_of=lambda r: by_rank[r].node if r in by_rank else r,
+            host_of=lambda r: hosts.get(r),
         )
     except TiercheckError as e:
-        failure = e
-        reads, transfers = {}, []
-    work_reads: dict[int, list[AssignedRead]] = defaultdict(list)
-    work_moves: dict[int, list[AssignedMove]] = defaultdict(list)
-    used: dict[int, set[str]] = defaultdict(set)
-    for r, rs in reads.items():
-        for x in rs:
-            work_reads[r].append(AssignedRead(x.path, x.chunk.coords, x.remote, mine[x.path].owner(x.chunk.key)))
-            used[r].add(x.path)
-    for t in transfers:
-        move = AssignedMove(t.path, t.chunk.coords, t.src, t.dst, t.tag, t.shared)
-        for r in (t.src, t.dst):
-            work_moves[r].append(move)
-            used[r].add(t.path)
-    for r, paths in sorted(used.items()):
-        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted(paths))
-        w = ReadWork(tuple(work_reads[r]), tuple(work_moves[r]), shapes)
-        coord.post(f"{name}/work/{r}", dumps(w.to_json()))
-    if failure is not None:
-        coord.report(name, failure)
+        coord.report(name, e)
+        return []
+    index = {(r.path, r.chunk.coords): (r, i * world + rank) for i, r in enumerate(routes)}
+    group_of = {m.rank: d for d, ms in members.items() for m in ms}
+    told = {}
+    for d, got in chunks_of.items():
+        mine_routes = tuple(index[k] for k in sorted(got))
+        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({r.path for r, _ in mine_routes}))
+        told[coord.key(name, "route", rank, d)] = dumps(RouteWork(mine_routes, shapes).to_json())
+    coord.multi_set(told)
+    alone: dict[int, list[tuple[Route, int]]] = defaultdict(list)  # reads for groups not their own
+    for k, (route, tag) in index.items():
+        for s in route.sources:
+            if s.rank not in group_of or k not in chunks_of[group_of[s.rank]]:
+                alone[s.rank].append((route, tag))
+    for r, items in sorted(alone.items()):
+        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({route.path for route, _ in items}))
+        coord.post(f"{name}/work/{r}", dumps(RouteWork(tuple(items), shapes).to_json()))
+    return list(told)
+
+
+def _records_of(job: Job, st: Step, paths: set[str], known: Mapping[str, ArrayRecord]) -> dict[str, ArrayRecord]:
+    """The records of ``paths`` with their chunks' owners, from the shards of the step that hold
+    them (``known`` where it covers a shard's needed arrays)."""
+    tier, remote = job.tier, job.remote
+    d = step_dir(st.step)
+    mine: dict[str, ArrayRecord] = {}
+    by_shard: dict[int, set[str]] = defaultdict(set)
+    for p in paths:
+        by_shard[shard_of(p, st.world_size)].add(p)
+    for s, in_shard in sorted(by_shard.items()):
+        source = tier if s in st.here else remote
+        if source is None:
+            raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
+        if in_shard <= known.keys():
+            mine.update((p, known[p]) for p in in_shard)  # a single rank's restore: all of them
+        else:
+            raw = read_manifest_file(source, d, ("arrays", s))
+            where = f"{source.url}: {d}/{shard_file(s)}"
+            if raw:
+                records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
+                for path, rec in records.items():
+                    _check_owners(path, rec.owners, st.world_size, where=where)  # none, unless forged
+                mine.update(records)
+        raw = read_manifest_file(source, d, ("owners", s))
+        where = f"{source.url}: {d}/{owners_file(s)}"
+        owned = parse_owners(unseal(raw, where=where), where=where, save=st.save_id) if raw else {}
+        for path, writers in owned.items():
+            _check_owners(path, writers, st.world_size, where=where)
+            if path in mine:
+                mine[path] = mine[path].with_chunks(owners=writers)
+    for p in paths:
+        if p not in mine:
+            raise CorruptCheckpointError(f"{tier.url}: step {st.step}: no record of array {p!r}")
+    return mine
 
 
 def _check_owners(path: str, owners: Mapping[str, int], world: int, *, where: str) -> None:
