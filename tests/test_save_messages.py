@@ -20,7 +20,7 @@ from tiercheck.cluster.wire import as_register, loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, PiecesPost, TookPost
-from tiercheck.save.plan import plan_save
+from tiercheck.save.plan import _decode_ranks, _encode_ranks, plan_save
 from tiercheck.tiering.replication import ReplicaHeader
 
 OFFER = ChunkOffer(
@@ -30,7 +30,7 @@ OFFER = ChunkOffer(
             kind="tensor",
             shape=(16, 8),
             grid=(8, 8),
-            chunks=(((0, 0), (-1, 0, 2, 4)), ((1, 0), (1, 5))),
+            chunks=(((0, 0), (-1, 0, 2, 4)), ((1, 0), (1, 5)), ((0, 1), (-2, 0, 2, 128, 64))),
         ),
         "step": ArrayOffer(dtype="int64", kind="scalar", shape=(), grid=(), chunks=()),
     }
@@ -55,7 +55,8 @@ def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
 def test_the_wire_is_what_the_protocols_always_sent() -> None:
     # As save.plan built an offer before: [short, [[coords, group], ...]] by path, its groups encoded.
     short = ["bfloat16", "tensor", [16, 8], [8, 8]]
-    before = {"model/w": [short, [[[0, 0], [-1, 0, 2, 4]], [[1, 0], [1, 5]]]], "step": [["int64", "scalar", [], []], []]}
+    groups = [[[0, 0], [-1, 0, 2, 4]], [[1, 0], [1, 5]], [[0, 1], [-2, 0, 2, 128, 64]]]
+    before = {"model/w": [short, groups], "step": [["int64", "scalar", [], []], []]}
     assert dumps(OFFER.to_json()) == dumps(before)
     took = {"model/w": [[0, 0], [1, 0]], "b": [[2]]}
     assert dumps(TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}).to_json()) == dumps(
@@ -92,6 +93,7 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
         (ChunkOffer, {"w": [["f4", 4, [4], [4]], []]}, "w[0][1]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [-1, 0, 2]]]]}, "w[1][0][1]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [1, "2"]]]]}, "w[1][0][1][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [-2, 0, 2, 128]]]]}, "w[1][0][1]"),
         (ChunkOffer, [], "offer"),
         (TookPost, {"rank": -1, "took": {}}, "rank"),
         (TookPost, {"rank": 0, "took": {"w": [[0], [1, None]]}}, "took['w'][1][1]"),
@@ -131,3 +133,20 @@ def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:
     for raw, field in ((b"3,x,", "ranks[1]"), (b"3,-1,", "ranks[1]"), (b"\xff", "ranks")):
         with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
             as_register(raw, "k")
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [(3,), (0, 5), (1, 3, 5, 7), (0, 1, 128, 129, 256, 257), tuple(r for d in range(0, 131072, 128) for r in range(d, d + 8))],
+)
+def test_a_group_of_holders_is_a_few_numbers_and_comes_back_whole(ranks: tuple[int, ...]) -> None:
+    encoded = _encode_ranks(ranks)
+    assert len(encoded) <= max(len(ranks), 5)  # every TP rank of every replica: five numbers
+    assert _decode_ranks(encoded, world=131072, where="k") == ranks
+
+
+def test_a_group_of_holders_past_the_world_names_its_key() -> None:
+    with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
+        _decode_ranks((-2, 0, 8, 128, 9), world=1024, where="t/offer/3")
+    with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
+        _decode_ranks((-1, 0, 128, 9), world=1024, where="t/offer/3")

@@ -53,7 +53,7 @@ class PiecesPost:
 class ArrayOffer:
     """One array as its coordinator laid it out, to one group of holders: its record's shape (no
     owners) and the chunks the group holds, each by grid position with the full group of ranks
-    holding it (``save.plan._encode_ranks``: the ranks, or ``[-1, start, stride, count]``)."""
+    holding it (``save.plan._encode_ranks``: the ranks, ``[-1, start, stride, count]`` or runs)."""
 
     dtype: str
     kind: str
@@ -91,12 +91,18 @@ class ArrayOffer:
 
 
 def _group(v: object, where: str, field: str) -> tuple[int, ...]:
-    """An encoded group of holders: ranks, or ``[-1, start, stride, count]``."""
+    """An encoded group of holders: ranks, ``[-1, start, stride, count]`` or ``[-2, *runs]``
+    (runs of four numbers, ``cluster.ranksets``). Its ranks are checked against the world size
+    where the plan decodes it."""
     items = as_list(v, where, field)
     if items[:1] == [-1]:
         if len(items) != 4:
             raise bad(where, field, "[-1, start, stride, count]", v)
         return (-1, *as_ranks(items[1:], where, field))
+    if items[:1] == [-2]:
+        if len(items) % 4 != 1:
+            raise bad(where, field, "[-2, start, length, stride, count, ...]", v)
+        return (-2, *as_ranks(items[1:], where, field))
     return as_ranks(items, where, field)
 
 

@@ -39,6 +39,7 @@ import torch
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
+from tiercheck.cluster.ranksets import RankSet
 from tiercheck.cluster.wire import as_register, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, zarr_documents
@@ -174,7 +175,9 @@ def _take_share(
             rec = records[path] = array.record(path)
             nbytes = chunk_nbytes(rec)
             for cc, group in array.chunks:
-                holders = groups.setdefault(group, _decode_ranks(group))
+                if group not in groups:
+                    groups[group] = _decode_ranks(group, world=world, where=key)
+                holders = groups[group]
                 mine_offers.append(Offer(nbytes, path, _chunk(rec, cc), holders))
     missing = sorted(set(leaf_of) - set(records))
     if missing:
@@ -228,20 +231,29 @@ def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
 
 
 def _encode_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """A sorted rank list, compactly: ``[start, stride, count]`` negated-first when it is an
-    arithmetic progression of three or more (DP replicas are), else the list itself."""
+    """A sorted rank list, compactly: ``[-1, start, stride, count]`` when it is an arithmetic
+    progression of three or more (DP replicas are), ``[-2, *runs]`` when its runs
+    (``cluster.ranksets``: every TP rank of every replica is one) are shorter, else the list itself."""
     if len(ranks) >= 3:
         stride = ranks[1] - ranks[0]
         if all(b - a == stride for a, b in itertools.pairwise(ranks)):
             return (-1, ranks[0], stride, len(ranks))
+        runs = RankSet.of(ranks).runs
+        if 4 * len(runs) + 1 < len(ranks):
+            return (-2, *itertools.chain.from_iterable(runs))
     return ranks
 
 
-def _decode_ranks(doc: tuple[int, ...]) -> tuple[int, ...]:
+def _decode_ranks(doc: tuple[int, ...], *, world: int, where: str) -> tuple[int, ...]:
+    """The ranks of an encoded group (``_encode_ranks``), each below ``world``."""
     if doc[:1] == (-1,):
         _, start, stride, count = doc
-        return tuple(range(start, start + stride * count, stride))
-    return tuple(doc)
+        runs = [[start, 1, max(stride, 1), count]]
+    elif doc[:1] == (-2,):
+        runs = [list(doc[i : i + 4]) for i in range(1, len(doc), 4)]
+    else:
+        runs = [[r, 1, 1, 1] for r in doc]
+    return tuple(sorted(RankSet.from_json(runs, where=where, field="holders", world=world)))
 
 
 @dataclass(frozen=True, slots=True)
