@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc
-from tiercheck.cluster.coordination import Coordinator, dumps
+from tiercheck.cluster.coordination import Coordinator, dumps, lockstep, shard_of
 from tiercheck.cluster.wire import as_register, loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
@@ -125,6 +125,24 @@ def test_a_garbled_took_post_fails_its_coordinator_naming_the_key() -> None:
     coords[0].post("plan0/took/1", dumps({"rank": 0, "took": {"w": "all"}}))
     with pytest.raises(CoordinationError, match="^" + re.escape("plan0/took/1: field \"took['w']\" is not a list")):
         next(protocols[1])
+
+
+def test_a_chunk_of_one_holder_is_its_own_and_a_claim_by_another_rank_fails_every_rank() -> None:
+    """Ranks tell a coordinator only what they took of chunks held by several: a distributed
+    optimizer's slice is its holder's. A rank claiming one anyway is caught, not recorded."""
+    world = 4
+    per_rank = megatron_like(world, 2)
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    protocols = [plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=256) for c in coords]
+    for _ in range(3):  # posted, offered, chosen
+        for p in protocols:
+            next(p)
+    c = shard_of("optim/tp0", world)  # held in two slices, by ranks 0 and 2
+    coords[1].post(f"plan0/took/{c}", dumps({"rank": 1, "took": {"optim/tp0": [[0]]}}))
+    outcomes = lockstep(protocols, capture=True)
+    assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
+    assert "array 'optim/tp0' chunk c.0: taken by rank 1, which does not hold it" in str(outcomes[0])
 
 
 def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:

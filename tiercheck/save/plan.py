@@ -13,7 +13,8 @@ name modulo the world size), and the plan is made in four rounds, each closed by
 3. each rank reads its offers and splits the offers of every group of holders as every other
    member does (largest first, least loaded; ``cluster.assign.assign_owners``): the members see the same
    offers, so they agree without another exchange. It tells each coordinator which of its chunks
-   it took (only the ranks that took some do);
+   held by several it took (only the ranks that took some do; a chunk of one holder is that
+   holder's, and the coordinator knows it: a distributed optimizer's slices cost nothing here);
 4. each coordinator records the owner of every chunk of its arrays: its shard of the manifest,
    written beside the data at every save.
 
@@ -192,7 +193,8 @@ def _take_share(
         i = leaf_of[offer.path]
         tasks.append(WriteTask(i, offer.chunk, local_chunk(offer.chunk, descs[i])))
         nbytes += offer.nbytes
-        taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(offer.chunk.coords)
+        if len(offer.holders) > 1:  # a chunk of one holder is its: the coordinator knows it
+            taken[shard_of(offer.path, world)].setdefault(offer.path, []).append(offer.chunk.coords)
     tasks.sort(key=lambda t: (t.leaf, t.chunk.coords))
     for c, took in taken.items():
         if took:  # only the ranks that took chunks of a coordinator's arrays tell it
@@ -218,6 +220,10 @@ def _record_owners(coord: Coordinator, name: str, layouts: dict[str, _Layout]) -
     shard: dict[str, ArrayRecord] = {}
     for path, (rec, chunks) in layouts.items():
         owned = owners_by_path[path]
+        for chunk, holders in chunks:
+            if len(holders) == 1 and owned.setdefault(chunk.key, holders[0]) != holders[0]:
+                stray = f"array {path!r} chunk {chunk.key}: taken by rank {owned[chunk.key]}, which does not hold it"
+                coord.report(name, CoordinationError(stray))
         if len(owned) != len(chunks):
             coord.report(
                 name, CoordinationError(f"array {path!r}: {len(chunks) - len(owned)} chunk(s) taken by no rank")
