@@ -184,14 +184,17 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
     job = sim.job(r)
     assert choice.step is not None
     here, _, own = choice.held[str(choice.step)]
-    st = yield from find_holders(job, "restore0", choice.step, here, own, from_remote=False)
-    manifest = yield from manifest_for(job, "restore0", st, {}, others=False)
+    # As ``restore.protocol`` asks: with a host key (one host per node, 16 hex digits as
+    # ``restore.share.host_key``'s), and its node, so the reads are planned per node and shared memory is used in one.
+    host = hashlib.blake2b(f"host{sim.nodes[r].number}".encode(), digest_size=8).hexdigest()
+    st = yield from find_holders(job, "restore0", choice.step, here, own, from_remote=False, host=host)
+    parts: dict[int, RankPart] = {}  # the saving ranks' parts it parses (its own: it reads its chunks alone)
+    manifest = yield from manifest_for(job, "restore0", st, {}, others=False, parts=parts)
     yield from settle(job, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
-    # As ``restore.protocol`` asks: with its node and a host key (one host per node, 16 hex digits as
-    # ``restore.share.host_key``'s), so the reads are planned per node and shared memory is used in one.
-    host = hashlib.blake2b(f"host{sim.nodes[r].number}".encode(), digest_size=8).hexdigest()
-    request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False, node=sim.nodes[r].leader, host=host)
+    request = ReadRequest(
+        needs=needs, records=manifest.arrays, read_once=False, parts=parts, node=sim.nodes[r].leader, host=host
+    )
     return (yield from plan_restore(job, "restore0", st, request))
 
 

@@ -91,41 +91,48 @@ def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
     return per_rank
 
 
-def agreed_manifest(rank_job: Job) -> Any:
+def agreed_manifest(rank_job: Job, parts: dict[int, RankPart] | None = None, host: str | None = None) -> Any:
     """A restore's rounds 1 and 2 on one rank, in lockstep with the others: the newest step, its
     holders and its manifest (as ``restore.protocol`` runs them, under the name ``r``)."""
     choice = yield from agree_on_step(rank_job, "r/step", requested=None, remote_steps=list)
     here = choice.held.get(str(choice.step), [[], 0])[0]
-    st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False)
-    manifest = yield from manifest_for(rank_job, "r", st, {}, others=False)
+    st = yield from find_holders(rank_job, "r", choice.step, here, from_remote=False, host=host)
+    manifest = yield from manifest_for(rank_job, "r", st, {}, others=False, parts=parts)
     return st, manifest
 
 
 def restore_plan(
-    world: int, root: Path, needs: list[list[Need]], *, hosts: bool = False
+    world: int, root: Path, needs: list[list[Need]], *, hosts: bool = False, alone: bool = False
 ) -> tuple[list[Any], list[Coordinator]]:
     """Every rank's restore plan; with ``hosts``, each rank asks as ``restore.protocol`` does, with
-    its node and a host key (one host per node)."""
+    its node and a host key (one host per node); with ``alone``, also with the saving ranks' parts
+    it parsed, so it reads the chunks its own saving rank wrote without a coordinator."""
     coords, tiers, nodes = job(world, root)
 
     def one(c: Coordinator) -> Any:
         rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
-        st, manifest = yield from agreed_manifest(rank_job)
+        parts: dict[int, RankPart] = {}
         node, host = (nodes[c.rank].leader, f"host{c.rank // PER_NODE}") if hosts else (None, None)
-        asked = ReadRequest(needs=needs[c.rank], records=manifest.arrays, read_once=False, node=node, host=host)
+        st, manifest = yield from agreed_manifest(rank_job, parts, host)
+        asked = ReadRequest(
+            needs=needs[c.rank], records=manifest.arrays, read_once=False, node=node, host=host,
+            parts=parts if alone else {},
+        )  # fmt: skip
         plan = yield from plan_restore(rank_job, "r", st, asked)
         return manifest, plan
 
     return lockstep([one(c) for c in coords]), coords
 
 
-@pytest.mark.parametrize(("world", "tp", "hosts"), [(8, 2, False), (16, 4, False), (16, 2, True)])
+@pytest.mark.parametrize(
+    ("world", "tp", "hosts", "alone"), [(8, 2, False, False), (16, 4, False, False), (16, 2, True, False), (16, 2, True, True)]
+)
 def test_every_needed_chunk_is_read_or_received_exactly_as_planned(
-    tmp_path: Path, world: int, tp: int, hosts: bool
+    tmp_path: Path, world: int, tp: int, hosts: bool, alone: bool
 ) -> None:
     per_rank = save(world, tp, tmp_path)
     needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
-    results, _ = restore_plan(world, tmp_path, needs, hosts=hosts)
+    results, _ = restore_plan(world, tmp_path, needs, hosts=hosts, alone=alone)
     whole = read_manifest(_merged(tmp_path, world), 1)
     sends: dict[tuple[int, int], tuple[int, int, str, tuple[int, ...]]] = {}
     for rank, (manifest, plan) in enumerate(results):
@@ -150,6 +157,13 @@ def test_every_needed_chunk_is_read_or_received_exactly_as_planned(
         assert got == wanted, rank
     for src, _, path, coords in sends.values():  # a sender reads what it sends
         assert (path, coords) in {(x.path, x.chunk.coords) for x in results[src][1].reads}
+    reads = [(x.path, x.chunk.coords) for _, plan in results for x in plan.reads]
+    assert len(reads) == len(set(reads)) or not hosts, "each chunk is on one node: read there once, by one rank"
+    if alone:  # a writer reads its own chunks: an optimizer slice is read by the rank that wrote it
+        for rank, (_, plan) in enumerate(results):
+            for x in plan.reads:
+                owner = whole.arrays[x.path].owner(x.chunk.key)
+                assert owner == rank or not x.path.startswith("optim"), (rank, x)
 
 
 def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path, monkeypatch: Any) -> None:
@@ -159,11 +173,13 @@ def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path
     per_rank = save(world, 2, tmp_path)
     needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
     posted: list[str] = []
+    values: list[str] = []
     told: list[str] = []
     post, multi_set = Coordinator.post, Coordinator.multi_set
 
     def counting_post(self: Coordinator, bucket: str, value: str | bytes) -> int:
         posted.append(bucket)
+        values.append(str(value))
         return post(self, bucket, value)
 
     def counting_set(self: Coordinator, items: Any) -> None:
@@ -180,10 +196,16 @@ def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path
             by_coord.setdefault(shard_of(n.path, world), []).append(n)  # one coordinator per shard
         for c, ns in by_coord.items():
             groups.setdefault((c, repr(ns)), set()).add(rank)
+    assert any("optim" in v for v in values)  # without their parts, ranks post their slices
     needs_posts = [b for b in posted if "/reads/needs/" in b]
     assert len(needs_posts) == len(told) == len(groups) < sum(map(len, groups.values()))
     assert max(map(len, groups.values())) == world  # the norm: every rank needs all of it, and says so once
     assert not any(coords[0].has(k) for k in told)  # each deleted once every rank has read it
+    # Restoring the layout it saved, a rank reads the chunks its saving rank wrote alone: no
+    # coordinator hears of a distributed optimizer's slices (each is its rank's alone).
+    values.clear()
+    restore_plan(world, tmp_path, needs, hosts=True, alone=True)
+    assert any('"fc"' in v for v in values) and not any("optim" in v for v in values)
 
 
 def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:

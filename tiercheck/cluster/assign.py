@@ -351,6 +351,7 @@ def route_chunks(
     remote: bool,
     node_of: Callable[[int], Hashable] | None = None,
     host_of: Callable[[int], str | None] | None = None,
+    owners_read: bool = False,
 ) -> tuple[list[Route], dict[int, int]]:
     """Who reads each needed chunk and who gets it from whom (in ``needers``' sorted order), and the
     bytes each rank reads. ``readers_of(owner)`` lists the restoring ranks that can read the files
@@ -360,7 +361,9 @@ def route_chunks(
     and holds it reads it once, by its least loaded rank needing it, and passes it to its other
     ranks needing it; a node that does not hold it receives it from the main source. With
     ``read_once``, one rank in the whole job reads each chunk. A transfer between two ranks of one
-    host (equal, non-None ``host_of``) is ``shared``."""
+    host (equal, non-None ``host_of``) is ``shared``. With ``owners_read`` (and not ``read_once``),
+    the restoring rank numbered as a chunk's writer is its node's reader where it can read it and
+    its node needs the chunk: it reads the chunks its saving rank wrote anyway, needing them."""
     node = node_of or (lambda r: r)
     host = host_of or (lambda r: None)
     load: dict[int, int] = defaultdict(int)
@@ -381,11 +384,15 @@ def route_chunks(
         chosen: dict[Hashable, int] = {}  # node: the rank reading the chunk there
         if read_once or not local:
             r = min(local or able, key=lambda r: (load[r], r))
+            if owners_read and not read_once and not local and owner in able:
+                r = owner
             chosen[node(r)] = r
         else:
             for r in local:
                 if node(r) not in chosen or (load[r], r) < (load[chosen[node(r)]], chosen[node(r)]):
                     chosen[node(r)] = r
+            if owners_read and owner in able and node(owner) in chosen:
+                chosen[node(owner)] = owner  # it reads its own chunks alone (restore.plan._self_served)
         for r in chosen.values():
             load[r] += nbytes
         main = min(chosen.values(), key=lambda r: (load[r], r))

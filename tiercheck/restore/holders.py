@@ -40,7 +40,14 @@ class Step:
 
 
 def find_holders(
-    job: Job, root: str, step: int, here: Sequence[int], written: Sequence[int] = (), *, from_remote: bool
+    job: Job,
+    root: str,
+    step: int,
+    here: Sequence[int],
+    written: Sequence[int] = (),
+    *,
+    from_remote: bool,
+    host: str | None = None,
 ) -> Exchange[Step]:
     """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
     claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
@@ -48,12 +55,13 @@ def find_holders(
 
     The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
     nothing when its manifest files are damaged and the remote tier has the step); the other ranks
-    of the node take ``here`` and ``written`` from it, so a node never disagrees with itself."""
+    of the node take ``here`` and ``written`` from it, so a node never disagrees with itself.
+    ``host``: this node's host key (``restore.read.share_key``), said with its claims."""
     coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
     claimed: list[str] = []
-    members = dumps(HolderClaim(nodes.ranks).to_json())
+    members = dumps(HolderClaim(nodes.ranks, host).to_json())
 
     def claim(ranks: Sequence[int]) -> None:
         for w in ranks:
@@ -153,8 +161,11 @@ def _save_of(tier: Tier, step: int) -> str | None:
         return None
 
 
-def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool) -> dict[int, list[int]]:
-    """The restoring ranks that can read each of these saving ranks' files (none: only the remote)."""
+def holders_of(
+    coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool, hosts: dict[int, str | None] | None = None
+) -> dict[int, list[int]]:
+    """The restoring ranks that can read each of these saving ranks' files (none: only the remote);
+    into ``hosts`` where given, their host key, by restoring rank."""
     wanted = sorted(set(saving))
     keys = [coord.key(name, "holder", w) for w in wanted]
     if remote:  # some saving ranks may be on no node: ask for each before reading
@@ -162,10 +173,13 @@ def holders_of(coord: Coordinator, name: str, saving: Iterable[int], *, remote: 
     else:  # the step is whole across the nodes: every saving rank has a holder
         present = list(zip(wanted, keys, strict=True))
     values = coord.multi_get([k for _, k in present])
-    return {
-        w: list(HolderClaim.from_json(loads(v, where=k), where=k).ranks)
-        for (w, k), v in zip(present, values, strict=True)
-    }
+    out: dict[int, list[int]] = {}
+    for (w, k), v in zip(present, values, strict=True):
+        claim = HolderClaim.from_json(loads(v, where=k), where=k)
+        out[w] = list(claim.ranks)
+        if hosts is not None:
+            hosts.update(dict.fromkeys(claim.ranks, claim.host))
+    return out
 
 
 def read_manifest_file(tier: Tier, d: str, f: FileId) -> bytes:

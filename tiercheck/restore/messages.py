@@ -185,17 +185,22 @@ class NodeHolds:
 @dataclass(frozen=True, slots=True)
 class HolderClaim:
     """The ranks of the node that claimed a saving rank's files: they read its chunks and serve its
-    manifest files. Set through ``Coordinator.decide``: the first node's claim stands, and a node
-    knows its claim stood when the stored JSON is its own, byte for byte."""
+    manifest files; and the node's host key (None: it shares no memory), so a rank reading there
+    can pass chunks to ranks of its host through shared memory. Set through
+    ``Coordinator.decide``: the first node's claim stands, and a node knows its claim stood when
+    the stored JSON is its own, byte for byte. ``[rank, ...]``, the host key last where there is one."""
 
     ranks: tuple[int, ...]
+    host: str | None = None
 
     def to_json(self) -> list[JSON]:
-        return list(self.ranks)
+        return [*self.ranks, *([self.host] if self.host is not None else [])]
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> HolderClaim:
-        return cls(_ints(doc, where, "holder ranks"))
+        items = _list(doc, where, "holder ranks")
+        host = items[-1] if items and isinstance(items[-1], str) else None
+        return cls(_ints(items[: len(items) - (host is not None)], where, "holder ranks"), host)
 
 
 # ------------------------------------------------------------------------------------ the read plan

@@ -38,7 +38,7 @@ from tiercheck.cluster.job import Job
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes
-from tiercheck.format.layout import Chunk, chunk_at
+from tiercheck.format.layout import Chunk, chunk_at, chunks_in_box
 from tiercheck.format.manifest import (
     ArrayRecord,
     ManifestIndex,
@@ -148,10 +148,11 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     coord = job.coord
     name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
-    shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})
+    shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})  # the same on every rank
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
+    posted, alone = _self_served(st, request, rank)
     by_coord: dict[int, list[Need]] = defaultdict(list)
-    for n in request.needs:
+    for n in posted:
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
     me = Member(rank, rank if request.node is None else request.node, request.host)
@@ -177,7 +178,7 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     plan: RestorePlan | None = None
     failure: TiercheckError | None = None
     try:
-        plan = _my_work(job, name, st, groups, request.records, request.parts)
+        plan = _my_work(job, name, st, groups, alone, request.records, request.parts)
     except TiercheckError as e:
         failure = e
         coord.report(f"{name}/done", e)
@@ -216,23 +217,47 @@ def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]]
     return wanted, members
 
 
+def _self_served(st: Step, request: ReadRequest, rank: int) -> tuple[list[Need], tuple[list[Read], int | None]]:
+    """The needs this rank posts to coordinators, and the reads it makes alone: every chunk of a
+    box that its own saving rank wrote, on its node (restoring the layout it saved, a distributed
+    optimizer's slice: nobody else needs it, and no coordinator need hear of it), and that rank.
+    Where another rank needs such a chunk too, a coordinator may have it read again for that rank.
+    Not with ``read_once``, where one rank in the job reads each chunk."""
+    own = rank if rank < st.world_size else None
+    part = None if own is None else request.parts.get(own)
+    if request.read_once or part is None or own not in st.here:
+        return list(request.needs), ([], None)
+    posted: list[Need] = []
+    reads: list[Read] = []
+    for n in request.needs:
+        rec, written = request.records.get(n.path), part.checksums.get(n.path, {})
+        chunks = list(chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape)) if rec is not None and written else []
+        if chunks and all(c.key in written for c in chunks):
+            reads += [Read(n.path, c, False) for c in chunks]
+        else:
+            posted.append(n)
+    return posted, (reads, own)
+
+
 def _my_work(
     job: Job,
     name: str,
     st: Step,
     groups: Mapping[int, str],
+    alone: tuple[list[Read], int | None],
     records: Mapping[str, ArrayRecord],
     parts: Mapping[int, RankPart],
 ) -> RestorePlan:
     """This rank's reads, sends and receives, worked out from the routes its coordinators posted
-    (to each of its groups, and to it alone where it reads for ranks of other groups), with the
-    checksum of every chunk it reads."""
+    (to each of its groups, and to it alone where it reads for ranks of other groups) and the
+    reads it makes ``alone`` (of chunks its own saving rank wrote), with the checksum of every chunk
+    it reads."""
     coord, tier, remote = job.coord, job.tier, job.remote
     rank = coord.rank
-    out_reads: dict[tuple[str, tuple[int, ...]], Read] = {}
+    out_reads: dict[tuple[str, tuple[int, ...]], Read] = {(x.path, x.chunk.coords): x for x in alone[0]}
     out_moves: dict[tuple[int, int], Transfer] = {}
-    recs: dict[str, ArrayRecord] = {}
-    owners_of: dict[tuple[str, str], int] = {}
+    recs: dict[str, ArrayRecord] = {x.path: records[x.path] for x in alone[0]}
+    owners_of: dict[tuple[str, str], int] = {(x.path, x.chunk.key): alone[1] for x in alone[0] if alone[1] is not None}
     personal = f"{name}/work/{rank}"
     keys = [coord.key(name, "route", c, d) for c, d in sorted(groups.items())]
     told = [(personal, v) for v in coord.collect(personal)]
@@ -301,15 +326,25 @@ def _coordinate_reads(
             for k, (c, _) in got.items():
                 needers.setdefault(k, (c, set()))[1].update(m.rank for m in members[d])
         owners = {mine[p].owner(c.key) for (p, _), (c, _) in needers.items()}
-        readers = holders_of(coord, root, owners, remote=st.from_remote)
+        claimed: dict[int, str | None] = {}  # host keys of the ranks of the nodes holding the chunks
+        readers = holders_of(coord, root, owners, remote=st.from_remote, hosts=claimed)
+
+        def node_of(r: int) -> int:
+            """A rank's node: as it registered, or, for a chunk's writer reading its own chunks
+            alone (not registered here), the node holding its files, where it is one of its ranks."""
+            if r in by_rank:
+                return by_rank[r].node
+            return min(readers[r]) if r in readers.get(r, ()) else r
+
         routes, _ = route_chunks(
             mine,
             needers,
             lambda o: readers.get(o, []),
             read_once=read_once,
             remote=st.from_remote,
-            node_of=lambda r: by_rank[r].node if r in by_rank else r,
-            host_of=lambda r: hosts.get(r),
+            node_of=node_of,
+            host_of=lambda r: hosts[r] if r in hosts else claimed.get(r),
+            owners_read=True,
         )
     except TiercheckError as e:
         coord.report(name, e)

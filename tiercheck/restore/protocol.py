@@ -288,7 +288,8 @@ class Restore:
         view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
         parts: dict[int, RankPart] = {}
         try:
-            st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote))
+            host = share_key(job.group) if self.request.share_memory else None
+            st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote, host=host))
             claimed = st.claimed
             others = request.others
             manifest = drive(coord, manifest_for(job, name, st, state, others=bool(others), parts=parts))
