@@ -193,7 +193,7 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
     yield from settle(job, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
     request = ReadRequest(
-        needs=needs, records=manifest.arrays, read_once=False, parts=parts, node=sim.nodes[r].leader, host=host
+        needs=needs, records=manifest.arrays, read_once=False, parts=parts, host=host
     )
     return (yield from plan_restore(job, "restore0", st, request))
 

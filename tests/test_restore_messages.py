@@ -69,11 +69,10 @@ def test_route_work_comes_back_as_it_was_sent() -> None:
 def test_the_wire_is_what_the_plan_always_sent() -> None:
     # The store carries these once per group and coordinator: their size is each rank's cost.
     assert NeedsPost("d", (Need("w", (0,), (4,)),)).to_json() == {"digest": "d", "needs": [["w", [0], [4]]]}
-    # A node's first rank says its host key, the others only that they share memory.
-    assert [Member(8, 8, "h").entry(), Member(10, 8, "h").entry(), Member(3, 3).entry()] == ["8:0:h;", "10:2:s;", "3:0:;"]
-    got = Member.register(b"8:0:h;10:2:s;3:0:;17:1:s;18:2:;", where="k")
-    assert got == [Member(8, 8, "h"), Member(10, 8, "s"), Member(3, 3), Member(17, 16, "s"), Member(18, 16)]
-    assert Member.hosts(got) == {8: "h", 10: "h", 3: None, 17: "@16", 18: None}
+    # A node's first rank registers the node's members: one entry per node, its members as spans.
+    assert Member.entry(8, "h", [8, 9, 10, 11, 13]) == "8:h:0-3,5;" and Member.entry(3, None, [3]) == "3::0;"
+    got = Member.register(b"8:h:0-3,5;3::0;", where="k", world=16)
+    assert got == [*(Member(r, 8, "h") for r in (8, 9, 10, 11, 13)), Member(3, 3)]
     # Eight replicas' routes cost the same as two: every set of ranks is a few runs.
     assert WORK.to_json() == {
         "sets": [[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 8]]],
@@ -136,10 +135,10 @@ def test_malformed_route_work_names_its_key_and_field(doc: dict[str, Any], field
         RouteWork.from_json(doc, where="t/reads/route/3", world=1024)
 
 
-@pytest.mark.parametrize("raw", [b"3", b"3:4:;", b"x:0:;", b"3:0;", b"\xff"])
+@pytest.mark.parametrize("raw", [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"\xff"])
 def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
-    with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members[0]'") + "|members"):
-        Member.register(raw, where="t/reads/needs/3/d/ranks")
+    with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members")):
+        Member.register(raw, where="t/reads/needs/3/d/ranks", world=16)
 
 
 def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> None:
@@ -177,6 +176,28 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
     assert str(outcomes[target]).startswith(f"r/reads/needs/{target}: field 'needs[0][2]'")
     assert f"rank {target} failed" in str(outcomes[0])
+
+
+@pytest.mark.parametrize("said", ["7:abc:5;", "x:abc:1;", "7:abc;"])
+def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, said: str) -> None:
+    """A node's ranks tell their first rank their groups in the node's store; what it cannot read
+    (here: a rank not of its node, or no rank) fails the plan on every rank, not just that node."""
+    world = 8
+    per_rank = save(world, 2, tmp_path)
+    coords, tiers, nodes = job(world, tmp_path)
+
+    def one(c: Coordinator) -> Any:
+        rank_job = Job(coord=c, nodes=nodes[c.rank], tier=tiers[c.rank])
+        st, manifest = yield from agreed_manifest(rank_job)
+        if c.rank == 1:  # said before the node's first rank reads it (rank 5 is on another node)
+            assert c.node is not None
+            c.node.append(c.node.key("r/reads", "groups"), said)
+        needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
+        return (yield from plan_restore(rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)))
+
+    outcomes = lockstep([one(c) for c in coords], capture=True)
+    assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
+    assert "r/reads/groups: field 'groups[0]' is not a coordinator, a digest and a rank of this node" in str(outcomes[5])
 
 
 def test_a_reported_failure_reads_back_as_it_was_and_a_garbled_one_names_its_key() -> None:

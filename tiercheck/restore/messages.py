@@ -15,8 +15,9 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 - finding holders: each node leader sets its ``NodeHolds`` for its other ranks, and claims saving
   ranks' files with a ``HolderClaim``;
 - planning the reads: each group of ranks needing the same posts one ``NeedsPost`` to each array
-  coordinator it needs and each member registers itself (``Member``); each coordinator posts each
-  group one ``RouteWork`` (and one to each rank reading for others whose group it does not plan).
+  coordinator it needs, and each node's first rank registers the node's members (``Member``);
+  each coordinator posts each group one ``RouteWork`` (and one to each rank reading for others
+  whose group it does not plan).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class HolderClaim:
 class NeedsPost:
     """What the ranks of one group need of the arrays one coordinator plans: boxes of global
     arrays. Ranks needing the same (data-parallel replicas) have the same ``digest``: the first
-    of them posts the boxes, each adds itself to the group's register (``Member``)."""
+    of them posts the boxes, and the group's members are registered by node (``Member``)."""
 
     digest: str
     needs: tuple[Need, ...]
@@ -232,46 +233,45 @@ class NeedsPost:
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """A rank of a group of needers, as it registers itself: its node (its first rank) and host
-    key (None: it shares no memory). A few bytes, appended to the group's register: a node's
-    first rank says its host key, the others only whether they share memory (``hosts`` puts the
-    key back, the node's own where its first rank is in no register: a node is on one host)."""
+    """A rank of a group of needers: its node (its first rank) and host key (None: it shares no
+    memory). A group's register holds one entry per node, which the node's first rank appends for
+    the node's members (``entry``): a few bytes per node, whatever its number of ranks."""
 
     rank: int
     node: int
     host: str | None = None
 
-    def entry(self) -> str:
-        host = self.host if self.rank == self.node else ("s" if self.host else "")
-        return f"{self.rank}:{self.rank - self.node}:{host or ''};"
+    @staticmethod
+    def entry(leader: int, host: str | None, ranks: Iterable[int]) -> str:
+        """``leader:host:offsets;``, the offsets of the members from the node's first rank as spans."""
+        spans = []
+        for start, length, stride, count in RankSet.of(r - leader for r in ranks).runs:
+            for k in range(count):
+                a = start + k * stride
+                spans.append(f"{a}-{a + length - 1}" if length > 1 else f"{a}")
+        return f"{leader}:{host or ''}:{','.join(spans)};"
 
     @classmethod
-    def register(cls, raw: bytes, *, where: str) -> list[Member]:
-        """The members in a register (``entry`` after ``entry``), each checked; a member not first
-        on its node has ``host`` "s" where it shares memory (see ``hosts``)."""
+    def register(cls, raw: bytes, *, where: str, world: int) -> list[Member]:
+        """The members in a register (``entry`` after ``entry``), each checked: every rank below ``world``."""
         try:
             text = raw.decode("ascii")
         except UnicodeDecodeError:
             raise _bad(where, "members", "a register of ranks", raw) from None
         out = []
         for i, entry in enumerate(text.removesuffix(";").split(";") if text else ()):
-            rank, back, host = entry.split(":") if entry.count(":") == 2 else ("", "", "")
-            if not (rank.isdigit() and back.isdigit() and int(back) <= int(rank)):
-                raise _bad(where, f"members[{i}]", "a rank, its node and host", entry)
-            out.append(cls(int(rank), int(rank) - int(back), host or None))
+            leader, host, spans = entry.split(":") if entry.count(":") == 2 else ("", "", "")
+            bounds = [span.split("-") for span in spans.split(",")] if spans else []
+            if not (
+                leader.isdigit()
+                and bounds
+                and all(1 <= len(b) <= 2 and all(x.isdigit() for x in b) and int(b[0]) <= int(b[-1]) for b in bounds)
+                and int(leader) + max(int(b[-1]) for b in bounds) < world
+            ):
+                raise _bad(where, f"members[{i}]", f"a node's first rank, host and members below rank {world}", entry)
+            node = int(leader)
+            out += [cls(node + off, node, host or None) for b in bounds for off in range(int(b[0]), int(b[-1]) + 1)]
         return out
-
-    @staticmethod
-    def hosts(members: Iterable[Member]) -> dict[int, str | None]:
-        """Each member's host key, by rank: its own, or its node's first rank's, or one that names
-        its node (ranks of one node share a host; where the first rank is not here, the node's
-        ranks share memory with each other only)."""
-        members = list(members)
-        leaders = {m.node: m.host for m in members if m.rank == m.node}
-        return {
-            m.rank: m.host if m.rank == m.node else (leaders.get(m.node) or f"@{m.node}") if m.host else None
-            for m in members
-        }
 
 
 @dataclass(frozen=True, slots=True)

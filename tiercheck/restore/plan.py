@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 from tiercheck.cluster.assign import Need, Needers, Read, ReadAssignment, Route, Transfer, needed_chunks, route_chunks
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
+from tiercheck.cluster.hierarchy import node_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.wire import bad
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes
@@ -131,15 +133,13 @@ class ReadRequest:
     """What one rank brings to the read plan (``plan_restore``): the boxes of global arrays it
     needs, the records of those arrays as it parsed them, the saving ranks' manifest parts it
     parsed already (the checksums are taken there), and how the job reads: ``read_once`` (one rank
-    in the job reads each chunk, else one per node needing it), ``node`` (this rank's node, its
-    first rank; None: a node of its own), whose ranks read each chunk once, and ``host`` (its host
-    key, ``restore.read.share_key``; None: it shares no memory)."""
+    in the job reads each chunk, else one per node needing it: the job's nodes, ``Job.nodes``), and
+    ``host`` (its host key, ``restore.read.share_key``; None: it shares no memory)."""
 
     needs: Sequence[Need]
     records: Mapping[str, ArrayRecord]
     read_once: bool
     parts: Mapping[int, RankPart] = field(default_factory=dict)
-    node: int | None = None
     host: str | None = None
 
 
@@ -155,13 +155,14 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     for n in posted:
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
-    me = Member(rank, rank if request.node is None else request.node, request.host)
-    groups = _post_needs(coord, name, by_coord, me)
+    groups = _post_needs(coord, name, by_coord)
+    yield from _register(job, name, groups, request.host)
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
 
     # As a coordinator: plan the reads of my arrays, post each group (and each other reader) its work.
     garbled, told = None, []
     try:
+        coord.check(name)  # a node's first rank that could not register its node: its groups' registers are missing
         wanted, members = _collect_needs(coord, name)
     except CoordinationError as e:  # said to every rank, which would otherwise wait for its work
         garbled, wanted, members = e, {}, {}
@@ -189,18 +190,52 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     return plan
 
 
-def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]], me: Member) -> dict[int, str]:
+def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]]) -> dict[int, str]:
     """Round 1: post my needs to their coordinators; the digest of each group, by coordinator.
     Ranks needing the same boxes (replicas) have the same digest: the first of them posts the
-    boxes, each registers itself (a few bytes, not its needs)."""
+    boxes (``_register`` says who the group's members are)."""
     digests: dict[int, str] = {}
     for c, items in sorted(by_coord.items()):
         body = dumps(NeedsPost("", tuple(items)).to_json()["needs"])
         digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
         if coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1:
             coord.post(f"{name}/needs/{c}", dumps(NeedsPost(digest, tuple(items)).to_json()))
-        coord.append(coord.key(name, "needs", c, digest, "ranks"), me.entry())
     return digests
+
+
+def _register(job: Job, name: str, groups: Mapping[int, str], host: str | None) -> Exchange[None]:
+    """Round 1, by node: the ranks of a node tell their first rank their groups (in the node's
+    store), and it registers the node's members of each group with the group's coordinator, in
+    one entry per node (``Member.entry``): the coordinator reads a few bytes per node, not per rank.
+    ``host``: this node's host key (the ranks of a node share one)."""
+    coord, nodes = job.coord, job.nodes
+    leader = nodes.leader
+    if len(nodes.ranks) == 1:
+        for c, d in sorted(groups.items()):
+            coord.append(coord.key(name, "needs", c, d, "ranks"), Member.entry(leader, host, [coord.rank]))
+        return
+    node = node_of(coord)
+    said = node.key(name, "groups")
+    if groups:
+        node.append(said, "".join(f"{c}:{d}:{coord.rank};" for c, d in sorted(groups.items())))
+    here = node.arrive(f"{name}/groups", what="this node's ranks to say which groups they need with", record=False)
+    if coord.rank != leader:
+        return
+    yield here
+    raw = node.get(said) if node.has(said) else b""
+    node.delete(said, node.key(f"{name}/groups", "arrived"), node.key(f"{name}/groups", "open"))
+    members: dict[tuple[int, str], list[int]] = defaultdict(list)
+    try:
+        for i, entry in enumerate(raw.decode("ascii").removesuffix(";").split(";") if raw else ()):
+            to, digest, who = entry.split(":") if entry.count(":") == 2 else ("", "", "")
+            if not (to.isdigit() and who.isdigit() and int(who) in nodes.ranks):
+                raise bad(said, f"groups[{i}]", "a coordinator, a digest and a rank of this node", entry)
+            members[int(to), digest].append(int(who))
+    except (CoordinationError, UnicodeDecodeError) as e:  # said to every rank at the plan's next check
+        coord.report(name, e if isinstance(e, CoordinationError) else bad(said, "groups", "ASCII", raw))
+        return
+    for (c, d), ranks in sorted(members.items()):
+        coord.append(coord.key(name, "needs", c, d, "ranks"), Member.entry(leader, host, ranks))
 
 
 def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]], dict[str, list[Member]]]:
@@ -210,7 +245,7 @@ def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]]
     wanted = {p.digest: list(p.needs) for p in posted}
     registers = {d: coord.key(name, "needs", coord.rank, d, "ranks") for d in wanted}
     members = {
-        d: Member.register(raw, where=key)
+        d: Member.register(raw, where=key, world=coord.world_size)
         for (d, key), raw in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True)
     }
     coord.delete(*registers.values(), *(coord.key(name, "needs", coord.rank, d, "n") for d in wanted))
@@ -317,7 +352,6 @@ def _coordinate_reads(
     name = f"{root}/reads"
     rank, world = coord.rank, coord.world_size
     by_rank = {m.rank: m for ms in members.values() for m in ms}
-    hosts = Member.hosts(by_rank.values())
     try:
         mine = _records_of(job, st, {n.path for ns in wanted.values() for n in ns}, known)
         chunks_of = {d: needed_chunks(mine, {0: ns}) for d, ns in wanted.items()}
@@ -329,7 +363,7 @@ def _coordinate_reads(
         claimed: dict[int, str | None] = {}  # host keys of the ranks of the nodes holding the chunks
         readers = holders_of(coord, root, owners, remote=st.from_remote, hosts=claimed)
 
-        def node_of(r: int) -> int:
+        def node_of_rank(r: int) -> int:
             """A rank's node: as it registered, or, for a chunk's writer reading its own chunks
             alone (not registered here), the node holding its files, where it is one of its ranks."""
             if r in by_rank:
@@ -342,8 +376,8 @@ def _coordinate_reads(
             lambda o: readers.get(o, []),
             read_once=read_once,
             remote=st.from_remote,
-            node_of=node_of,
-            host_of=lambda r: hosts[r] if r in hosts else claimed.get(r),
+            node_of=node_of_rank,
+            host_of=lambda r: by_rank[r].host if r in by_rank else claimed.get(r),
             owners_read=True,
         )
     except TiercheckError as e:

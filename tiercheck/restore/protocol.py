@@ -145,9 +145,10 @@ class Restore:
        from its node's directory, the remote tier, or the store, where the holding node's first
        rank serves it) and matches it to the state (``restore.match``): keys, shapes and dtypes,
        any rank's mismatch failing all of them before anything is overwritten.
-    3. ``plan(prepared, name)``: every rank posts what it needs of each array to the array's
-       coordinator (a ``NeedsPost``); each coordinator decides who reads each chunk and who sends
-       it to whom, and posts every rank its ``ReadWork`` (``restore.plan``): a ``RestorePlan``.
+    3. ``plan(prepared, name)``: every rank reads alone the chunks its own saving rank wrote that
+       it needs, and posts the rest to the arrays' coordinators (a ``NeedsPost`` per group of ranks
+       needing the same); each coordinator decides who reads each chunk and who sends it to whom,
+       and posts each group its routes once (a ``RouteWork``, ``restore.plan``): a ``RestorePlan``.
     4. ``read(prepared, plan, items, name)``: every rank reads its chunks, verifies them and
        sends and receives its transfers (``restore.read.move_chunks``), into staging memory or,
        with ``in_place``, the state's own; every rank agrees that all were verified before any
@@ -328,7 +329,6 @@ class Restore:
             records=prepared.manifest.arrays,
             read_once=request.read_once,
             parts=prepared.parts,
-            node=job.nodes.leader,
             host=share_key(job.group) if request.share_memory else None,
         )
         try:
