@@ -13,9 +13,9 @@ from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
 from tiercheck.restore.agree import settle
+from tiercheck.restore.fetch import fetch, index_of
 from tiercheck.restore.holders import Step
 from tiercheck.restore.match import covers
-from tiercheck.restore.plan import fetch, index_of
 from tiercheck.state.flatten import tensor_paths
 
 DAMAGE = (CorruptCheckpointError,)

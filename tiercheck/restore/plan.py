@@ -5,7 +5,7 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
 1. **Holders** (``restore.holders.find_holders``). The first node holding each saving rank's files
    (its commit marker lists the rank) claims it in the store, naming the node's ranks: they can read
    that rank's chunks and parts of the manifest. The step's index goes into the store once.
-2. **Fetch** (``fetch``): each rank gets the manifest files it needs, and no others: its saving
+2. **Fetch** (``restore.fetch.fetch``): each rank gets the manifest files it needs, and no others: its saving
    rank's part (its state tree), then, only if the live state has entries that tree lacks (a
    pipeline stage moved), the other ranks' parts, then the array shards of the arrays its tree
    refers to. Each file is read from this node's directory when it is here, from the remote tier
@@ -14,13 +14,14 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
 3. **Plan reads** (``plan_restore``): ranks needing the same boxes of a coordinator's arrays
    (data-parallel replicas) are a group: the first of them posts the boxes to the arrays'
    coordinator (a rank on the node holding the array's shard, which reads the shard from disk),
-   each member registers itself there in a few bytes (``NeedsPost``, ``Member``). The coordinator
+   each node's first rank registers the node's members in a few bytes (``NeedsPost``, ``Member``). The coordinator
    decides who reads each needed chunk and who gets it from whom (``cluster.assign.route_chunks``)
    and posts each group its routes once (``RouteWork``), with every set of ranks as a few runs
    (``cluster.ranksets``); a rank reading for ranks outside its group gets those routes too. Each
    rank works out its own reads, sends and receives from the routes, with the checksum of each
-   chunk it reads taken from the writer's part on its node. What a coordinator still reads per
-   member is its register entry: a few bytes.
+   chunk it reads taken from the writer's part on its node. A rank reads alone the chunks its own
+   saving rank wrote (``_self_served``). What a coordinator still reads per node of a group is its
+   register entry: a few bytes.
 """
 
 
@@ -40,76 +41,20 @@ from tiercheck.cluster.wire import bad
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
 from tiercheck.format.extents import check_pack, check_sizes
-from tiercheck.format.layout import Chunk, chunk_at, chunks_in_box
+from tiercheck.format.layout import chunks_in_box
 from tiercheck.format.manifest import (
     ArrayRecord,
-    ManifestIndex,
     RankPart,
-    parse_manifest_doc,
     parse_rank_part,
 )
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.shards import parse_owners, parse_shard
-from tiercheck.restore.holders import FileId, Step, holders_of, read_manifest_file
+from tiercheck.restore.holders import Step, holders_of, read_manifest_file
 from tiercheck.restore.messages import ArrayShape, Member, NeedsPost, RouteWork, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
 
-
-
-def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> Exchange[dict[FileId, bytes]]:
-    """Round 2 (run once per kind of file a rank wants, ``what``): the manifest files in ``wanted``,
-    as stored.
-
-    A shard that does not exist (its rank coordinated nothing) comes back empty. A file that
-    cannot be read fails every rank (the reader with its own error, the others quoting it)."""
-    coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
-    name = f"{root}/{what}"
-    d = step_dir(st.step)
-    got: dict[FileId, bytes] = {}
-    away = sorted(f for f in wanted if f[1] not in st.here)
-    own: TiercheckError | None = None
-    try:
-        for f in sorted(wanted - set(away)):
-            got[f] = read_manifest_file(tier, d, f)
-        if st.from_remote and remote is not None:  # from a node where one holds them (a peer's copy too)
-            held = holders_of(coord, root, {f[1] for f in away}, remote=True)
-            for f in [f for f in away if f[1] not in held]:
-                got[f] = read_manifest_file(remote, d, f)
-            away = [f for f in away if f[1] in held]
-    except TiercheckError as e:
-        own, away = e, []
-        coord.report(name, e)
-    coord.multi_set({coord.key(name, "want", *f): "1" for f in away})
-    yield coord.arrive(f"{name}/wanted", what="every rank to ask for the manifest files it needs")
-    served: list[str] = []
-    if coord.rank == nodes.leader:
-        claimed = holders_of(coord, root, st.here, remote=st.from_remote)
-        for w in sorted(st.here):
-            if claimed.get(w) != list(nodes.ranks):
-                continue  # another node serves this rank's files
-            for kind in ("rank", "arrays"):
-                want = coord.key(name, "want", kind, w)
-                if coord.has(want):
-                    file_key = coord.key(name, "file", kind, w)
-                    try:
-                        data = read_manifest_file(tier, d, (kind, w))
-                    except TiercheckError as e:  # still answer: the asking rank must not wait forever
-                        own, data = own or e, b""
-                        coord.report(name, e)
-                    coord.set(file_key, data)
-                    served += [want, file_key]
-    yield coord.arrive(f"{name}/served", what="the nodes holding the step to share manifest files")
-    coord.check(name, own, shared=(CorruptCheckpointError,))
-    files = [coord.key(name, "file", *f) for f in away]
-    if files:  # served before the barrier; a file no node served fails within timeout_s, not the store's
-        coord.wait(files, what="the manifest files this rank asked other nodes for")
-    for f, value in zip(away, coord.multi_get(files), strict=True):
-        got[f] = value
-    yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
-    coord.delete(*served)
-    return got
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,17 +438,3 @@ def _checksums(
                 raise CorruptCheckpointError(f"{where}: no checksum for array {path!r} chunk {key}")
             out[path, key] = part.checksums[path][key], part.offsets[path][key]  # a part places each chunk it sums
     return out
-
-
-def _chunk(recs: Mapping[str, ArrayRecord], path: str, coords: tuple[int, ...], *, where: str) -> Chunk:
-    """The chunk at ``coords`` of array ``path``, which the same message gave the shape of."""
-    rec = recs.get(path)
-    if rec is None or len(coords) != len(rec.shape):
-        raise CoordinationError(
-            f"{where}: field 'reads' or 'moves': chunk {list(coords)} of array {path!r}, of no shape the message gave"
-        )
-    return chunk_at(rec.shape, rec.chunks, coords)
-
-
-def index_of(st: Step, *, where: str) -> ManifestIndex:
-    return ManifestIndex.from_doc(parse_manifest_doc(st.index, where=where), where=where)
