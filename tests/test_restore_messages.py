@@ -40,6 +40,7 @@ MESSAGES: list[Any] = [
     StepDecision(None, error="no step"),
     NodeHolds((0, 1), (1,)),
     HolderClaim((4, 5, 6, 7)),
+    HolderClaim((4, 5, 6, 7), "9f3a0c1d2e4b5a6c"),  # with its node's host key, for shared memory
     NeedsPost("9f3a", (Need("model/w", (0, 4), (8, 4)),)),
     NeedsPost("0", ()),
 ]

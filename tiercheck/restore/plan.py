@@ -201,8 +201,9 @@ def _self_served(st: Step, request: ReadRequest, rank: int) -> tuple[list[Need],
     """The needs this rank posts to coordinators, and the reads it makes alone: every chunk of a
     box that its own saving rank wrote, on its node (restoring the layout it saved, a distributed
     optimizer's slice: nobody else needs it, and no coordinator need hear of it), and that rank.
-    Where another rank needs such a chunk too, a coordinator may have it read again for that rank.
-    Not with ``read_once``, where one rank in the job reads each chunk."""
+    Where other ranks need such a chunk too, their coordinator has this rank read it for them
+    (``route_chunks``' ``owners_read``: it is read once on its node). Not with ``read_once``, where
+    one rank in the job reads each chunk, whoever needs it."""
     own = rank if rank < st.world_size else None
     part = None if own is None else request.parts.get(own)
     if request.read_once or part is None or own not in st.here:
