@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_writes
+from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_writes, needed_chunks, route_chunks
 from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
@@ -136,6 +136,32 @@ def test_each_node_reads_a_chunk_once_and_passes_it_to_its_ranks() -> None:
         (2, 3): False,
         (3, 2): False,
     }
+
+
+def test_a_writer_reading_its_own_chunks_is_its_nodes_reader_and_the_route_tells_each_rank_its_part() -> None:
+    """With ``owners_read`` (a rank reads alone the chunks its saving rank wrote), the planner has
+    the writer read for the others too, even where it asked for nothing: each chunk is read once,
+    on its node. Each rank's part comes from the route alone."""
+    per_rank = [descs("w", (128,), [((0,), (128,))]) for _ in range(4)]  # replicated, 8 chunks of 16
+    records = assign_writes(per_rank, target_chunk_bytes=64).records
+    assert set(records["w"].owners.values()) == {0, 1, 2, 3}  # the writing spread over the replicas
+    # Two nodes of two ranks, restoring the layout they saved: each node holds its ranks' files.
+    # Ranks 0 and 2 ask for nothing (here: they read their own alone); 1 and 3 ask for all of it.
+    wanted = needed_chunks(records, {1: [Need("w", (0,), (128,))], 3: [Need("w", (0,), (128,))]})
+    readers = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    node = {0: 0, 1: 0, 2: 2, 3: 2}
+    routes, _ = route_chunks(
+        records, wanted, readers.__getitem__, read_once=False, remote=False, node_of=node.__getitem__,
+        host_of=lambda r: f"h{node[r]}", owners_read=True,
+    )  # fmt: skip
+    for route in routes:
+        writer = records["w"].owner(route.chunk.key)
+        assert [s.rank for s in route.sources] == [writer]  # read once, by its writer, on its node
+        mate = writer ^ 1  # the writer's node-mate, through shared memory; the other node over the group
+        assert route.sends(route.sources[0]) == sorted({(1, mate == 1), (3, mate == 3)} - {(writer, False)})
+        assert all(route.source_of(r).rank == writer for r in route.needers - {writer})
+    without, _ = route_chunks(records, wanted, readers.__getitem__, read_once=False, remote=False, node_of=node.__getitem__)
+    assert {s.rank for r in without for s in r.sources} == {1, 3}  # without it: the ranks that asked
 
 
 # ------------------------------------------------------------------ the plan made through the store
