@@ -95,11 +95,11 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     rank, world = coord.rank, coord.world_size
     shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})  # the same on every rank
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
-    posted, alone = _self_served(st, request, rank)
     by_coord: dict[int, list[Need]] = defaultdict(list)
-    for n in posted:
+    for n in request.needs:
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
+    alone = _self_served(st, request, rank, by_coord)
     groups = _post_needs(coord, name, by_coord)
     yield from _register(job, name, groups, request.host)
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
@@ -197,27 +197,34 @@ def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]]
     return wanted, members
 
 
-def _self_served(st: Step, request: ReadRequest, rank: int) -> tuple[list[Need], tuple[list[Read], int | None]]:
-    """The needs this rank posts to coordinators, and the reads it makes alone: every chunk of a
-    box that its own saving rank wrote, on its node (restoring the layout it saved, a distributed
-    optimizer's slice: nobody else needs it, and no coordinator need hear of it), and that rank.
+def _self_served(
+    st: Step, request: ReadRequest, rank: int, by_coord: dict[int, list[Need]]
+) -> tuple[list[Read], int | None]:
+    """The reads this rank makes alone, taken out of ``by_coord`` (what it posts to each
+    coordinator), and the saving rank whose chunks they are: all it needs of a coordinator's
+    arrays where its own saving rank wrote every chunk of it, on its node. Restoring the layout it
+    saved, that is a distributed optimizer's slice: nobody else needs it, and no coordinator need
+    hear of it. All or nothing per coordinator, so replicas still ask as one group for the rest.
     Where other ranks need such a chunk too, their coordinator has this rank read it for them
     (``route_chunks``' ``owners_read``: it is read once on its node). Not with ``read_once``, where
     one rank in the job reads each chunk, whoever needs it."""
     own = rank if rank < st.world_size else None
     part = None if own is None else request.parts.get(own)
     if request.read_once or part is None or own not in st.here:
-        return list(request.needs), ([], None)
-    posted: list[Need] = []
+        return [], None
     reads: list[Read] = []
-    for n in request.needs:
-        rec, written = request.records.get(n.path), part.checksums.get(n.path, {})
-        chunks = list(chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape)) if rec is not None and written else []
-        if chunks and all(c.key in written for c in chunks):
-            reads += [Read(n.path, c, False) for c in chunks]
+    for c, needs in list(by_coord.items()):
+        mine: list[Read] = []
+        for n in needs:
+            rec, written = request.records.get(n.path), part.checksums.get(n.path, {})
+            chunks = list(chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape)) if rec is not None else []
+            if not chunks or not all(ch.key in written for ch in chunks):
+                break
+            mine += [Read(n.path, ch, False) for ch in chunks]
         else:
-            posted.append(n)
-    return posted, (reads, own)
+            reads += mine
+            del by_coord[c]
+    return reads, own
 
 
 def _my_work(
