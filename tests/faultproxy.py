@@ -179,6 +179,24 @@ class RequestRecord:
     status: int | None = None  # the status relayed (forwarded) or sent (throttled)
 
 
+class _Tracked(asyncio.StreamReaderProtocol):
+    """``asyncio.start_server``'s protocol, recording each accepted connection's transport the moment
+    it is made (before any handler runs), so that ``stop`` closes every one of them."""
+
+    def __init__(self, reader: asyncio.StreamReader, cb: Any, seen: set[asyncio.BaseTransport]) -> None:
+        super().__init__(reader, cb)
+        self._seen = seen
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._seen.add(transport)
+        self._transport_seen = transport
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._seen.discard(self._transport_seen)
+        super().connection_lost(exc)
+
+
 class FaultProxy:
     """Fault-injecting HTTP/1.1 proxy on ``127.0.0.1``.
 
@@ -227,6 +245,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._accepted: set[asyncio.BaseTransport] = set()  # every connection the listener took
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- control (any thread) -----------------------------------------------------------------------
@@ -322,7 +341,10 @@ class FaultProxy:
     # --- the loop's side ----------------------------------------------------------------------------
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._client, "127.0.0.1", self._port, limit=_HEAD_LIMIT)
+        def protocol() -> _Tracked:
+            return _Tracked(asyncio.StreamReader(limit=_HEAD_LIMIT), self._client, self._accepted)
+
+        self._server = await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", self._port)
         self._port = self._server.sockets[0].getsockname()[1]
 
     async def _shutdown(self) -> None:
@@ -342,6 +364,10 @@ class FaultProxy:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        for t in list(self._accepted):  # one accepted as the listener closed, its handler never run
+            if not t.is_closing():
+                t.abort()
+        await asyncio.sleep(0)  # the aborts' connection_lost callbacks run: the sockets are closed
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)

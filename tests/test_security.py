@@ -15,7 +15,7 @@ import torch
 import tiercheck
 from tests.ondisk import flip_chunk_byte
 from tests.test_bad_input import rewrite_manifest, saved
-from tiercheck import Checkpointer
+from tiercheck import Checkpointer, DistributedOptions
 from tiercheck.errors import UnsafeCheckpointError, UnsupportedValueError
 from tiercheck.format.codec import seal, unseal
 from tiercheck.format.paths import owners_file
@@ -185,7 +185,7 @@ def test_restore_to_never_writes_through_a_symlinked_target_step(ckpt_dir: Path,
 
 
 def test_a_chunk_owner_outside_the_world_is_refused(ckpt_dir: Path, tmp_path: Path) -> None:
-    saved(ckpt_dir)
+    values = saved(ckpt_dir)
     owners = ckpt_dir / "step-00000003" / owners_file(0)
     doc = json.loads(unseal(owners.read_bytes(), where="test"))
     doc["owner"]["model/w"]["c.0.0"] = 5
@@ -195,16 +195,22 @@ def test_a_chunk_owner_outside_the_world_is_refused(ckpt_dir: Path, tmp_path: Pa
     with pytest.raises(tiercheck.CorruptCheckpointError, match="owner 5 is not a rank"):
         copy_step(LocalTier(ckpt_dir), LocalTier(tmp_path / "target"), 3)
     assert not (tmp_path / "target" / "step-00000003" / "COMMIT").exists()
-    # restore waited on the store for a holder of rank 5's files: 300 s, then torch's DistStoreError
+    # A read plan waited on the store for a holder of rank 5's files: 300 s, then torch's DistStoreError.
+    # Planned by a coordinator (read_once: one rank reads each chunk, whoever wrote it), it is refused.
     live = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}}
     with (
-        Checkpointer(live, local=ckpt_dir) as ck,
+        Checkpointer(live, local=ckpt_dir, distributed=DistributedOptions(read_once=True)) as ck,
         pytest.raises(
             tiercheck.CorruptCheckpointError, match=r"owners-000000.json: array 'model/w' chunk c.0.0: owner 5"
         ),
     ):
         ck.restore(step=3)
     assert not live["model"]["w"].any()
+    # Restoring the layout it saved, the rank reads the chunks it wrote by its own part (each checked
+    # against the checksum there) and no coordinator reads the owners file: the values come back whole.
+    with Checkpointer(live, local=ckpt_dir) as ck:
+        assert ck.restore(step=3) == 3
+    assert torch.equal(live["model"]["w"], values["w"]) and torch.equal(live["model"]["b"], values["b"])
 
 
 @pytest.mark.parametrize("ref", [["model/w"], {"p": "model/w"}])
