@@ -321,7 +321,7 @@ class RouteWork:
             sources: list[JSON] = [[s.rank, s.remote, ref(s.to), ref(s.shared)] for s in route.sources]
             chunks.append([route.path, list(route.chunk.coords), route.owner, tag, ref(route.needers), sources])
         return {
-            "sets": [RankSet.of(ranks).to_json() for ranks in sets],  # type: ignore[misc]
+            "sets": [RankSet.of(ranks).to_json() for ranks in sets],
             "chunks": chunks,
             "records": [r.to_json() for r in self.records],
         }
