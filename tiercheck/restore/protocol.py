@@ -23,13 +23,14 @@ from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.refmaps import check_documents
-from tiercheck.humanize import fmt_steps, plural, some
+from tiercheck.humanize import fmt_steps, plural
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for
 from tiercheck.restore.needed import DAMAGE, manifest_for
 from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
 from tiercheck.restore.read import ReadCounts, ReadSource, deferrable, fill_deferred, move_chunks, share_key
+from tiercheck.restore.report import overwritten, passed_over_here, say_mixed, say_partly_restored
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused
@@ -194,17 +195,17 @@ class Restore:
                         f"{damaged[0].error} (no older committed step is whole to restore{also})"
                     )
                 if done is not None and set(touched) - {done.step}:
-                    _say_mixed(touched, done.step)
+                    say_mixed(touched, done.step)
                 if done is not None and damaged:
                     done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
                 return done
         except CorruptCheckpointError as e:  # no step whole: say what the ones tried overwrote
             if touched:
-                raise PartlyRestoredError(f"{e}; {_overwritten(touched)}") from e
+                raise PartlyRestoredError(f"{e}; {overwritten(touched)}") from e
             raise
         except BaseException as e:
             if touched:
-                _say_partly_restored(e, sorted(touched))
+                say_partly_restored(e, sorted(touched))
             raise
         raise AssertionError("unreachable")
 
@@ -257,7 +258,7 @@ class Restore:
             read_in_place=read_in_place,
             copied_up=moved.copied_up,
             held_here=sorted(prepared.st.here),
-            passed_over=_passed_over(choice, step) if request.step is None else {},
+            passed_over=passed_over_here(choice, step) if request.step is None else {},
         )
 
     def agree(self, name: str, below: int | None) -> StepChoice:
@@ -409,53 +410,11 @@ class ReadOutcome:
     copied_up: int
 
 
-def _overwritten(touched: dict[int, dict[int, str]]) -> str:
-    paths = sorted({path for dests in touched.values() for path in dests.values()})
-    return (
-        f"the restore had already read parts of step(s) {fmt_steps(sorted(touched))} into tensor(s) {some(paths, 8)} "
-        "(it read into the state's own memory: a job start, or in_place=True); restore a whole step, or "
-        "rebuild them, before using them"
-    )
-
-
 def _in_place(item: ReadItem) -> bool:
     """Whether an in-place restore reads ``item`` into the state's own memory: a tensor of the
     state on the CPU, or on a GPU (its chunks then go up through the page-locked bounce buffers
     as each run is verified: ``read.move_chunks``)."""
     return not item.fresh and item.dest.device.type in ("cpu", "cuda")
-
-
-def _say_mixed(touched: dict[int, dict[int, str]], step: int) -> None:
-    """An in-place restore fell back to ``step``, which overwrote every tensor it holds: a tensor
-    the damaged newer steps were read into and ``step`` does not hold keeps parts of those."""
-    final = touched.get(step, {})
-    left: dict[str, list[int]] = {}
-    for s, dests in touched.items():
-        for memory, path in dests.items():
-            if s != step and memory not in final:
-                left.setdefault(path, []).append(s)
-    if left:
-        names = some(sorted(left))
-        steps = sorted({s for ss in left.values() for s in ss})
-        log.error(
-            "restore(in_place=True) fell back to step %d after it began to read into the state: tensor(s) "
-            "%s, which step %d does not hold, may hold parts of step(s) %s; restore again before using them",
-            step,
-            names,
-            step,
-            fmt_steps(steps),
-        )
-
-
-def _say_partly_restored(e: BaseException, steps: list[int]) -> None:
-    """Tell the caller of a failed in-place restore that the state's tensors were read into."""
-    what = (
-        f"restore(in_place=True) failed after it began to read into the state: its tensors may hold "
-        f"parts of step(s) {fmt_steps(steps)}; restore again before using them"
-    )
-    log.error("%s (%s)", what, e)
-    if hasattr(e, "add_note"):  # Python 3.11 and later: shown under the traceback
-        e.add_note(what)
 
 
 def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
@@ -488,11 +447,3 @@ def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[Arra
             check_documents(source, st.step, coordinator, {rec.path: rec}, save=st.save_id, where=where)
 
     return check
-
-
-def _passed_over(choice: StepChoice, step: int) -> dict[int, str]:
-    """This node's committed steps newer than the newest one every rank could get, ``step``: the
-    choice passed them over, as damaged here (a garbage commit marker) or elsewhere (another
-    node's files of the step are missing or damaged)."""
-    newer = {int(s) for s in choice.held if int(s) > step} | {s for s in choice.damaged if s > step}
-    return {s: choice.damaged.get(s, "not whole across the nodes' directories") for s in sorted(newer)}
