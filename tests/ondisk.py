@@ -26,6 +26,13 @@ def chunk_span(step: Path, array: str, key: str) -> tuple[Path, int, int]:
     raise KeyError(f"no part in {step} lists array {array!r} chunk {key}")
 
 
+def written_by(step: Path, rank: int) -> list[tuple[str, str]]:
+    """Every chunk saving ``rank`` wrote, as ``(array, key)``, from its part in ``step``, sorted."""
+    part_path = step / "manifest" / f"rank-{rank:06d}.json"
+    part = parse_rank_part(unseal(part_path.read_bytes(), where=str(part_path)), where=str(part_path), save=None)
+    return sorted((array, key) for array, keys in part.offsets.items() for key in keys)
+
+
 def chunks_of(step: Path, array: str) -> list[str]:
     """The keys of every chunk of ``array`` the parts in ``step`` list, sorted."""
     keys: set[str] = set()

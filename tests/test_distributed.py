@@ -466,6 +466,7 @@ def test_a_corrupt_chunk_on_one_node_fails_every_rank_without_a_hang(tmp_path: P
     kinds = {kind for kind, _ in results}
     assert kinds <= {"CorruptCheckpointError", "CoordinationError"} and "CorruptCheckpointError" in kinds
     assert all(f"array {path!r} chunk {key}" in message for _, message in results), results
+    assert all("no other node holds a copy of saving rank(s) [2]' files" in message for _, message in results)
 
 
 # ---------------------------------------------------------------------- training loops, plan cache

@@ -24,6 +24,7 @@ from tiercheck.restore.agree import held_steps
 from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
+from .ondisk import flip_chunk_byte, written_by
 from .test_distributed import SAVED, check_model, global_tensors, model_state, node_dir
 
 NODES, PER_NODE = 4, 2
@@ -53,6 +54,7 @@ def _restore(rank: int, world: int, root: str, remote: str | None) -> dict[str, 
             "info": state["rank_info"],
             "read": stats["restore_bytes_read"],
             "received": stats["restore_chunks_received"],
+            "copies": stats["restore_copies_passed_over"],
         }
 
 
@@ -110,6 +112,21 @@ def test_a_wiped_node_restores_from_its_peer_without_a_remote(replicated_1: Path
     shutil.rmtree(root / "node1")  # replaced: an empty directory
     results = run_ranks(_restore, 8, str(root), None, timeout=240)
     _check_restored(results, wiped=[1])
+
+
+def test_a_chunk_damaged_in_a_nodes_own_copy_is_read_from_its_peers_replica_not_an_older_step(
+    replicated_1: Path, tmp_path: Path
+) -> None:
+    """No remote: a chunk rank 2 wrote is damaged on its node (node 1). That node passes over its copy of
+    rank 2's files, and node 2's replica of them serves the step, bit-identical, instead of step 1."""
+    root = _copy(replicated_1, tmp_path / "job")
+    step = root / "node1" / step_dir(2)
+    array, key = written_by(step, 2)[0]
+    flip_chunk_byte(step, array, key, 5)
+    results = run_ranks(_restore, 8, str(root), None, timeout=240)
+    _check_restored(results, wiped=[])
+    assert sum(r["copies"] for r in results) == 1, "one rank of node 1 found the copy damaged"
+    assert all(r["copies"] == 0 for rank, r in enumerate(results) if rank // PER_NODE != 1)
 
 
 def test_two_wiped_nodes_of_one_clique_fail_naming_the_lost_ranks_or_fall_back_to_the_remote(

@@ -48,6 +48,7 @@ def find_holders(
     *,
     from_remote: bool,
     host: str | None = None,
+    dropped: Sequence[int] | None = None,
 ) -> Exchange[Step]:
     """Round 1: claim the saving ranks whose files this node holds; share the step's index. A node
     claims the ranks it ``written`` itself first; only then, in a second round, the peers' replicas it
@@ -56,7 +57,12 @@ def find_holders(
     The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
     nothing when its manifest files are damaged and the remote tier has the step); the other ranks
     of the node take ``here`` and ``written`` from it, so a node never disagrees with itself.
-    ``host``: this node's host key (``restore.read.share_key``), said with its claims."""
+    ``host``: this node's host key (``restore.read.share_key``), said with its claims.
+
+    ``dropped`` (every rank gives a list, or every rank None): the step is read again, and the
+    saving ranks listed (on a node's leader) are those whose files, as this node holds them, were
+    found damaged, left out of ``here``. Each must then be claimed by another node, or be on the
+    remote tier, or the step is damaged (``CorruptCheckpointError`` on every rank)."""
     coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
@@ -93,6 +99,8 @@ def find_holders(
     if copies and coord.rank == nodes.leader:
         claim(copies)
     yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
+    if dropped is not None:
+        yield from _claimed_elsewhere(coord, root, dropped, from_remote=from_remote, where=f"{tier.url}: step {step}")
     # The step's index: a node's (node_copy chose to use that node's files), else the remote's. A
     # node whose copy is damaged reads the remote's only where it is the same save (node_copy), and
     # every manifest file read is checked against the save of the index the job goes by.
@@ -105,6 +113,20 @@ def find_holders(
     where = f"{tier.url}: step {step}"
     ix = ManifestIndex.from_doc(parse_manifest_doc(index, where=where, step=step), where=where)
     return Step(step, index, ix.world_size, frozenset(here), from_remote, tuple(claimed), ix.save_id)
+
+
+def _claimed_elsewhere(
+    coord: Coordinator, root: str, dropped: Sequence[int], *, from_remote: bool, where: str
+) -> Exchange[None]:
+    """Every rank: whether each saving rank a node left out, its copy damaged, has another holder
+    (or the remote tier holds the step); where one has none, the step is damaged on every rank."""
+    lost = [w for w in dropped if not coord.has(coord.key(root, "holder", w))] if not from_remote else []
+    own = None
+    if lost:
+        own = CorruptCheckpointError(f"{where}: no other node holds a copy of saving rank(s) {lost}' files")
+        coord.report(f"{root}/copies", own)
+    yield coord.arrive(f"{root}/copies", what="the nodes to find other copies of damaged files")
+    coord.check(f"{root}/copies", own, shared=(CorruptCheckpointError,))
 
 
 def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:

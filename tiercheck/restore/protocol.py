@@ -13,12 +13,19 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tiercheck.cluster.coordination import Coordinator, drive, shard_of
+from tiercheck.cluster.coordination import Coordinator, drive, dumps, shard_of
+from tiercheck.cluster.hierarchy import node_of
 from tiercheck.cluster.job import Job
-from tiercheck.errors import CorruptCheckpointError, ForeignCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.errors import (
+    CoordinationError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    PartlyRestoredError,
+    TiercheckError,
+)
 from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
@@ -27,10 +34,11 @@ from tiercheck.humanize import fmt_steps, plural
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for
+from tiercheck.restore.messages import loads
 from tiercheck.restore.needed import DAMAGE, manifest_for
 from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
 from tiercheck.restore.read import ReadCounts, ReadSource, deferrable, fill_deferred, move_chunks, share_key
-from tiercheck.restore.report import overwritten, passed_over_here, say_mixed, say_partly_restored
+from tiercheck.restore.report import Restored, overwritten, passed_over_here, say_mixed, say_partly_restored
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused
@@ -41,46 +49,6 @@ log = logging.getLogger("tiercheck")
 
 
 # ------------------------------------------------------------------------------- one restore
-
-
-@dataclass(frozen=True, slots=True)
-class Restored:
-    step: int
-    arrays: int
-    bytes_read: int
-    chunks_received: int
-    chunks_shared: int  # of those, received through shared memory from a rank on this host
-    unstaged: int  # bytes of live tensors filled straight from shared memory, with no staging
-    remote_reads: int
-    fallbacks: int
-    staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
-    staged_on_device: int  # bytes of GPU tensors staged in spare GPU memory rather than host memory
-    read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
-    from_remote: bool  # the step was chosen from the remote tier
-    held_here: list[int]  # saving ranks whose files this node holds
-    passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
-    read_in_place: int = 0  # bytes read straight into the state's own tensors (no staging copy)
-    copied_up: int = 0  # bytes staged in host memory for GPU tensors, copied up through page-locked buffers
-    from_memory: bool = False  # the step was restored from the memory tier (``tiercheck.memory``)
-    local_reads: int = 0  # chunks a restore from the memory tier read from the local tier (bad in memory)
-
-    def counters(self) -> dict[str, int]:
-        """What ``Checkpointer.stats()`` reports of the last restore."""
-        return {
-            "restore_bytes_read": self.bytes_read,
-            "restore_chunks_received": self.chunks_received,
-            "restore_chunks_shared": self.chunks_shared,
-            "restore_unstaged_bytes": self.unstaged,
-            "restore_remote_reads": self.remote_reads,
-            "restore_fallbacks": self.fallbacks,
-            "restore_staged_in_pool": self.staged_in_pool,
-            "restore_staged_on_device": self.staged_on_device,
-            "restore_read_direct_bytes": self.read_direct,
-            "restore_in_place_bytes": self.read_in_place,
-            "restore_copied_up_bytes": self.copied_up,
-            "restore_from_memory": int(self.from_memory),
-            "restore_local_reads": self.local_reads,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +128,11 @@ class Restore:
     ``attempt`` runs 1 to 5 once. Where 2, 3 or 4 find the step damaged on every tier (a bad
     checksum, a missing or unreadable file, on any rank), every rank raises ``_Damaged`` at the
     same point, and ``run`` goes back to 1 under a new name with that step as ``below``: the newest
-    older whole step, with a warning. A requested step is never swapped for another."""
+    older whole step, with a warning. A requested step is never swapped for another. Where 4 found
+    the damage in a node's own copy of some writers' files (``_CopyDamaged``, on several nodes),
+    ``run`` first goes back to 2 for the same step, that node no longer claiming those writers: a
+    peer's replica of them, or the remote tier, serves them; where none does, 2 says so and the
+    step is passed over as above. Each such round drops at least one node's copy, so they end."""
 
     def __init__(
         self, state: Mapping[str, Any], job: Job, request: RestoreRequest, *, name: str, pool: HostPool | None
@@ -169,6 +141,11 @@ class Restore:
         # Steps read into the state's own memory (in place) so far: each tensor read into (by its
         # memory), and its array.
         self.touched: dict[int, dict[int, str]] = {}
+        # By step: saving ranks whose files, as this rank's node holds them, held a chunk this rank
+        # found damaged; and on the node's leader, all its node's ranks found (no longer claimed).
+        self.found: dict[int, set[int]] = {}
+        self.dropped: dict[int, set[int]] = {}
+        self.choice: StepChoice | None = None  # of the attempt under way
 
     def run(self) -> Restored | None:
         """Attempts from the newest step down until one restores (see the class's call order)."""
@@ -177,10 +154,22 @@ class Restore:
             below: int | None = None
             attempt = self.name
             damaged: list[_Damaged] = []
+            again: StepChoice | None = None
+            first_copy: CorruptCheckpointError | None = None  # of the step read again: the first damaged copy
             for n in itertools.count(1):
                 try:
-                    done = self.attempt(attempt, below)
+                    done = self.attempt(attempt, below, again)
                 except _Damaged as d:
+                    if isinstance(d.error, _CopyDamaged) and d.choice is not None:  # the same step again
+                        first_copy, again = first_copy or d.error, d.choice
+                        if self.job.coord.rank == 0:
+                            log.warning("step %d: %s; reading the files of that copy from another node's copy, or "
+                                        "the remote tier", d.step, d.error)  # fmt: skip
+                        attempt = f"{self.name}.{n}"
+                        continue
+                    if first_copy is not None:  # no other copy served those files: say what was damaged
+                        d = _Damaged(d.step, CorruptCheckpointError(f"{first_copy}; {d.error}"))
+                    again = first_copy = None
                     if self.request.step is not None:
                         raise d.error from None
                     if self.job.coord.rank == 0:
@@ -198,6 +187,8 @@ class Restore:
                     say_mixed(touched, done.step)
                 if done is not None and damaged:
                     done = replace(done, passed_over={**done.passed_over, **{d.step: str(d.error) for d in damaged}})
+                if done is not None:
+                    done = replace(done, copies_passed_over=len(self.found.get(done.step, ())))
                 return done
         except CorruptCheckpointError as e:  # no step whole: say what the ones tried overwrote
             if touched:
@@ -209,16 +200,17 @@ class Restore:
             raise
         raise AssertionError("unreachable")
 
-    def attempt(self, name: str, below: int | None) -> Restored | None:
-        """One attempt at one step, steps 1 to 5. In place, the step is added to ``touched``, with
+    def attempt(self, name: str, below: int | None, again: StepChoice | None = None) -> Restored | None:
+        """One attempt at one step, steps 1 to 5 (``again``: the step chosen already, read again
+        from 2 without the copies found damaged). In place, the step is added to ``touched``, with
         the state's tensors it reads into, before the first byte is."""
         job, request = self.job, self.request
         coord, tier, remote = job.coord, job.tier, job.remote
-        choice = self.agree(name, below)
+        choice = self.choice = again or self.agree(name, below)
         if choice.step is None:
             return None
         step = choice.step
-        prepared = self.prepare(choice, name)
+        prepared = self.prepare(choice, name, again=again is not None)
         plan = self.plan(prepared, name)
         items = prepared.items
         read_in_place = 0
@@ -272,16 +264,21 @@ class Restore:
             ),
         )  # fmt: skip
 
-    def prepare(self, choice: StepChoice, name: str) -> _Prepared:
+    def prepare(self, choice: StepChoice, name: str, *, again: bool = False) -> _Prepared:
         """Step 2: find who holds the agreed step, fetch its manifest, and match it to the state:
         what each tensor reads (``items``) and the plain values (``decoded``). A damaged index,
         manifest file or tree is the step's damage as much as a bad chunk (``_Damaged``, on every
-        rank)."""
+        rank). ``again``: the step is read again, and a node no longer claims the saving ranks
+        whose files, as it holds them, a rank of it found damaged (``read``)."""
         state, job, request = self.state, self.job, self.request
         coord, tier, remote = job.coord, job.tier, job.remote
         assert choice.step is not None
         step = choice.step
         here, _, own = choice.held.get(str(step), [[], 0, []])
+        dropped: list[int] | None = None  # None: a first attempt, claims as held
+        if again:
+            dropped = sorted(self._dropped(step)) if coord.rank == job.nodes.leader else []
+            here, own = [w for w in here if w not in dropped], [w for w in own if w not in dropped]
         where = f"{tier.url}: step {step}"
         claimed: tuple[str, ...] = ()
         failure: TiercheckError | None = None
@@ -291,7 +288,8 @@ class Restore:
         parts: dict[int, RankPart] = {}
         try:
             host = share_key(job.group) if self.request.share_memory else None
-            st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote, host=host))
+            st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote, host=host,
+                                           dropped=dropped))  # fmt: skip
             claimed = st.claimed
             others = request.others
             manifest = drive(coord, manifest_for(job, name, st, state, others=bool(others), parts=parts))
@@ -367,14 +365,15 @@ class Restore:
                 )
                 nbytes = move_chunks(source, plan, reads, counts=counts, sharing=sharing)
             except TiercheckError as e:
-                failure = e
+                failure = self._copy_damaged(e, step, counts.damaged)
             try:
                 if coord.world_size > 1:
-                    drive(coord, settle(job, f"{name}/read", failure, shared=(CorruptCheckpointError,)))
+                    shared = (_CopyDamaged, CorruptCheckpointError)
+                    drive(coord, settle(job, f"{name}/read", failure, shared=shared))
                 elif failure is not None:
                     raise failure
             except CorruptCheckpointError as e:
-                raise _Damaged(step, e) from None
+                raise _Damaged(step, e, self.choice) from None
             finally:
                 _leave(coord, name, prepared.st.claimed)
             fill_deferred(sharing)
@@ -383,6 +382,30 @@ class Restore:
         return ReadOutcome(
             nbytes=nbytes, counts=counts, staged_in_pool=in_pool, staged_on_device=on_device, copied_up=copied_up
         )
+
+
+    def _copy_damaged(self, error: TiercheckError, step: int, damaged: set[int]) -> TiercheckError:
+        """The reads' first failure, as ``_CopyDamaged`` where this rank found a chunk damaged in its
+        node's copy of saving ranks' files it had not found damaged before, and another node may
+        hold a copy. It tells its node's leader which, through the node's store, to claim no more."""
+        new = damaged - self.found.setdefault(step, set())
+        if not new or self.job.nodes.count == 1 or not isinstance(error, CorruptCheckpointError):
+            return error
+        self.found[step] |= new
+        node_of(self.job.coord).post(f"{self.name}/copies/{step}", dumps(sorted(new)))
+        return _CopyDamaged(f"{error} (in this node's copy of saving rank(s) {fmt_steps(sorted(new))}' files)")
+
+    def _dropped(self, step: int) -> set[int]:
+        """On a node's leader: the saving ranks whose files, as the node holds them, its ranks found
+        damaged in ``step`` so far (``_copy_damaged``)."""
+        node, bucket = node_of(self.job.coord), f"{self.name}/copies/{step}"
+        got = self.dropped.setdefault(step, set())
+        for raw in node.collect(bucket):
+            ranks = loads(raw, where=node.key(bucket))
+            if not isinstance(ranks, list) or not all(type(w) is int and w >= 0 for w in ranks):
+                raise CoordinationError(f"{node.key(bucket)}: not a list of saving ranks: {raw[:80]!r}")
+            got.update(ranks)
+        return got
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -424,10 +447,17 @@ def _leave(coord: Coordinator, name: str, claimed: Sequence[str]) -> None:
 
 
 class _Damaged(Exception):
-    """Every rank agreed that ``step`` is damaged on every tier."""
+    """Every rank agreed that ``step`` is damaged on every tier; or, where ``error`` is
+    ``_CopyDamaged``, in a node's copy of some saving ranks' files, read again from another
+    (``choice``: the step's, chosen already)."""
 
-    def __init__(self, step: int, error: CorruptCheckpointError) -> None:
-        self.step, self.error = step, error
+    def __init__(self, step: int, error: CorruptCheckpointError, choice: StepChoice | None = None) -> None:
+        self.step, self.error, self.choice = step, error, choice
+
+
+class _CopyDamaged(CorruptCheckpointError):
+    """A chunk damaged in a node's copy of its writer's files (and on the tier it falls back to
+    there): another node's copy of those files, or the remote tier, may hold it whole."""
 
 
 def _damaged_record(tier: Tier, remote: Tier | None, st: Step) -> Callable[[ArrayRecord], None]:

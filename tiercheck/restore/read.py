@@ -12,9 +12,6 @@ shared memory is filled from there only once every rank has verified every chunk
 ``fill_deferred``); in place (a job start), as each chunk is verified.
 """
 
-
-
-
 from __future__ import annotations
 
 import logging
@@ -22,7 +19,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -230,6 +227,7 @@ class ReadCounts:
     remote_reads: int = 0  # chunks read from the remote tier
     fallbacks: int = 0  # of those, chunks read there after a bad copy on the local tier
     direct_bytes: int = 0  # bytes read from the local tier around the page cache (O_DIRECT)
+    damaged: set[int] = field(default_factory=set)  # saving ranks with a chunk bad in this node's copy (and remote)
 
 
 class _Moves:
@@ -321,6 +319,8 @@ class _Moves:
             # Ranks waiting for this chunk still get the bytes they expect (they would hang
             # otherwise); the error reaches every rank once the transfers are over.
             self.errors.append(e)
+            if not job.remote and c.key in rec.offsets:  # another node's copy of its writer's files may be whole
+                self.counts.damaged.add(rec.owner(c.key))
             filler = torch.zeros(chunk_nbytes(rec) if (path, c.coords) in self.sends else 0, dtype=torch.uint8)
             return path, c, filler
         if target is not None:

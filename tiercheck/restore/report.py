@@ -1,4 +1,5 @@
-"""What a restore says of the steps it passed over, and of a state it read into before failing.
+"""What a restore did (``Restored``), what it says of the steps it passed over, and of a state it read
+into before failing.
 
 A restore reading in place (a job start, or ``in_place=True``) writes the state's own tensors as it
 reads: where it then falls back to an older step, or fails, these say which tensors may hold parts
@@ -8,11 +9,54 @@ of which step (docs/concepts/restore.md).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.restore.agree import StepChoice
 
 log = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    arrays: int
+    bytes_read: int
+    chunks_received: int
+    chunks_shared: int  # of those, received through shared memory from a rank on this host
+    unstaged: int  # bytes of live tensors filled straight from shared memory, with no staging
+    remote_reads: int
+    fallbacks: int
+    staged_in_pool: int  # bytes staged in the idle save pool rather than in new memory
+    staged_on_device: int  # bytes of GPU tensors staged in spare GPU memory rather than host memory
+    read_direct: int  # bytes read from the local tier around the page cache (O_DIRECT)
+    from_remote: bool  # the step was chosen from the remote tier
+    held_here: list[int]  # saving ranks whose files this node holds
+    passed_over: dict[int, str] = field(default_factory=dict)  # this node's newer steps, passed over: why
+    read_in_place: int = 0  # bytes read straight into the state's own tensors (no staging copy)
+    copied_up: int = 0  # bytes staged in host memory for GPU tensors, copied up through page-locked buffers
+    from_memory: bool = False  # the step was restored from the memory tier (``tiercheck.memory``)
+    local_reads: int = 0  # chunks a restore from the memory tier read from the local tier (bad in memory)
+    copies_passed_over: int = 0  # saving ranks whose files this rank found damaged in its node's copy
+
+    def counters(self) -> dict[str, int]:
+        """What ``Checkpointer.stats()`` reports of the last restore."""
+        return {
+            "restore_bytes_read": self.bytes_read,
+            "restore_chunks_received": self.chunks_received,
+            "restore_chunks_shared": self.chunks_shared,
+            "restore_unstaged_bytes": self.unstaged,
+            "restore_remote_reads": self.remote_reads,
+            "restore_fallbacks": self.fallbacks,
+            "restore_staged_in_pool": self.staged_in_pool,
+            "restore_staged_on_device": self.staged_on_device,
+            "restore_read_direct_bytes": self.read_direct,
+            "restore_in_place_bytes": self.read_in_place,
+            "restore_copied_up_bytes": self.copied_up,
+            "restore_from_memory": int(self.from_memory),
+            "restore_local_reads": self.local_reads,
+            "restore_copies_passed_over": self.copies_passed_over,
+        }
 
 
 def overwritten(touched: dict[int, dict[int, str]]) -> str:
