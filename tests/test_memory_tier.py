@@ -20,7 +20,7 @@ from tests.cli import run
 from tests.conftest import assert_identical
 from tests.distributed import run_ranks
 from tests.killed import die
-from tests.ondisk import chunks_of, flip_chunk_byte
+from tests.ondisk import chunk_span, chunks_of, flip_chunk_byte
 from tiercheck import Checkpointer, MemoryOptions, ReplicationOptions, StagingOptions
 from tiercheck.format.paths import pack_file, replica_marker, step_dir
 from tiercheck.format.steps import list_steps
@@ -183,6 +183,21 @@ def _another_save_of_step_3(local: Path, elsewhere: Path) -> None:
     shutil.copytree(elsewhere / step_dir(3), local / step_dir(3))
 
 
+def test_every_memory_step_damaged_and_no_other_tier_is_an_error_never_a_fresh_start(
+    shm: Path, tmp_path: Path
+) -> None:
+    """The job start reads in place: memory's steps 3 and 2 both damaged, the local directory empty.
+    The restore says the state was read into, where it once returned None (a fresh start) over it."""
+    local = tmp_path / "ckpt"
+    die(_save_and_die, str(local), str(shm), 100, [1, 2, 3])  # memory only: slots hold steps 2 and 3
+    assert list_steps(LocalTier(local)).committed == []
+    for step in (2, 3):
+        flip_chunk_byte(_memory_dir(shm, local) / step_dir(step), "w", "c.0.0", 5)
+    with Checkpointer(_state(9), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        with pytest.raises(tiercheck.PartlyRestoredError, match="checksum mismatch"):
+            ck.restore()
+
+
 @pytest.mark.parametrize("copy", ["none", "local", "remote", "another save"])
 def test_a_damaged_chunk_of_a_memory_only_step_is_read_from_a_copy_of_the_same_save_or_the_restore_says_so(
     shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, copy: str
@@ -218,16 +233,17 @@ def test_a_damaged_chunk_of_a_memory_only_step_is_read_from_a_copy_of_the_same_s
         assert_identical(tiercheck.load(local, step=3), _state(3))
         assert "cannot restore step 3 from the memory tier" not in caplog.text
         return
-    assert got["restore_from_memory"] == 0
     said = next(r.getMessage() for r in caplog.records if "cannot restore step 3 from the memory tier" in r.getMessage())
     assert "no other tier holds that save of it" in said
+    assert "reading the next older step in memory, or the other tiers" in said
     if copy == "none":
-        assert "which may restore an older step" in said
         assert step == 2, "the newest step no tier holds whole is lost, and the restore says so"
         assert_identical(restored, _state(2))
+        assert got["restore_from_memory"] == 1, "step 2, whole in memory, as new as the local directory's"
     else:
         assert step == 3
         assert_identical(restored, _state(33)), "all of the other save, not one chunk of it among memory's"
+        assert got["restore_from_memory"] == 0
 
 
 def test_another_lineages_memory_is_never_restored(
@@ -341,15 +357,19 @@ def test_a_node_that_lost_its_memory_restores_from_its_peers_memory(shm: Path) -
     assert run_ranks(_two_ranks, 2, str(shm), "restore", False, 1) == [3, 3]
 
 
-def _restore_counting(rank: int, world: int, root: str) -> tuple[int | None, int, int]:
-    """``_two_ranks``' restore, each rank a node: the step, and where its chunks came from."""
+def _restore_counting(
+    rank: int, world: int, root: str, replicas: int = 0, expect: int = 3
+) -> tuple[int | None, int, int, int]:
+    """``_two_ranks``' restore, each rank a node: the step (its state ``_state(expect)``), and where its
+    chunks came from."""
     state = _state(0)
     memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
-    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory) as ck:
+    peers = ReplicationOptions(replicas=replicas) if replicas else None
+    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory, replication=peers) as ck:
         step = ck.restore()
-        assert_identical(state, _state(3))
+        assert_identical(state, _state(expect))
         got = ck.stats()
-    return step, got["restore_from_memory"], got["restore_local_reads"]
+    return step, got["restore_from_memory"], got["restore_local_reads"], got["restore_copies_passed_over"]
 
 
 def test_two_nodes_read_a_chunk_damaged_in_one_nodes_memory_from_that_nodes_local_directory(
@@ -366,3 +386,39 @@ def test_two_nodes_read_a_chunk_damaged_in_one_nodes_memory_from_that_nodes_loca
     assert [c[2] for c in counts] == [int(r == holder) for r in (0, 1)], (
         "the damaged chunk alone, read from its node's local directory by the rank reading it"
     )
+    assert [c[3] for c in counts] == [0, 0], "the node's copy in memory was not passed over"
+
+
+def test_a_chunk_damaged_in_a_nodes_memory_and_nowhere_else_on_it_is_read_from_its_peers_memory(
+    shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Per chunk, a peer's memory before any older step: the step is in memory only (its local copies
+    gone), and the chunk's writer's node holds it damaged, its peer a whole replica. The writer's node
+    passes over its copy of that rank's files, and its peer reads and sends them: step 3, bit-identical."""
+    shm.mkdir()
+    run_ranks(_two_ranks, 2, str(shm), "save", False, 1)
+    steps = [_memory_dir(shm / f"shm{r}", shm / f"node{r}") / step_dir(3) for r in (0, 1)]
+    writer = int(chunk_span(steps[0], "w", "c.0.0")[0].stem.split("-")[1])  # both memories hold its files
+    flip_chunk_byte(steps[writer], "w", "c.0.0", 5)  # its own node's copy; the peer's replica stays whole
+    for rank in (0, 1):
+        shutil.rmtree(shm / f"node{rank}" / step_dir(3))  # persisted at close: only memory holds it now
+    counts = run_ranks(_restore_counting, 2, str(shm), 1)
+    assert [c[:2] for c in counts] == [(3, 1), (3, 1)], "step 3 from memory, on both ranks, not step 2"
+    assert [c[3] for c in counts] == [int(r == writer) for r in (0, 1)], "the writer's node passed its copy over"
+    assert [c[2] for c in counts] == [0, 0], "nothing from a local directory: it holds no step 3"
+
+
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_a_chunk_damaged_in_every_nodes_memory_restores_the_step_before(shm: Path, replicas: int) -> None:
+    """No whole copy of a chunk of step 3 in any node's memory (the writer's damaged, and the peer's
+    replica damaged too, or none): step 2, from memory, never step 3 with a bad chunk."""
+    shm.mkdir()
+    run_ranks(_two_ranks, 2, str(shm), "save", False, replicas)
+    steps = [_memory_dir(shm / f"shm{r}", shm / f"node{r}") / step_dir(3) for r in (0, 1)]
+    for step in steps:
+        if (step / pack_file(int(chunk_span(steps[0], "w", "c.0.0")[0].stem.split("-")[1]))).exists():
+            flip_chunk_byte(step, "w", "c.0.0", 5)
+    for rank in (0, 1):
+        shutil.rmtree(shm / f"node{rank}" / step_dir(3))
+    counts = run_ranks(_restore_counting, 2, str(shm), replicas, 2)
+    assert [c[:2] for c in counts] == [(2, 1), (2, 1)], "step 2, from memory"

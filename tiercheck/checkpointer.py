@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -354,9 +355,8 @@ class Checkpointer:
                     io_threads=self.write.io_threads,
                 )
                 name = f"restore{n}"
-                done = self._mem.restore(self.state, request, name) if self._mem else None
-                from_memory = done is not None
-                done = done or restore_state(self.state, self._job, request, name=name, pool=self._pool)
+                disk = functools.partial(restore_state, self.state, self._job, request, name=name, pool=self._pool)
+                done = self._mem.restore(self.state, request, name, disk) if self._mem else disk()
             finally:
                 self._prefault()  # for the state as restored (a fresh optimizer's state included)
             if done is None:
@@ -367,7 +367,7 @@ class Checkpointer:
             self._local.whole(done.step)
             self._owner.restored(from_remote=done.from_remote, restore=n, step=done.step)
             if self._mem is not None:
-                self._mem.after_restore(done.step, from_memory=from_memory, local=self._local, tiers=self._tiers)
+                self._mem.after_restore(done.step, from_memory=done.from_memory, local=self._local, tiers=self._tiers)
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:
                 self._tiers.populate(done.step)
             return done.step
@@ -391,10 +391,10 @@ class Checkpointer:
         memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
         ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
         (read straight into the state), ``restore_copied_up_bytes`` (staged on the host for a GPU),
-        ``restore_from_memory`` (1: the step came from the memory tier) and ``restore_local_reads`` (chunks
-        such a restore read from the local directory, where memory's copy was damaged).
-        With an object-store remote: ``drain_part_buffer_bytes`` (the bound on memory its parts
-        hold) and ``drain_part_bytes_peak``.
+        ``restore_from_memory`` (1: from the memory tier), ``restore_local_reads`` (chunks such a restore read
+        from the local directory, damaged in memory) and ``restore_copies_passed_over`` (saving ranks whose
+        files this rank found damaged in its node's copy, read from another node's or the remote tier).
+        With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
         """
         out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:

@@ -8,9 +8,10 @@ the usual restore. What this module adds is the choice between tiers, made alike
   least as new as the newest step the local and remote tiers offer (or is the step asked for). A
   chunk missing or damaged in memory is read from the next tier holding the same save of the step
   (its commit marker names the same save): the node's local directory, else the remote tier, by the
-  restore's own fallback for a damaged local chunk (``restore.read``). Only where no tier holds that
-  save, or its copy is damaged too, does the restore read the local and remote tiers instead, as if
-  the memory held nothing (an older step, when the step was in memory only).
+  restore's own fallback for a damaged local chunk (``restore.read``); where that fails too, the
+  step is read again with that writer's files from a peer's memory copy (``restore.protocol``'s
+  ``_CopyDamaged``). Only where no copy holds the chunk whole does the restore try the next older
+  step whole in memory (while it is as new as the local and remote tiers' newest), then those tiers.
 * A memory step belongs to the lineage of the node-local directory it was saved for (invariants
   11 and 13): a memory directory whose owner is not that lineage is never restored, and is
   withdrawn, with a warning, before this run saves.
@@ -20,8 +21,9 @@ the usual restore. What this module adds is the choice between tiers, made alike
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
@@ -113,35 +115,68 @@ class Memory:
                 self.slots.withdraw(step)
         return False
 
-    def restore(self, state: Mapping[str, Any], request: RestoreRequest, name: str) -> Restored | None:
-        """Restore from the memory tier where it holds the step to restore (see the module's
-        docstring); None where the other tiers are to be read. Every rank calls it together."""
+    def restore(
+        self, state: Mapping[str, Any], request: RestoreRequest, name: str, disk: Callable[[], Restored | None]
+    ) -> Restored | None:
+        """Restore from the memory tier where it holds the step to restore, else by ``disk`` (the
+        local and remote tiers' restore; see the module's docstring). A memory step damaged beyond
+        its chunks' fallbacks gives way to the next older one, while that is as new as the other
+        tiers' newest. Every rank calls it together."""
+        newest: int | None = None  # the local and remote tiers' newest step every rank can get
+        below: int | None = None
+        partly: PartlyRestoredError | None = None  # a memory step read in part into the state's own memory
+        for n in itertools.count():
+            # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
+            mem = self._choose(f"{name}/memory{n or ''}", request.step if self.owned() else -1, below)
+            if mem is None:
+                break
+            if request.step is None and n == 0:
+                newest = self._newest_elsewhere(f"{name}/disk")
+            if newest is not None and newest > mem:
+                break
+            try:
+                done = self._restore_step(state, request, mem, f"{name}/m{n or ''}")
+            except PartlyRestoredError as e:
+                if not (request.in_place and request.strict):
+                    raise
+                partly = e
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                pass
+            else:
+                if done is not None:
+                    return done
+                break
+            if request.step is not None:
+                break
+            below = mem
+        done = disk()
+        if done is None and partly is not None:  # a fresh start over a state the memory's steps were read into
+            raise partly
+        return done
+
+    def _newest_elsewhere(self, name: str) -> int | None:
+        """The newest step every rank can get from the local and remote tiers (None: none)."""
+        local, remote = self.local_job.tier, self.local_job.remote
+        choice = agree_on_step(self.local_job, name, requested=None, remote_steps=lambda: remote_steps(remote, local))
+        return drive(self.job.coord, choice).step
+
+    def _restore_step(self, state: Mapping[str, Any], request: RestoreRequest, mem: int, name: str) -> Restored | None:
+        """Restore memory step ``mem``; its damage, beyond its chunks' fallbacks, is raised."""
         coord = self.job.coord
-        # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
-        mem = self._choose(f"{name}/memory", request.step if self.owned() else -1)
-        if mem is None:
-            return None
-        if request.step is None:
-            local, remote = self.local_job.tier, self.local_job.remote
-            disk = drive(coord, agree_on_step(self.local_job, f"{name}/disk", requested=None,
-                                              remote_steps=lambda: remote_steps(remote, local))).step  # fmt: skip
-            if disk is not None and disk > mem:
-                return None
         # In place only where the fallback overwrites whatever a failed attempt wrote: every tensor (strict).
         in_place = request.in_place and request.strict
         backup = self._backup(mem)
         job = replace(self.job, remote=backup)
         try:
-            done = restore_state(state, job, replace(request, step=mem, in_place=in_place), name=f"{name}/m")
+            done = restore_state(state, job, replace(request, step=mem, in_place=in_place), name=name)
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
             partly = isinstance(e, PartlyRestoredError)
-            if partly and not in_place:
-                raise
             if coord.rank == 0:
-                log.warning("cannot restore step %d from the memory tier%s, %s; reading the other tiers, which may "
-                            "restore an older step: %s", mem, " (read in part, in place)" if partly else "",
-                            _no_backup(backup), e)  # fmt: skip
-            return None
+                log.warning("cannot restore step %d from the memory tier%s, %s; reading %s: %s", mem,
+                            " (read in part, in place)" if partly else "", _no_backup(backup),
+                            "the next older step in memory, or the other tiers" if request.step is None else
+                            "the other tiers", e)  # fmt: skip
+            raise
         if done is None:
             return None
         # The step came from memory, whatever the backup supplied: not "from the remote" (that would
@@ -173,10 +208,12 @@ class Memory:
                 return tier
         return None
 
-    def _choose(self, name: str, requested: int | None) -> int | None:
-        """The step every rank would restore from memory (None: none, or not the one asked for)."""
+    def _choose(self, name: str, requested: int | None, below: int | None) -> int | None:
+        """The step every rank would restore from memory, older than ``below`` when given (None:
+        none, or not the one asked for)."""
         try:
-            return drive(self.job.coord, agree_on_step(self.job, name, requested=requested, remote_steps=list)).step
+            choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below)
+            return drive(self.job.coord, choice).step
         except CheckpointNotFoundError:
             return None
 
@@ -198,6 +235,10 @@ class Memory:
             except CheckpointNotFoundError as e:  # a replaced node, restored from its peers' memory
                 log.warning("step %d is not persisted to %s: this node's memory lacks its files (%s)",
                             step, self.local_job.tier.url, e)  # fmt: skip
+            except CorruptCheckpointError as e:  # the restore read the damaged files from a peer's copy
+                log.warning("step %d is not persisted to %s: this node's memory copy of it is damaged, and no "
+                            "tier holds this node's files of that save whole but peers' memory; the next save "
+                            "that persists carries the state on (%s)", step, self.local_job.tier.url, e)  # fmt: skip
 
     def persist(self, step: int, *, local: LocalSteps, tiers: TierManager) -> None:
         """Copy this node's files of memory step ``step`` to the local tier, committed there. A chunk
