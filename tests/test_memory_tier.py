@@ -193,9 +193,12 @@ def test_every_memory_step_damaged_and_no_other_tier_is_an_error_never_a_fresh_s
     assert list_steps(LocalTier(local)).committed == []
     for step in (2, 3):
         flip_chunk_byte(_memory_dir(shm, local) / step_dir(step), "w", "c.0.0", 5)
-    with Checkpointer(_state(9), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
-        with pytest.raises(tiercheck.PartlyRestoredError, match="checksum mismatch"):
-            ck.restore()
+    memory = MemoryOptions(path=shm, persist_every=100)
+    with (
+        Checkpointer(_state(9), local=local, memory=memory) as ck,
+        pytest.raises(tiercheck.PartlyRestoredError, match="checksum mismatch"),
+    ):
+        ck.restore()
 
 
 @pytest.mark.parametrize("copy", ["none", "local", "remote", "another save"])

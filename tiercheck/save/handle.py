@@ -14,7 +14,7 @@ from tiercheck.errors import StateChangedError
 from tiercheck.format.codec import seal
 from tiercheck.format.manifest import JSON, RankPart
 from tiercheck.format.shards import owners_bytes, shard_bytes
-from tiercheck.save.plan import ChunkTask, PackPlan, Run
+from tiercheck.save.pack import ChunkTask, PackPlan, Run
 from tiercheck.state.flatten import Leaf
 from tiercheck.state.memory_slots import SlotPool
 from tiercheck.state.staging import Region

@@ -25,7 +25,7 @@ from tiercheck.errors import CoordinationError, StateChangedError, StepExistsErr
 from tiercheck.format.codec import CHECKSUM_BYTES, checksum, checksum_trailer
 from tiercheck.format.paths import COMMIT_FILE, pack_file, refs_file, step_dir
 from tiercheck.save.handle import PendingSave, WriteRequest
-from tiercheck.save.plan import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes, stamp_reference_map
+from tiercheck.save.pack import RUN_BYTES, Run, as_bytes, leaf_placement, plan_runs, runs_bytes, stamp_reference_map
 from tiercheck.state.memory_slots import MemorySlots, SlotPool
 from tiercheck.state.staging import HostPool, Region, chunk_views, copy_pieces, set_copy_threads
 from tiercheck.tiers.local import LocalTier

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 
 from tiercheck.cluster.coordination import Coordinator, drive
-from tiercheck.save.plan import RUN_ALIGN, PackPlan, leaf_descs, pack_plan, plan_save
+from tiercheck.save.pack import RUN_ALIGN, PackPlan, leaf_descs, pack_plan
+from tiercheck.save.plan import plan_save
 
 __all__ = ["RUN_ALIGN", "Planner"]
 from tiercheck.state.flatten import Leaf
