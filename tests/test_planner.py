@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -12,6 +13,8 @@ from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_wr
 from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.errors import IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
+from tiercheck.save import plan as save_plan
+from tiercheck.save.patterns import pattern_offer
 from tiercheck.save.plan import plan_save
 
 
@@ -241,3 +244,61 @@ def test_store_traffic_per_rank_does_not_grow_with_the_job() -> None:
         # Arrays go to coordinators by a hash, so some rank coordinates a few more than average.
         assert max(sent) < 3 * means[-1], (world, max(sent), means[-1])
     assert means[1] < 1.2 * means[0], means
+
+
+def _plan_through_store(per_rank: list[list[LeafDesc]], target: int) -> tuple[list[int], list[Coordinator]]:
+    """Plan ``per_rank`` through one store, checked against the whole-job plan; each rank's store bytes."""
+    world = len(per_rank)
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    plans = lockstep([plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=target) for c in coords])
+    whole = assign_writes(per_rank, target_chunk_bytes=target)
+    for rank, plan in enumerate(plans):
+        assert [(t.leaf, t.chunk, t.local) for t in plan.tasks] == [(t.leaf, t.chunk, t.local) for t in whole.tasks[rank]]
+    assert {path: rec for p in plans for path, rec in p.shard.items()} == whole.records
+    assert store.num_keys() == 0
+    return [c.store_bytes for c in coords], coords
+
+
+def test_a_buffer_split_over_every_data_parallel_rank_costs_its_coordinator_a_few_bytes_a_slice() -> None:
+    """A distributed optimizer's flat buffers, cut into equal slices over the data-parallel ranks, and
+    TP-split weights replicated over them: posted and offered once each as a block pattern. Where
+    each slice was a description and an offer of its own (some 400 bytes), its coordinator's traffic
+    grew with the data-parallel ranks; now by a register entry of a few bytes a slice."""
+
+    def layout(world: int, tp: int = 2) -> list[list[LeafDesc]]:
+        dp = world // tp
+        out = []
+        for r in range(world):
+            t, d = r % tp, r // tp
+            leaves = descs("fc", (64, 48), [((64 // tp * t, 0), (64 // tp, 48))])
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                leaves += descs(f"optim/tp{t}/{state}", (dp * 64,), [((d * 64,), (64,))])
+            out.append(leaves)
+        return out
+
+    small, _ = _plan_through_store(layout(16), 256)
+    big, _ = _plan_through_store(layout(256), 256)
+    # 120 more slices an array: as exact pieces the busiest rank paid 56 KB more (10.2 KB, then 66.2 KB),
+    # some 400 B a slice of the (up to 3) arrays it coordinates; now under 20 B a slice.
+    assert max(big) - max(small) < 3 * 120 * 20, (max(small), max(big))
+
+
+@pytest.mark.parametrize("blocks", [[0, 1, 3, 2], [0, 2, 1, 3, 4, 5]])
+def test_slices_held_in_no_fixed_order_are_offered_each_its_own(
+    blocks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Equal slices whose ranks are no fixed step apart block after block (rank 2 holds block 3): the
+    pattern's one offer cannot say it, so each block's holders get their own, and the plan is the same."""
+    made: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        out = pattern_offer(*args)
+        made.append(out is not None)
+        return out
+
+    monkeypatch.setattr(save_plan, "pattern_offer", spy)
+    per_rank = [descs("optim", (len(blocks) * 64,), [((k * 64,), (64,))]) + descs("n", (8,), [((0,), (8,))]) for k in blocks]
+    per_rank += per_rank  # each block held twice: by rank i and rank i + len(blocks)
+    _plan_through_store(per_rank, 128)
+    assert made == [False], "one pattern, offered block by block"

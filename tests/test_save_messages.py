@@ -16,11 +16,12 @@ import torch.distributed as dist
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.coordination import Coordinator, dumps, lockstep, shard_of
-from tiercheck.cluster.wire import as_register, loads
+from tiercheck.cluster.wire import as_block_register, as_register, loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, PiecesPost, TookPost
-from tiercheck.save.plan import _decode_ranks, _encode_ranks, plan_save
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, PiecesPost, TookPost, decode_group, encode_group
+from tiercheck.save.patterns import apply_shift
+from tiercheck.save.plan import plan_save
 from tiercheck.tiering.replication import ReplicaHeader
 
 OFFER = ChunkOffer(
@@ -38,7 +39,9 @@ OFFER = ChunkOffer(
 MESSAGES: list[Any] = [
     LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),
     PiecesPost("0a1b", (LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),)),
+    PiecesPost("0a1c", (LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (0, 0), (8, 8), False),), pattern=True),
     OFFER,
+    ChunkOffer(arrays={"o": ArrayOffer(dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), (3,)),), shift=(0, 0, 1, 2))}),
     TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}),
     CommitMeta(metadata={"loss": 1.5, "tags": ["a"]}, created=1764370000.25),
     CommitMeta(metadata=None, created=12.0),
@@ -87,6 +90,10 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
         (PiecesPost, ["d", [["w", "f4", "tensor", [4], [0], [4], "no"]]], "pieces[0][6]"),
         (PiecesPost, "d|[]", "post"),
         (PiecesPost, [3, []], "digest"),
+        (PiecesPost, ["d", [], 2], "post"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [], [0, 0, 1]]}, "w[2]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [], [1, 0, 1, 1]]}, "w[2]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [], [0, 0, 1, -1]]}, "w[2][3]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [4]]]}, "w"),
         (ChunkOffer, {"w": [["f4", "tensor", [4]], []]}, "w[0]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [-4]], []]}, "w[0][3][0]"),
@@ -145,6 +152,24 @@ def test_a_chunk_of_one_holder_is_its_own_and_a_claim_by_another_rank_fails_ever
     assert "array 'optim/tp0' chunk c.0: taken by rank 1, which does not hold it" in str(outcomes[0])
 
 
+def test_a_patterns_register_reads_back_its_ranks_and_blocks_or_names_the_bad_one() -> None:
+    assert as_block_register(b"3:0,7:12,", "k") == ((3, 0), (7, 12))
+    for raw, field in ((b"3:0,7,", "ranks[1]"), (b"3:-1,", "ranks[0]"), (b"x:1,", "ranks[0]"), (b"\xff", "ranks")):
+        with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
+            as_block_register(raw, "k")
+
+
+@pytest.mark.parametrize(("block", "what"), [(9, "lies outside the array"), (1, "lies outside the array or the job")])
+def test_a_patterns_chunk_moved_outside_the_array_or_the_job_is_refused(block: int, what: str) -> None:
+    """A holder applies the offer's shift to its block: a chunk landing past the grid, or held by a
+    rank past the world, is a bad offer naming its key, never a task or a rank out of range."""
+    offer = ArrayOffer(dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), (3,)),), shift=(0, 0, 1, 7))
+    world = 16 if block == 9 else 8
+    with pytest.raises(CoordinationError, match=re.escape(f"t/offer/3: a pattern's chunk [0] moved to block {block}")):
+        apply_shift(offer, [((0,), (3,))], block, world=world, where="t/offer/3")
+    assert apply_shift(offer, [((0,), (3,))], 1, world=16, where="k") == [((1,), (10,))]
+
+
 def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:
     assert as_register(b"3,0,7,", "k") == (3, 0, 7)
     assert as_register(b"", "k") == ()
@@ -158,13 +183,13 @@ def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:
     [(3,), (0, 5), (1, 3, 5, 7), (0, 1, 128, 129, 256, 257), tuple(r for d in range(0, 131072, 128) for r in range(d, d + 8))],
 )
 def test_a_group_of_holders_is_a_few_numbers_and_comes_back_whole(ranks: tuple[int, ...]) -> None:
-    encoded = _encode_ranks(ranks)
+    encoded = encode_group(ranks)
     assert len(encoded) <= max(len(ranks), 5)  # every TP rank of every replica: five numbers
-    assert _decode_ranks(encoded, world=131072, where="k") == ranks
+    assert decode_group(encoded, world=131072, where="k") == ranks
 
 
 def test_a_group_of_holders_past_the_world_names_its_key() -> None:
     with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
-        _decode_ranks((-2, 0, 8, 128, 9), world=1024, where="t/offer/3")
+        decode_group((-2, 0, 8, 128, 9), world=1024, where="t/offer/3")
     with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
-        _decode_ranks((-1, 0, 128, 9), world=1024, where="t/offer/3")
+        decode_group((-1, 0, 128, 9), world=1024, where="t/offer/3")

@@ -19,33 +19,67 @@ Committing a save (``save.vote``): rank 0 sets the step's ``CommitMeta`` for eve
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import LeafDesc
+from tiercheck.cluster.ranksets import RankSet
 from tiercheck.cluster.wire import as_dict, as_float, as_list, as_rank, as_ranks, as_str, bad
 from tiercheck.format.manifest import JSON, ArrayRecord
 
 # -------------------------------------------------------------------------------- the save plan
 
 
+def encode_group(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """A sorted rank list, compactly: ``[-1, start, stride, count]`` when it is an arithmetic
+    progression of three or more (DP replicas are), ``[-2, *runs]`` when its runs
+    (``cluster.ranksets``: every TP rank of every replica is one) are shorter, else the list itself."""
+    if len(ranks) >= 3:
+        stride = ranks[1] - ranks[0]
+        if all(b - a == stride for a, b in itertools.pairwise(ranks)):
+            return (-1, ranks[0], stride, len(ranks))
+        runs = RankSet.of(ranks).runs
+        if 4 * len(runs) + 1 < len(ranks):
+            return (-2, *itertools.chain.from_iterable(runs))
+    return ranks
+
+
+def decode_group(doc: tuple[int, ...], *, world: int, where: str) -> tuple[int, ...]:
+    """The ranks of an encoded group (``encode_group``), each below ``world``."""
+    if doc[:1] == (-1,):
+        _, start, stride, count = doc
+        runs = [[start, 1, max(stride, 1), count]]
+    elif doc[:1] == (-2,):
+        runs = [list(doc[i : i + 4]) for i in range(1, len(doc), 4)]
+    else:
+        runs = [[r, 1, 1, 1] for r in doc]
+    return tuple(sorted(RankSet.from_json(runs, where=where, field="holders", world=world)))
+
+
+
 @dataclass(frozen=True, slots=True)
 class PiecesPost:
     """A group of a rank's pieces of the arrays one coordinator lays out, under the group's digest
-    (the same on every replica holding them): ``[digest, [piece, ...]]``."""
+    (the same on every replica holding them): ``[digest, [piece, ...]]``; with ``pattern``, the
+    pieces are block 0 of a block pattern (``save.patterns``), ``[digest, [piece, ...], 1]``."""
 
     digest: str
     pieces: tuple[LeafDesc, ...]
+    pattern: bool = False
 
     def to_json(self) -> list[object]:
-        return [self.digest, [d.to_json() for d in self.pieces]]
+        return [self.digest, [d.to_json() for d in self.pieces], *([1] if self.pattern else [])]
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> PiecesPost:
-        digest, pieces = as_list(doc, where, "post", 2)
-        posted = as_list(pieces, where, "pieces")
+        items = as_list(doc, where, "post")
+        if len(items) not in (2, 3) or items[2:] not in ([], [1]):
+            raise bad(where, "post", "[digest, pieces] or [digest, pieces, 1]", doc)
+        posted = as_list(items[1], where, "pieces")
         return cls(
-            as_str(digest, where, "digest"),
+            as_str(items[0], where, "digest"),
             tuple(LeafDesc.from_json(d, where=where, field=f"pieces[{i}]") for i, d in enumerate(posted)),
+            pattern=len(items) == 3,
         )
 
 
@@ -53,29 +87,43 @@ class PiecesPost:
 class ArrayOffer:
     """One array as its coordinator laid it out, to one group of holders: its record's shape (no
     owners) and the chunks the group holds, each by grid position with the full group of ranks
-    holding it (``save.plan._encode_ranks``: the ranks, ``[-1, start, stride, count]`` or runs)."""
+    holding it (``encode_group``: the ranks, ``[-1, start, stride, count]`` or runs). With a
+    ``shift`` ``(dim, block, per, step)``, the offer of a block pattern (``save.patterns``): the
+    chunks are those of ``block``, and the holder of block ``k`` holds them moved ``(k - block) *
+    per`` along ``dim``, each held by ranks ``(k - block) * step`` further on."""
 
     dtype: str
     kind: str
     shape: tuple[int, ...]
     grid: tuple[int, ...]  # the chunk shape
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (grid position, encoded holders)
+    shift: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]) -> ArrayOffer:
-        return cls(dtype=rec.dtype, kind=rec.kind, shape=rec.shape, grid=rec.chunks, chunks=chunks)
+    def of(
+        cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: tuple[int, ...] = ()
+    ) -> ArrayOffer:
+        encoded = tuple((cc, encode_group(hs)) for cc, hs in chunks)
+        return cls(dtype=rec.dtype, kind=rec.kind, shape=rec.shape, grid=rec.chunks, chunks=encoded, shift=shift)
 
     def record(self, path: str) -> ArrayRecord:
         return ArrayRecord(path=path, dtype=self.dtype, kind=self.kind, shape=self.shape, chunks=self.grid)
 
     def to_json(self) -> list[JSON]:
         short: list[JSON] = [self.dtype, self.kind, list(self.shape), list(self.grid)]
-        return [short, [[list(cc), list(group)] for cc, group in self.chunks]]
+        chunks: list[JSON] = [[list(cc), list(group)] for cc, group in self.chunks]
+        return [short, chunks, list(self.shift)] if self.shift else [short, chunks]
 
     @classmethod
     def from_json(cls, doc: object, *, where: str, field: str) -> ArrayOffer:
-        short, chunks = as_list(doc, where, field, 2)
+        items = as_list(doc, where, field)
+        if len(items) not in (2, 3):
+            raise bad(where, field, "[array, chunks] or [array, chunks, shift]", doc)
+        short, chunks = items[:2]
+        shift = as_ranks(items[2], where, f"{field}[2]") if len(items) == 3 else ()
         dtype, kind, shape, grid = as_list(short, where, f"{field}[0]", 4)
+        if shift and (len(shift) != 4 or shift[0] >= len(as_list(shape, where, f"{field}[0][2]"))):
+            raise bad(where, f"{field}[2]", "[dim, block, per, step], dim an axis of the array", shift)
         offered = []
         for i, c in enumerate(as_list(chunks, where, f"{field}[1]")):
             f = f"{field}[1][{i}]"
@@ -87,6 +135,7 @@ class ArrayOffer:
             shape=as_ranks(shape, where, f"{field}[0][2]"),
             grid=as_ranks(grid, where, f"{field}[0][3]"),
             chunks=tuple(offered),
+            shift=shift,
         )
 
 

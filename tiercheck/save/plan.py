@@ -6,10 +6,14 @@ name modulo the world size), and the plan is made in four rounds, each closed by
 1. every rank describes its pieces, grouped by coordinator, and names each group by a digest of
    its description. Replicas (DP ranks, TP ranks of a replicated norm) have the same pieces and so
    the same digest: the first of them posts the description into the coordinator's bucket, each
-   appends its rank to the digest's list of holders (a few bytes, not a description per replica);
+   appends its rank to the digest's list of holders (a few bytes, not a description per replica).
+   Equal slices cut along one dimension (a distributed optimizer's buffers over the DP ranks, TP
+   weights) are described as block 0 of a pattern, the same for every slice, and each holder
+   appends its rank and block (``save.patterns``);
 2. each coordinator lays out its arrays (the chunk grid aligned to every piece, refusing a
    disagreement or a hole) and writes one offer per digest: the chunks those pieces hold, each
-   with the full group of ranks holding that chunk;
+   with the full group of ranks holding that chunk (for a pattern, those of its first block, and
+   how they move from block to block);
 3. each rank reads its offers and splits the offers of every group of holders as every other
    member does (largest first, least loaded; ``cluster.assign.assign_owners``): the members see the same
    offers, so they agree without another exchange. It tells each coordinator which of its chunks
@@ -19,7 +23,7 @@ name modulo the world size), and the plan is made in four rounds, each closed by
    written beside the data at every save.
 
 A rank sends and receives in proportion to the pieces it holds (plus, as a coordinator, to the
-distinct pieces of a few arrays and a few bytes per holder): about the same at 16,384 ranks as at
+distinct pieces of a few arrays and a few bytes per holder): about the same at 131,072 ranks as at
 8. The plan is cached and redone only when some rank's layout changes (every rank then plans
 again, with a new generation number).
 """
@@ -28,7 +32,6 @@ again, with a new generation number).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,13 +39,13 @@ from dataclasses import dataclass
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
-from tiercheck.cluster.ranksets import RankSet
-from tiercheck.cluster.wire import as_register, loads
+from tiercheck.cluster.wire import as_block_register, as_register, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.layout import Chunk, chunk_at
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, PiecesPost, TookPost
+from tiercheck.save.messages import ArrayOffer, ChunkOffer, PiecesPost, TookPost, decode_group
+from tiercheck.save.patterns import EACH, apply_shift, as_pattern, pattern_offer, place
 
 log = logging.getLogger("tiercheck")
 
@@ -66,12 +69,12 @@ def plan_save(
     by_coord: dict[int, list[LeafDesc]] = defaultdict(list)
     for d in descs:
         by_coord[shard_of(d.path, coord.world_size)].append(d)
-    digests = _post_pieces(coord, name, by_coord)
+    digests, blocks = _post_pieces(coord, name, by_coord)
     yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
     layouts, offered = _offer_chunks(coord, name, target_chunk_bytes)
     yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
-    records, tasks, nbytes = _take_share(coord, name, descs, by_coord, digests)
+    records, tasks, nbytes = _take_share(coord, name, descs, by_coord, (digests, blocks))
     yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
     shard = _record_owners(coord, name, layouts)
     coord.delete(*offered)  # read by now: every holder passed 'chosen'
@@ -85,41 +88,50 @@ def plan_save(
 _Layout = tuple[ArrayRecord, list[tuple[Chunk, tuple[int, ...]]]]
 
 
-def _post_pieces(coord: Coordinator, name: str, by_coord: dict[int, list[LeafDesc]]) -> dict[int, str]:
-    """Round 1: post my pieces to their coordinators; the digest of each group, by coordinator.
-    Replicas hold the same pieces: the first of them posts the pieces, each appends its rank to
-    the list of holders of that digest."""
+def _post_pieces(
+    coord: Coordinator, name: str, by_coord: dict[int, list[LeafDesc]]
+) -> tuple[dict[int, str], dict[int, int]]:
+    """Round 1: post my pieces to their coordinators; the digest of each group, and my block of
+    those posted as a block pattern (``save.patterns``), by coordinator. Replicas hold the same
+    pieces (and ranks cutting arrays alike the same pattern): the first of them posts the pieces,
+    each appends its rank (and block) to the list of holders of that digest."""
     digests: dict[int, str] = {}
+    blocks: dict[int, int] = {}
     for c, leaves in sorted(by_coord.items()):
-        body = dumps([d.to_json() for d in leaves])
+        pattern = as_pattern(leaves)
+        posted = tuple(leaves) if pattern is None else pattern.leaves
+        body = ("p" if pattern else "") + dumps([d.to_json() for d in posted])
         digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
         if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
-            coord.post(f"{name}/in/{c}", dumps(PiecesPost(digest, tuple(leaves)).to_json()))
-        coord.append(coord.key(name, "in", c, digest, "ranks"), f"{coord.rank},")
-    return digests
+            coord.post(f"{name}/in/{c}", dumps(PiecesPost(digest, posted, pattern=pattern is not None).to_json()))
+        entry = f"{coord.rank}," if pattern is None else f"{coord.rank}:{pattern.block},"
+        if pattern is not None:
+            blocks[c] = pattern.block
+        coord.append(coord.key(name, "in", c, digest, "ranks"), entry)
+    return digests, blocks
 
 
 def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tuple[dict[str, _Layout], list[str]]:
     """Round 2, as a coordinator: lay out my arrays and offer each chunk to its holders (one offer
-    per digest: the holders of the same pieces get the same offer). Returns the layouts and the
-    keys of the offers (deleted once every holder has read them). A disagreement or a hole is
-    reported to every rank, and nothing is offered."""
+    per digest: the holders of the same pieces, or of one block pattern, get the same offer).
+    Returns the layouts and the keys of the offers (deleted once every holder has read them). A
+    disagreement or a hole is reported to every rank, and nothing is offered."""
     rank = coord.rank
-    bodies: dict[str, list[LeafDesc]] = {}
+    bodies: dict[str, PiecesPost] = {}
     where = f"{name}/in/{rank}"
     for post in (PiecesPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)):
-        bodies[post.digest] = list(post.pieces)
+        bodies[post.digest] = post
     registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
-    held = {
-        digest: sorted(as_register(value, key))
-        for (digest, key), value in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True)
-    }
+    held: dict[str, list[tuple[int, int]]] = {}  # each holder and its block (0: not a pattern)
+    for (digest, key), value in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True):
+        pattern = bodies[digest].pattern
+        held[digest] = sorted(as_block_register(value, key) if pattern else ((r, 0) for r in as_register(value, key)))
     coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
     pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
-    for digest, leaves in bodies.items():
-        for r in held[digest]:
-            for d in leaves:
-                pieces[d.path].append((r, d))
+    for digest, post in bodies.items():
+        for r, k in held[digest]:
+            for d in post.pieces:
+                pieces[d.path].append((r, place(d, k) if post.pattern else d))
     layouts: dict[str, _Layout] = {}
     offered: dict[int, dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = defaultdict(dict)
     try:
@@ -130,9 +142,8 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
             for r, _ in pieces[path]:  # every holder hears of the array, even of an empty piece
                 lists[r] = offered[r][path] = []
             for chunk, holders in chunks:
-                group = _encode_ranks(holders)
                 for h in holders:
-                    lists[h].append((chunk.coords, group))
+                    lists[h].append((chunk.coords, holders))
     except IncompatibleStateError as e:
         coord.report(name, e)
         offered.clear()
@@ -141,7 +152,20 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
         arrays = {path: ArrayOffer.of(layouts[path][0], tuple(chunks)) for path, chunks in offered[r].items()}
         return dumps(ChunkOffer(arrays=arrays).to_json())
 
-    cand = {coord.key(name, "offer", rank, digest): offer(rs[0]) for digest, rs in held.items() if offered}
+    cand: dict[str, str] = {}
+    for digest, rs in held.items() if offered else ():
+        key = coord.key(name, "offer", rank, digest)
+        if not bodies[digest].pattern:
+            cand[key] = offer(rs[0][0])
+            continue
+        records = {path: layouts[path][0] for path in offered[rs[0][0]]}
+        arrays = pattern_offer(bodies[digest].pieces, rs, records, offered)
+        if arrays is not None:
+            cand[key] = dumps(ChunkOffer(arrays=arrays).to_json())
+            continue
+        cand[key] = dumps(EACH)  # an uneven layout: the holders of each block their own offer
+        first = {k: r for r, k in reversed(rs)}
+        cand.update({coord.key(name, "offer", rank, digest, k): offer(r) for k, r in first.items()})
     coord.multi_set(cand)
     return layouts, list(cand)
 
@@ -151,26 +175,37 @@ def _take_share(
     name: str,
     descs: Sequence[LeafDesc],
     by_coord: dict[int, list[LeafDesc]],
-    digests: dict[int, str],
+    posted: tuple[dict[int, str], dict[int, int]],
 ) -> tuple[dict[str, ArrayRecord], list[WriteTask], int]:
-    """Round 3: take my share of every group of holders I belong to, and tell the coordinators.
-    Returns the records of my arrays, the chunks I write (in leaf order) and their bytes."""
+    """Round 3: take my share of every group of holders I belong to, and tell the coordinators
+    (``posted``: the digests, and my blocks of patterns, by coordinator). Returns the records of
+    my arrays, the chunks I write (in leaf order) and their bytes."""
     rank, world = coord.rank, coord.world_size
+    digests, blocks = posted
     leaf_of = {d.path: i for i, d in enumerate(descs)}
     mine_offers: list[Offer] = []
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
     keys = [coord.key(name, "offer", c, digests[c]) for c in coords_of]
-    for key, value in zip(keys, coord.multi_get(keys), strict=True):
-        for path, array in ChunkOffer.from_json(loads(value, where=key), where=key).arrays.items():
+    for c, key, value in zip(coords_of, keys, coord.multi_get(keys), strict=True):
+        doc = loads(value, where=key)
+        if doc == EACH and c in blocks:  # a pattern whose layout is uneven: my block's own offer
+            key = coord.key(name, "offer", c, digests[c], blocks[c])
+            doc = loads(coord.get(key), where=key)
+        for path, array in ChunkOffer.from_json(doc, where=key).arrays.items():
             rec = records[path] = array.record(path)
             nbytes = chunk_nbytes(rec)
+            chunks = []
             for cc, group in array.chunks:
                 if group not in groups:
-                    groups[group] = _decode_ranks(group, world=world, where=key)
-                holders = groups[group]
-                mine_offers.append(Offer(nbytes, path, _chunk(rec, cc), holders))
+                    groups[group] = decode_group(group, world=world, where=key)
+                chunks.append((cc, groups[group]))
+            if array.shift:
+                if c not in blocks:
+                    raise CoordinationError(f"{key}: array {path!r} is offered as a block pattern, not posted as one")
+                chunks = apply_shift(array, chunks, blocks[c], world=world, where=key)
+            mine_offers.extend(Offer(nbytes, path, _chunk(rec, cc), holders) for cc, holders in chunks)
     missing = sorted(set(leaf_of) - set(records))
     if missing:
         raise CoordinationError(f"rank {rank}: the save plan left out {missing[:3]}")
@@ -225,29 +260,3 @@ def _record_owners(coord: Coordinator, name: str, layouts: dict[str, _Layout]) -
 
 def _chunk(rec: ArrayRecord, coords: tuple[int, ...]) -> Chunk:
     return chunk_at(rec.shape, rec.chunks, coords)
-
-
-def _encode_ranks(ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """A sorted rank list, compactly: ``[-1, start, stride, count]`` when it is an arithmetic
-    progression of three or more (DP replicas are), ``[-2, *runs]`` when its runs
-    (``cluster.ranksets``: every TP rank of every replica is one) are shorter, else the list itself."""
-    if len(ranks) >= 3:
-        stride = ranks[1] - ranks[0]
-        if all(b - a == stride for a, b in itertools.pairwise(ranks)):
-            return (-1, ranks[0], stride, len(ranks))
-        runs = RankSet.of(ranks).runs
-        if 4 * len(runs) + 1 < len(ranks):
-            return (-2, *itertools.chain.from_iterable(runs))
-    return ranks
-
-
-def _decode_ranks(doc: tuple[int, ...], *, world: int, where: str) -> tuple[int, ...]:
-    """The ranks of an encoded group (``_encode_ranks``), each below ``world``."""
-    if doc[:1] == (-1,):
-        _, start, stride, count = doc
-        runs = [[start, 1, max(stride, 1), count]]
-    elif doc[:1] == (-2,):
-        runs = [list(doc[i : i + 4]) for i in range(1, len(doc), 4)]
-    else:
-        runs = [[r, 1, 1, 1] for r in doc]
-    return tuple(sorted(RankSet.from_json(runs, where=where, field="holders", world=world)))
