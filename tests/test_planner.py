@@ -10,8 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_writes, needed_chunks, route_chunks
-from tiercheck.cluster.coordination import Coordinator, lockstep
-from tiercheck.errors import IncompatibleStateError
+from tiercheck.cluster.coordination import Coordinator, lockstep, shard_of
+from tiercheck.cluster.nodes import join_in_lockstep
+from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
 from tiercheck.save import plan as save_plan
 from tiercheck.save.patterns import pattern_offer
@@ -246,11 +247,19 @@ def test_store_traffic_per_rank_does_not_grow_with_the_job() -> None:
     assert means[1] < 1.2 * means[0], means
 
 
-def _plan_through_store(per_rank: list[list[LeafDesc]], target: int) -> tuple[list[int], list[Coordinator]]:
-    """Plan ``per_rank`` through one store, checked against the whole-job plan; each rank's store bytes."""
+def _plan_through_store(
+    per_rank: list[list[LeafDesc]], target: int, per_node: int = 0
+) -> tuple[list[int], list[Coordinator]]:
+    """Plan ``per_rank`` through one store (with ``per_node``, its ranks on nodes of that many, each
+    node's holders registered by its first rank), checked against the whole-job plan; each rank's
+    store bytes."""
     world = len(per_rank)
     store = dist.HashStore()
     coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    if per_node:
+        join_in_lockstep(coords, [f"node{r // per_node}" for r in range(world)])
+        for c in coords:
+            c.counters.update(dict.fromkeys(c.counters, 0))
     plans = lockstep([plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=target) for c in coords])
     whole = assign_writes(per_rank, target_chunk_bytes=target)
     for rank, plan in enumerate(plans):
@@ -282,6 +291,34 @@ def test_a_buffer_split_over_every_data_parallel_rank_costs_its_coordinator_a_fe
     # 120 more slices an array: as exact pieces the busiest rank paid 56 KB more (10.2 KB, then 66.2 KB),
     # some 400 B a slice of the (up to 3) arrays it coordinates; now under 20 B a slice.
     assert max(big) - max(small) < 3 * 120 * 20, (max(small), max(big))
+    # On nodes of 8 ranks (4 replicas of the 2 TP ranks): the same plan, its holders registered by node.
+    _plan_through_store(layout(256), 256, per_node=8)
+
+
+def test_a_node_of_ranks_holding_a_replicated_array_costs_its_coordinator_one_entry() -> None:
+    """Every rank holds a norm: by node, its coordinator reads one run a node (``"8+8,"``), not a rank
+    a holder, and the plan is the same."""
+    per_rank = [descs("norm", (1024,), [((0,), (1024,))]) for _ in range(1024)]
+    alone, _ = _plan_through_store(per_rank, 4096)
+    by_node, _ = _plan_through_store(per_rank, 4096, per_node=8)
+    c = shard_of("norm", 1024)
+    # 1,024 entries of 4-5 bytes ("517,") against 128 of 6-8 ("512+8,")
+    assert by_node[c] < alone[c] - 3000, (alone[c], by_node[c])
+
+
+def test_a_garbled_node_register_fails_every_rank_naming_it_without_a_hang() -> None:
+    world = 8
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=world, namespace="t", timeout_s=5) for r in range(world)]
+    join_in_lockstep(coords, [f"node{r // 4}" for r in range(world)])
+    per_rank = [descs("w", (64,), [((8 * r,), (8,))]) for r in range(world)]
+    protocols = [plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=64) for c in coords]
+    node = coords[4].node
+    assert node is not None
+    node.append(node.key("plan0", "holders"), "1:zz:9:;")
+    outcomes = lockstep(protocols, capture=True)
+    assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
+    assert all("field 'holders[0]'" in str(o) for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("blocks", [[0, 1, 3, 2], [0, 2, 1, 3, 4, 5]])

@@ -16,10 +16,20 @@ import torch.distributed as dist
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.coordination import Coordinator, dumps, lockstep, shard_of
-from tiercheck.cluster.wire import as_block_register, as_register, loads
+from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, CommitMeta, PiecesPost, TookPost, decode_group, encode_group
+from tiercheck.save.messages import (
+    ArrayOffer,
+    ChunkOffer,
+    CommitMeta,
+    PiecesPost,
+    TookPost,
+    decode_group,
+    encode_group,
+    holders_entry,
+    parse_holders,
+)
 from tiercheck.save.patterns import apply_shift
 from tiercheck.save.plan import plan_save
 from tiercheck.tiering.replication import ReplicaHeader
@@ -152,11 +162,39 @@ def test_a_chunk_of_one_holder_is_its_own_and_a_claim_by_another_rank_fails_ever
     assert "array 'optim/tp0' chunk c.0: taken by rank 1, which does not hold it" in str(outcomes[0])
 
 
-def test_a_patterns_register_reads_back_its_ranks_and_blocks_or_names_the_bad_one() -> None:
-    assert as_block_register(b"3:0,7:12,", "k") == ((3, 0), (7, 12))
-    for raw, field in ((b"3:0,7,", "ranks[1]"), (b"3:-1,", "ranks[0]"), (b"x:1,", "ranks[0]"), (b"\xff", "ranks")):
-        with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
-            as_block_register(raw, "k")
+@pytest.mark.parametrize(
+    ("members", "entry"),
+    [
+        ([(3, None), (0, None), (7, None)], "0,3,7,"),
+        ([(8, None), (9, None), (10, None), (11, None)], "8+4,"),  # a node's ranks holding a norm
+        ([(16 + t, t) for t in range(8)], "16+8:0+1,"),  # a node's eight TP blocks
+        ([(5, 2), (6, 2), (9, 0)], "5+2:2,9:0,"),  # two replicas of block 2, then another rank
+        ([(4, 3), (5, 1)], "4+2:3+-2,"),
+    ],
+)
+def test_a_nodes_holders_are_a_few_runs_and_read_back_whole(members: list[tuple[int, int | None]], entry: str) -> None:
+    assert holders_entry(members) == entry
+    pattern = members[0][1] is not None
+    want = sorted((r, 0 if k is None else k) for r, k in members)
+    assert sorted(parse_holders(entry.encode(), where="k", world=64, pattern=pattern)) == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "pattern", "field"),
+    [
+        (b"3,x,", False, "ranks[1]"),
+        (b"3,-1,", False, "ranks[1]"),
+        (b"3:0,", False, "ranks[0]"),  # a block where the digest is no pattern
+        (b"3,", True, "ranks[0]"),  # no block where it is one
+        (b"60+5,", False, "ranks[0]"),  # a run past the world
+        (b"0+100000000000,", False, "ranks[0]"),  # never expanded
+        (b"4+3:1+-1,", True, "ranks[0]"),  # blocks below 0
+        (b"\xff", False, "ranks"),
+    ],
+)
+def test_a_bad_register_entry_names_its_field_and_is_never_expanded(raw: bytes, pattern: bool, field: str) -> None:
+    with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
+        parse_holders(raw, where="k", world=64, pattern=pattern)
 
 
 @pytest.mark.parametrize(("block", "what"), [(9, "lies outside the array"), (1, "lies outside the array or the job")])
@@ -168,14 +206,6 @@ def test_a_patterns_chunk_moved_outside_the_array_or_the_job_is_refused(block: i
     with pytest.raises(CoordinationError, match=re.escape(f"t/offer/3: a pattern's chunk [0] moved to block {block}")):
         apply_shift(offer, [((0,), (3,))], block, world=world, where="t/offer/3")
     assert apply_shift(offer, [((0,), (3,))], 1, world=16, where="k") == [((1,), (10,))]
-
-
-def test_a_ranks_register_reads_back_its_ranks_or_names_the_bad_one() -> None:
-    assert as_register(b"3,0,7,", "k") == (3, 0, 7)
-    assert as_register(b"", "k") == ()
-    for raw, field in ((b"3,x,", "ranks[1]"), (b"3,-1,", "ranks[1]"), (b"\xff", "ranks")):
-        with pytest.raises(CoordinationError, match="^" + re.escape(f"k: field {field!r}")):
-            as_register(raw, "k")
 
 
 @pytest.mark.parametrize(

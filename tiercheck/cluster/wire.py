@@ -82,32 +82,3 @@ def as_dict(v: object, where: str, field: str) -> dict[str, object]:
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise bad(where, field, "an object", v)
     return v
-
-
-def as_block_register(raw: bytes, where: str) -> tuple[tuple[int, int], ...]:
-    """The ranks and their blocks in a register of a block pattern (``"3:0,7:1,"``), each checked."""
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise bad(where, "ranks", "a list of rank:block", raw) from None
-    out = []
-    for i, entry in enumerate(text.removesuffix(",").split(",") if text else ()):
-        rank, _, block = entry.partition(":")
-        if not (rank.isdigit() and block.isdigit()):
-            raise bad(where, f"ranks[{i}]", "rank:block", entry)
-        out.append((int(rank), int(block)))
-    return tuple(out)
-
-
-def as_register(raw: bytes, where: str) -> tuple[int, ...]:
-    """The ranks in a register that ranks append themselves to (``"3,0,7,"``), each checked."""
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise bad(where, "ranks", "a list of ranks", raw) from None
-    ranks = []
-    for i, r in enumerate(text.removesuffix(",").split(",") if text else ()):
-        if not r.isdigit():
-            raise bad(where, f"ranks[{i}]", "a rank", r)
-        ranks.append(int(r))
-    return tuple(ranks)

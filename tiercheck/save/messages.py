@@ -10,7 +10,7 @@ part of every rank's flat cost (``bench/scale_sim.py``).
 Rounds of a save plan (``save.plan``), and what each sends:
 
 - posting pieces: each rank posts each coordinator of its arrays one ``PiecesPost`` per group of
-  pieces (replicas post it once, and append their ranks to its register: ``wire.as_register``);
+  pieces (replicas post it once, and append their ranks to its register: ``holders_entry``);
 - offering chunks: each coordinator sets one ``ChunkOffer`` per group of holders of the same pieces;
 - taking a share: each rank posts each coordinator whose chunks it took a ``TookPost``.
 
@@ -20,6 +20,8 @@ Committing a save (``save.vote``): rank 0 sets the step's ``CommitMeta`` for eve
 from __future__ import annotations
 
 import itertools
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import LeafDesc
@@ -55,6 +57,49 @@ def decode_group(doc: tuple[int, ...], *, world: int, where: str) -> tuple[int, 
         runs = [[r, 1, 1, 1] for r in doc]
     return tuple(sorted(RankSet.from_json(runs, where=where, field="holders", world=world)))
 
+
+
+_HOLDERS = re.compile(r"([0-9]+)(?:\+([0-9]+))?(?::([0-9]+)(?:\+(-?[0-9]+))?)?")
+
+
+def holders_entry(members: Sequence[tuple[int, int | None]]) -> str:
+    """Holders of one digest (their ranks, and their blocks of a pattern: ``save.patterns``) as
+    entries of its register, each ending in a comma: a rank ``r``, ``r:k`` with its block, or a run
+    of ``n`` ranks from ``r``, ``r+n`` or ``r+n:k+d`` with blocks ``k, k+d, ...`` (the eight
+    ranks of a node holding a replicated norm, or its eight TP blocks, are one entry)."""
+    ms = sorted(members)
+    out = []
+    i = 0
+    while i < len(ms):
+        r0, k0 = ms[i]
+        d = None if len(ms) == i + 1 or k0 is None else (ms[i + 1][1] or 0) - k0
+        j = i + 1
+        while j < len(ms) and ms[j][0] == ms[j - 1][0] + 1 and (k0 is None or ms[j][1] == k0 + (j - i) * (d or 0)):
+            j += 1
+        run = f"+{j - i}" if j - i > 1 else ""
+        block = "" if k0 is None else f":{k0}" + (f"+{d}" if run and d else "")
+        out.append(f"{r0}{run}{block},")
+        i = j
+    return "".join(out)
+
+
+def parse_holders(raw: bytes, *, where: str, world: int, pattern: bool) -> list[tuple[int, int]]:
+    """The holders in a register (``holders_entry``): each rank (below ``world``) with its block
+    (0 where the digest is no pattern), a run's length checked before it is expanded."""
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise bad(where, "ranks", "ASCII holders", raw) from None
+    out: list[tuple[int, int]] = []
+    for i, entry in enumerate(text.removesuffix(",").split(",") if text else ()):
+        m = _HOLDERS.fullmatch(entry)
+        if m is None or (m[3] is not None) != pattern:
+            raise bad(where, f"ranks[{i}]", "r, r+n, r:k or r+n:k+d" if pattern else "r or r+n", entry)
+        r0, n, k0, d = int(m[1]), int(m[2] or 1), int(m[3] or 0), int(m[4] or 0)
+        if n < 1 or r0 + n > world or min(k0, k0 + (n - 1) * d) < 0:
+            raise bad(where, f"ranks[{i}]", f"ranks below {world} and blocks of at least 0", entry)
+        out.extend((r0 + j, k0 + j * d) for j in range(n))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

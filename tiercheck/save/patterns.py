@@ -104,7 +104,9 @@ def pattern_offer(
         step = _step(d.path, ref, held, chunks_of)
         if step is None:
             return None
-        for r, k in held:
+        # The holders of one block hold the same pieces (one digest, one block): its first stands for
+        # them all, so this is checked once a block, never once a replica of a block.
+        for k, r in {k: r for r, k in reversed(held)}.items():
             moved = [(_moved(cc, dim, (k - k0) * per), tuple(h + (k - k0) * step for h in hs)) for cc, hs in ref]
             if moved != chunks_of[r][d.path]:
                 return None
@@ -133,16 +135,28 @@ def _moved(cc: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
 
 
 def apply_shift(
-    offer: ArrayOffer, chunks: list[Grouped], block: int, *, world: int, where: str
+    offer: ArrayOffer,
+    chunks: list[Grouped],
+    block: int,
+    *,
+    world: int,
+    where: str,
+    moved_groups: dict[tuple[tuple[int, ...], int], tuple[int, ...]] | None = None,
 ) -> list[Grouped]:
     """A pattern's chunks as the holder of ``block`` holds them (``offer.shift``), each checked
-    against the array's grid and its holders against the world size."""
+    against the array's grid and its holders against the world size. ``moved_groups``: groups
+    moved so far, shared (a group of 1,024 replicas is moved once, not once a chunk)."""
     dim, k0, per, step = offer.shift
     rows = -(-offer.shape[dim] // offer.grid[dim]) if offer.grid[dim] else 0
+    by = (block - k0) * step
+    cache = {} if moved_groups is None else moved_groups
     out = []
     for cc, hs in chunks:
-        moved, holders = _moved(cc, dim, (block - k0) * per), tuple(h + (block - k0) * step for h in hs)
-        if not 0 <= moved[dim] < rows or not all(0 <= h < world for h in holders):
+        moved = _moved(cc, dim, (block - k0) * per)
+        holders = cache.get((hs, by))
+        if holders is None:
+            holders = cache[hs, by] = tuple(h + by for h in hs)
+        if not 0 <= moved[dim] < rows or not holders or holders[0] < 0 or holders[-1] >= world:  # groups: sorted
             raise CoordinationError(
                 f"{where}: a pattern's chunk {list(cc)} moved to block {block} lies outside the array or the job: "
                 f"{list(moved)}, ranks {list(holders)}"

@@ -33,18 +33,27 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
-from tiercheck.cluster.wire import as_block_register, as_register, loads
+from tiercheck.cluster.wire import bad, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.layout import Chunk, chunk_at
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer, ChunkOffer, PiecesPost, TookPost, decode_group
+from tiercheck.save.messages import (
+    ArrayOffer,
+    ChunkOffer,
+    PiecesPost,
+    TookPost,
+    decode_group,
+    holders_entry,
+    parse_holders,
+)
 from tiercheck.save.patterns import EACH, apply_shift, as_pattern, pattern_offer, place
 
 log = logging.getLogger("tiercheck")
@@ -70,6 +79,7 @@ def plan_save(
     for d in descs:
         by_coord[shard_of(d.path, coord.world_size)].append(d)
     digests, blocks = _post_pieces(coord, name, by_coord)
+    yield from _register(coord, name, digests, blocks)
     yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
     layouts, offered = _offer_chunks(coord, name, target_chunk_bytes)
     yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
@@ -94,7 +104,7 @@ def _post_pieces(
     """Round 1: post my pieces to their coordinators; the digest of each group, and my block of
     those posted as a block pattern (``save.patterns``), by coordinator. Replicas hold the same
     pieces (and ranks cutting arrays alike the same pattern): the first of them posts the pieces,
-    each appends its rank (and block) to the list of holders of that digest."""
+    each is registered as a holder of that digest (``_register``)."""
     digests: dict[int, str] = {}
     blocks: dict[int, int] = {}
     for c, leaves in sorted(by_coord.items()):
@@ -104,11 +114,39 @@ def _post_pieces(
         digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
         if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
             coord.post(f"{name}/in/{c}", dumps(PiecesPost(digest, posted, pattern=pattern is not None).to_json()))
-        entry = f"{coord.rank}," if pattern is None else f"{coord.rank}:{pattern.block},"
         if pattern is not None:
             blocks[c] = pattern.block
-        coord.append(coord.key(name, "in", c, digest, "ranks"), entry)
     return digests, blocks
+
+
+def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: dict[int, int]) -> Exchange[None]:
+    """Round 1, by node: the ranks of a node tell its first rank the digests they hold (and their
+    blocks), in the node's store; it appends the node's holders of each digest to the digest's
+    register in a few runs (``holders_entry``): a coordinator reads an entry per node, not per rank,
+    for an array the node's ranks all hold (a norm) or hold one block each of (a TP weight)."""
+    node = coord.node
+    if node is None or node.world_size == 1:
+        for c, d in sorted(digests.items()):
+            coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry([(coord.rank, blocks.get(c))]))
+        return
+    said = node.key(name, "holders")
+    if digests:
+        node.append(said, "".join(f"{c}:{d}:{coord.rank}:{blocks.get(c, '')};" for c, d in sorted(digests.items())))
+    here = node.arrive(f"{name}/holders", what="this node's ranks to say which pieces they hold", record=False)
+    if node.rank != 0:
+        return
+    yield here
+    raw = node.get(said) if node.has(said) else b""
+    node.delete(said, node.key(f"{name}/holders", "arrived"), node.key(f"{name}/holders", "open"))
+    members: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
+    for i, entry in enumerate(raw.decode("ascii", "replace").removesuffix(";").split(";") if raw else ()):
+        m = re.fullmatch(r"([0-9]+):([0-9a-f]+):([0-9]+):([0-9]*)", entry)
+        if m is None or int(m[3]) >= coord.world_size:  # said to every rank at the plan's next check
+            coord.report(name, bad(said, f"holders[{i}]", "coordinator:digest:rank:block", entry))
+            return
+        members[int(m[1]), m[2]].append((int(m[3]), int(m[4]) if m[4] else None))
+    for (c, d), held in sorted(members.items()):
+        coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry(held))
 
 
 def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tuple[dict[str, _Layout], list[str]]:
@@ -121,11 +159,12 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
     where = f"{name}/in/{rank}"
     for post in (PiecesPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)):
         bodies[post.digest] = post
+    if bodies and coord.has(coord.key(name, "error")):  # a node's first rank could not register its node's holders:
+        bodies = {}  # its registers are missing (every rank hears why at the next check)
     registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
     held: dict[str, list[tuple[int, int]]] = {}  # each holder and its block (0: not a pattern)
     for (digest, key), value in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True):
-        pattern = bodies[digest].pattern
-        held[digest] = sorted(as_block_register(value, key) if pattern else ((r, 0) for r in as_register(value, key)))
+        held[digest] = sorted(parse_holders(value, where=key, world=coord.world_size, pattern=bodies[digest].pattern))
     coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
     pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
     for digest, post in bodies.items():
@@ -187,6 +226,7 @@ def _take_share(
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
+    moved: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # and per group moved to my block
     keys = [coord.key(name, "offer", c, digests[c]) for c in coords_of]
     for c, key, value in zip(coords_of, keys, coord.multi_get(keys), strict=True):
         doc = loads(value, where=key)
@@ -204,7 +244,7 @@ def _take_share(
             if array.shift:
                 if c not in blocks:
                     raise CoordinationError(f"{key}: array {path!r} is offered as a block pattern, not posted as one")
-                chunks = apply_shift(array, chunks, blocks[c], world=world, where=key)
+                chunks = apply_shift(array, chunks, blocks[c], world=world, where=key, moved_groups=moved)
             mine_offers.extend(Offer(nbytes, path, _chunk(rec, cc), holders) for cc, holders in chunks)
     missing = sorted(set(leaf_of) - set(records))
     if missing:
