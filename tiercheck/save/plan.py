@@ -228,11 +228,13 @@ def _take_share(
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
     moved: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # and per group moved to my block
     keys = [coord.key(name, "offer", c, digests[c]) for c in coords_of]
-    for c, key, value in zip(coords_of, keys, coord.multi_get(keys), strict=True):
-        doc = loads(value, where=key)
-        if doc == EACH and c in blocks:  # a pattern whose layout is uneven: my block's own offer
-            key = coord.key(name, "offer", c, digests[c], blocks[c])
-            doc = loads(coord.get(key), where=key)
+    docs = [loads(value, where=key) for key, value in zip(keys, coord.multi_get(keys), strict=True)]
+    uneven = [i for i, (c, doc) in enumerate(zip(coords_of, docs, strict=True)) if doc == EACH and c in blocks]
+    if uneven:  # patterns whose layout is uneven: my block's own offers, in one request
+        own = [coord.key(name, "offer", coords_of[i], digests[coords_of[i]], blocks[coords_of[i]]) for i in uneven]
+        for i, key, value in zip(uneven, own, coord.multi_get(own), strict=True):
+            keys[i], docs[i] = key, loads(value, where=key)
+    for c, key, doc in zip(coords_of, keys, docs, strict=True):
         for path, array in ChunkOffer.from_json(doc, where=key).arrays.items():
             rec = records[path] = array.record(path)
             nbytes = chunk_nbytes(rec)
