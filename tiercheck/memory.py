@@ -125,9 +125,10 @@ class Memory:
         newest: int | None = None  # the local and remote tiers' newest step every rank can get
         below: int | None = None
         partly: PartlyRestoredError | None = None  # a memory step read in part into the state's own memory
+        # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
+        wanted = request.step if self.owned() else -1
         for n in itertools.count():
-            # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
-            mem = self._choose(f"{name}/memory{n or ''}", request.step if self.owned() else -1, below)
+            mem = self._choose(f"{name}/memory{n or ''}", wanted, below)
             if mem is None:
                 break
             if request.step is None and n == 0:

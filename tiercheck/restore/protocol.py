@@ -145,7 +145,6 @@ class Restore:
         # found damaged; and on the node's leader, all its node's ranks found (no longer claimed).
         self.found: dict[int, set[int]] = {}
         self.dropped: dict[int, set[int]] = {}
-        self.choice: StepChoice | None = None  # of the attempt under way
 
     def run(self) -> Restored | None:
         """Attempts from the newest step down until one restores (see the class's call order)."""
@@ -206,7 +205,7 @@ class Restore:
         the state's tensors it reads into, before the first byte is."""
         job, request = self.job, self.request
         coord, tier, remote = job.coord, job.tier, job.remote
-        choice = self.choice = again or self.agree(name, below)
+        choice = again or self.agree(name, below)
         if choice.step is None:
             return None
         step = choice.step
@@ -314,8 +313,7 @@ class Restore:
             _leave(coord, name, claimed)
             raise _Damaged(step, e) from None
         return _Prepared(
-            step=step, st=st, manifest=manifest, items=items, decoded=decoded, parts=parts,
-            from_remote=choice.from_remote,
+            step=step, st=st, manifest=manifest, items=items, decoded=decoded, parts=parts, choice=choice,
         )  # fmt: skip
 
     def plan(self, prepared: _Prepared, name: str) -> RestorePlan:
@@ -360,7 +358,7 @@ class Restore:
                     step=step,
                     rank=coord.rank,
                     group=job.group,
-                    remote=job.remote if prepared.from_remote else None,
+                    remote=job.remote if prepared.choice.from_remote else None,
                     io_threads=request.io_threads,
                 )
                 nbytes = move_chunks(source, plan, reads, counts=counts, sharing=sharing)
@@ -373,7 +371,7 @@ class Restore:
                 elif failure is not None:
                     raise failure
             except CorruptCheckpointError as e:
-                raise _Damaged(step, e, self.choice) from None
+                raise _Damaged(step, e, prepared.choice) from None
             finally:
                 _leave(coord, name, prepared.st.claimed)
             fill_deferred(sharing)
@@ -382,7 +380,6 @@ class Restore:
         return ReadOutcome(
             nbytes=nbytes, counts=counts, staged_in_pool=in_pool, staged_on_device=on_device, copied_up=copied_up
         )
-
 
     def _copy_damaged(self, error: TiercheckError, step: int, damaged: set[int]) -> TiercheckError:
         """The reads' first failure, as ``_CopyDamaged`` where this rank found a chunk damaged in its
@@ -418,7 +415,7 @@ class _Prepared:
     items: list[ReadItem]
     decoded: dict[str, Any]
     parts: dict[int, RankPart]  # saving ranks' manifest parts, parsed once
-    from_remote: bool
+    choice: StepChoice  # the step's, as every rank agreed on it (read again, where a copy is damaged)
 
 
 @dataclass(frozen=True, kw_only=True)
