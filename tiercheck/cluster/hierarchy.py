@@ -84,6 +84,27 @@ def leave_node(
     node.delete(left, all_left, *keys)
 
 
+def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) -> Exchange[list[str] | None]:
+    """Every rank of a node (``node``: its coordinator, rank 0 its leader) says ``entries`` (each
+    ending in ``;``), appended under ``scope`` in the node's store. The leader, once every rank of
+    the node has, gets all of them, split, and deletes the scope's keys; the others get None at once
+    (they need not wait). ``CoordinationError`` on the leader where what was said is not ASCII."""
+    said = node.key(scope)
+    if entries:
+        node.append(said, entries)
+    here = node.arrive(scope, what=what, record=False)
+    if node.rank != 0:
+        return None
+    yield here
+    raw = node.get(said) if node.has(said) else b""
+    node.delete(said, *_barrier_keys(node, scope))
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise CoordinationError(f"{said}: what this node's ranks said is not ASCII: {raw[:80]!r}") from None
+    return text.removesuffix(";").split(";") if text else []
+
+
 def _barrier_keys(node: Coordinator, name: str) -> tuple[str, str]:
     return node.key(name, "arrived"), node.key(name, "open")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from tiercheck.cluster.assign import Need, Needers, Read, ReadAssignment, Route, Transfer, needed_chunks, route_chunks
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
-from tiercheck.cluster.hierarchy import node_of
+from tiercheck.cluster.hierarchy import gather_at_leader, node_of
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.wire import bad
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
@@ -161,23 +161,21 @@ def _register(job: Job, name: str, groups: Mapping[int, str], host: str | None) 
         return
     node = node_of(coord)
     said = node.key(name, "groups")
-    if groups:
-        node.append(said, "".join(f"{c}:{d}:{coord.rank};" for c, d in sorted(groups.items())))
-    here = node.arrive(f"{name}/groups", what="this node's ranks to say which groups they need with", record=False)
-    if coord.rank != leader:
-        return
-    yield here
-    raw = node.get(said) if node.has(said) else b""
-    node.delete(said, node.key(f"{name}/groups", "arrived"), node.key(f"{name}/groups", "open"))
     members: dict[tuple[int, str], list[int]] = defaultdict(list)
     try:
-        for i, entry in enumerate(raw.decode("ascii").removesuffix(";").split(";") if raw else ()):
+        entries = yield from gather_at_leader(
+            node, f"{name}/groups", "".join(f"{c}:{d}:{coord.rank};" for c, d in sorted(groups.items())),
+            what="this node's ranks to say which groups they need with",
+        )  # fmt: skip
+        if entries is None:
+            return
+        for i, entry in enumerate(entries):
             to, digest, who = entry.split(":") if entry.count(":") == 2 else ("", "", "")
             if not (to.isdigit() and who.isdigit() and int(who) in nodes.ranks):
                 raise bad(said, f"groups[{i}]", "a coordinator, a digest and a rank of this node", entry)
             members[int(to), digest].append(int(who))
-    except (CoordinationError, UnicodeDecodeError) as e:  # said to every rank at the plan's next check
-        coord.report(name, e if isinstance(e, CoordinationError) else bad(said, "groups", "ASCII", raw))
+    except CoordinationError as e:  # said to every rank at the plan's next check
+        coord.report(name, e)
         return
     for (c, d), ranks in sorted(members.items()):
         coord.append(coord.key(name, "needs", c, d, "ranks"), Member.entry(leader, host, ranks))

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
+from tiercheck.cluster.hierarchy import gather_at_leader
 from tiercheck.cluster.wire import bad, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
@@ -130,21 +131,21 @@ def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: di
             coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry([(coord.rank, blocks.get(c))]))
         return
     said = node.key(name, "holders")
-    if digests:
-        node.append(said, "".join(f"{c}:{d}:{coord.rank}:{blocks.get(c, '')};" for c, d in sorted(digests.items())))
-    here = node.arrive(f"{name}/holders", what="this node's ranks to say which pieces they hold", record=False)
-    if node.rank != 0:
-        return
-    yield here
-    raw = node.get(said) if node.has(said) else b""
-    node.delete(said, node.key(f"{name}/holders", "arrived"), node.key(f"{name}/holders", "open"))
     members: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
-    for i, entry in enumerate(raw.decode("ascii", "replace").removesuffix(";").split(";") if raw else ()):
-        m = re.fullmatch(r"([0-9]+):([0-9a-f]+):([0-9]+):([0-9]*)", entry)
-        if m is None or int(m[3]) >= coord.world_size:  # said to every rank at the plan's next check
-            coord.report(name, bad(said, f"holders[{i}]", "coordinator:digest:rank:block", entry))
+    try:
+        mine = "".join(f"{c}:{d}:{coord.rank}:{blocks.get(c, '')};" for c, d in sorted(digests.items()))
+        what = "this node's ranks to say what they hold"
+        entries = yield from gather_at_leader(node, f"{name}/holders", mine, what=what)
+        if entries is None:
             return
-        members[int(m[1]), m[2]].append((int(m[3]), int(m[4]) if m[4] else None))
+        for i, entry in enumerate(entries):
+            m = re.fullmatch(r"([0-9]+):([0-9a-f]+):([0-9]+):([0-9]*)", entry)
+            if m is None or int(m[3]) >= coord.world_size:
+                raise bad(said, f"holders[{i}]", "coordinator:digest:rank:block", entry)
+            members[int(m[1]), m[2]].append((int(m[3]), int(m[4]) if m[4] else None))
+    except CoordinationError as e:  # said to every rank at the plan's next check
+        coord.report(name, e)
+        return
     for (c, d), held in sorted(members.items()):
         coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry(held))
 
@@ -192,12 +193,12 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
         return dumps(ChunkOffer(arrays=arrays).to_json())
 
     cand: dict[str, str] = {}
+    records = {path: rec for path, (rec, _) in layouts.items()}
     for digest, rs in held.items() if offered else ():
         key = coord.key(name, "offer", rank, digest)
         if not bodies[digest].pattern:
             cand[key] = offer(rs[0][0])
             continue
-        records = {path: layouts[path][0] for path in offered[rs[0][0]]}
         arrays = pattern_offer(bodies[digest].pieces, rs, records, offered)
         if arrays is not None:
             cand[key] = dumps(ChunkOffer(arrays=arrays).to_json())
