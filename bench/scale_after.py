@@ -14,7 +14,6 @@ the simulated stage for their commit. Method and columns: bench/README.md (Scale
 from __future__ import annotations
 
 import argparse
-import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -184,17 +183,15 @@ def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
     job = sim.job(r)
     assert choice.step is not None
     here, _, own = choice.held[str(choice.step)]
-    # As ``restore.protocol`` asks: with a host key (one host per node, 16 hex digits as
-    # ``restore.share.host_key``'s), and its node, so the reads are planned per node and shared memory is used in one.
-    host = hashlib.blake2b(f"host{sim.nodes[r].number}".encode(), digest_size=8).hexdigest()
+    # As ``restore.protocol`` asks (``restore.read.share_key``): with its node's host (one host per node: its
+    # first rank), so the reads are planned per node and shared memory is used in one.
+    host = str(sim.nodes[r].host)
     st = yield from find_holders(job, "restore0", choice.step, here, own, from_remote=False, host=host)
     parts: dict[int, RankPart] = {}  # the saving ranks' parts it parses (its own: it reads its chunks alone)
     manifest = yield from manifest_for(job, "restore0", st, {}, others=False, parts=parts)
     yield from settle(job, "restore0/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
-    request = ReadRequest(
-        needs=needs, records=manifest.arrays, read_once=False, parts=parts, host=host
-    )
+    request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False, parts=parts, host=host)
     return (yield from plan_restore(job, "restore0", st, request))
 
 

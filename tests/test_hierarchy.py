@@ -154,3 +154,15 @@ def test_a_save_that_reuses_its_plan_asks_the_jobs_store_nothing_on_ranks_that_l
         # A leader: four requests (and, the last to count in, the metadata's read and two decisions);
         # rank 0 also sets the save's metadata and deletes the previous vote's five keys.
         assert got["store_ops"] == 0 if rank % 2 else 4 <= got["store_ops"] <= (13 if rank == 0 else 7), (rank, got)
+
+
+def test_nodes_of_one_host_learn_its_first_node_and_the_others_their_own() -> None:
+    """A node's host is named by the first rank of the host's first node (``Nodes.host``): nodes 0
+    and 2 share host A, node 1 is alone on B, and node 3 said no host (a host of its own)."""
+    store = dist.HashStore()
+    coords = [Coordinator(store, rank=r, world_size=8, namespace="h", timeout_s=5) for r in range(8)]
+    hosts: list[str | None] = ["A", "A", "B", "B", "A", "A", None, None]
+    nodes = join_in_lockstep(coords, [f"node{r // 2}" for r in range(8)], hosts)
+    assert [n.host for n in nodes] == [0, 0, 2, 2, 0, 0, 6, 6]
+    assert [n.number for n in nodes] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [n.first_on_host for n in nodes] == [None, None, None, None, 0, 0, None, None]

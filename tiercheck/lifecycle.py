@@ -33,6 +33,7 @@ from tiercheck.cluster.lock import DirectoryLock, lock_node
 from tiercheck.cluster.nodes import Nodes, join_nodes, node_id, open_channel, tcp_connect, tcp_serve
 from tiercheck.errors import InvalidArgumentError, NotADirectoryTierError, StorageError, TiercheckError
 from tiercheck.options import DistributedOptions, DrainOptions, ReplicationOptions, RetentionOptions, WriteOptions
+from tiercheck.restore.share import host_key
 from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiers.base import Tier
@@ -88,7 +89,7 @@ def start(
         me = node_id(tier.root) if world_size > 1 else "local"
     except StorageError as e:  # joins as a node of its own, locks nothing, and tells the others at the lock
         failure, me = e, f"unprepared-{uuid.uuid4().hex}"
-    nodes: Nodes = drive(coord, join_nodes(coord, me))
+    nodes: Nodes = drive(coord, join_nodes(coord, me, host_key()))
     timeout = distributed.timeout_s
     coord.node = drive(coord, open_channel(coord, nodes, tcp_serve(timeout), tcp_connect(timeout)))
     # One writer per directory: before anything here is listed, removed or written.

@@ -7,8 +7,9 @@ the node's first rank (its leader) on the node: the job's store then sees only t
 O(nodes) requests where it saw O(ranks) (``cluster.hierarchy``).
 
 ``join_nodes`` learns a rank's node once per job: its members, its number (0 to nodes - 1 in the
-order of the nodes' first ranks: node 0 holds rank 0), and the job's run id. ``open_channel``
-then connects the node's ranks to their leader's store. Both cost each rank a few requests to the
+order of the nodes' first ranks: node 0 holds rank 0), its host (as the first rank of the host's
+first node, so that ranks name their host in a few digits: ``Nodes.host``), and the job's run id.
+``open_channel`` then connects the node's ranks to their leader's store. Both cost each rank a few requests to the
 job's store, once; rank 0 numbers the nodes (one entry per node).
 """
 
@@ -25,8 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, lockstep
-from tiercheck.cluster.wire import as_rank, loads
+from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, dumps, lockstep
+from tiercheck.cluster.wire import as_fields, as_rank, as_str, loads
 from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
 
@@ -41,15 +42,23 @@ class Nodes:
     count: int
     run: str = ""  # random, the same on every rank of the job: save ids are made from it
     number: int = 0  # this node's, 0 to count - 1 in the order of the nodes' first ranks
+    first_on_host: int | None = None  # the first rank of the first node on this node's host, where that is another node
 
     @property
     def leader(self) -> int:
         return self.ranks[0]
 
+    @property
+    def host(self) -> int:
+        """This node's host, as the first rank of its first node: nodes on one host (a job's
+        simulated nodes, containers) have the same; on a cluster every node has its leader's."""
+        return self.leader if self.first_on_host is None else self.first_on_host
 
-def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
-    """Learn this node's ranks and number: each rank reads its own node's members, never every
-    rank's; rank 0 reads one entry per node to number them."""
+
+def join_nodes(coord: Coordinator, node: str, host: str | None = None) -> Exchange[Nodes]:
+    """Learn this node's ranks, number and host: each rank reads its own node's members, never
+    every rank's; rank 0 reads one entry per node to number them. ``host``: a key equal on the
+    ranks of one host (``restore.share.host_key``; None: unknown, a host of its own)."""
     bucket = f"nodes/{node}"
     mine = coord.post(bucket, str(coord.rank))
     if mine == 1:
@@ -61,22 +70,42 @@ def join_nodes(coord: Coordinator, node: str) -> Exchange[Nodes]:
     count = coord.add(coord.key("nodes", "count"), 0)
     run = coord.get(coord.key("nodes", "run")).decode()
     if coord.rank == members[0]:
-        coord.post("nodes/leaders", str(coord.rank))
+        coord.post("nodes/leaders", dumps([coord.rank, host]) if host else str(coord.rank))
     yield coord.arrive("nodes/read", what="every rank to read its node's members")
     coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
     if coord.rank == 0:
         coord.delete(coord.key("nodes", "count"), coord.key("nodes", "run"))
-        where = "nodes/leaders"
-        leaders = sorted(as_rank(loads(v, where=where), where, "leader") for v in coord.collect(where))
-        coord.multi_set({coord.key("nodes", "number", r): str(i) for i, r in enumerate(leaders)})
+        numbers = _numbers(coord.collect("nodes/leaders"))
+        coord.multi_set({coord.key("nodes", "number", r): v for r, v in numbers.items()})
     key = coord.key("nodes", "number", members[0])
     raw = yield Barrier(key, "rank 0 to number the nodes", coord, fetch=True)
-    number = as_rank(loads(raw, where=key), key, "number")
+    said = loads(raw, where=key)
+    number, first_on_host = as_fields(said, key, "number", (as_rank, as_rank)) if isinstance(said, list) else (
+        as_rank(said, key, "number"), None)  # fmt: skip
     yield coord.arrive("nodes/numbered", what="every rank to learn its node's number")
     if coord.rank == members[0]:
         coord.delete(key)
     coord.finish("nodes")
-    return Nodes(tuple(members), count, run, number)
+    return Nodes(tuple(members), count, run, number, first_on_host)
+
+
+def _numbers(said: list[bytes]) -> dict[int, str]:
+    """Rank 0: each node's number (its place among the leaders), with the first node of its host
+    where that is another node (``[number, leader]``)."""
+    where = "nodes/leaders"
+    hosts: dict[int, str | None] = {}
+    for v in said:
+        doc = loads(v, where=where)
+        r, h = as_fields(doc, where, "leader", (as_rank, as_str)) if isinstance(doc, list) else (
+            as_rank(doc, where, "leader"), None)  # fmt: skip
+        hosts[r] = h
+    first: dict[str, int] = {}
+    out: dict[int, str] = {}
+    for i, r in enumerate(sorted(hosts)):
+        h = hosts[r]
+        on = r if h is None else first.setdefault(h, r)
+        out[r] = str(i) if on == r else dumps([i, on])
+    return out
 
 
 # ---------------------------------------------------------------------------------- channels
@@ -204,11 +233,14 @@ def local_channel() -> tuple[Serve, Connect]:
     return serve, stores.__getitem__
 
 
-def join_in_lockstep(coords: list[Coordinator], node_names: list[str]) -> list[Nodes]:
-    """Every simulated rank joins its node (``node_names[rank]``) and opens its node's channel,
-    all in this process (``lockstep`` over ``local_channel`` stores): for ``bench/scale_sim.py``
-    and tests. Sets each coordinator's ``node``."""
-    nodes = lockstep([join_nodes(c, node_names[c.rank]) for c in coords])
+def join_in_lockstep(
+    coords: list[Coordinator], node_names: list[str], hosts: list[str | None] | None = None
+) -> list[Nodes]:
+    """Every simulated rank joins its node (``node_names[rank]``, on host ``hosts[rank]``: by
+    default each node a host of its own) and opens its node's channel, all in this process
+    (``lockstep`` over ``local_channel`` stores): for ``bench/scale_sim.py`` and tests. Sets each
+    coordinator's ``node``."""
+    nodes = lockstep([join_nodes(c, node_names[c.rank], None if hosts is None else hosts[c.rank]) for c in coords])
     serve, connect = local_channel()
     channels = lockstep([open_channel(c, nodes[c.rank], serve, connect) for c in coords])
     for c, node in zip(coords, channels, strict=True):

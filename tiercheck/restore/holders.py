@@ -57,7 +57,7 @@ def find_holders(
     The node's leader decides what of its directory the node uses (``node_copy``: all of it, or
     nothing when its manifest files are damaged and the remote tier has the step); the other ranks
     of the node take ``here`` and ``written`` from it, so a node never disagrees with itself.
-    ``host``: this node's host key (``restore.read.share_key``), said with its claims.
+    ``host``: this node's host (``restore.read.share_key``), said with its claims.
 
     ``dropped`` (every rank gives a list, or every rank None): the step is read again, and the
     saving ranks listed (on a node's leader) are those whose files, as this node holds them, were
@@ -187,7 +187,7 @@ def holders_of(
     coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool, hosts: dict[int, str | None] | None = None
 ) -> dict[int, list[int]]:
     """The restoring ranks that can read each of these saving ranks' files (none: only the remote);
-    into ``hosts`` where given, their host key, by restoring rank."""
+    into ``hosts`` where given, their host, by restoring rank."""
     wanted = sorted(set(saving))
     keys = [coord.key(name, "holder", w) for w in wanted]
     if remote:  # some saving ranks may be on no node: ask for each before reading

@@ -6,7 +6,6 @@ found damaged falls back to an older one. The ranks meet in the store, never in 
 collectives; what they send each other there is in ``restore.messages``.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -286,7 +285,7 @@ class Restore:
         view = dict(state)  # entries ``others`` adds go to the state only once the restore succeeded
         parts: dict[int, RankPart] = {}
         try:
-            host = share_key(job.group) if self.request.share_memory else None
+            host = share_key(job.group, job.nodes) if self.request.share_memory else None
             st = drive(coord, find_holders(job, name, step, here, own, from_remote=choice.from_remote, host=host,
                                            dropped=dropped))  # fmt: skip
             claimed = st.claimed
@@ -326,7 +325,7 @@ class Restore:
             records=prepared.manifest.arrays,
             read_once=request.read_once,
             parts=prepared.parts,
-            host=share_key(job.group) if request.share_memory else None,
+            host=share_key(job.group, job.nodes) if request.share_memory else None,
         )
         try:
             return drive(job.coord, plan_restore(job, name, prepared.st, asked))

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tiercheck.cluster.assign import Read, Transfer
+from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes, verify_parts
 from tiercheck.format.layout import Chunk, chunks_in_box, overlap
@@ -478,12 +479,14 @@ READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read togethe
 READ_RUN_CHUNKS = 256  # and this many chunks (each its data and checksum buffers, and a gap: < 1024)
 
 
-def share_key(group: Any) -> str | None:
-    """This rank's host key for passing chunks through shared memory (``restore.share``), or None
-    where the process group moves them in GPU memory (NCCL passes them between a host's GPUs itself)."""
+def share_key(group: Any, nodes: Nodes) -> str | None:
+    """This rank's host for passing chunks through shared memory (``restore.share``): its node's
+    ``Nodes.host``, a few digits, the same on every node of its host. None where it cannot share
+    (no ``memfd_create``), or where the process group moves chunks in GPU memory (NCCL passes
+    them between a host's GPUs itself)."""
     if dist.is_available() and dist.is_initialized() and _comm_device(group).type != "cpu":
         return None
-    return host_key()
+    return None if host_key() is None else str(nodes.host)
 
 
 def _comm_device(group: Any) -> torch.device:
