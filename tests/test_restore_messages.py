@@ -19,12 +19,20 @@ from tiercheck.cluster.ranksets import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CoordinationError
 from tiercheck.format.layout import chunk_at
 from tiercheck.restore.agree import choose_step
+from tiercheck.restore.members import (
+    listed_node,
+    node_entry,
+    offsets_entry,
+    parse_nodes,
+    parse_register,
+    parse_signatures,
+    signature_entry,
+)
 from tiercheck.restore.messages import (
     ArrayShape,
     Held,
     HeldSteps,
     HolderClaim,
-    Member,
     NeedsPost,
     NodeHolds,
     RouteWork,
@@ -56,6 +64,8 @@ WORK = RouteWork(
     ),
     records=(W,),
 )  # fmt: skip
+
+
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
     raw = dumps(message.to_json())
@@ -70,10 +80,20 @@ def test_route_work_comes_back_as_it_was_sent() -> None:
 def test_the_wire_is_what_the_plan_always_sent() -> None:
     # The store carries these once per group and coordinator: their size is each rank's cost.
     assert NeedsPost("d", (Need("w", (0,), (4,)),)).to_json() == {"digest": "d", "needs": [["w", [0], [4]]]}
-    # A node's first rank registers the node's members: one entry per node, its members as spans.
-    assert Member.entry(8, "h", [8, 9, 10, 11, 13]) == "8:h:0-3,5;" and Member.entry(3, None, [3]) == "3::0;"
-    got = Member.register(b"8:h:0-3,5;3::0;", where="k", world=16)
-    assert got == [*(Member(r, 8, "h") for r in (8, 9, 10, 11, 13)), Member(3, 3)]
+    # A node's first rank registers the node's members of a group as offsets from it: in the group's
+    # register where a rank of the node posted the group first, else in its signature at the
+    # coordinator, with every group it joined there; its node joins the signature's list.
+    assert offsets_entry(8, [8, 9, 10, 11, 13]) == "0-3,5"
+    assert node_entry(8, "8", "0-3,5") == "8:8:0-3,5;" and node_entry(3, None, "0") == "3::0;"
+    assert parse_register(b"8:8:0-3,5;3::0;", where="k", world=16) == [(8, "8", [0, 1, 2, 3, 5]), (3, None, [0])]
+    a, b = "a" * 24, "b" * 24
+    assert signature_entry(a, True, {b: "1", a: "0-1"}) == f"{a}:s:{a}/0-1|{b}/1;"
+    assert parse_signatures(f"{a}:s:{a}/0-1|{b}/1;{b}::{a}/3;".encode(), where="k", world=16) == [
+        (a, True, {a: [0, 1], b: [1]}), (b, False, {a: [3]})
+    ]  # fmt: skip
+    # A node in a signature's list costs its first rank, and its host only where another node's is.
+    assert listed_node(8, "8") == "8," and listed_node(8, None) == "8," and listed_node(12, "8") == "12:8,"
+    assert parse_nodes(b"8,12:8,", where="k", world=16) == [(8, "8"), (12, "8")]
     # Eight replicas' routes cost the same as two: every set of ranks is a few runs.
     assert WORK.to_json() == {
         "sets": [[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 8]]],
@@ -83,7 +103,8 @@ def test_the_wire_is_what_the_plan_always_sent() -> None:
 
 
 @pytest.mark.parametrize(
-    "ranks", [[], [5], [0, 1, 2, 3], [1, 3, 5, 7], [0, 1, 8, 9, 16, 17, 40], list(range(3, 131072, 128)), [2, 9, 10, 11]]
+    "ranks",
+    [[], [5], [0, 1, 2, 3], [1, 3, 5, 7], [0, 1, 8, 9, 16, 17, 40], list(range(3, 131072, 128)), [2, 9, 10, 11]],
 )
 def test_a_set_of_ranks_comes_back_from_its_runs(ranks: list[int]) -> None:
     got = RankSet.from_json(RankSet.of(ranks).to_json(), where="k", field="s", world=131072)
@@ -136,10 +157,32 @@ def test_malformed_route_work_names_its_key_and_field(doc: dict[str, Any], field
         RouteWork.from_json(doc, where="t/reads/route/3", world=1024)
 
 
-@pytest.mark.parametrize("raw", [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"\xff"])
+SIG = b"a" * 24
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"16::0;", b"3:a b:0;", b"15::1;", b"\xff"],
+)  # fmt: skip
 def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
     with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members")):
-        Member.register(raw, where="t/reads/needs/3/d/ranks", world=16)
+        parse_register(raw, where="t/reads/needs/3/d/ranks", world=16)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [SIG + b"::;", SIG + b":h:" + SIG + b"/0;", SIG[:-1] + b"::" + SIG + b"/0;", SIG + b"::" + SIG + b"/16;",
+     SIG + b"::" + SIG + b"/0|;", SIG + b"::" + SIG + b"/0-1-2;", b"\xff"],
+)  # fmt: skip
+def test_a_garbled_signature_names_its_key(raw: bytes) -> None:
+    with pytest.raises(CoordinationError, match=re.escape("t/reads/sigs/3: field 'signatures")):
+        parse_signatures(raw, where="t/reads/sigs/3", world=16)
+
+
+@pytest.mark.parametrize("raw", [b"x,", b"16,", b"3:,", b"3:a b,", b"3:" + b"h" * 65 + b",", b"\xff"])
+def test_a_garbled_list_of_a_signatures_nodes_names_its_key(raw: bytes) -> None:
+    with pytest.raises(CoordinationError, match=re.escape("t/reads/sig/3/a: field 'nodes")):
+        parse_nodes(raw, where="t/reads/sig/3/a", world=16)
 
 
 def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> None:
@@ -150,8 +193,12 @@ def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> N
     assert folded.steps[5] == Held(8, ((0, 8),), ((0, 8),))  # a whole step is one span, at any size
     assert folded.steps[6] == Held(8, ((0, 2), (6, 8)), ((0, 2), (4, 8)))
     assert choose_step(folded, None, set(), world=8, where="w") == 5
-    with pytest.raises(CheckpointNotFoundError, match=re.escape("step 6: the files of saving rank(s) 2-5 are on no "
-                                                                "rank's local tier (restoring rank(s) 2-3 have no copy")):
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=re.escape(
+            "step 6: the files of saving rank(s) 2-5 are on no rank's local tier (restoring rank(s) 2-3 have no copy"
+        ),
+    ):
         choose_step(folded, 6, set(), world=8, where="w")
 
 
@@ -171,7 +218,11 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
         if c.rank == 0:  # posted before any coordinator collects its bucket
             c.post(f"r/reads/needs/{target}", json.dumps({"digest": "d", "needs": [["w", [0], "x"]]}))
         needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
-        return (yield from plan_restore(rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)))
+        return (
+            yield from plan_restore(
+                rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)
+            )
+        )
 
     outcomes = lockstep([one(c) for c in coords], capture=True)
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
@@ -179,7 +230,7 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
     assert f"rank {target} failed" in str(outcomes[0])
 
 
-@pytest.mark.parametrize("said", ["7:abc:5;", "x:abc:1;", "7:abc;"])
+@pytest.mark.parametrize("said", ["7:abc:5:;", "x:abc:1:f;", "7:abc:1;", "7:abc:1:x;"])
 def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, said: str) -> None:
     """A node's ranks tell their first rank their groups in the node's store; what it cannot read
     (here: a rank not of its node, or no rank) fails the plan on every rank, not just that node."""
@@ -194,11 +245,17 @@ def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, s
             assert c.node is not None
             c.node.append(c.node.key("r/reads", "groups"), said)
         needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
-        return (yield from plan_restore(rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)))
+        return (
+            yield from plan_restore(
+                rank_job, "r", st, ReadRequest(needs=needs, records=manifest.arrays, read_once=False)
+            )
+        )
 
     outcomes = lockstep([one(c) for c in coords], capture=True)
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
-    assert "r/reads/groups: field 'groups[0]' is not a coordinator, a digest and a rank of this node" in str(outcomes[5])
+    assert "r/reads/groups: field 'groups[0]' is not coordinator:digest:rank of this node:'f' where first" in str(
+        outcomes[5]
+    )
 
 
 def test_a_reported_failure_reads_back_as_it_was_and_a_garbled_one_names_its_key() -> None:

@@ -15,7 +15,8 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 - finding holders: each node leader sets its ``NodeHolds`` for its other ranks, and claims saving
   ranks' files with a ``HolderClaim``;
 - planning the reads: each group of ranks needing the same posts one ``NeedsPost`` to each array
-  coordinator it needs, and each node's first rank registers the node's members (``Member``);
+  coordinator it needs, and each node's first rank registers the node's members
+  (``restore.members``);
   each coordinator posts each group one ``RouteWork`` (and one to each rank reading for others
   whose group it does not plan).
 """
@@ -186,10 +187,10 @@ class NodeHolds:
 @dataclass(frozen=True, slots=True)
 class HolderClaim:
     """The ranks of the node that claimed a saving rank's files: they read its chunks and serve its
-    manifest files; and the node's host key (None: it shares no memory), so a rank reading there
+    manifest files; and the node's host (``Nodes.host``; None: it shares no memory), so a rank reading there
     can pass chunks to ranks of its host through shared memory. Set through
     ``Coordinator.decide``: the first node's claim stands, and a node knows its claim stood when
-    the stored JSON is its own, byte for byte. ``[rank, ...]``, the host key last where there is one."""
+    the stored JSON is its own, byte for byte. ``[rank, ...]``, the host last where there is one."""
 
     ranks: tuple[int, ...]
     host: str | None = None
@@ -211,7 +212,7 @@ class HolderClaim:
 class NeedsPost:
     """What the ranks of one group need of the arrays one coordinator plans: boxes of global
     arrays. Ranks needing the same (data-parallel replicas) have the same ``digest``: the first
-    of them posts the boxes, and the group's members are registered by node (``Member``)."""
+    of them posts the boxes, and the group's members are registered by node (``restore.members``)."""
 
     digest: str
     needs: tuple[Need, ...]
@@ -229,49 +230,6 @@ class NeedsPost:
             path, offsets, shape = _list(n, where, f, 3)
             needs.append(Need(_str(path, where, f), _ints(offsets, where, f"{f}[1]"), _ints(shape, where, f"{f}[2]")))
         return cls(_str(d.get("digest"), where, "digest"), tuple(needs))
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """A rank of a group of needers: its node (its first rank) and host key (None: it shares no
-    memory). A group's register holds one entry per node, which the node's first rank appends for
-    the node's members (``entry``): a few bytes per node, whatever its number of ranks."""
-
-    rank: int
-    node: int
-    host: str | None = None
-
-    @staticmethod
-    def entry(leader: int, host: str | None, ranks: Iterable[int]) -> str:
-        """``leader:host:offsets;``, the offsets of the members from the node's first rank as spans."""
-        spans = []
-        for start, length, stride, count in RankSet.of(r - leader for r in ranks).runs:
-            for k in range(count):
-                a = start + k * stride
-                spans.append(f"{a}-{a + length - 1}" if length > 1 else f"{a}")
-        return f"{leader}:{host or ''}:{','.join(spans)};"
-
-    @classmethod
-    def register(cls, raw: bytes, *, where: str, world: int) -> list[Member]:
-        """The members in a register (``entry`` after ``entry``), each checked: every rank below ``world``."""
-        try:
-            text = raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise _bad(where, "members", "a register of ranks", raw) from None
-        out = []
-        for i, entry in enumerate(text.removesuffix(";").split(";") if text else ()):
-            leader, host, spans = entry.split(":") if entry.count(":") == 2 else ("", "", "")
-            bounds = [span.split("-") for span in spans.split(",")] if spans else []
-            if not (
-                leader.isdigit()
-                and bounds
-                and all(1 <= len(b) <= 2 and all(x.isdigit() for x in b) and int(b[0]) <= int(b[-1]) for b in bounds)
-                and int(leader) + max(int(b[-1]) for b in bounds) < world
-            ):
-                raise _bad(where, f"members[{i}]", f"a node's first rank, host and members below rank {world}", entry)
-            node = int(leader)
-            out += [cls(node + off, node, host or None) for b in bounds for off in range(int(b[0]), int(b[-1]) + 1)]
-        return out
 
 
 @dataclass(frozen=True, slots=True)

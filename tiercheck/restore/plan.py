@@ -14,14 +14,16 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
 3. **Plan reads** (``plan_restore``): ranks needing the same boxes of a coordinator's arrays
    (data-parallel replicas) are a group: the first of them posts the boxes to the arrays'
    coordinator (a rank on the node holding the array's shard, which reads the shard from disk),
-   each node's first rank registers the node's members in a few bytes (``NeedsPost``, ``Member``). The coordinator
-   decides who reads each needed chunk and who gets it from whom (``cluster.assign.route_chunks``)
-   and posts each group its routes once (``RouteWork``), with every set of ranks as a few runs
+   and each node's first rank registers the node's members (``NeedsPost``; ``restore.members``: the
+   groups a node joined go under one signature per coordinator, so the replicas of a stage are one
+   list of nodes, whatever the number of groups they share). The coordinator decides who reads
+   each needed chunk and who gets it from whom (``cluster.assign.route_chunks``) and posts each
+   group its routes once (``RouteWork``), with every set of ranks as a few runs
    (``cluster.ranksets``); a rank reading for ranks outside its group gets those routes too. Each
    rank works out its own reads, sends and receives from the routes, with the checksum of each
    chunk it reads taken from the writer's part on its node. A rank reads alone the chunks its own
-   saving rank wrote (``_self_served``). What a coordinator still reads per node of a group is its
-   register entry: a few bytes.
+   saving rank wrote (``_self_served``). What a coordinator still reads per node is its first rank
+   in a signature's list: a few bytes per replica.
 """
 
 
@@ -50,7 +52,8 @@ from tiercheck.format.manifest import (
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.restore.holders import Step, holders_of, read_manifest_file
-from tiercheck.restore.messages import ArrayShape, Member, NeedsPost, RouteWork, loads
+from tiercheck.restore.members import Member, collect, sign
+from tiercheck.restore.messages import ArrayShape, NeedsPost, RouteWork, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -79,7 +82,7 @@ class ReadRequest:
     needs, the records of those arrays as it parsed them, the saving ranks' manifest parts it
     parsed already (the checksums are taken there), and how the job reads: ``read_once`` (one rank
     in the job reads each chunk, else one per node needing it: the job's nodes, ``Job.nodes``), and
-    ``host`` (its host key, ``restore.read.share_key``; None: it shares no memory)."""
+    ``host`` (its node's host, ``restore.read.share_key``; None: it shares no memory)."""
 
     needs: Sequence[Need]
     records: Mapping[str, ArrayRecord]
@@ -124,7 +127,7 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     plan: RestorePlan | None = None
     failure: TiercheckError | None = None
     try:
-        plan = _my_work(job, name, st, groups, alone, request.records, request.parts)
+        plan = _my_work(job, name, st, {c: d for c, (d, _) in groups.items()}, alone, request.records, request.parts)
     except TiercheckError as e:
         failure = e
         coord.report(f"{name}/done", e)
@@ -135,50 +138,53 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     return plan
 
 
-def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]]) -> dict[int, str]:
-    """Round 1: post my needs to their coordinators; the digest of each group, by coordinator.
-    Ranks needing the same boxes (replicas) have the same digest: the first of them posts the
-    boxes (``_register`` says who the group's members are)."""
-    digests: dict[int, str] = {}
+def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]]) -> dict[int, tuple[str, bool]]:
+    """Round 1: post my needs to their coordinators; the digest of each group, by coordinator, and
+    whether this rank was its first. Ranks needing the same boxes (replicas) have the same digest:
+    the first of them posts the boxes (``_register`` says who the group's members are)."""
+    digests: dict[int, tuple[str, bool]] = {}
     for c, items in sorted(by_coord.items()):
         body = dumps(NeedsPost("", tuple(items)).to_json()["needs"])
-        digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
-        if coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1:
+        digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+        first = coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1
+        if first:
             coord.post(f"{name}/needs/{c}", dumps(NeedsPost(digest, tuple(items)).to_json()))
+        digests[c] = (digest, first)
     return digests
 
 
-def _register(job: Job, name: str, groups: Mapping[int, str], host: str | None) -> Exchange[None]:
+def _register(job: Job, name: str, groups: Mapping[int, tuple[str, bool]], host: str | None) -> Exchange[None]:
     """Round 1, by node: the ranks of a node tell their first rank their groups (in the node's
-    store), and it registers the node's members of each group with the group's coordinator, in
-    one entry per node (``Member.entry``): the coordinator reads a few bytes per node, not per rank.
-    ``host``: this node's host key (the ranks of a node share one)."""
+    store), and it registers the node's members of each (``restore.members.sign``): a coordinator
+    reads a few bytes per node, not per rank or group. ``host``: this node's host (the ranks of a
+    node share one)."""
     coord, nodes = job.coord, job.nodes
     leader = nodes.leader
     if len(nodes.ranks) == 1:
-        for c, d in sorted(groups.items()):
-            coord.append(coord.key(name, "needs", c, d, "ranks"), Member.entry(leader, host, [coord.rank]))
+        sign(coord, name, leader, host, {(c, d): ([coord.rank], first) for c, (d, first) in groups.items()})
         return
     node = node_of(coord)
     said = node.key(name, "groups")
-    members: dict[tuple[int, str], list[int]] = defaultdict(list)
+    members: dict[tuple[int, str], tuple[list[int], bool]] = {}
     try:
         entries = yield from gather_at_leader(
-            node, f"{name}/groups", "".join(f"{c}:{d}:{coord.rank};" for c, d in sorted(groups.items())),
+            node, f"{name}/groups",
+            "".join(f"{c}:{d}:{coord.rank}:{'f' if first else ''};" for c, (d, first) in sorted(groups.items())),
             what="this node's ranks to say which groups they need with",
         )  # fmt: skip
         if entries is None:
             return
         for i, entry in enumerate(entries):
-            to, digest, who = entry.split(":") if entry.count(":") == 2 else ("", "", "")
-            if not (to.isdigit() and who.isdigit() and int(who) in nodes.ranks):
-                raise bad(said, f"groups[{i}]", "a coordinator, a digest and a rank of this node", entry)
-            members[int(to), digest].append(int(who))
+            to, digest, who, first = entry.split(":") if entry.count(":") == 3 else ("", "", "", "")
+            if not (to.isdigit() and who.isdigit() and int(who) in nodes.ranks and first in ("", "f")):
+                raise bad(said, f"groups[{i}]", "coordinator:digest:rank of this node:'f' where first", entry)
+            ranks, was = members.setdefault((int(to), digest), ([], False))
+            ranks.append(int(who))
+            members[int(to), digest] = (ranks, was or first == "f")
     except CoordinationError as e:  # said to every rank at the plan's next check
         coord.report(name, e)
         return
-    for (c, d), ranks in sorted(members.items()):
-        coord.append(coord.key(name, "needs", c, d, "ranks"), Member.entry(leader, host, ranks))
+    sign(coord, name, leader, host, members)
 
 
 def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]], dict[str, list[Member]]]:
@@ -186,12 +192,8 @@ def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]]
     where = f"{name}/needs/{coord.rank}"
     posted = [NeedsPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
     wanted = {p.digest: list(p.needs) for p in posted}
-    registers = {d: coord.key(name, "needs", coord.rank, d, "ranks") for d in wanted}
-    members = {
-        d: Member.register(raw, where=key, world=coord.world_size)
-        for (d, key), raw in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True)
-    }
-    coord.delete(*registers.values(), *(coord.key(name, "needs", coord.rank, d, "n") for d in wanted))
+    members = collect(coord, name, list(wanted))
+    coord.delete(*(coord.key(name, "needs", coord.rank, d, "n") for d in wanted))
     return wanted, members
 
 
