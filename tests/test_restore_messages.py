@@ -162,7 +162,8 @@ SIG = b"a" * 24
 
 @pytest.mark.parametrize(
     "raw",
-    [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"16::0;", b"3:a b:0;", b"15::1;", b"\xff"],
+    [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"16::0;", b"3:a b:0;", b"15::1;",
+     b"0::0-9;0::0-9;", b"\xff"],
 )  # fmt: skip
 def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
     with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members")):
@@ -172,7 +173,8 @@ def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
 @pytest.mark.parametrize(
     "raw",
     [SIG + b"::;", SIG + b":h:" + SIG + b"/0;", SIG[:-1] + b"::" + SIG + b"/0;", SIG + b"::" + SIG + b"/16;",
-     SIG + b"::" + SIG + b"/0|;", SIG + b"::" + SIG + b"/0-1-2;", b"\xff"],
+     SIG + b"::" + SIG + b"/0|;", SIG + b"::" + SIG + b"/0-1-2;", SIG + b"::" + SIG + b"/0-9|" + SIG + b"/0-9;",
+     b"\xff"],
 )  # fmt: skip
 def test_a_garbled_signature_names_its_key(raw: bytes) -> None:
     with pytest.raises(CoordinationError, match=re.escape("t/reads/sigs/3: field 'signatures")):

@@ -120,10 +120,7 @@ def collect(coord: Coordinator, name: str, wanted: Sequence[str]) -> dict[str, l
         *coord.multi_get(registers), b""]  # fmt: skip
     out: dict[str, list[Member]] = {}
     for d, key, raw in zip(wanted, registers, raws, strict=True):
-        entries = parse_register(raw, where=key, world=world)
-        if sum(len(offsets) for _, _, offsets in entries) > world:
-            raise bad(key, "members", f"at most {world} members", raw[:80])
-        out[d] = [Member(n + o, n, h) for n, h, offsets in entries for o in offsets]
+        out[d] = [Member(n + o, n, h) for n, h, offsets in parse_register(raw, where=key, world=world) for o in offsets]
     signatures = parse_signatures(sigs_raw, where=sigs_key, world=world)
     lists = [coord.key(name, "sig", rank, s) for s, _, _ in signatures]
     for (s, shares, joined), key, raw in zip(signatures, lists, coord.multi_get(lists), strict=True):
@@ -139,10 +136,12 @@ def collect(coord: Coordinator, name: str, wanted: Sequence[str]) -> dict[str, l
     return out
 
 
-def _offsets(spans: str, where: str, field: str, world: int) -> list[int]:
+def _offsets(spans: str, where: str, field: str, world: int, left: int) -> list[int]:
+    """Offsets in spans, each below ``world``, and no more than ``left`` of them: a rank is a member
+    of one group per coordinator, so a register or signature names at most ``world`` in all."""
     bounds = [[int(x) for x in span.split("-")] for span in spans.split(",")]
-    if any(b[0] > b[-1] or b[-1] >= world for b in bounds):
-        raise bad(where, field, f"offsets below {world}", spans)
+    if any(b[0] > b[-1] or b[-1] >= world for b in bounds) or sum(b[-1] - b[0] + 1 for b in bounds) > left:
+        raise bad(where, field, f"at most {world} offsets in all, each below {world}", spans)
     return sorted({o for b in bounds for o in range(b[0], b[-1] + 1)})
 
 
@@ -158,11 +157,13 @@ def parse_register(raw: bytes, *, where: str, world: int) -> list[tuple[int, str
     """A group's register (``node_entry`` after ``node_entry``): each node's first rank, host (None:
     it shares no memory) and the offsets of its members (checked before they are expanded)."""
     out = []
+    left = world
     for i, entry in enumerate(_entries(raw, where, "members", ";")):
         m = _NODE_ENTRY.fullmatch(entry)
         if m is None or int(m[1]) >= world:
             raise bad(where, f"members[{i}]", f"a node's first rank below {world}, its host and offsets", entry)
-        offsets = _offsets(m[3], where, f"members[{i}]", world)
+        offsets = _offsets(m[3], where, f"members[{i}]", world, left)
+        left -= len(offsets)
         if int(m[1]) + offsets[-1] >= world:
             raise bad(where, f"members[{i}]", f"members below rank {world}", entry)
         out.append((int(m[1]), m[2], offsets))
@@ -177,7 +178,10 @@ def parse_signatures(raw: bytes, *, where: str, world: int) -> list[tuple[str, b
         m = _SIGNATURE.fullmatch(entry)
         if m is None:
             raise bad(where, f"signatures[{i}]", "a signature, whether it shares memory, and digest/offsets", entry)
-        joined = {d: _offsets(o, where, f"signatures[{i}]", world) for d, o in (g.split("/") for g in m[3].split("|"))}
+        joined, left = {}, world
+        for d, o in (g.split("/") for g in m[3].split("|")):
+            joined[d] = _offsets(o, where, f"signatures[{i}]", world, left)
+            left -= len(joined[d])
         out.append((m[1], m[2] == "s", joined))
     return out
 
