@@ -187,8 +187,8 @@ class NodeHolds:
 @dataclass(frozen=True, slots=True)
 class HolderClaim:
     """The ranks of the node that claimed a saving rank's files: they read its chunks and serve its
-    manifest files; and the node's host (``Nodes.host``; None: it shares no memory), so a rank reading there
-    can pass chunks to ranks of its host through shared memory. Set through
+    manifest files; and the node's host (``Nodes.host``; None: it shares no memory), so a rank
+    reading there can pass chunks to ranks of its host through shared memory. Set through
     ``Coordinator.decide``: the first node's claim stands, and a node knows its claim stood when
     the stored JSON is its own, byte for byte. ``[rank, ...]``, the host last where there is one."""
 

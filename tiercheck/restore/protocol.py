@@ -6,6 +6,7 @@ found damaged falls back to an older one. The ranks meet in the store, never in 
 collectives; what they send each other there is in ``restore.messages``.
 """
 
+
 from __future__ import annotations
 
 import contextlib
