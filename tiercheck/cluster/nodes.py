@@ -9,8 +9,8 @@ O(nodes) requests where it saw O(ranks) (``cluster.hierarchy``).
 ``join_nodes`` learns a rank's node once per job: its members, its number (0 to nodes - 1 in the
 order of the nodes' first ranks: node 0 holds rank 0), its host (as the first rank of the host's
 first node, so that ranks name their host in a few digits: ``Nodes.host``), and the job's run id.
-``open_channel`` then connects the node's ranks to their leader's store. Both cost each rank a few requests to the
-job's store, once; rank 0 numbers the nodes (one entry per node).
+``open_channel`` then connects the node's ranks to their leader's store. Both cost each rank a few
+requests to the job's store, once; rank 0 numbers the nodes (one entry per node).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, dumps, lockstep
 from tiercheck.cluster.wire import as_fields, as_rank, as_str, loads
@@ -32,6 +32,7 @@ from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
 
 log = logging.getLogger("tiercheck")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +80,21 @@ def join_nodes(coord: Coordinator, node: str, host: str | None = None) -> Exchan
         coord.multi_set({coord.key("nodes", "number", r): v for r, v in numbers.items()})
     key = coord.key("nodes", "number", members[0])
     raw = yield Barrier(key, "rank 0 to number the nodes", coord, fetch=True)
-    said = loads(raw, where=key)
-    number, first_on_host = as_fields(said, key, "number", (as_rank, as_rank)) if isinstance(said, list) else (
-        as_rank(said, key, "number"), None)  # fmt: skip
+    number, first_on_host = _rank_and(loads(raw, where=key), key, "number", as_rank)
     yield coord.arrive("nodes/numbered", what="every rank to learn its node's number")
     if coord.rank == members[0]:
         coord.delete(key)
     coord.finish("nodes")
     return Nodes(tuple(members), count, run, number, first_on_host)
+
+
+def _rank_and(doc: object, where: str, field: str, second: Callable[[object, str, str], T]) -> tuple[int, T | None]:
+    """A number alone, or ``[number, second]`` (a leader with its host, a node's number with its
+    host's first rank)."""
+    if isinstance(doc, list):
+        number, other = as_fields(doc, where, field, (as_rank, second))
+        return number, other
+    return as_rank(doc, where, field), None
 
 
 def _numbers(said: list[bytes]) -> dict[int, str]:
@@ -95,9 +103,7 @@ def _numbers(said: list[bytes]) -> dict[int, str]:
     where = "nodes/leaders"
     hosts: dict[int, str | None] = {}
     for v in said:
-        doc = loads(v, where=where)
-        r, h = as_fields(doc, where, "leader", (as_rank, as_str)) if isinstance(doc, list) else (
-            as_rank(doc, where, "leader"), None)  # fmt: skip
+        r, h = _rank_and(loads(v, where=where), where, "leader", as_str)
         hosts[r] = h
     first: dict[str, int] = {}
     out: dict[int, str] = {}
