@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests.test_planner import megatron_like
+from tests.test_planner import descs, megatron_like
 from tiercheck.cluster.assign import LeafDesc, Need
 from tiercheck.cluster.coordination import Coordinator, lockstep, shard_of
 from tiercheck.cluster.job import Job
@@ -45,9 +45,18 @@ def job(world: int, root: Path) -> tuple[list[Coordinator], list[LocalTier], lis
     return coords, tiers, nodes
 
 
-def save(world: int, tp: int, root: Path) -> list[list[LeafDesc]]:
-    """Plan and commit step 1 of the Megatron-like layout (chunk data is not written)."""
-    per_rank = megatron_like(world, tp)
+def hsdp_like(world: int, shard: int) -> list[list[LeafDesc]]:
+    """Arrays cut on rows over ``shard`` ranks, the groups of ``shard`` replicas of each other (HSDP):
+    with chunks of a piece's size, each piece is written by one of its replicas."""
+    return [
+        [d for k in range(4) for d in descs(f"w{k}", (8 * shard, 8), [((8 * (r % shard), 0), (8, 8))])]
+        for r in range(world)
+    ]
+
+
+def save(world: int, tp: int, root: Path, per_rank: list[list[LeafDesc]] | None = None) -> list[list[LeafDesc]]:
+    """Plan and commit step 1 of the Megatron-like layout, or of ``per_rank`` (chunk data is not written)."""
+    per_rank = per_rank or megatron_like(world, tp)
     coords, tiers, nodes = job(world, root)
     plans = lockstep([plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=256) for c in coords])
     commits = []
@@ -125,13 +134,15 @@ def restore_plan(
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "hosts", "alone"), [(8, 2, False, False), (16, 4, False, False), (16, 2, True, False), (16, 2, True, True)]
+    ("world", "tp", "hosts", "alone"),
+    [(8, 2, False, False), (16, 4, False, False), (16, 2, True, False), (16, 2, True, True), (16, 0, True, True)],
 )
 def test_every_needed_chunk_is_read_or_received_exactly_as_planned(
     tmp_path: Path, world: int, tp: int, hosts: bool, alone: bool
 ) -> None:
-    per_rank = save(world, tp, tmp_path)
-    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+    """``tp`` 0: the HSDP-like layout (replicas of FSDP pieces, each piece written by one of them)."""
+    per_rank = save(world, tp, tmp_path, None if tp else hsdp_like(world, 8))
+    needs = [[Need(d.path, d.offsets, d.shape) for d in leaves] for leaves in per_rank]
     results, _ = restore_plan(world, tmp_path, needs, hosts=hosts, alone=alone)
     whole = read_manifest(_merged(tmp_path, world), 1)
     sends: dict[tuple[int, int], tuple[int, int, str, tuple[int, ...]]] = {}
@@ -171,7 +182,7 @@ def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path
     once and register themselves; the coordinator answers the group once, not each rank."""
     world = 16
     per_rank = save(world, 2, tmp_path)
-    needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+    needs = [[Need(d.path, d.offsets, d.shape) for d in leaves] for leaves in per_rank]
     posted: list[str] = []
     values: list[str] = []
     told: list[str] = []
@@ -208,12 +219,38 @@ def test_replicas_say_their_needs_once_and_hear_their_routes_once(tmp_path: Path
     assert any('"fc"' in v for v in values) and not any("optim" in v for v in values)
 
 
+def test_a_writer_joins_its_replicas_group_rather_than_be_told_apart(tmp_path: Path, monkeypatch: Any) -> None:
+    """Each FSDP piece is written by one of its two replicas. A writer reads its pieces alone only
+    while no replica has asked for them (ranks 0-7 ask first here); one that finds its replicas'
+    group posted joins it, and its coordinators need not tell it apart how to serve them."""
+    world = 16
+    per_rank = save(world, 0, tmp_path, hsdp_like(world, 8))
+    arrays = read_manifest(_merged(tmp_path, world), 1).arrays
+    written = {(p, key): o for p, rec in arrays.items() for key, o in rec.owners.items()}
+    owners = set(written.values())
+    assert any(o < 8 for o in owners) and any(o >= 8 for o in owners)  # both replicas write
+    needs = [[Need(d.path, d.offsets, d.shape) for d in leaves] for leaves in per_rank]
+    told: list[int] = []
+    post = Coordinator.post
+
+    def counting_post(self: Coordinator, bucket: str, value: str | bytes) -> int:
+        if "/reads/work/" in bucket:
+            told.append(int(bucket.rsplit("/", 1)[1]))
+        return post(self, bucket, value)
+
+    monkeypatch.setattr(Coordinator, "post", counting_post)
+    results, _ = restore_plan(world, tmp_path, needs, hosts=True, alone=True)
+    assert told and set(told) <= {o for o in owners if o < 8}  # the writers that asked first
+    for rank, (_, plan) in enumerate(results):  # and every writer reads what it wrote, nothing else
+        assert {(x.path, x.chunk.key) for x in plan.reads} == {k for k, o in written.items() if o == rank}
+
+
 def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:
     """Restoring, a rank's store traffic follows what it holds, not the job's size."""
     per_rank_bytes = []
     for world in (8, 64):
         per_rank = save(world, 2, tmp_path / str(world))
-        needs = [[Need(d.path, d.offsets, d.shape) for d in descs] for descs in per_rank]
+        needs = [[Need(d.path, d.offsets, d.shape) for d in leaves] for leaves in per_rank]
         results, coords = restore_plan(world, tmp_path / str(world), needs)
         # Each rank holds its own arrays' records, without the other arrays of the shards it read.
         for rank, (manifest, _) in enumerate(results):

@@ -22,8 +22,10 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
    (``cluster.ranksets``); a rank reading for ranks outside its group gets those routes too. Each
    rank works out its own reads, sends and receives from the routes, with the checksum of each
    chunk it reads taken from the writer's part on its node. A rank reads alone the chunks its own
-   saving rank wrote (``_self_served``). What a coordinator still reads per node is its first rank
-   in a signature's list: a few bytes per replica.
+   saving rank wrote (``_self_served``), unless a group needing the same was posted already: then
+   it joins it (the replica that wrote a piece hears how to serve the others with them, not apart).
+   What a coordinator still reads per node is its first rank in a signature's list: a few bytes per
+   replica.
 """
 
 
@@ -95,14 +97,14 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work."""
     coord = job.coord
     name = f"{root}/reads"
-    rank, world = coord.rank, coord.world_size
+    world = coord.world_size
     shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})  # the same on every rank
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
     by_coord: dict[int, list[Need]] = defaultdict(list)
     for n in request.needs:
         s = shard_of(n.path, st.world_size)
         by_coord[coordinator_of(s, shard_holders.get(s), world)].append(n)
-    alone = _self_served(st, request, rank, by_coord)
+    alone = _self_served(coord, name, st, request, by_coord)
     groups = _post_needs(coord, name, by_coord)
     yield from _register(job, name, groups, request.host)
     yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
@@ -144,8 +146,7 @@ def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]
     the first of them posts the boxes (``_register`` says who the group's members are)."""
     digests: dict[int, tuple[str, bool]] = {}
     for c, items in sorted(by_coord.items()):
-        body = dumps(NeedsPost("", tuple(items)).to_json()["needs"])
-        digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+        digest = _digest(items)
         first = coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1
         if first:
             coord.post(f"{name}/needs/{c}", dumps(NeedsPost(digest, tuple(items)).to_json()))
@@ -197,17 +198,26 @@ def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]]
     return wanted, members
 
 
+def _digest(needs: Sequence[Need]) -> str:
+    """A group's name: the digest of the boxes its ranks need of one coordinator's arrays."""
+    body = dumps(NeedsPost("", tuple(needs)).to_json()["needs"])
+    return hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+
+
 def _self_served(
-    st: Step, request: ReadRequest, rank: int, by_coord: dict[int, list[Need]]
+    coord: Coordinator, name: str, st: Step, request: ReadRequest, by_coord: dict[int, list[Need]]
 ) -> tuple[list[Read], int | None]:
     """The reads this rank makes alone, taken out of ``by_coord`` (what it posts to each
     coordinator), and the saving rank whose chunks they are: all it needs of a coordinator's
     arrays where its own saving rank wrote every chunk of it, on its node. Restoring the layout it
     saved, that is a distributed optimizer's slice: nobody else needs it, and no coordinator need
     hear of it. All or nothing per coordinator, so replicas still ask as one group for the rest.
-    Where other ranks need such a chunk too, their coordinator has this rank read it for them
-    (``route_chunks``' ``owners_read``: it is read once on its node). Not with ``read_once``, where
-    one rank in the job reads each chunk, whoever needs it."""
+    Where a group needing the same has been posted already (replicas: one of them wrote each
+    piece), it joins the group instead, which costs nothing more: its coordinator would otherwise
+    tell it apart how to serve the others. Where other ranks need such a chunk too, their
+    coordinator has this rank read it for them (``route_chunks``' ``owners_read``: it is read once
+    on its node). Not with ``read_once``, where one rank in the job reads each chunk, whoever needs it."""
+    rank = coord.rank
     own = rank if rank < st.world_size else None
     part = None if own is None else request.parts.get(own)
     if request.read_once or part is None or own not in st.here:
@@ -222,6 +232,8 @@ def _self_served(
                 break
             mine += [Read(n.path, ch, False) for ch in chunks]
         else:
+            if coord.has(coord.key(name, "needs", c, _digest(needs), "n")):
+                continue  # its replicas' group, posted already
             reads += mine
             del by_coord[c]
     return reads, own
