@@ -83,13 +83,13 @@ def _manifest(plan: WriteAssignment, parts: list[dict[str, Any]], n: int) -> Man
             checksums[path].update(crcs)
     trees: list[Any] = []
     index: dict[str, int] = {}
-    tree_of_rank = []
-    for p in parts:
+    tree_of_rank: dict[int, int] = {}
+    for r, p in enumerate(parts):
         text = _json(p["tree"])
         if text not in index:
             index[text] = len(trees)
             trees.append(p["tree"])
-        tree_of_rank.append(index[text])
+        tree_of_rank[r] = index[text]
     nodes = [f"{random.Random(r // RANKS_PER_NODE).getrandbits(128):032x}" for r in range(n)]
     records = {
         path: replace(rec, checksums=dict(sorted(checksums[path].items()))) for path, rec in plan.records.items()
@@ -100,6 +100,7 @@ def _manifest(plan: WriteAssignment, parts: list[dict[str, Any]], n: int) -> Man
         created_unix=parts[0]["created"],
         trees=trees,
         tree_of_rank=tree_of_rank,
+        world_size=n,
         arrays=records,
         topology={"world_size": n, "nodes": nodes},
         save_id=new_save_id("scale-sim", 1000, 0),
@@ -119,7 +120,7 @@ def _whole_manifest(manifest: Manifest) -> bytes:
         "metadata": manifest.metadata,
         "arrays": {path: rec.to_json() for path, rec in manifest.arrays.items()},
         "trees": manifest.trees,
-        "tree_of_rank": manifest.tree_of_rank,
+        "tree_of_rank": [manifest.tree_of_rank.get(r, -1) for r in range(manifest.world_size)],
     }
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 

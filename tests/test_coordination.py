@@ -255,6 +255,8 @@ def test_a_rank_reads_only_the_manifest_it_needs(tmp_path: Path) -> None:
         # Each rank holds its own arrays' records, without the other arrays of the shards it read.
         for rank, (manifest, _) in enumerate(results):
             assert set(manifest.arrays) == {d.path for d in per_rank[rank]}
+            # and its own saving rank's tree: nothing per saving rank (a list of them was 1 MiB at 131,072)
+            assert manifest.tree_of_rank == {rank: 0} and manifest.world_size == world
         per_rank_bytes.append(sum(c.store_bytes for c in coords) / world)
     assert per_rank_bytes[1] < 1.5 * per_rank_bytes[0], per_rank_bytes
 

@@ -200,7 +200,7 @@ def inspect_command(ctx: Context, location: str, step: str, as_json: bool) -> No
         marker = read_marker(tier, n)
         # The plain values (not tensors) of the first saving rank whose part this tier holds: stored
         # as tagged JSON, shown as such by --json and as Python would in the listing.
-        rank = next((r for r, i in enumerate(manifest.tree_of_rank) if i >= 0), None)
+        rank = min(manifest.tree_of_rank, default=None)
         values = plain_values(manifest.tree(rank)) if rank is not None else {}
         arrays: list[dict[str, Any]] = []
         for rec in sorted(manifest.arrays.values(), key=lambda rec: _natural(rec.path)):  # state/2 before state/10

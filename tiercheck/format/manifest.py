@@ -122,21 +122,17 @@ class Manifest:
     library_version: str
     created_unix: float
     trees: list[JSON]  # encoded states (nested JSON whose leaves refer to arrays, see flatten.py); no repeats
-    tree_of_rank: list[int]  # saving rank -> index into trees (-1: that rank's part was not read)
+    tree_of_rank: dict[int, int]  # saving rank -> index into trees, for the ranks whose part was read
+    world_size: int  # ranks that saved this step
     arrays: dict[str, ArrayRecord]
     metadata: JSON = None  # the caller's own JSON metadata
     topology: dict[str, JSON] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION  # as read (``parse_manifest_doc`` accepts this library's only)
     save_id: str  # the save that wrote the step and every file of it
 
-    @property
-    def world_size(self) -> int:
-        """Number of ranks that saved this step."""
-        return len(self.tree_of_rank)
-
     def tree(self, rank: int = 0) -> JSON:
         """The encoded state saving ``rank`` held."""
-        i = self.tree_of_rank[rank]
+        i = self.tree_of_rank.get(rank, -1)
         if i < 0:
             raise CheckpointNotFoundError(f"step {self.step}: the manifest part of saving rank {rank} is not here")
         return self.trees[i]

@@ -254,7 +254,7 @@ def assemble(
     for rank, part in got.items():  # what load and restore size their reads from: the record's chunks
         check_sizes(part, rank, arrays, where=where)
     trees: list[JSON] = []
-    tree_of_rank = [-1] * index.world_size
+    tree_of_rank: dict[int, int] = {}  # of the parts read only: a rank's restore holds nothing per saving rank
     seen: dict[str, int] = {}
     for rank, part in got.items():  # ranks that saved the same tree share it
         text = json.dumps(part.tree, sort_keys=True) if len(got) > 1 else ""
@@ -281,7 +281,7 @@ def assemble(
 
 
 def _manifest(
-    index: ManifestIndex, trees: list[JSON], tree_of_rank: list[int], arrays: dict[str, ArrayRecord]
+    index: ManifestIndex, trees: list[JSON], tree_of_rank: dict[int, int], arrays: dict[str, ArrayRecord]
 ) -> Manifest:
     return Manifest(
         step=index.step,
@@ -289,6 +289,7 @@ def _manifest(
         created_unix=index.created_unix,
         trees=trees,
         tree_of_rank=tree_of_rank,
+        world_size=index.world_size,
         arrays=arrays,
         metadata=index.metadata,
         topology={"world_size": index.world_size, "nodes": index.nodes},

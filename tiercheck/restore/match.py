@@ -38,13 +38,13 @@ def tree_for(manifest: Manifest, rank: int, world_size: int, state: Mapping[str,
     from the first saving rank that had it (a pipeline stage that moved to this rank, say).
     """
     first = rank if rank < manifest.world_size else 0
-    order = [first, *(r for r in range(manifest.world_size) if r != first)]
+    order = [first, *sorted(r for r in manifest.tree_of_rank if r != first)]  # the ranks whose parts were read
     seen: set[int] = set()
     trees = []
     manifest.tree(first)  # raises if this rank's own part was not read
     for r in order:
         i = manifest.tree_of_rank[r]
-        if i >= 0 and i not in seen:
+        if i not in seen:
             seen.add(i)
             trees.append(manifest.trees[i])
     live = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
