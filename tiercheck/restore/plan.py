@@ -213,10 +213,11 @@ def _self_served(
     saved, that is a distributed optimizer's slice: nobody else needs it, and no coordinator need
     hear of it. All or nothing per coordinator, so replicas still ask as one group for the rest.
     Where a group needing the same has been posted already (replicas: one of them wrote each
-    piece), it joins the group instead, which costs nothing more: its coordinator would otherwise
-    tell it apart how to serve the others. Where other ranks need such a chunk too, their
-    coordinator has this rank read it for them (``route_chunks``' ``owners_read``: it is read once
-    on its node). Not with ``read_once``, where one rank in the job reads each chunk, whoever needs it."""
+    piece), it joins the group instead, and learns from the group's one route message how to serve
+    the others, where its coordinator would otherwise post it its own. Where other ranks need such
+    a chunk too, their coordinator has this rank read it for them (``route_chunks``' ``owners_read``:
+    it is read once on its node). Not with ``read_once``, where one rank in the job reads each
+    chunk, whoever needs it."""
     rank = coord.rank
     own = rank if rank < st.world_size else None
     part = None if own is None else request.parts.get(own)
