@@ -364,10 +364,7 @@ class FaultProxy:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        # One accepted as the listener closed (its handler never run), or one closing but not closed:
-        # ``close`` waits for its unsent bytes to drain, which a client gone away never lets happen, and
-        # the socket would outlive the loop. Aborting drops the bytes and closes it either way.
-        for t in list(self._accepted):
+        for t in list(self._accepted):  # handler never run, or closing: close waits on bytes a gone client never reads
             t.abort()
         await asyncio.sleep(0)  # the aborts' connection_lost callbacks run: the sockets are closed
         if self._server is not None:
