@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import socket
 import struct
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -331,6 +333,9 @@ class FaultProxy:
         if not loop.is_running():
             loop.close()
         self._loop = self._thread = None
+        with warnings.catch_warnings():  # what the closed loop still held goes now, not in a later test
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
 
     def __enter__(self) -> FaultProxy:
         return self.start()
