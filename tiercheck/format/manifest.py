@@ -132,8 +132,8 @@ class Manifest:
 
     def tree(self, rank: int = 0) -> JSON:
         """The encoded state saving ``rank`` held."""
-        i = self.tree_of_rank.get(rank, -1)
-        if i < 0:
+        i = self.tree_of_rank.get(rank)
+        if i is None:
             raise CheckpointNotFoundError(f"step {self.step}: the manifest part of saving rank {rank} is not here")
         return self.trees[i]
 
