@@ -85,13 +85,20 @@ class LocalTier(Tier):
                 )
         return self.root / path
 
+    def _make_parent(self, target: Path) -> None:
+        """Create the directories above ``target`` (a path ``_abs`` gave) that are missing."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    def _create(self, target: Path, flags: int) -> int:
+        """``target`` opened for writing with ``flags`` (``O_CREAT``: made where missing), never through a link."""
+        return open_no_follow(target, flags, 0o644)
+
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(target)
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         offset = self._write_direct(target, views) if self._direct and views else 0
-        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | (0 if offset else os.O_TRUNC)
-        fd = os.open(target, flags, 0o644)
+        fd = self._create(target, os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC))
         try:
             _write_all(fd, views, offset)
             if self._fsync:
@@ -117,7 +124,7 @@ class LocalTier(Tier):
         """``target`` opened for writing with O_DIRECT, or None where the filesystem refuses it
         (tmpfs, some network mounts): direct I/O is then off for this tier."""
         try:
-            return os.open(target, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0) | flags, 0o644)
+            return self._create(target, os.O_WRONLY | os.O_DIRECT | flags)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -125,20 +132,20 @@ class LocalTier(Tier):
             return None
 
     def read(self, path: str) -> bytearray:
-        with open(self._abs(path), "rb") as f:
+        with open(self._abs(path), "rb", opener=open_no_follow) as f:
             buf = bytearray(os.fstat(f.fileno()).st_size)
             n = f.readinto(buf)
             del buf[n:]  # the file shrank since fstat: return what is there
             return buf
 
     def read_bytes(self, path: str) -> bytes:
-        with open(self._abs(path), "rb", buffering=0) as f:
+        with open(self._abs(path), "rb", buffering=0, opener=open_no_follow) as f:
             return f.read()  # read straight into one bytes object sized from fstat
 
     def read_range(self, path: str, offset: int, length: int) -> bytearray:
         """Writable, and sized from the file: a ``length`` far beyond what is stored (a hostile
         manifest's) allocates nothing more."""
-        with open(self._abs(path), "rb", buffering=0) as f:
+        with open(self._abs(path), "rb", buffering=0, opener=open_no_follow) as f:
             buf = bytearray(max(0, min(length, os.fstat(f.fileno()).st_size - offset)))
             f.seek(offset)
             n = f.readinto(buf) or 0
@@ -146,7 +153,7 @@ class LocalTier(Tier):
             return buf
 
     def read_into(self, path: str, out: memoryview, *, offset: int = 0, length: int | None = None) -> tuple[int, bytes]:
-        with open(self._abs(path), "rb") as f:
+        with open(self._abs(path), "rb", opener=open_no_follow) as f:
             size = os.fstat(f.fileno()).st_size
             f.seek(offset)
             if length is not None and length < len(out):
@@ -180,7 +187,7 @@ class LocalTier(Tier):
         while their bytes are still in the CPU's cache, rather than read them back from memory
         after a read of 64 MiB (from a tmpfs: 1.2-1.35x the bytes per CPU second)."""
         target = self._abs(path)
-        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_no_follow(target, os.O_RDONLY)
         try:
             direct = direct and self._direct and _blocks(offset, views) and not _cached(fd, offset, views)
             if direct:
@@ -204,7 +211,7 @@ class LocalTier(Tier):
         """``target`` opened again for reading with O_DIRECT (``fd`` closed), and True; ``fd``
         and False where the filesystem refuses direct I/O (which is then off for this tier)."""
         try:
-            direct = os.open(target, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            direct = open_no_follow(target, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -219,9 +226,9 @@ class LocalTier(Tier):
         are written at once, at their offsets (a parallel filesystem's clients write faster so),
         while the source reads the next."""
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(target)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         slots = threading.BoundedSemaphore(STREAM_WRITERS)
         writes: list[Future[None]] = []
         try:
@@ -254,7 +261,7 @@ class LocalTier(Tier):
     def open_pack(self, path: str) -> PackWriter:
         """A file the I/O threads fill at given offsets, concurrently (a rank's pack)."""
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(target)
         return PackWriter(self, target)
 
     def exists(self, path: str) -> bool:
@@ -301,7 +308,7 @@ class LocalTier(Tier):
         """Rename ``path`` (a file or a directory) to ``to`` inside this tier, atomically; the
         directories above ``to`` are created. Fails if ``to`` exists."""
         source, target = self._abs(path, link_at_end=True), self._abs(to)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        self._make_parent(target)
         if target.exists():
             raise FileExistsError(errno.EEXIST, "cannot move there: it exists", str(target))
         os.rename(source, target)
@@ -356,9 +363,7 @@ class PackWriter:
     def __init__(self, tier: LocalTier, target: Path) -> None:
         self.tier = tier
         self.target = target
-        self._fd: int | None = os.open(
-            target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644
-        )
+        self._fd: int | None = tier._create(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self._direct_fd: int | None = None
         self._lock = threading.Lock()
 
@@ -394,6 +399,12 @@ class PackWriter:
             for fd in fds:
                 if fd is not None:
                     os.close(fd)
+
+
+def open_no_follow(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+    """``os.open`` that refuses a symbolic link as the last component (``ELOOP``): ``_abs`` refused
+    one below the root already, and none planted since is followed (and the descriptor is not inherited)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 def _direct_span(view: memoryview, skip: int) -> int:
