@@ -43,7 +43,9 @@ class IncompatibleStateError(TiercheckError, ValueError):
 
 
 class UnsafeCheckpointError(TiercheckError, PermissionError):
-    """Loading would need unpickling without opt-in, or a path escapes the checkpoint root."""
+    """Loading would need unpickling without opt-in, or a path escapes the checkpoint root (a symbolic
+    link under it included); or the memory tier's directory in a place every user shares (``/dev/shm``)
+    is not private to this user: a link, another user's, or writable by its group or others."""
 
 
 class UnsupportedValueError(TiercheckError, TypeError):
@@ -71,8 +73,10 @@ class StorageError(TiercheckError, OSError):
 
 class MemoryTierError(TiercheckError, OSError):
     """The memory tier cannot hold what it needs (``MemoryOptions``): its tmpfs has too little free
-    space, or the cgroup's memory limit leaves too little room. ``errno`` is ``ENOSPC``; the message
-    names the path, the bytes needed, the tmpfs's free bytes, the cgroup's limit, and what to do."""
+    space, or the cgroup's memory limit leaves too little room (``errno`` ``ENOSPC``; the message names
+    the path, the bytes needed, the tmpfs's free bytes, the cgroup's limit, and what to do). Or its
+    directory refused a save: removed while the job ran (``ENOENT``), a read-only mount over it
+    (``EROFS``), a file where a directory should be (``ENOTDIR``); the message names the directory."""
 
 
 class StateChangedError(TiercheckError, RuntimeError):

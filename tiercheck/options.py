@@ -272,6 +272,10 @@ class ReplicationOptions:
             raise InvalidArgumentError(f"ReplicationOptions.timeout_s must be positive, not {self.timeout_s}")
 
 
+# Per user (effective uid): /dev/shm is every user's, and a fixed name there could be planted in advance.
+DEFAULT_MEMORY_PATH = f"/dev/shm/tiercheck-{os.geteuid()}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOptions:
     """The memory tier: saves staged into files on a tmpfs that outlive the process, committed there,
@@ -293,6 +297,10 @@ class MemoryOptions:
     Attributes:
         path: the tmpfs directory that holds the slot files (``/dev/shm`` is a tmpfs on Linux; a
             container's is 64 MiB unless ``--shm-size`` or an ``emptyDir`` of medium ``Memory`` says more).
+            The default, ``/dev/shm/tiercheck-<uid>`` (``DEFAULT_MEMORY_PATH``), is the user's own:
+            ``/dev/shm`` is shared by every user of the node. What the tier makes there is 0700/0600,
+            and a path that is a link, another user's, or writable by its group or others is refused
+            (``UnsafeCheckpointError``; docs/concepts/tiers.md, "Security").
         slots: snapshots the tier holds per rank (at least 2: the newest committed step stays intact
             while the next one stages; a save waits while no slot is free).
         persist_every: which saves also go to the node-local directory: those of a step that is a
@@ -304,7 +312,7 @@ class MemoryOptions:
             step is persisted to the local directory.
     """
 
-    path: str | os.PathLike[str] = "/dev/shm/tiercheck"
+    path: str | os.PathLike[str] = DEFAULT_MEMORY_PATH
     slots: int = 2
     persist_every: int = 1
     keep_at_close: bool = False

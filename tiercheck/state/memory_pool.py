@@ -20,6 +20,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,11 +29,13 @@ from typing import Any
 
 import torch
 
-from tiercheck.errors import InvalidArgumentError, MemoryTierError
+from tiercheck.errors import InvalidArgumentError, MemoryTierError, UnsafeCheckpointError
 from tiercheck.format.paths import memory_dir
 from tiercheck.options import MemoryOptions
 from tiercheck.state.flatten import flatten
 from tiercheck.state.staging import align_up
+from tiercheck.tiers.local import open_no_follow
+from tiercheck.tiers.private import check_levels
 
 log = logging.getLogger("tiercheck")
 
@@ -62,13 +65,15 @@ def start(
     allow_pickle: bool,
 ) -> MemoryTier | None:
     """The memory tier of a Checkpointer saving ``state`` to ``local`` (None without ``options``), once
-    ``check_bound`` found room for it (``MemoryTierError`` otherwise). Creates nothing: the pool file
-    is made with the pool."""
+    its directories, where they exist, proved private to this user (``tiers.private.check_levels``:
+    ``UnsafeCheckpointError``, or ``MemoryTierError`` for a file) and ``check_bound`` found room for it
+    (``MemoryTierError`` otherwise). Creates nothing: the pool file is made with the pool."""
     if options is None:
         return None
     if not isinstance(options, MemoryOptions):
         raise InvalidArgumentError(f"memory must be a MemoryOptions or None, not {type(options).__qualname__}")
     directory = pool_dir(options, os.path.abspath(local))
+    check_levels(options.path, directory)
     check_bound(options, directory, pool_bound(state, allow_pickle), local_ranks())
     return MemoryTier(options, directory)
 
@@ -145,7 +150,7 @@ def cgroup_room(root: str | os.PathLike[str] | None = None) -> tuple[int | None,
 def _existing_bytes(directory: Path) -> int:
     """Bytes the pool files already in ``directory`` hold (reused: they need no new room)."""
     try:
-        return sum(p.stat().st_blocks * 512 for p in directory.glob("slots/rank-*"))
+        return sum(p.lstat().st_blocks * 512 for p in directory.glob("slots/rank-*"))  # a link: 0, not its target
     except OSError:
         return 0
 
@@ -185,10 +190,13 @@ def mapped_empty(path: Path, nbytes: int, *, pin: bool) -> torch.Tensor:
     """``nbytes`` of uint8 memory mapped shared from ``path`` (created, or grown, and reserved in
     full: ``MemoryTierError`` where the tmpfs cannot give them), page-locked with
     ``cudaHostRegister`` when ``pin`` and CUDA is there. The file's bytes already there stay: it is
-    the snapshot a later run may restore. Unmapped (and unregistered) with the last reference."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    the snapshot a later run may restore. Unmapped (and unregistered) with the last reference.
+
+    The file is opened without following a link, must be a regular file of this user's, and is made
+    0600 (``tiers.private``): ``UnsafeCheckpointError`` otherwise, never a mapping of what a link names."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # the memory tier made and checked it already
+    created = not os.path.lexists(path)
+    fd = _open_own(path)
     try:
         try:
             if os.fstat(fd).st_size < nbytes:
@@ -216,6 +224,25 @@ def mapped_empty(path: Path, nbytes: int, *, pin: bool) -> torch.Tensor:
     weakref.finalize(memory, _unmap, mapping, cudart if registered else None, address).atexit = False
     log.info("memory tier: %.1f MiB mapped from %s", nbytes / 2**20, path)
     return torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``
+
+
+def _open_own(path: Path) -> int:
+    """``path`` opened for reading and writing (made 0600 where missing): a regular file of this user's."""
+    try:
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(f"{path} is a symbolic link; the memory tier never maps what one names") from e
+        raise MemoryTierError(e.errno, f"cannot open the memory tier's slot file {path}: {e.strerror}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeCheckpointError(
+            f"{path} is not a regular file of this user's (owner uid {st.st_uid}, {stat.filemode(st.st_mode)}): "
+            "the memory tier maps only its own slot files"
+        )
+    os.fchmod(fd, 0o600)  # whatever the umask made it
+    return fd
 
 
 def _unmap(mapping: mmap.mmap, cudart: Any, address: int) -> None:

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from tiercheck.errors import MemoryTierError
-from tiercheck.format.paths import COMMIT_FILE, pack_file, step_dir
+from tiercheck.errors import MemoryTierError, TiercheckError
+from tiercheck.format.paths import COMMIT_FILE, PACKS_DIR, pack_file, step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.state.memory_pool import MemoryTier, mapped_empty
 from tiercheck.state.staging import ALIGN, Region, align_up
-from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.private import PrivateTier, refusal
 
 log = logging.getLogger("tiercheck")
 
@@ -70,6 +70,7 @@ class Slot:
     buf: torch.Tensor | None = None
     step: int | None = None  # the memory step whose pack is this slot (committed, or being saved)
     busy: bool = False  # a save in flight stages into it
+    ident: tuple[int, int] | None = None  # (device, inode) of the file ``buf`` maps
 
 
 class MemorySlots:
@@ -78,10 +79,10 @@ class MemorySlots:
     def __init__(self, memory: MemoryTier, rank: int, *, pin: bool = False) -> None:
         self.rank = rank
         self.pin = pin
-        self.root = LocalTier(memory.directory, fsync=False)  # a tmpfs: nothing to make durable
+        self.root = PrivateTier(memory.directory, top=memory.options.path)  # 0700/0600, no link followed
         self.root.create()
-        slots_dir = memory.directory / SLOTS_DIR
-        self.slots = [Slot(slots_dir / f"rank-{rank:06d}.{k}") for k in range(memory.options.slots)]
+        # A link at any level (slots/, a slot file) is refused here, never mapped.
+        self.slots = [Slot(self.root.path(f"{SLOTS_DIR}/rank-{rank:06d}.{k}")) for k in range(memory.options.slots)]
         self._cond = threading.Condition()
         self.newest: int | None = None  # the newest memory step committed (by this run or the last)
         self.before_reuse: Callable[[int], None] = lambda step: None  # waits for the copies of a step to peers
@@ -93,13 +94,13 @@ class MemorySlots:
         by_inode = {}
         for slot in self.slots:
             try:
-                by_inode[os.stat(slot.path).st_ino] = slot
+                by_inode[os.lstat(slot.path).st_ino] = slot
             except FileNotFoundError:
                 continue
         for step in list_steps(self.root).committed:
             try:
-                inode = os.stat(self.root.local_path / step_dir(step) / pack_file(self.rank)).st_ino
-            except FileNotFoundError:
+                inode = os.lstat(self.root.local_path / step_dir(step) / pack_file(self.rank)).st_ino
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             if inode in by_inode:
                 by_inode[inode].step = step
@@ -122,29 +123,57 @@ class MemorySlots:
             assert slot is not None
             slot.busy = True
             old, slot.step = slot.step, None
+        withdrawn = old is None
         try:
             if old is not None:
                 self.before_reuse(old)
                 self.withdraw(old)
+                withdrawn = True
             # A step of this number already here (a try that failed, a run that did not restore it) stops
             # counting before a byte of this save lands in it. Its marker only: the node's other ranks
             # are linking their slots into the same directory.
             self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
-            capacity = align_up(max(nbytes, ALIGN))
-            if slot.buf is None or slot.buf.numel() < capacity:
-                slot.buf = None  # unmap before mapping again at the new size
-                slot.buf = mapped_empty(slot.path, capacity, pin=self.pin)
-            target = self.root.local_path / step_dir(step) / pack_file(self.rank)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
-            os.link(slot.path, target)
+            buf = self._map(slot, align_up(max(nbytes, ALIGN)))
+            self._link(slot, step)
             slot.step = step
-            return SlotPool(slot.buf)
-        except BaseException:
+            return SlotPool(buf)
+        except BaseException as e:
             with self._cond:
                 slot.busy = False
+                if not withdrawn:  # its step is still committed: the slot still holds it
+                    slot.step = old
                 self._cond.notify_all()
+            if isinstance(e, OSError) and not isinstance(e, TiercheckError):
+                raise refusal(e, self.root.root, f"stage step {step} into its slot {slot.path.name}") from e
             raise
+
+    def _map(self, slot: Slot, capacity: int) -> torch.Tensor:
+        """Map ``slot`` (again) where it is unmapped, smaller than ``capacity``, or no longer its file as
+        mapped: a file truncated under this process (its pages past the end would be a SIGBUS at the first
+        store), replaced or removed. Checked with ``lstat`` before a byte is staged."""
+        if slot.buf is not None:
+            try:
+                st: os.stat_result | None = os.lstat(self.root.path(f"{SLOTS_DIR}/{slot.path.name}"))
+            except FileNotFoundError:
+                st = None
+            if st is None or (st.st_dev, st.st_ino) != slot.ident or st.st_size < slot.buf.numel():
+                what = "removed" if st is None else "replaced" if (st.st_dev, st.st_ino) != slot.ident else "truncated"
+                log.warning("the memory tier's slot file %s was %s under this process: mapped again", slot.path, what)
+                slot.buf = None
+        if slot.buf is None or slot.buf.numel() < capacity:
+            slot.buf = None  # unmap before mapping again at the new size
+            self.root.make_dirs(SLOTS_DIR)  # a link, or the root removed: refused, never made anew
+            slot.buf = mapped_empty(slot.path, capacity, pin=self.pin)
+            st = os.lstat(slot.path)
+            slot.ident = (st.st_dev, st.st_ino)
+        return slot.buf
+
+    def _link(self, slot: Slot, step: int) -> None:
+        """Link ``slot`` into the memory tier's ``step`` as this rank's pack (each level checked, no link followed)."""
+        self.root.make_dirs(f"{step_dir(step)}/{PACKS_DIR}")
+        target = self.root.path(f"{step_dir(step)}/{pack_file(self.rank)}")
+        target.unlink(missing_ok=True)
+        os.link(slot.path, target, follow_symlinks=False)
 
     def withdraw(self, step: int) -> None:
         """Remove a memory step: its commit marker first, then the rest (the slots stay)."""
@@ -157,8 +186,11 @@ class MemorySlots:
     def done(self, step: int, *, committed: bool) -> None:
         """The save of ``step`` committed to memory, or failed (its memory step withdrawn)."""
         if not committed:
-            self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
-            self.root.delete(f"{step_dir(step)}/{pack_file(self.rank)}")
+            try:
+                self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
+                self.root.delete(f"{step_dir(step)}/{pack_file(self.rank)}")
+            except OSError as e:  # the save's own failure is what its handle reports; this one is said
+                log.warning("could not remove the failed save of step %d from the memory tier: %s", step, e)
         with self._cond:
             for slot in self.slots:
                 if slot.step == step:
@@ -177,10 +209,10 @@ class MemorySlots:
 
     def remove(self) -> None:
         """Delete this rank's slot files (a step linking one keeps its bytes until it is withdrawn)."""
-        with self._cond:
+        with self._cond, self.root.refusals("remove its slot files"):
             for slot in self.slots:
-                slot.path.unlink(missing_ok=True)
                 slot.step = None
+                slot.path.unlink(missing_ok=True)
 
     def held(self) -> int:
         """Bytes this rank's slots hold mapped."""
