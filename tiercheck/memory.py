@@ -21,16 +21,23 @@ the usual restore. What this module adds is the choice between tiers, made alike
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from tiercheck.cluster.coordination import drive
 from tiercheck.cluster.job import Job
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, PartlyRestoredError, TiercheckError
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MemoryTierError,
+    PartlyRestoredError,
+    TiercheckError,
+)
 from tiercheck.format.lineage import lineage_id, memory_owner, owns_memory
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -277,12 +284,25 @@ class Memory:
                     log.error("could not persist step %d from the memory tier at close (it stays there): %s",
                               committed[-1], e)  # fmt: skip
             if not keep:
-                for step in committed:
-                    self.slots.withdraw(step)
-                self.slots.root.delete_tree(MEMORY_OWNER_FILE)  # a file, or whatever damage put there
+                with _said_at_close():
+                    for step in committed:
+                        self.slots.withdraw(step)
+                    self.slots.root.delete_tree(MEMORY_OWNER_FILE)  # a file, or whatever damage put there
                 self._owner = None
         if not self.options.keep_at_close:
-            self.slots.remove()
+            with _said_at_close():
+                self.slots.remove()
+
+
+@contextlib.contextmanager
+def _said_at_close() -> Iterator[None]:
+    """Memory not given back at close (a read-only mount over it) is said, not raised: the close
+    goes on (its lock released, its drains ended), the steps left there are whole."""
+    try:
+        yield
+    except MemoryTierError as e:
+        log.error("could not give the memory tier's memory back at close (what is left there stays whole; "
+                  "`tiercheck gc --memory` reclaims it): %s", e)  # fmt: skip
 
 
 def _save_of(tier: Tier, step: int) -> str | None:
