@@ -96,6 +96,24 @@ def test_a_read_only_mount_over_the_memory_directory_fails_the_save_and_close_na
     assert_identical(restored, _state(2))
 
 
+def test_a_slot_whose_step_could_not_be_withdrawn_is_never_staged_over(shm: Path, tmp_path: Path) -> None:
+    """A save that failed to withdraw the step in the slot it took (read-only then) leaves the slot to
+    that step: once writable again, the next save withdraws it first, never stages over a committed step."""
+    local = tmp_path / "ckpt"
+    with Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:
+        _save(ck, 1).wait()
+        _save(ck, 2).wait()
+        directory = _directory(shm)
+        with _read_only(directory), pytest.raises(MemoryTierError):
+            _save(ck, 3).wait()
+        _save(ck, 3).wait()
+        assert list_steps(LocalTier(directory)).committed == [2, 3], "step 1 still committed over step 3's bytes"
+    restored = _state(9)
+    with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm, persist_every=100)) as again:
+        assert again.restore() == 3
+    assert_identical(restored, _state(3))
+
+
 def _truncate_slots_then_save(rank: int, world_size: int, local: str, shm: str) -> list[int]:
     """Saves 1 and 2 to memory, truncates every slot file under the live mappings, saves 3 and 4."""
     with Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm, persist_every=100)) as ck:

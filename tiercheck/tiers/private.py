@@ -44,7 +44,9 @@ FILE_MODE = 0o600
 def levels(top: str | os.PathLike[str], directory: str | os.PathLike[str]) -> list[Path]:
     """``top`` (``MemoryOptions.path``) and each directory from it down to ``directory``, absolute."""
     top_path, here = Path(os.path.abspath(top)), Path(os.path.abspath(directory))
-    rel = here.relative_to(top_path).parts if here.is_relative_to(top_path) else ()
+    if not here.is_relative_to(top_path):  # not under it (never so today): both are checked all the same
+        return [top_path, here]
+    rel = here.relative_to(top_path).parts
     return [top_path, *(top_path.joinpath(*rel[: n + 1]) for n in range(len(rel)))]
 
 
