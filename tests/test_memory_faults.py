@@ -144,7 +144,10 @@ def test_a_memory_path_that_is_a_file_is_refused_at_start(shm: Path, tmp_path: P
     else:
         target = shm
     target.write_bytes(b"a file")
-    with pytest.raises(MemoryTierError, match=f"{target} is a file, not a directory") as info:
-        Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm))
-    assert info.value.errno == errno.ENOTDIR
-    assert target.read_bytes() == b"a file"
+    try:
+        with pytest.raises(MemoryTierError, match=f"{target} is a file, not a directory") as info:
+            Checkpointer(_state(), local=local, memory=MemoryOptions(path=shm))
+        assert info.value.errno == errno.ENOTDIR
+        assert target.read_bytes() == b"a file"
+    finally:
+        target.unlink()  # the fixture removes a directory tree, not a file
