@@ -235,3 +235,35 @@ def test_load_newest_falls_back_to_the_older_whole_step_when_the_newest_is_damag
     flip_chunk_byte(newest, array, chunks_of(newest, array)[0], 5)
     fresh = run_ranks(_restore_only, 2, str(tmp_path / "a"), None, str(local), timeout=150)
     assert [f["step"] for f in fresh] == [INTERVAL, INTERVAL]
+
+
+def test_torchtitans_command_line_sets_the_memory_tiers_path() -> None:
+    """torchtitan 0.3 parses its command line with tyro (``ConfigManager``, its registry): with the manager's
+    config in a ``checkpoint`` section, as ``Trainer.Config`` holds it, ``--checkpoint.memory.path`` sets
+    ``MemoryOptions.path`` (a ``str | os.PathLike`` annotation was "fixed" to its default, refusing any value)."""
+    from dataclasses import field, make_dataclass
+
+    import tyro
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from tiercheck import MemoryOptions
+    from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
+
+    ConfigManager()  # registers torchtitan's own tyro rules, as its parse_args does
+
+    # Trainer.Config's checkpoint field (the Trainer itself imports triton); made, not written as a class: this
+    # module's annotations are strings, which tyro could not resolve in a function's scope
+    Job = make_dataclass(
+        "Job",
+        [("checkpoint", BaseCheckpointManager.Config, field(default_factory=BaseCheckpointManager.Config))],
+        kw_only=True,
+        slots=True,
+    )
+    default = Job(checkpoint=TiercheckCheckpointManager.Config(enable=True, interval=1))
+    args = ["checkpoint.memory:memory-options", "--checkpoint.memory.path", "/dev/shm/run-7",
+            "--checkpoint.memory.persist-every", "5"]  # fmt: skip
+    parsed = tyro.cli(Job, args=args, default=default, registry=custom_registry)
+    assert isinstance(parsed.checkpoint, TiercheckCheckpointManager.Config)
+    assert parsed.checkpoint.memory == MemoryOptions(path="/dev/shm/run-7", persist_every=5)
+    assert tyro.cli(Job, args=[], default=default, registry=custom_registry).checkpoint.memory is None
