@@ -36,6 +36,7 @@ from tiercheck.cli.common import (
     remote_options,
     step_bytes,
 )
+from tiercheck.cli.drain import drain_steps
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
@@ -191,8 +192,6 @@ def persist_command(
     memory of another lineage than DIR's (never restored; `tiercheck gc --memory` reclaims it).
     Run again, it copies nothing twice. Exit status 1 where a step could not be persisted.
     """  # fmt: skip
-    from tiercheck.cli.copy import drain_steps  # copy imports this module for gc
-
     with errors_as_one_line():
         tier = ctx.tier(local)
         memory = open_memory(ctx, tier, path)
