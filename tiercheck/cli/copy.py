@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
+from shlex import quote
 from typing import Literal
 
 import click
@@ -34,7 +36,7 @@ from tiercheck.cli.common import (
     step_value,
     typed_options,
 )
-from tiercheck.cli.memory import gc_memory
+from tiercheck.cli.memory import MEMORY_ROLES, Locked, gc_memory, memory_role
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.commit import withdraw_step
@@ -160,12 +162,20 @@ def restore_command(
 _CHECKPOINT_NAMES = {LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR}
 
 
+def _not_checkpoint(tier: Tier) -> str | None:
+    """What a non-empty ``tier`` holding no checkpoint holds ("a.txt, b and 3 more"); None where it
+    is empty or holds a checkpoint's files."""
+    names = tier.list_dir()
+    if not names or any(name in _CHECKPOINT_NAMES or step_of(name) is not None for name in names):
+        return None
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def _refuse_foreign(dst: Tier) -> None:
     """Refuse a copy into a non-empty ``dst`` that holds no checkpoint (before anything, the
     writer lock included, is put there)."""
-    names = dst.list_dir()
-    if names and not any(name in _CHECKPOINT_NAMES or step_of(name) is not None for name in names):
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    shown = _not_checkpoint(dst)
+    if shown is not None:
         fail(
             f"{dst.url} is not a checkpoint directory (it holds {shown}): the copy would add its files beside "
             "them. Use an empty or new directory, or pass --take-over"
@@ -280,12 +290,16 @@ def gc_command(
     counts as abandoned when it is older than the newest committed step and older than the grace
     period (a drain may still be writing it). With --memory (alone, or with a policy), a node
     directory's memory tier is removed where no job holds the directory's lock and its steps are on
-    the directory already, or are another lineage's (never restored).
+    the directory already, or are another lineage's (never restored). The policy holds each local
+    directory's writer lock, as a job does: it refuses a directory a job is writing. A location that
+    is not a checkpoint directory (other files, a memory tier: see --memory) is an error.
     """
     with errors_as_one_line():
         if keep_last is None and keep_every is None and memory is None:
             raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M (or reclaim: --memory PATH)")
         tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        for tier in tiers:
+            _refuse_to_collect(tier)
         if memory is not None:
             if any(tier.local_path is None for tier in tiers):
                 raise click.UsageError("--memory goes with node directories: a remote URL has no memory tier")
@@ -294,36 +308,64 @@ def gc_command(
             return
         if len(tiers) > 1:
             one_lineage(tiers)  # one job's directories: steps of two jobs are never pooled
-        listings = {tier.url: list_steps(tier) for tier in tiers}
-        committed = sorted({s for listing in listings.values() for s in listing.committed})
-        policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+        with ExitStack() as held:
+            for tier in tiers:  # as a job does (restore and persist too): none deletes under a running job
+                if tier.local_path is not None:
+                    held.enter_context(Locked(tier))
+            _apply_policy(tiers, RetentionOptions(keep_last=keep_last, keep_every=keep_every), grace_hours,
+                          dry_run=dry_run, quick=quick)  # fmt: skip
 
-        def damage(s: int) -> str | None:
-            holders = [tier for tier in tiers if s in listings[tier.url].committed]
-            found = job_damage(holders, s, depth="manifest" if quick else "chunks")
-            if found is None:
-                return None
-            label, why = found
-            err.print(f"{label}: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
-            return why
 
-        doomed = steps_to_delete(committed, policy, damage=damage)
-        newest = committed[-1] if committed else None
-        verb = "would remove" if dry_run else "removed"
-        for s in doomed:
-            for tier in tiers:
-                if s in listings[tier.url].committed:
-                    if not dry_run:
-                        withdraw_step(tier, s)
-                    out.print(f"{verb} committed step {s}{_in(tier, tiers)}")
+def _refuse_to_collect(tier: Tier) -> None:
+    """Refuse (exit status 1, before anything is removed) a location that is no checkpoint directory:
+    one holding other files, or a memory tier's path or a node's memory tier (``--memory`` says which
+    local directory's memory may go, and judges it by that directory)."""
+    found = memory_role(tier.local_path) if tier.local_path is not None else None
+    if found is not None:
+        role, path = found
+        fail(
+            f"{tier.url} is {MEMORY_ROLES[role]}: nothing removed; `tiercheck gc DIR --memory {quote(str(path))}` "
+            "reclaims the memory tier of the local directory DIR"
+        )
+    shown = _not_checkpoint(tier)
+    if shown is not None:
+        fail(f"{tier.url} is not a checkpoint directory (it holds {shown}): nothing removed")
+
+
+def _apply_policy(
+    tiers: list[Tier], policy: RetentionOptions, grace_hours: float, *, dry_run: bool, quick: bool
+) -> None:
+    """gc's retention: the committed steps ``policy`` lets go, and abandoned partial steps (the
+    caller holds the local directories' locks)."""
+    listings = {tier.url: list_steps(tier) for tier in tiers}
+    committed = sorted({s for listing in listings.values() for s in listing.committed})
+
+    def damage(s: int) -> str | None:
+        holders = [tier for tier in tiers if s in listings[tier.url].committed]
+        found = job_damage(holders, s, depth="manifest" if quick else "chunks")
+        if found is None:
+            return None
+        label, why = found
+        err.print(f"{label}: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
+        return why
+
+    doomed = steps_to_delete(committed, policy, damage=damage)
+    newest = committed[-1] if committed else None
+    verb = "would remove" if dry_run else "removed"
+    for s in doomed:
         for tier in tiers:
-            for s in listings[tier.url].partial:
-                if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600):
-                    if not dry_run:
-                        tier.delete_tree(step_dir(s))
-                    out.print(f"{verb} partial step {s}{_in(tier, tiers)}")
-        kept = [s for s in committed if s not in doomed]
-        out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
+            if s in listings[tier.url].committed:
+                if not dry_run:
+                    withdraw_step(tier, s)
+                out.print(f"{verb} committed step {s}{_in(tier, tiers)}")
+    for tier in tiers:
+        for s in listings[tier.url].partial:
+            if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600):
+                if not dry_run:
+                    tier.delete_tree(step_dir(s))
+                out.print(f"{verb} partial step {s}{_in(tier, tiers)}")
+    kept = [s for s in committed if s not in doomed]
+    out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
 
 
 def _in(tier: Tier, tiers: list[Tier]) -> str:

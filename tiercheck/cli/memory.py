@@ -20,6 +20,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -41,7 +42,7 @@ from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
 from tiercheck.format.lineage import memory_owner, read_lineage
-from tiercheck.format.paths import memory_dir
+from tiercheck.format.paths import MEMORY_OWNER_FILE, memory_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import MemoryOptions
@@ -130,6 +131,28 @@ def open_memory(ctx: Context, local: Tier, path: str) -> NodeMemory | None:
     owner = memory_owner(tier)
     lineage = read_lineage(local)
     return NodeMemory(local, tier, owner, lineage.id if lineage is not None else None)
+
+
+#: What ``memory_role`` found, as a sentence's object.
+MEMORY_ROLES = {
+    "tier": "a node's memory tier (one local directory's, under MemoryOptions.path), not a local directory",
+    "path": "a memory tier's path (MemoryOptions.path), holding local directories' memory tiers",
+}
+
+
+def memory_role(directory: Path) -> tuple[Literal["tier", "path"], Path] | None:
+    """Whether ``directory`` is one local directory's memory tier ("tier": it holds an ``OWNER``
+    file) or a ``MemoryOptions.path`` holding such tiers ("path"), with that path; None: neither.
+    Given to ``ls`` or ``gc`` as if a local directory, each is pointed at ``--memory``."""
+    if (directory / MEMORY_OWNER_FILE).is_file():
+        return "tier", directory.parent
+    try:
+        children = [p for p in directory.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    if children and any((p / MEMORY_OWNER_FILE).is_file() for p in children):
+        return "path", directory
+    return None
 
 
 def held_bytes(directory: Path) -> int:
