@@ -169,6 +169,11 @@ def test_a_memory_path_off_a_tmpfs_is_warned_at_start(
     assert warned.startswith(f"MemoryOptions.path {on_disk} is not on a tmpfs ({tmp_path} is on a filesystem of type")
     assert "/dev/shm" in warned
     caplog.clear()
-    with Checkpointer(state, local=tmp_path / "b", memory=MemoryOptions(path=shm)):
+    caplog.set_level(logging.INFO, logger="tiercheck")
+    with Checkpointer(state, local=tmp_path / "b", memory=MemoryOptions(path=shm, persist_every=5)):
         pass
-    assert not [r for r in caplog.records if "tmpfs" in r.getMessage()]
+    assert not [r for r in caplog.records if "not on a tmpfs" in r.getMessage()]
+    # the start-up line names the memory tier, where it is and what goes on to the local directory
+    [started] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory tier at ")]
+    assert started.startswith(f"memory tier at {shm}/") and "every save commits there (2 slots of " in started
+    assert started.endswith(f"those of a step divisible by 5 to {tmp_path / 'b'} too"), started

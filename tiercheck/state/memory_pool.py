@@ -70,8 +70,13 @@ def start(
     if not isinstance(options, MemoryOptions):
         raise InvalidArgumentError(f"memory must be a MemoryOptions or None, not {type(options).__qualname__}")
     directory = pool_dir(options, os.path.abspath(local))
-    check_bound(options, directory, pool_bound(state, allow_pickle), local_ranks())
+    bound = pool_bound(state, allow_pickle)
+    check_bound(options, directory, bound, local_ranks())
     warn_unless_memory(Path(os.fspath(options.path)))
+    every = options.persist_every
+    log.info("memory tier at %s: every save commits there (%d slots of %.1f MiB for this rank); %s to %s too",
+             directory, options.slots, bound / 2**20,
+             "each" if every == 1 else f"those of a step divisible by {every}", local)  # fmt: skip
     return MemoryTier(options, directory)
 
 
