@@ -240,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     # With the memory tier, every step is saved to memory and every `--every`th also to the directory.
     memory = MemoryOptions(path=args.memory, persist_every=args.every) if args.memory is not None else None
     save_every = 1 if memory is not None else args.every
-    restored_from = RestoredFrom()
-    logging.getLogger("tiercheck").addHandler(restored_from)
+    logging.getLogger("tiercheck").addHandler(restored_from := RestoredFrom())
     logging.getLogger("tiercheck").setLevel(logging.INFO)
     t_open = time.perf_counter()
     ckpt_cm = (
@@ -255,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     with ckpt_cm as ckpt:
         first = 0
         if ckpt is not None:
-            log(f"checkpoints: {args.ckpt_dir}, " + (
-                f"memory tier under {args.memory} (every step; every {args.every} steps also to the directory)"
-                if memory is not None else f"no memory tier (a step every {args.every})"
-            ))  # fmt: skip
+            log(_checkpoints(args))
             start = ckpt.restore(args.restore_step)
             restart_ms = (time.perf_counter() - t_open) * 1e3
             if start is None:
@@ -270,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"RESUMED from checkpoint step {start} in {args.ckpt_dir} "
                     f"(its loss {progress['loss']:.6f}); continuing at step {first}"
                 )
-                from_memory = bool(ckpt.stats()["restore_from_memory"])
-                log(f"restart: step {start} restored from {_restart(from_memory, restored_from, restart_ms, t_open)}")
+                log(f"restart: step {start} restored from {_restart(ckpt, restored_from, restart_ms, t_open)}")
 
         for step in range(first, args.steps):
             inputs, targets = get_batch(corpus, step)
@@ -317,9 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _restart(from_memory: bool, restored_from: RestoredFrom, restart_ms: float, t_open: float) -> str:
+def _checkpoints(args: argparse.Namespace) -> str:
+    """The start-up line: where the checkpoints go, the memory tier named."""
+    if args.memory is None:
+        return f"checkpoints: {args.ckpt_dir}, no memory tier (a step every {args.every})"
+    return (
+        f"checkpoints: {args.ckpt_dir}, memory tier under {args.memory} "
+        f"(every step; every {args.every} steps also to the directory)"
+    )
+
+
+def _restart(ckpt: Checkpointer, restored_from: RestoredFrom, restart_ms: float, t_open: float) -> str:
     """Where the restart read its step from and how long it took (the Checkpointer's start and restore())."""
-    if not from_memory:
+    if not ckpt.stats()["restore_from_memory"]:
         return f"the local directory in {restart_ms:.1f} ms"
     if restored_from.memory_read_at is None:
         return f"memory in {restart_ms:.1f} ms"
