@@ -166,6 +166,7 @@ def test_gc_keeps_memory_a_job_needs_and_removes_it_once_persisted(
     mem = memory_dir(str(shm), crashed)
     kept = run("gc", str(crashed), "--memory", str(shm)).stdout
     assert "kept the memory tier" in kept and "steps 2, 3 not on the local directory" in kept
+    assert f"(`tiercheck persist {crashed} --memory {shm}` copies them)" in kept, kept  # as it runs, path and all
     run("persist", str(crashed), "--memory", str(shm))
     with Checkpointer(state_of(0), local=crashed):
         assert "a job is running there" in run("gc", str(crashed), "--memory", str(shm)).stdout
@@ -173,7 +174,7 @@ def test_gc_keeps_memory_a_job_needs_and_removes_it_once_persisted(
     other.mkdir()
     dry = run("gc", str(crashed), "--memory", str(shm), "--dry-run")
     assert "would remove the memory tier" in dry.stdout and mem.is_dir()
-    assert f"not judged: the memory tier {other}" in dry.stderr
+    assert f"not judged: the memory tier {other}" in dry.stderr and f"tiercheck gc DIR --memory {shm}" in dry.stderr
     assert "removed the memory tier" in run("gc", str(crashed), "--memory", str(shm)).stdout
     assert not mem.exists() and other.is_dir()
     assert list_steps(LocalTier(crashed)).committed == [2, 3]

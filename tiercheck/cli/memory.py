@@ -20,6 +20,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 from typing import Literal
 
 import click
@@ -212,7 +213,7 @@ def persist_command(
     memory newer than DIR's newest are copied to DIR, every chunk checked on the way, and committed
     there; with --remote, then drained as `tiercheck drain` does. It holds DIR's writer lock, as a
     job does: it refuses while a job is writing DIR (run it once the job has ended). It refuses
-    memory of another lineage than DIR's (never restored; `tiercheck gc --memory` reclaims it).
+    memory of another lineage than DIR's (never restored; `tiercheck gc DIR --memory PATH` reclaims it).
     Run again, it copies nothing twice. Exit status 1 where a step could not be persisted.
     """  # fmt: skip
     with errors_as_one_line():
@@ -288,8 +289,9 @@ def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) ->
                 pending = [] if why is not None else memory.unpersisted()
                 if pending:
                     out.print(
-                        f"kept the memory tier of {local.url} at {memory.directory}: {steps_named(pending)} "
-                        f"not on the local directory (`tiercheck persist {local.url}` copies them)"
+                        f"kept the memory tier of {local.url} at {memory.directory}: {steps_named(pending)} not on "
+                        f"the local directory (`tiercheck persist {quote(local.url)} --memory {quote(path)}` "
+                        "copies them)"
                     )
                     continue
                 freed = held_bytes(memory.directory)
@@ -305,7 +307,8 @@ def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) ->
         if root.is_dir() else []  # fmt: skip
     for p in others:
         err.print(
-            f"not judged: the memory tier {p} belongs to a local directory not given (give it: gc --memory {path} DIR)",
+            f"not judged: the memory tier {p} belongs to a local directory not given "
+            f"(give it: tiercheck gc DIR --memory {quote(path)})",
             markup=False,
         )
 
