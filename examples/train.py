@@ -206,8 +206,7 @@ class RestoredFrom(logging.Handler):
         self.memory_read_at: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        said = str(record.msg)
-        if said.startswith("restored step %d from") and "memory" in said:
+        if str(record.msg).startswith(("restored step %d from memory", "restored step %d from the memory tier")):
             self.memory_read_at = time.perf_counter()
 
 
