@@ -50,7 +50,7 @@ TRAIN = REPO / "examples" / "train.py"
 STEP_LINE = re.compile(r"^step (\d+) loss ")
 RESUMED_LINE = re.compile(r"^RESUMED from checkpoint step (\d+)")
 RESTART_LINE = re.compile(
-    r"^restart: step (\d+) restored from the (memory tier|local directory) in ([\d.]+) ms(?: \(([\d.]+) ms to read it)?"
+    r"^restart: step (\d+) restored from (memory|the local directory) in ([\d.]+) ms(?: \(([\d.]+) ms to read it)?"
 )
 SHM = Path("/dev/shm")
 
@@ -285,7 +285,7 @@ def compare_with_disk(common: list[str], ckpt_dir: Path, memory: re.Match[str]) 
     disk_ms = float(m[0].group(3))
     size = sum(f.stat().st_size for f in (ckpt_dir / f"step-{step:08d}").rglob("*") if f.is_file())
     say(f"    restart of step {step}, the Checkpointer's start and its restore() in a fresh process:")
-    say(f"      from the memory tier     {memory_ms:7.1f} ms  ({read_ms:.1f} ms to read it, the rest persisting it to disk)")
+    say(f"      from memory              {memory_ms:7.1f} ms  ({read_ms:.1f} ms to read it, the rest persisting it to disk)")
     say(f"      from the local directory {disk_ms:7.1f} ms  (its files' page cache dropped first)")
     say(
         f"    reading from memory took {read_ms / disk_ms:.2f}x the time of the local restore; at "
@@ -359,8 +359,8 @@ def run_demo(args: argparse.Namespace, memory: Path | None) -> int:
     restart = [m for line in run2.lines if (m := RESTART_LINE.match(line))]
     if memory is not None and newest is not None:
         banner(f"5/{n}  for comparison: the same step restored from the local directory alone")
-        if not restart or restart[0].group(2) != "memory tier":
-            problems.append(f"run 2 did not restart from the memory tier: {[m.group(0) for m in restart]}")
+        if not restart or restart[0].group(2) != "memory":
+            problems.append(f"run 2 did not restart from memory: {[m.group(0) for m in restart]}")
         elif compare_with_disk(common, ckpt_dir, restart[0]) is None:
             problems.append("the same step could not be restored from the local directory")
 
@@ -371,12 +371,12 @@ def run_demo(args: argparse.Namespace, memory: Path | None) -> int:
                 f"run 2 resumed from {resumed_from or 'nothing'}, but the newest committed step was {newest}"
             )
         else:
-            tier = f" (from the {restart[0].group(2)}, in {restart[0].group(3)} ms)" if restart else ""
+            tier = f" (from {restart[0].group(2)}, in {restart[0].group(3)} ms)" if restart else ""
             say(
                 f"    run 2 resumed from step {resumed_from[0]}{tier}, the newest committed step, "
                 f"and ran steps {resumed_from[0] + 1}..{args.steps - 1}"
             )
-    came = f" (from the {restart[0].group(2)})" if restart else ""
+    came = f" (from {restart[0].group(2)})" if restart else ""
     return verdict(ref_out, resumed_out, problems, f"killed at step {at_step}, resumed from step "
                    f"{resumed_from[0] if resumed_from else 'scratch'}{came}", seed, t_start)  # fmt: skip
 

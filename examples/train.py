@@ -10,9 +10,10 @@ uninterrupted or is killed at any moment and restarted from its last committed c
     python examples/train.py --steps 200 --ckpt-dir runs/tiny-gpt --memory /dev/shm/tiny-gpt
                                       # every step to memory that outlives the process, every 10th also to disk
 
-Each training step prints one line, ``step 17 loss 4.123456``. A run that resumes prints
-``restart: step N restored from the memory tier in T ms`` (or ``from the local directory``): the
-time of the Checkpointer's start and its ``restore()``.
+Each training step prints one line, ``step 17 loss 4.123456``. A run with ``--ckpt-dir`` first says
+where its checkpoints go (``checkpoints: DIR, memory tier under PATH ...``, or ``no memory tier``).
+A run that resumes prints ``restart: step N restored from memory in T ms`` (or ``from the local
+directory``): the time of the Checkpointer's start and its ``restore()``.
 """
 
 from __future__ import annotations
@@ -197,15 +198,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class RestoredFrom(logging.Handler):
-    """Which tier a restore read, and when it had read it: tiercheck logs the memory tier's restore
-    (from the restoring thread) before it persists the step to the local directory."""
+    """When a restore from memory had read its step: tiercheck logs it (from the restoring thread)
+    before it persists the step to the local directory. Which tier served it, ``stats()`` says."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.memory_read_at: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("restored step %d from the memory tier"):
+        if str(record.msg).startswith(("restored step %d from memory", "restored step %d from the memory tier")):
             self.memory_read_at = time.perf_counter()
 
 
@@ -238,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     # With the memory tier, every step is saved to memory and every `--every`th also to the directory.
     memory = MemoryOptions(path=args.memory, persist_every=args.every) if args.memory is not None else None
     save_every = 1 if memory is not None else args.every
-    restored_from = RestoredFrom()
-    logging.getLogger("tiercheck").addHandler(restored_from)
+    logging.getLogger("tiercheck").addHandler(restored_from := RestoredFrom())
     logging.getLogger("tiercheck").setLevel(logging.INFO)
     t_open = time.perf_counter()
     ckpt_cm = (
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     with ckpt_cm as ckpt:
         first = 0
         if ckpt is not None:
+            log(_checkpoints(args))
             start = ckpt.restore(args.restore_step)
             restart_ms = (time.perf_counter() - t_open) * 1e3
             if start is None:
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"RESUMED from checkpoint step {start} in {args.ckpt_dir} "
                     f"(its loss {progress['loss']:.6f}); continuing at step {first}"
                 )
-                log(f"restart: step {start} restored from {_restart(restored_from, restart_ms, t_open)}")
+                log(f"restart: step {start} restored from {_restart(ckpt, restored_from, restart_ms, t_open)}")
 
         for step in range(first, args.steps):
             inputs, targets = get_batch(corpus, step)
@@ -310,12 +311,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _restart(restored_from: RestoredFrom, restart_ms: float, t_open: float) -> str:
+def _checkpoints(args: argparse.Namespace) -> str:
+    """The start-up line: where the checkpoints go, the memory tier named."""
+    if args.memory is None:
+        return f"checkpoints: {args.ckpt_dir}, no memory tier (a step every {args.every})"
+    return (
+        f"checkpoints: {args.ckpt_dir}, memory tier under {args.memory} "
+        f"(every step; every {args.every} steps also to the directory)"
+    )
+
+
+def _restart(ckpt: Checkpointer, restored_from: RestoredFrom, restart_ms: float, t_open: float) -> str:
     """Where the restart read its step from and how long it took (the Checkpointer's start and restore())."""
-    if restored_from.memory_read_at is None:
+    if not ckpt.stats()["restore_from_memory"]:
         return f"the local directory in {restart_ms:.1f} ms"
+    if restored_from.memory_read_at is None:
+        return f"memory in {restart_ms:.1f} ms"
     read_ms = (restored_from.memory_read_at - t_open) * 1e3
-    return f"the memory tier in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; the rest persisting it to disk)"
+    return f"memory in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; the rest persisting it to disk)"
 
 
 def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[bool]], None]:

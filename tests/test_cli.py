@@ -181,6 +181,49 @@ def test_gc_dry_run_changes_nothing_and_gc_keeps_the_newest(saved: Path) -> None
     assert_identical(tiercheck.load(saved), make_state(30))
 
 
+def test_gc_refuses_a_directory_a_live_job_holds(saved: Path) -> None:
+    """As restore and persist do: a running job's Checkpointer holds the directory's lock, and gc deletes nothing
+    under it (it once withdrew steps 10 and 20 while the job ran)."""
+    with tiercheck.Checkpointer(make_state(0), local=saved):
+        proc = run("gc", str(saved), "--keep-last", "1", check=False)
+    assert proc.returncode == 1 and "in use by another tiercheck writer" in proc.stderr, proc.stderr
+    assert "removed" not in proc.stdout
+    assert list_steps(open_tier(str(saved))).committed == [10, 20, 30]
+    assert "removed committed step 10" in run("gc", str(saved), "--keep-last", "1").stdout  # the job has ended
+
+
+def test_gc_of_a_directory_that_is_no_checkpoint_is_an_error(tmp_path: Path) -> None:
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    proc = run("gc", str(other), "--keep-last", "1", check=False)
+    assert proc.returncode == 1, proc
+    assert f"{other} is not a checkpoint directory (it holds todo.txt): nothing removed" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["todo.txt"], "not even a lock file is left there"
+    empty = tmp_path / "empty"  # a new run's directory, nothing in it yet: nothing to do, no error
+    empty.mkdir()
+    assert "kept committed step(s): none" in run("gc", str(empty), "--keep-last", "1").stdout
+
+
+def test_ls_of_two_lineages_warns(saved: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    save_steps(other, [10])  # another run: its own lineage, and a step 10 of its own
+    proc = run("ls", str(saved), str(other))
+    assert "warning: the locations belong to different lineages" in proc.stderr, proc.stderr
+    assert str(saved) in proc.stderr and str(other) in proc.stderr
+    assert "10" in proc.stdout, "still listed"
+    copy = tmp_path / "copy"
+    run("restore", str(saved), "--to", str(copy))  # the same lineage: no warning
+    assert run("ls", str(saved), str(copy)).stderr == ""
+
+
+def test_plan_without_a_model_is_a_usage_error() -> None:
+    proc = run("plan", check=False)
+    assert proc.returncode == 2, proc
+    assert "give --params, or --layers, --hidden and --vocab" in proc.stderr, proc.stderr
+    assert run("plan", "--layers", "4", check=False).returncode == 2
+
+
 def test_gc_deletes_only_steps_under_their_own_name(saved: Path) -> None:
     """Aliases of step 30 (``step-000000030`` half-written, ``step-000000040`` a committed copy)
     once made gc keep "step 40" and delete step 30 twice over: every real step gone."""

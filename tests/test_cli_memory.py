@@ -82,6 +82,41 @@ def test_ls_and_verify_show_and_check_the_memory_steps(crashed: Path, shm: Path)
     assert "damaged: step 3:" in bad.stderr and "1 damaged chunk in step 3" in bad.stderr, bad.stderr
 
 
+def test_ls_hints_carry_the_memory_path_and_a_memory_path_given_alone_points_to_memory(
+    crashed: Path, shm: Path
+) -> None:
+    """The hints ``ls --memory PATH`` prints work as printed: they carry ``--memory PATH`` (without it, persist and
+    gc look under the default path and find nothing). A memory tier's path, or one memory tier, given to ``ls`` as
+    if a local directory, is pointed at ``--memory``."""
+    mem = memory_dir(str(shm), crashed)
+    table = run("ls", str(crashed), "--memory", str(shm)).stdout
+    assert f"`tiercheck persist {crashed} --memory {shm}` does" in table, table
+    for given, what in ((shm, "a memory tier's path"), (mem, "a node's memory tier")):
+        proc = run("ls", str(given))
+        assert f"{given} is {what}" in proc.stderr, proc.stderr
+        assert f"`tiercheck ls DIR --memory {shm}`" in proc.stderr, proc.stderr
+    gc = run("gc", str(shm), "--keep-last", "1", check=False)
+    assert gc.returncode == 1 and f"`tiercheck gc DIR --memory {shm}`" in gc.stderr, gc.stderr
+    assert list_steps(LocalTier(mem)).committed == [2, 3]
+    shutil.rmtree(crashed)  # a new run in a new directory at the same path: another lineage
+    with Checkpointer(state_of(7), local=crashed) as ck:
+        ck.save(1).wait()
+    ls = run("ls", str(crashed), "--memory", str(shm))
+    assert f"`tiercheck gc {crashed} --memory {shm}`" in ls.stderr, ls.stderr
+
+
+def test_ls_calls_a_step_committed_in_memory_and_partial_on_disk_persisting(crashed: Path, shm: Path) -> None:
+    """Memory to disk is persisting (draining is disk to the remote tier): a persist cut short leaves the step's
+    files on the local directory without its COMMIT, which it writes last."""
+    mem = memory_dir(str(shm), crashed)
+    shutil.copytree(mem / step_dir(3), crashed / step_dir(3))
+    (crashed / step_dir(3) / "COMMIT").unlink()
+    doc = json.loads(run("ls", str(crashed), "--memory", str(shm), "--json").stdout)
+    [row] = [s for s in doc["steps"] if s["step"] == 3]
+    assert row["tiers"][str(crashed)]["status"] == "persisting", row
+    assert "persisting" in run("ls", str(crashed), "--memory", str(shm)).stdout
+
+
 def test_persist_after_a_crash_leaves_the_steps_on_the_local_directory_and_the_remote(
     crashed: Path, shm: Path, tmp_path: Path
 ) -> None:
@@ -131,6 +166,7 @@ def test_gc_keeps_memory_a_job_needs_and_removes_it_once_persisted(
     mem = memory_dir(str(shm), crashed)
     kept = run("gc", str(crashed), "--memory", str(shm)).stdout
     assert "kept the memory tier" in kept and "steps 2, 3 not on the local directory" in kept
+    assert f"(`tiercheck persist {crashed} --memory {shm}` copies them)" in kept, kept  # as it runs, path and all
     run("persist", str(crashed), "--memory", str(shm))
     with Checkpointer(state_of(0), local=crashed):
         assert "a job is running there" in run("gc", str(crashed), "--memory", str(shm)).stdout
@@ -138,7 +174,7 @@ def test_gc_keeps_memory_a_job_needs_and_removes_it_once_persisted(
     other.mkdir()
     dry = run("gc", str(crashed), "--memory", str(shm), "--dry-run")
     assert "would remove the memory tier" in dry.stdout and mem.is_dir()
-    assert f"not judged: the memory tier {other}" in dry.stderr
+    assert f"not judged: the memory tier {other}" in dry.stderr and f"tiercheck gc DIR --memory {shm}" in dry.stderr
     assert "removed the memory tier" in run("gc", str(crashed), "--memory", str(shm)).stdout
     assert not mem.exists() and other.is_dir()
     assert list_steps(LocalTier(crashed)).committed == [2, 3]

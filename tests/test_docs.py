@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import itertools
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import tiercheck
+from tests.shm import private_shm
 from tiercheck import options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,3 +189,29 @@ def test_the_dcp_example_recipe_writes_into_a_temporary_directory() -> None:
         for flag in ("--ckpt-dir", "--out"):
             if flag in words:
                 assert words[words.index(flag) + 1].startswith("$d/"), command
+
+
+def test_the_tiers_table_holds_the_memory_row() -> None:
+    """A blank line before the memory row ended the table there: the row rendered as a paragraph of pipes."""
+    lines = (ROOT / "docs" / "concepts" / "tiers.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| tier |"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["host", "memory (opt-in)", "local", "peer", "remote"]
+    assert not [line for line in lines[start + len(table):] if line.startswith("| ")], "a row outside the table"
+
+
+def test_the_memory_pages_example_runs_and_a_restart_resumes_from_it(tmp_path: Path) -> None:
+    """docs/concepts/memory.md's Checkpointer(..., memory=MemoryOptions(...)) example, as written but for its two
+    paths (a temporary directory, a private directory on the real /dev/shm): it trains and saves 200 steps, and
+    run again it resumes at step 200."""
+    page = (ROOT / "docs" / "concepts" / "memory.md").read_text()
+    code = re.search(r"```python\n(.*?)\n```", page, flags=re.S)
+    assert code is not None and "memory=memory" in code.group(1)
+    with private_shm() as shm:
+        source = code.group(1).replace('"/dev/shm/run1"', repr(str(shm))).replace('"/nvme/ckpt/run1"', repr(str(tmp_path)))
+        first: dict[str, object] = {}
+        exec(compile(source, "docs/concepts/memory.md", "exec"), first)
+        assert first["start"] is None and first["state"]["progress"] == {"step": 200}  # type: ignore[index]
+        again: dict[str, object] = {}
+        exec(compile(source, "docs/concepts/memory.md", "exec"), again)
+        assert again["start"] == 200

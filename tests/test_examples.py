@@ -85,8 +85,8 @@ def test_the_demo_kills_the_run_and_it_restarts_from_memory_bit_identical(tmp_pa
     proc = subprocess.run([*cmd, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300, check=False)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "PASS: killed at step" in out and "(from the memory tier), and finished bit-identical" in out, out
-    restart = re.search(r"\[run 2, resumed\] restart: step (\d+) restored from the memory tier in [\d.]+ ms", out)
+    assert "PASS: killed at step" in out and "(from memory), and finished bit-identical" in out, out
+    restart = re.search(r"\[run 2, resumed\] restart: step (\d+) restored from memory in [\d.]+ ms", out)
     assert restart is not None, out
     # the step restored is the newest one the kill left in memory, newer than any on disk unless both hold it
     in_memory = [int(s) for s in re.findall(r"step-(\d+)/ .* in memory .* committed", out)]
@@ -94,5 +94,7 @@ def test_the_demo_kills_the_run_and_it_restarts_from_memory_bit_identical(tmp_pa
     assert in_memory and int(restart.group(1)) == max(in_memory) >= max(on_disk, default=-1), out
     step = restart.group(1)
     assert re.search(rf"\[disk restore\] restart: step {step} restored from the local directory in [\d.]+ ms", out)
-    assert re.search(r"from the memory tier +[\d.]+ ms .*\n +from the local directory +[\d.]+ ms", out), out
+    assert re.search(r"from memory +[\d.]+ ms .*\n +from the local directory +[\d.]+ ms", out), out
+    # each run says at start where its checkpoints go: the memory tier named
+    assert re.search(r"\[run 2, resumed\] checkpoints: .*, memory tier under /dev/shm/tiercheck-demo-", out), out
     assert set(Path("/dev/shm").glob("tiercheck-demo-*")) == before, "the demo left its memory tier behind"

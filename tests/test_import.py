@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,35 @@ def test_what_needs_pickle_is_refused_without_the_opt_in(tmp_path: Path) -> None
     dcp.save({"w": torch.ones(2), "cfg": _Config()}, checkpoint_id=tmp_path / "d", no_dist=True)
     with pytest.raises(UnsafeCheckpointError, match="cfg needs unpickling"):
         import_checkpoint(tmp_path / "d", tmp_path / "ck2")
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_truncated_torch_save_file_is_named_damaged_with_or_without_allow_pickle(tmp_path: Path, zipped: bool) -> None:
+    """A .pt cut short (a copy interrupted) was said to need unpickling, "import it with --allow-pickle" (false),
+    and with --allow-pickle torch's own error ended the command with a traceback."""
+    whole = tmp_path / "whole.pt"
+    torch.save({"w": torch.randn(256, 64)}, whole, _use_new_zipfile_serialization=zipped)
+    cut = tmp_path / "model_10.pt"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    for extra in ([], ["--allow-pickle"]):
+        ran = run("import", str(cut), "--to", str(tmp_path / "ck"), *extra, check=False)
+        assert ran.returncode == 1, ran
+        assert ran.stderr.startswith(f"tiercheck: error: {cut} is truncated or damaged: torch.load cannot read it ("), ran
+        assert len(ran.stderr.splitlines()) == 1 and "--allow-pickle" not in ran.stderr, ran.stderr
+        assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_a_pickle_naming_what_is_not_importable_here_is_one_line_with_allow_pickle(tmp_path: Path) -> None:
+    main = sys.modules["__main__"]
+    gone = type("Gone", (), {"__module__": "__main__"})
+    main.Gone = gone  # type: ignore[attr-defined]  # pickled by reference, as a script's own class is
+    try:
+        torch.save({"w": torch.ones(2), "cfg": gone()}, tmp_path / "a.pt")
+    finally:
+        del main.Gone  # type: ignore[attr-defined]
+    ran = run("import", str(tmp_path / "a.pt"), "--to", str(tmp_path / "ck"), "--allow-pickle", check=False)
+    assert ran.returncode == 1 and len(ran.stderr.splitlines()) == 1, ran
+    assert "cannot be unpickled here: it names what this process cannot import" in ran.stderr, ran.stderr
 
 
 def test_dcp_metadata_naming_anything_but_dcp_classes_is_refused(tmp_path: Path) -> None:

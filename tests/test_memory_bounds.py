@@ -5,6 +5,7 @@ page-locked. On a real tmpfs (mounted for the test where it may be) and real cgr
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tests.conftest import assert_identical
 from tests.test_memory_tier import _state
 from tiercheck import Checkpointer, MemoryOptions, MemoryTierError, StagingOptions
 from tiercheck.errors import InvalidArgumentError
+from tiercheck.libc import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from tiercheck.state import memory_pool
 
 
@@ -149,3 +151,29 @@ def test_a_pool_file_the_tmpfs_cannot_hold_is_refused_when_reserved(tiny_tmpfs: 
         memory_pool.mapped_empty(path, 16 << 20, pin=False)
     assert info.value.errno == errno.ENOSPC
     assert not path.exists()
+
+
+def test_a_memory_path_off_a_tmpfs_is_warned_at_start(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``MemoryOptions(path=)`` on a disk works, at the disk's pace: the start says so, naming the path; on the
+    real /dev/shm tmpfs it says nothing."""
+    if filesystem_type(str(tmp_path)) in (TMPFS_MAGIC, RAMFS_MAGIC):
+        pytest.skip(f"{tmp_path} is on a tmpfs here: no disk to try")
+    state = {"w": torch.zeros(1024)}
+    on_disk = tmp_path / "not" / "memory"  # not made yet: the directory above it that exists is judged
+    caplog.set_level(logging.WARNING, logger="tiercheck")
+    with Checkpointer(state, local=tmp_path / "a", memory=MemoryOptions(path=on_disk)) as ck:
+        ck.save(1).wait()
+    [warned] = [r.getMessage() for r in caplog.records if "not on a tmpfs" in r.getMessage()]
+    assert warned.startswith(f"MemoryOptions.path {on_disk} is not on a tmpfs ({tmp_path} is on a filesystem of type")
+    assert "/dev/shm" in warned
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="tiercheck")
+    with Checkpointer(state, local=tmp_path / "b", memory=MemoryOptions(path=shm, persist_every=5)):
+        pass
+    assert not [r for r in caplog.records if "not on a tmpfs" in r.getMessage()]
+    # the start-up line names the memory tier, where it is and what goes on to the local directory
+    [started] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory tier at ")]
+    assert started.startswith(f"memory tier at {shm}/") and "every save commits there (2 slots of " in started
+    assert started.endswith(f"those of a step divisible by 5 to {tmp_path / 'b'} too"), started

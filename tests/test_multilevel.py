@@ -226,8 +226,12 @@ def test_plan_prints_the_multilevel_intervals_and_memory() -> None:
     assert replicated["multilevel"]["recovers"] == {"crash": "memory", "node": "memory", "job": "s3"}
     assert replicated["memory"]["node_bytes"] == 147 * 10**9 and replicated["memory"]["fits"] is True
     # with steps of 10 s: the memory level every whole number of steps, and the options that give the pattern
-    stepped = run(*args, "--tmpfs-gb", "64", "--step-s", "10").stdout
+    stepped = run(*args, "--tmpfs-gb", "100", "--step-s", "10").stdout
     assert "save every 30 steps, MemoryOptions(persist_every=1890), DrainOptions(every=1890)" in stepped, stepped
+    # where the last line says the memory tier does not fit its tmpfs, no MemoryOptions is advised
+    cramped = run(*args, "--tmpfs-gb", "64", "--step-s", "10").stdout
+    assert "MemoryOptions" not in cramped and "does not fit" in cramped.splitlines()[-1], cramped
+    assert "options: none advised: the memory tier does not fit its tmpfs" in cramped, cramped
     refused = run(*args, "--memory-gbps", "fast", check=False)
     assert refused.returncode == 2 and "--memory-gbps" in refused.stderr, refused.stderr
     # a crash with neither a disk nor a shared tier to recover a node loss: one line, naming the kind

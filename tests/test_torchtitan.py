@@ -11,6 +11,7 @@ what tiercheck replaces, so it is what is driven.)
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -127,6 +128,9 @@ def _train(
     """torchtitan's Trainer.train, in short: load, then train and save each step; at ``stop`` < TOTAL the
     process dies (``os._exit``) once the last checkpoint is committed, without closing anything."""
     warnings.simplefilter("ignore", FutureWarning)
+    said = _Said()
+    logging.getLogger("tiercheck").addHandler(said)
+    logging.getLogger("tiercheck").setLevel(logging.INFO)
     model, optimizers, schedulers, loader, state, manager = _build(rank, world, root, remote, local, async_mode,
                                                                    memory)  # fmt: skip
     resumed = manager.load(step=-1)
@@ -151,7 +155,19 @@ def _train(
         "optim": _full(optimizers.state_dict()),
         "lr": schedulers.state_dict(),
         "next_batch": next(batches),
+        "log": said.lines,
     }
+
+
+class _Said(logging.Handler):
+    """tiercheck's log lines of a rank's run, as its user reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _restore_only(rank: int, world: int, root: str, remote: str, local: str) -> dict[str, Any]:
@@ -191,6 +207,9 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
         assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
         for key in ("model", "optim", "lr", "next_batch"):
             _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+        said = resumed[rank]["log"]  # the start says there is no memory tier, and the restore the tier it read
+        assert any(line.endswith(", no memory tier") for line in said), said
+        assert any(line.startswith("restored step 5 from the local directory through tiercheck in ") for line in said)
     assert _steps(local) == [5, 10]  # keep_latest_k=2: tiercheck's retention, torchtitan's purge never ran
     assert _steps(remote_dir) == [5, 10]  # close() drained both
 
@@ -221,6 +240,10 @@ def test_a_killed_run_resumes_from_the_memory_tier_bit_identical(tmp_path: Path)
         assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
         for key in ("model", "optim", "lr", "next_batch"):
             _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+        said = resumed[rank]["log"]  # the start names the memory tier, and the restore the tier it read
+        assert any(f"memory tier under {shm} (every checkpoint; those of a step divisible by 1000" in line
+                   for line in said), said  # fmt: skip
+        assert any(line.startswith("restored step 5 from memory through tiercheck in ") for line in said), said
         assert _steps(Path(local.format(rank=rank))) == [5, 10]  # the restored memory step persisted, the newest at close
 
 
@@ -235,3 +258,35 @@ def test_load_newest_falls_back_to_the_older_whole_step_when_the_newest_is_damag
     flip_chunk_byte(newest, array, chunks_of(newest, array)[0], 5)
     fresh = run_ranks(_restore_only, 2, str(tmp_path / "a"), None, str(local), timeout=150)
     assert [f["step"] for f in fresh] == [INTERVAL, INTERVAL]
+
+
+def test_torchtitans_command_line_sets_the_memory_tiers_path() -> None:
+    """torchtitan 0.3 parses its command line with tyro (``ConfigManager``, its registry): with the manager's
+    config in a ``checkpoint`` section, as ``Trainer.Config`` holds it, ``--checkpoint.memory.path`` sets
+    ``MemoryOptions.path`` (a ``str | os.PathLike`` annotation was "fixed" to its default, refusing any value)."""
+    from dataclasses import field, make_dataclass
+
+    import tyro
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    from tiercheck import MemoryOptions
+    from tiercheck.integrations.torchtitan import TiercheckCheckpointManager
+
+    ConfigManager()  # registers torchtitan's own tyro rules, as its parse_args does
+
+    # Trainer.Config's checkpoint field (the Trainer itself imports triton); made, not written as a class: this
+    # module's annotations are strings, which tyro could not resolve in a function's scope
+    Job = make_dataclass(
+        "Job",
+        [("checkpoint", BaseCheckpointManager.Config, field(default_factory=BaseCheckpointManager.Config))],
+        kw_only=True,
+        slots=True,
+    )
+    default = Job(checkpoint=TiercheckCheckpointManager.Config(enable=True, interval=1))
+    args = ["checkpoint.memory:memory-options", "--checkpoint.memory.path", "/dev/shm/run-7",
+            "--checkpoint.memory.persist-every", "5"]  # fmt: skip
+    parsed = tyro.cli(Job, args=args, default=default, registry=custom_registry)
+    assert isinstance(parsed.checkpoint, TiercheckCheckpointManager.Config)
+    assert parsed.checkpoint.memory == MemoryOptions(path="/dev/shm/run-7", persist_every=5)
+    assert tyro.cli(Job, args=[], default=default, registry=custom_registry).checkpoint.memory is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from tiercheck.errors import InvalidArgumentError
@@ -312,7 +313,9 @@ class MemoryOptions:
             step is persisted to the local directory.
     """
 
-    path: str | os.PathLike[str] = DEFAULT_MEMORY_PATH
+    # str | Path, not str | os.PathLike: tyro (torchtitan's command line) can build these, and calls a field whose
+    # type it cannot build "fixed" to its default. Any os.PathLike is still accepted (__post_init__).
+    path: str | Path = DEFAULT_MEMORY_PATH
     slots: int = 2
     persist_every: int = 1
     keep_at_close: bool = False

@@ -7,7 +7,7 @@ exit status 1; nothing committed is ever deleted or overwritten except by ``gc``
 ``--dry-run``, which never deletes the newest committed step.
 
 This module is the group, ``main``, and its options; the subcommands are in ``steps`` (ls, inspect,
-verify), ``copy`` (restore, drain, export-deepspeed, gc), ``memory`` (persist), ``adopt`` (import), ``hf``
+verify), ``copy`` (restore, export-deepspeed, gc), ``drain``, ``memory`` (persist), ``adopt`` (import), ``hf``
 (export) and ``plan``.
 """
 
@@ -20,7 +20,8 @@ import click
 
 from tiercheck.cli.adopt import import_command
 from tiercheck.cli.common import Context, OneLineGroup, configure_logging, parse_options, positive_number
-from tiercheck.cli.copy import drain_command, export_deepspeed_command, gc_command, restore_command
+from tiercheck.cli.copy import export_deepspeed_command, gc_command, restore_command
+from tiercheck.cli.drain import drain_command
 from tiercheck.cli.hf import export_command
 from tiercheck.cli.memory import persist_command
 from tiercheck.cli.sizing_table import plan_command

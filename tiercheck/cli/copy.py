@@ -1,5 +1,5 @@
-"""``tiercheck restore``, ``drain``, ``export-deepspeed`` and ``gc``: the commands that copy steps
-between tiers, or out of tiercheck's format, and the one that deletes them.
+"""``tiercheck restore``, ``export-deepspeed`` and ``gc``: the commands that copy steps onto a node or
+out of tiercheck's format, and the one that deletes them (``drain`` is in ``cli.drain``).
 
 Nothing committed is ever deleted or overwritten except by ``gc`` without ``--dry-run``, which
 never deletes the newest committed step.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from shlex import quote
 from typing import Literal
 
 import click
@@ -36,7 +36,7 @@ from tiercheck.cli.common import (
     step_value,
     typed_options,
 )
-from tiercheck.cli.memory import gc_memory
+from tiercheck.cli.memory import MEMORY_ROLES, Locked, gc_memory, memory_role
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.commit import withdraw_step
@@ -45,12 +45,10 @@ from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.humanize import fmt_steps, ranges
 from tiercheck.options import RetentionOptions
-from tiercheck.tiering.drain import pending_steps
 from tiercheck.tiering.lineage import carry as carry_lineage
 from tiercheck.tiering.lineage import carry_conflict, one_lineage
 from tiercheck.tiering.retention import steps_to_delete
 from tiercheck.tiering.transfer import copy_step
-from tiercheck.tiering.upload import upload_step
 from tiercheck.tiers.base import Tier
 
 # ------------------------------------------------------------------------------------ restore
@@ -164,12 +162,20 @@ def restore_command(
 _CHECKPOINT_NAMES = {LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR}
 
 
+def _not_checkpoint(tier: Tier) -> str | None:
+    """What a non-empty ``tier`` holding no checkpoint holds ("a.txt, b and 3 more"); None where it
+    is empty or holds a checkpoint's files."""
+    names = tier.list_dir()
+    if not names or any(name in _CHECKPOINT_NAMES or step_of(name) is not None for name in names):
+        return None
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def _refuse_foreign(dst: Tier) -> None:
     """Refuse a copy into a non-empty ``dst`` that holds no checkpoint (before anything, the
     writer lock included, is put there)."""
-    names = dst.list_dir()
-    if names and not any(name in _CHECKPOINT_NAMES or step_of(name) is not None for name in names):
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    shown = _not_checkpoint(dst)
+    if shown is not None:
         fail(
             f"{dst.url} is not a checkpoint directory (it holds {shown}): the copy would add its files beside "
             "them. Use an empty or new directory, or pass --take-over"
@@ -202,75 +208,6 @@ def _parse_ranks(text: str) -> list[tuple[int, int]]:
                 f"{first}-{last} is an empty range of ranks (write it low-high)", param_hint="--ranks"
             )
     return spans
-
-
-# -------------------------------------------------------------------------------------- drain
-
-
-@click.command("drain")
-@click.argument("local", metavar="DIR")
-@click.option("--to", "remote", required=True, metavar="URL", help="The remote tier.")
-@click.option(
-    "--step",
-    default=None,
-    callback=step_value,
-    help="Drain this step (default: every committed step whose save the remote does not hold).",
-)
-@click.option("--threads", default=8, show_default=True, type=THREADS, help="Files uploaded at once.")
-@click.option(
-    "--take-over",
-    is_flag=True,
-    help="Drain even where the remote prefix holds steps of another lineage (another run's), making it DIR's.",
-)
-@remote_options
-@pass_context
-def drain_command(ctx: Context, local: str, remote: str, step: str | None, threads: int, take_over: bool) -> None:
-    """Finish drains from a node's local tier to the remote tier (e.g. after a job ended early).
-
-    Uploads what is missing (a pack already there is skipped when its parts' checksums match)
-    and commits the step on the remote once every saving rank's files are there; with several
-    nodes, run it on each. Steps go by save: one the remote holds another save of (a rollback's)
-    is drained. The prefix must belong to DIR's lineage (or hold no step): one holding another
-    run's steps is refused, unless --take-over.
-    """
-    with errors_as_one_line():
-        src = ctx.tier(local)
-        assert src.local_path is not None
-        dst = ctx.tier(remote, must_exist=False)
-        # By save: a step of the same number there from another save (a rollback's) is replaced.
-        steps = [pick_step(src, step)] if step is not None else pending_steps(src, list_steps(src).committed, dst)
-        if not steps:
-            out.print(f"nothing to drain: {dst.url} holds the save of every step of {src.url}")
-            return
-        drain_steps(ctx, src, dst, steps, threads=threads, take_over=take_over)
-
-
-def drain_steps(ctx: Context, src: Tier, dst: Tier, steps: list[int], *, threads: int, take_over: bool = False) -> None:
-    """Upload ``steps`` from the local tier ``src`` to the remote ``dst`` (what the remote holds
-    already is skipped), printing each step's result (``drain``, ``persist --remote``)."""
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for n in steps:
-            total = step_bytes(read_manifest(src, n))
-            done = 0
-            with progress(ctx, f"step {n}", total) as report:
-
-                def on_file(nbytes: int, report: Callable[[int, int], None] = report, total: int = total) -> None:
-                    nonlocal done
-                    done += nbytes
-                    report(done, total)
-
-                # A local directory (the callers' own); upload_step's annotation asks for the class,
-                # though it uses nothing beyond Tier.
-                result = upload_step(src, dst, n, pool=pool, on_file=on_file, take_over=take_over)
-            state = (
-                "already committed there" if result.was_committed
-                else "committed" if result.committed
-                else "uploaded; waiting for the other nodes' files before it can commit"
-            )  # fmt: skip
-            out.print(
-                f"step {n} -> {dst.url}: {result.files_uploaded} files ({human(result.bytes_uploaded)}), "
-                f"{result.files_already_there} already there; {state}"
-            )
 
 
 # ---------------------------------------------------------------------------- export, gc
@@ -353,12 +290,16 @@ def gc_command(
     counts as abandoned when it is older than the newest committed step and older than the grace
     period (a drain may still be writing it). With --memory (alone, or with a policy), a node
     directory's memory tier is removed where no job holds the directory's lock and its steps are on
-    the directory already, or are another lineage's (never restored).
+    the directory already, or are another lineage's (never restored). The policy holds each local
+    directory's writer lock, as a job does: it refuses a directory a job is writing. A location that
+    is not a checkpoint directory (other files, a memory tier: see --memory) is an error.
     """
     with errors_as_one_line():
         if keep_last is None and keep_every is None and memory is None:
             raise click.UsageError("say what to keep: --keep-last K and/or --keep-every M (or reclaim: --memory PATH)")
         tiers = [ctx.tier(location) for location in dict.fromkeys(locations)]
+        for tier in tiers:
+            _refuse_to_collect(tier)
         if memory is not None:
             if any(tier.local_path is None for tier in tiers):
                 raise click.UsageError("--memory goes with node directories: a remote URL has no memory tier")
@@ -367,36 +308,64 @@ def gc_command(
             return
         if len(tiers) > 1:
             one_lineage(tiers)  # one job's directories: steps of two jobs are never pooled
-        listings = {tier.url: list_steps(tier) for tier in tiers}
-        committed = sorted({s for listing in listings.values() for s in listing.committed})
-        policy = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+        with ExitStack() as held:
+            for tier in tiers:  # as a job does (restore and persist too): none deletes under a running job
+                if tier.local_path is not None:
+                    held.enter_context(Locked(tier))
+            _apply_policy(tiers, RetentionOptions(keep_last=keep_last, keep_every=keep_every), grace_hours,
+                          dry_run=dry_run, quick=quick)  # fmt: skip
 
-        def damage(s: int) -> str | None:
-            holders = [tier for tier in tiers if s in listings[tier.url].committed]
-            found = job_damage(holders, s, depth="manifest" if quick else "chunks")
-            if found is None:
-                return None
-            label, why = found
-            err.print(f"{label}: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
-            return why
 
-        doomed = steps_to_delete(committed, policy, damage=damage)
-        newest = committed[-1] if committed else None
-        verb = "would remove" if dry_run else "removed"
-        for s in doomed:
-            for tier in tiers:
-                if s in listings[tier.url].committed:
-                    if not dry_run:
-                        withdraw_step(tier, s)
-                    out.print(f"{verb} committed step {s}{_in(tier, tiers)}")
+def _refuse_to_collect(tier: Tier) -> None:
+    """Refuse (exit status 1, before anything is removed) a location that is no checkpoint directory:
+    one holding other files, or a memory tier's path or a node's memory tier (``--memory`` says which
+    local directory's memory may go, and judges it by that directory)."""
+    found = memory_role(tier.local_path) if tier.local_path is not None else None
+    if found is not None:
+        role, path = found
+        fail(
+            f"{tier.url} is {MEMORY_ROLES[role]}: nothing removed; `tiercheck gc DIR --memory {quote(str(path))}` "
+            "reclaims the memory tier of the local directory DIR"
+        )
+    shown = _not_checkpoint(tier)
+    if shown is not None:
+        fail(f"{tier.url} is not a checkpoint directory (it holds {shown}): nothing removed")
+
+
+def _apply_policy(
+    tiers: list[Tier], policy: RetentionOptions, grace_hours: float, *, dry_run: bool, quick: bool
+) -> None:
+    """gc's retention: the committed steps ``policy`` lets go, and abandoned partial steps (the
+    caller holds the local directories' locks)."""
+    listings = {tier.url: list_steps(tier) for tier in tiers}
+    committed = sorted({s for listing in listings.values() for s in listing.committed})
+
+    def damage(s: int) -> str | None:
+        holders = [tier for tier in tiers if s in listings[tier.url].committed]
+        found = job_damage(holders, s, depth="manifest" if quick else "chunks")
+        if found is None:
+            return None
+        label, why = found
+        err.print(f"{label}: step {s}: {why}; kept, and not counted toward --keep-last", markup=False)
+        return why
+
+    doomed = steps_to_delete(committed, policy, damage=damage)
+    newest = committed[-1] if committed else None
+    verb = "would remove" if dry_run else "removed"
+    for s in doomed:
         for tier in tiers:
-            for s in listings[tier.url].partial:
-                if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600):
-                    if not dry_run:
-                        tier.delete_tree(step_dir(s))
-                    out.print(f"{verb} partial step {s}{_in(tier, tiers)}")
-        kept = [s for s in committed if s not in doomed]
-        out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
+            if s in listings[tier.url].committed:
+                if not dry_run:
+                    withdraw_step(tier, s)
+                out.print(f"{verb} committed step {s}{_in(tier, tiers)}")
+    for tier in tiers:
+        for s in listings[tier.url].partial:
+            if newest is not None and s < newest and _older_than(tier, s, grace_hours * 3600):
+                if not dry_run:
+                    tier.delete_tree(step_dir(s))
+                out.print(f"{verb} partial step {s}{_in(tier, tiers)}")
+    kept = [s for s in committed if s not in doomed]
+    out.print(f"{'would keep' if dry_run else 'kept'} committed step(s): {fmt_steps(kept)}")
 
 
 def _in(tier: Tier, tiers: list[Tier]) -> str:

@@ -20,6 +20,8 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
+from typing import Literal
 
 import click
 
@@ -36,11 +38,12 @@ from tiercheck.cli.common import (
     remote_options,
     step_bytes,
 )
+from tiercheck.cli.drain import drain_steps
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
 from tiercheck.format.lineage import memory_owner, read_lineage
-from tiercheck.format.paths import memory_dir
+from tiercheck.format.paths import MEMORY_OWNER_FILE, memory_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import MemoryOptions
@@ -131,6 +134,28 @@ def open_memory(ctx: Context, local: Tier, path: str) -> NodeMemory | None:
     return NodeMemory(local, tier, owner, lineage.id if lineage is not None else None)
 
 
+#: What ``memory_role`` found, as a sentence's object.
+MEMORY_ROLES = {
+    "tier": "a node's memory tier (one local directory's, under MemoryOptions.path), not a local directory",
+    "path": "a memory tier's path (MemoryOptions.path), holding local directories' memory tiers",
+}
+
+
+def memory_role(directory: Path) -> tuple[Literal["tier", "path"], Path] | None:
+    """Whether ``directory`` is one local directory's memory tier ("tier": it holds an ``OWNER``
+    file) or a ``MemoryOptions.path`` holding such tiers ("path"), with that path; None: neither.
+    Given to ``ls`` or ``gc`` as if a local directory, each is pointed at ``--memory``."""
+    if (directory / MEMORY_OWNER_FILE).is_file():
+        return "tier", directory.parent
+    try:
+        children = [p for p in directory.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    if children and any((p / MEMORY_OWNER_FILE).is_file() for p in children):
+        return "path", directory
+    return None
+
+
 def held_bytes(directory: Path) -> int:
     """Bytes of memory the directory's files hold, each file once (a step's pack is a link to a slot)."""
     seen = {}
@@ -188,11 +213,9 @@ def persist_command(
     memory newer than DIR's newest are copied to DIR, every chunk checked on the way, and committed
     there; with --remote, then drained as `tiercheck drain` does. It holds DIR's writer lock, as a
     job does: it refuses while a job is writing DIR (run it once the job has ended). It refuses
-    memory of another lineage than DIR's (never restored; `tiercheck gc --memory` reclaims it).
+    memory of another lineage than DIR's (never restored; `tiercheck gc DIR --memory PATH` reclaims it).
     Run again, it copies nothing twice. Exit status 1 where a step could not be persisted.
     """  # fmt: skip
-    from tiercheck.cli.copy import drain_steps  # copy imports this module for gc
-
     with errors_as_one_line():
         tier = ctx.tier(local)
         memory = open_memory(ctx, tier, path)
@@ -266,8 +289,9 @@ def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) ->
                 pending = [] if why is not None else memory.unpersisted()
                 if pending:
                     out.print(
-                        f"kept the memory tier of {local.url} at {memory.directory}: {steps_named(pending)} "
-                        f"not on the local directory (`tiercheck persist {local.url}` copies them)"
+                        f"kept the memory tier of {local.url} at {memory.directory}: {steps_named(pending)} not on "
+                        f"the local directory (`tiercheck persist {quote(local.url)} --memory {quote(path)}` "
+                        "copies them)"
                     )
                     continue
                 freed = held_bytes(memory.directory)
@@ -283,7 +307,8 @@ def gc_memory(ctx: Context, locals_: list[Tier], path: str, *, dry_run: bool) ->
         if root.is_dir() else []  # fmt: skip
     for p in others:
         err.print(
-            f"not judged: the memory tier {p} belongs to a local directory not given (give it: gc --memory {path} DIR)",
+            f"not judged: the memory tier {p} belongs to a local directory not given "
+            f"(give it: tiercheck gc DIR --memory {quote(path)})",
             markup=False,
         )
 

@@ -147,6 +147,11 @@ def plan_command(ctx: Context, **kw: Any) -> None:
     """  # fmt: skip
     from tiercheck.cli import sizing
 
+    missing = [name for name in ("layers", "hidden", "vocab") if kw[name] is None]
+    if kw["params"] is None and missing:  # a usage error (exit status 2), as a missing required option is
+        raise click.UsageError(
+            f"give --params, or --layers, --hidden and --vocab (missing: {', '.join('--' + m for m in missing)})"
+        )
     with errors_as_one_line():
         spec = sizing.ModelSpec(
             params=kw["params"],
@@ -363,10 +368,13 @@ def _print_multilevel(t: dict[str, Any]) -> None:
     )
     if ml["step_s"] is not None and len(rows) == 3 and rows[0]["steps"]:
         persist, drain = rows[1]["steps"], rows[2]["steps"]
-        out.print(
-            f"options: save every {rows[0]['steps']} steps, MemoryOptions(persist_every={persist})"
-            + ("" if drain is None else f", DrainOptions(every={drain})")
-        )
+        if need["fits"] is False:  # the last line says why: no option is advised that cannot start
+            out.print("options: none advised: the memory tier does not fit its tmpfs (below)")
+        else:
+            out.print(
+                f"options: save every {rows[0]['steps']} steps, MemoryOptions(persist_every={persist})"
+                + ("" if drain is None else f", DrainOptions(every={drain})")
+            )
     fits = "fits" if need["fits"] else "does not fit"
     where = (
         "a tmpfs of unknown size"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timezone
+from shlex import quote
 from typing import Any
 
 import click
@@ -31,10 +32,11 @@ from tiercheck.cli.common import (
     step_progress,
     step_value,
 )
-from tiercheck.cli.memory import MEMORY_HELP, NodeMemory, memory_dir, open_memory
+from tiercheck.cli.memory import MEMORY_HELP, MEMORY_ROLES, NodeMemory, memory_dir, memory_role, open_memory
 from tiercheck.cli.values import plain_values, render
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes
+from tiercheck.format.lineage import read_lineage
 from tiercheck.format.paths import REFS_DIR, step_dir
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
@@ -53,28 +55,33 @@ from tiercheck.tiers.remote import redact
 @remote_options
 @pass_context
 def ls_command(ctx: Context, locations: tuple[str, ...], memory: str | None, as_json: bool) -> None:
-    """Steps in one or more tiers: committed, partial or draining, size, age, which tier holds them.
+    """Steps in one or more tiers: committed, partial, draining or persisting, size, age, which tier holds them.
 
     Give a node's local directory and the remote URL together to see both tiers side by side: a
     step committed locally and partial on the remote is "draining". With --memory, each local
-    directory's memory tier is a column too, and what it holds that the directory lacks is named.
+    directory's memory tier is a column too, and what it holds that the directory lacks is named; a
+    step committed in memory and partial on the directory is "persisting". Locations of different
+    lineages (two runs') are listed with a warning: their steps of one number are different saves.
     """
     with errors_as_one_line():
         rows: dict[int, dict[str, Any]] = {}
         tiers = [(ctx.tier(loc), redact(loc)) for loc in locations]
+        _warn_lineages([t for t, _ in tiers])
         memories = _memories(ctx, [t for (t, _), loc in zip(tiers, locations, strict=True) if "://" not in loc], memory)
+        in_memory = {str(m.directory) for m in memories}
         tiers += [(m.tier, str(m.directory)) for m in memories]
         names = [name for _, name in tiers]
         for tier, name in tiers:
             _add_rows(rows, tier, name)
-        for row in rows.values():  # committed on one tier, partial on another: a drain in progress
-            statuses = [t["status"] for t in row["tiers"].values()]
-            if any(st.startswith("committed") for st in statuses):
+        for row in rows.values():  # committed on one tier, partial on another: a drain (a persist) in progress
+            holders = [n for n, t in row["tiers"].items() if t["status"].startswith("committed")]
+            if holders:
+                moving = "persisting" if all(n in in_memory for n in holders) else "draining"
                 for t in row["tiers"].values():
                     if t["status"] == "partial":
-                        t["status"] = "draining"
+                        t["status"] = moving
         ordered = [rows[s] for s in sorted(rows)]
-        notes = [_memory_note(m) for m in memories]
+        notes = [_memory_note(m, memory) for m in memories]
         if as_json:
             click.echo(json.dumps({"locations": names, "steps": ordered, "memory": notes}, indent=2))
             return
@@ -84,6 +91,40 @@ def ls_command(ctx: Context, locations: tuple[str, ...], memory: str | None, as_
             _print_table(ordered, names)
         for note in notes:
             _print_memory_note(note)
+        for tier, _ in tiers[: len(locations)]:
+            _point_to_memory(tier)
+
+
+def _warn_lineages(tiers: list[Tier]) -> None:
+    """Warn where the locations name different lineages (two runs'): side by side, a step number in
+    two columns would read as one step. Locations naming none (empty, or written before lineages) pass."""
+    named = {}
+    for tier in tiers if len(tiers) > 1 else []:
+        try:
+            found = read_lineage(tier)
+        except TiercheckError:  # an unreadable LINEAGE.json: `ls` lists what it can
+            continue
+        if found is not None:
+            named[tier.url] = found
+    if len({lineage.id for lineage in named.values()}) > 1:
+        err.print(
+            "warning: the locations belong to different lineages (different runs' steps; a step number in two "
+            f"columns is two different saves): {'; '.join(f'{url}: {n.named()}' for url, n in named.items())}",
+            markup=False,
+        )
+
+
+def _point_to_memory(tier: Tier) -> None:
+    """Where a location given is a memory tier's path or a node's memory tier: the ``--memory``
+    form, which shows it beside its local directory, and what that directory lacks."""
+    found = memory_role(tier.local_path) if tier.local_path is not None else None
+    if found is not None:
+        role, path = found
+        err.print(
+            f"{tier.url} is {MEMORY_ROLES[role]}: `tiercheck ls DIR --memory {quote(str(path))}` shows the memory "
+            "tier of the local directory DIR beside it, with the steps DIR lacks",
+            markup=False,
+        )
 
 
 def _add_rows(rows: dict[int, dict[str, Any]], tier: Tier, name: str) -> None:
@@ -158,10 +199,11 @@ def _memories(ctx: Context, tiers: list[Tier], path: str | None) -> list[NodeMem
     return found
 
 
-def _memory_note(m: NodeMemory) -> dict[str, Any]:
+def _memory_note(m: NodeMemory, path: str | None) -> dict[str, Any]:
     foreign = m.foreign()
     return {
         "local": m.local.url,
+        "path": path,
         "directory": str(m.directory),
         "owner": m.owner,
         "lineage": m.lineage,
@@ -172,13 +214,14 @@ def _memory_note(m: NodeMemory) -> dict[str, Any]:
 
 def _print_memory_note(note: dict[str, Any]) -> None:
     where = f"the memory tier of {note['local']} ({note['directory']})"
+    args = f"{quote(note['local'])} --memory {quote(note['path'])}"  # the path ls was given, default or not
     if note["foreign"] is not None:
         err.print(f"{where} is another lineage's: {note['foreign']}; never restored, removed by "
-                  f"`tiercheck gc --memory`", markup=False)  # fmt: skip
+                  f"`tiercheck gc {args}`", markup=False)  # fmt: skip
     elif note["unpersisted"]:
         out.print(
             f"{where} holds {_steps(note['unpersisted'])} that the directory lacks: the next run restores "
-            f"and persists them, or `tiercheck persist {note['local']}` does"
+            f"and persists them, or `tiercheck persist {args}` does"
         )
 
 

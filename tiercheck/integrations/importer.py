@@ -44,7 +44,12 @@ from typing import Any
 import torch
 
 from tiercheck import Checkpointer, StagingOptions
-from tiercheck.errors import CheckpointNotFoundError, InvalidArgumentError, UnsafeCheckpointError
+from tiercheck.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    UnsafeCheckpointError,
+)
 from tiercheck.seam import step_in_name
 
 __all__ = ["Imported", "import_checkpoint", "source_kind"]
@@ -167,12 +172,17 @@ def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step:
         # memory-mapped where torch can (its zip format): the tensors are read as the save copies them
         state = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=zipfile.is_zipfile(src))
     except Exception as e:
-        if allow_pickle:
-            raise
-        raise UnsafeCheckpointError(
-            f"{src} needs unpickling beyond torch.load(weights_only=True) ({unpickling_refused(e)}); import it with "
-            "--allow-pickle (allow_pickle=True) only if you trust the checkpoint"
-        ) from None
+        if not allow_pickle and _refused_by_weights_only(e):
+            raise UnsafeCheckpointError(
+                f"{src} needs unpickling beyond torch.load(weights_only=True) ({unpickling_refused(e)}); import it "
+                "with --allow-pickle (allow_pickle=True) only if you trust the checkpoint"
+            ) from None
+        if allow_pickle and isinstance(e, (AttributeError, ImportError)):  # read whole; a class it names is not here
+            raise InvalidArgumentError(
+                f"{src} cannot be unpickled here: it names what this process cannot import ({_why(e)}); import it "
+                "where the code that saved it is importable"
+            ) from None
+        raise CorruptCheckpointError(f"{src} is truncated or damaged: torch.load cannot read it ({_why(e)})") from None
     if not isinstance(state, Mapping):
         raise InvalidArgumentError(f"{src} holds a {type(state).__name__}, not a mapping: nothing tiercheck saves")
     state = dict(state)
@@ -182,6 +192,21 @@ def _import_torch(src: str | os.PathLike[str], to: str | os.PathLike[str], step:
         undrained = ck.close()
     _say_undrained(undrained, remote)
     return (*count_tensors(state), peak)
+
+
+def _refused_by_weights_only(e: BaseException) -> bool:
+    """Whether ``torch.load(weights_only=True)`` read the file and refused what it names (a class, an
+    operation: --allow-pickle would load it), not failed to read it (a truncated or damaged file, whose
+    error torch words as a refusal too, with an empty reason)."""
+    return any("WeightsUnpickler error: Unsupported" in line for line in str(e).splitlines())
+
+
+def _why(e: BaseException) -> str:
+    """torch's reason for a file it cannot read, in a few words (its message runs on with advice)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    for advice in (". This is an internal miniz error", ". The file might be corrupted"):
+        first = first.split(advice)[0]
+    return first or f"{type(e).__name__}: it ends early"
 
 
 def _say_undrained(undrained: list[int], remote: str | None) -> None:

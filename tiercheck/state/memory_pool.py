@@ -31,6 +31,7 @@ import torch
 
 from tiercheck.errors import InvalidArgumentError, MemoryTierError, UnsafeCheckpointError
 from tiercheck.format.paths import memory_dir
+from tiercheck.libc import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from tiercheck.options import MemoryOptions
 from tiercheck.state.flatten import flatten
 from tiercheck.state.staging import align_up
@@ -74,8 +75,30 @@ def start(
         raise InvalidArgumentError(f"memory must be a MemoryOptions or None, not {type(options).__qualname__}")
     directory = pool_dir(options, os.path.abspath(local))
     check_levels(options.path, directory)
-    check_bound(options, directory, pool_bound(state, allow_pickle), local_ranks())
+    bound = pool_bound(state, allow_pickle)
+    check_bound(options, directory, bound, local_ranks())
+    warn_unless_memory(Path(os.fspath(options.path)))
+    every = options.persist_every
+    log.info("memory tier at %s: every save commits there (%d slots of %.1f MiB for this rank); %s to %s too",
+             directory, options.slots, bound / 2**20,
+             "each" if every == 1 else f"those of a step divisible by {every}", local)  # fmt: skip
     return MemoryTier(options, directory)
+
+
+def warn_unless_memory(path: Path) -> None:
+    """Warn where ``MemoryOptions.path`` (or the nearest directory above it that exists) is not on a
+    tmpfs: the tier still works, but its slot files are a disk's, written back to it, so a save to
+    "memory" goes at the disk's pace, and the bound checked is the disk's free space."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    kind = filesystem_type(os.fspath(existing))
+    if kind is not None and kind not in (TMPFS_MAGIC, RAMFS_MAGIC):
+        log.warning(
+            "MemoryOptions.path %s is not on a tmpfs (%s is on a filesystem of type %#x): the memory tier's files "
+            "are written back to that disk, at its pace; give it a directory on a tmpfs, such as /dev/shm",
+            path, existing, kind,
+        )  # fmt: skip
 
 
 def pool_bound(state: Mapping[str, Any], allow_pickle: bool) -> int:

@@ -60,7 +60,9 @@ class TiercheckReader(StorageReader):
     ``memory=MemoryOptions(...)``, the steps in every rank's memory tier count too, and a step there is read
     from memory (a step saved to memory only included). Every chunk is verified against
     its CRC before any byte reaches the state; a damaged one raises ``CorruptCheckpointError`` (wrapped, as
-    every error inside ``dcp.load``, in DCP's ``CheckpointException``, which names it).
+    every error inside ``dcp.load``, in DCP's ``CheckpointException``, which names it). After a load,
+    ``restored_from`` says which tier served this rank: ``"memory"``, ``"the local directory"`` or
+    ``"the remote tier"`` (where any chunk came from there).
 
     DCP's byte items are ``torch.save`` pickles, which DCP's load planner unpickles with
     ``weights_only=False``. The reader lets through only what ``torch.load(weights_only=True)`` accepts
@@ -89,6 +91,7 @@ class TiercheckReader(StorageReader):
         self._requested: int | None = None
         self._step: int | None = None
         self._metadata: Metadata | None = None
+        self.restored_from: str | None = None  # the tier the last load read, for its caller's log
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """All ranks, when ``dcp.load`` was given a ``checkpoint_id``: the step to load."""
@@ -185,6 +188,7 @@ class TiercheckReader(StorageReader):
             try:
                 restore_tree(shared.ckpt, self._step, strict=True, extra=False, allow_pickle=False)
                 restored = dict(shared.state)
+                self.restored_from = _tier_read(shared.ckpt.stats())
             finally:
                 shared.state.clear()
         for fqn, items in by_fqn.items():
@@ -233,6 +237,13 @@ class TiercheckReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return TiercheckWriter.validate_checkpoint_id(checkpoint_id)
+
+
+def _tier_read(stats: dict[str, Any]) -> str:
+    """Which tier a restore read, from the Checkpointer's counters of it."""
+    if stats.get("restore_from_memory"):
+        return "memory"
+    return "the remote tier" if stats.get("restore_remote_reads") else "the local directory"
 
 
 def _done(value: Any) -> Future[Any]:

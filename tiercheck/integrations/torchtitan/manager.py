@@ -111,6 +111,7 @@ class TiercheckCheckpointManager(CheckpointManager):
         _refuse_pinned_without_cuda(config)
         # torchtitan's purge thread is never started: retention is tiercheck's (keep_latest_k, mapped below).
         super().__init__(_without_purge(config), **kwargs)
+        self._last_reader: TiercheckReader | None = None  # the last load's: which tier it read
         if not self.enable:
             return
         self.keep_latest_k = config.keep_latest_k
@@ -137,7 +138,8 @@ class TiercheckCheckpointManager(CheckpointManager):
             options["remote_options"] = self.remote_options
         self._options = options
         self.writer = TiercheckWriter(self.local, self.remote, **options)
-        log.info("torchtitan checkpoints go through tiercheck: local %s, remote %s", self.local, self.remote)
+        log.info("torchtitan checkpoints go through tiercheck: local %s, remote %s, %s", self.local, self.remote,
+                 _memory_named(config.memory))  # fmt: skip
 
     # -- saving
 
@@ -201,7 +203,8 @@ class TiercheckCheckpointManager(CheckpointManager):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         else:
-            dcp.load(state_dict, storage_reader=self._reader(), checkpoint_id=step)
+            self._last_reader = self._reader()
+            dcp.load(state_dict, storage_reader=self._last_reader, checkpoint_id=step)
         if MODEL in self.states:  # torchtitan flattens the model's entries into the state dict (as its own does)
             self.states[MODEL].load_state_dict(state_dict)
 
@@ -270,10 +273,13 @@ class TiercheckCheckpointManager(CheckpointManager):
 
     def _load_step(self, load: int) -> None:
         begin = time.monotonic()
+        self._last_reader = None
         states = self._states_to_load(model_only=load == 0)
         self.dcp_load(states, checkpoint_id=self._create_checkpoint_id(load), from_hf=False, from_quantized=False)
         GarbageCollection.collect("GC collection for checkpoint loading.")
-        log.info("restored step %d through tiercheck in %.2f s", load, time.monotonic() - begin)
+        reader = self._last_reader
+        where = f" from {reader.restored_from}" if reader is not None and reader.restored_from else ""
+        log.info("restored step %d%s through tiercheck in %.2f s", load, where, time.monotonic() - begin)
 
     # -- closing
 
@@ -326,6 +332,18 @@ def _damage(e: CheckpointException) -> CorruptCheckpointError | None:
         if isinstance(error, CorruptCheckpointError):
             return error
     return None
+
+
+def _memory_named(memory: MemoryOptions | None) -> str:
+    """The start-up line's words for the memory tier."""
+    if memory is None:
+        return "no memory tier"
+    if memory.persist_every == 1:
+        return f"memory tier under {memory.path} (every checkpoint, each persisted to local too)"
+    return (
+        f"memory tier under {memory.path} (every checkpoint; those of a step divisible by {memory.persist_every} "
+        "persisted to local too)"
+    )
 
 
 def _refuse_pinned_without_cuda(config: Any) -> None:
