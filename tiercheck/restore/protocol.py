@@ -250,6 +250,7 @@ class Restore:
             copied_up=moved.copied_up,
             held_here=sorted(prepared.st.here),
             passed_over=passed_over_here(choice, step) if request.step is None else {},
+            save_id=prepared.st.save_id,
         )
 
     def agree(self, name: str, below: int | None) -> StepChoice:
