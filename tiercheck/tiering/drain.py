@@ -256,9 +256,11 @@ class Drainer:
                     cause, e = e, RemoteStorageError(f"{self.remote.url}: draining step {chosen}: {e}")
                     e.__cause__ = cause
                 with self._cond:
-                    if isinstance(e, ContestedStepError) and not self._owned:
-                        self._contested[chosen] = (futures, e)
-                        log.info("drain: step %d waits for this run to restore or save it: %s", chosen, e)
+                    if isinstance(e, _Contested) and self._owned:  # the run restored or saved meanwhile: again
+                        self._queue.setdefault(chosen, []).extend(futures)
+                    elif isinstance(e, _Contested):
+                        self._contested[chosen] = (futures, e.error)
+                        log.info("drain: step %d waits for this run to restore or save it: %s", chosen, e.error)
                     else:
                         self._fail(chosen, futures, e)
             finally:
@@ -309,6 +311,11 @@ class Drainer:
         try:
             self._upload(step)
         except BaseException as e:
+            if isinstance(e, ContestedStepError):
+                with self._cond:
+                    waits = not self._owned
+                if waits:  # for the run's restore or save (``_loop``), then goes again: no verdict yet
+                    raise _Contested(e) from e
             why = f"error: {type(e).__name__}: {e}"
             self._tell(outcome, why)
             # The other nodes wait for the remote commit this node's files would complete: tell them it
@@ -416,6 +423,14 @@ class Drainer:
         for old in steps_to_delete(committed, self.options.retention, damage=damage):
             withdraw_step(self.remote, old)
             log.info("remote retention: deleted step %d from %s", old, self.remote.url)
+
+
+class _Contested(Exception):
+    """A drain that met ``ContestedStepError`` before the run restored or saved anything (``Drainer._drain``)."""
+
+    def __init__(self, error: ContestedStepError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def pending_steps(local: Tier, local_steps: list[int], remote: Tier, every: int = 1) -> list[int]:
