@@ -393,9 +393,10 @@ def _phase_table(restores: dict[str, Any]) -> list[str]:
         if not a or not b:
             continue
         fixed = sum(a.get(p, 0.0) for p in ("agree", "prepare", "plan", "lineage", "rest"))
-        row = [key, h.fmt(tc.get("restore_s")), *(h.fmt(a.get(p, 0.0)) for p in (*TC_PHASES, "rest")), h.fmt(fixed)]
-        row += [h.fmt(dcp.get("restore_s")), h.fmt(b.get("dcp.read", 0.0))]
-        row += [h.fmt(b.get("rest", 0.0) + b.get("dcp.metadata", 0.0))]
+        row = [key, h.fmt(tc.get("restore_s"), ".3f"), *(h.fmt(a.get(p, 0.0), ".3f") for p in (*TC_PHASES, "rest"))]
+        row.append(h.fmt(fixed, ".3f"))
+        row += [h.fmt(dcp.get("restore_s"), ".3f"), h.fmt(b.get("dcp.read", 0.0), ".3f")]
+        row += [h.fmt(b.get("rest", 0.0) + b.get("dcp.metadata", 0.0), ".3f")]
         rows.append([*row, h.fmt(h.ratio(tc.get("restore_s"), dcp.get("restore_s")))])
     if not rows:
         return []
