@@ -290,6 +290,7 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     specs = cfg["specs"]
     src = open_source(cfg["source"], specs)
     out: dict[str, Any] = {"rank": rank, "cases": {}}
+    phases = install_phases() if cfg.get("phases") else None
     if cfg.get("p2p_bytes") and world >= 2:
         out["p2p"] = _p2p(rank, cfg["p2p_bytes"])
 
@@ -330,7 +331,11 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 for t, _o, _s in pieces.values():
                     t.fill_(-1.0)
                 _prepare(cfg, rank)
+                if phases is not None:
+                    phases.take()  # nothing of the verification or the barriers before
                 rec = restore_one(case, method, pieces)
+                if phases is not None:
+                    rec["phases"] = phases.take()
                 rec["verified_tensors"] = verify(src, pieces, f"{case['name']} {method}", rank)
                 res[method].append(rec)
             if rank == 0:
@@ -339,6 +344,65 @@ def rank_restore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     out["hwm_bytes"] = h.hwm_bytes()
     dist.barrier()
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The restore by phase (--phases; issue 65: a small job's restore behind dcp.load)
+#
+# In each rank's process the phases of tiercheck.restore.protocol.Restore are timed (its call order:
+# agree on the step through the node leaders; prepare: the holders' claims, the manifest parts and the
+# match against the state; plan who reads and sends which chunk; read: the reads, checks and transfers
+# with their verdict round), the lineage round after a restore (Owner.restored), and DCP's reader
+# (read_metadata, read_data). What is left is "rest": apply and the bookkeeping around the phases for
+# tiercheck; for dcp.load its planning (local plans gathered at rank 0, the global plan scattered).
+
+TC_PHASES = ("agree", "prepare", "plan", "read", "lineage")
+
+
+def install_phases() -> h.MethodTimers:
+    """Time the phases of every restore and ``dcp.load`` in this process from now on."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tiercheck.restore.protocol import Restore
+    from tiercheck.tiering.lineage import Owner
+
+    timers = h.MethodTimers()
+    for attr in ("agree", "prepare", "plan", "read"):
+        timers.wrap(Restore, attr, attr)
+    timers.wrap(Owner, "restored", "lineage")
+    timers.wrap(FileSystemReader, "read_metadata", "dcp.metadata")
+    timers.wrap(FileSystemReader, "read_data", "dcp.read")
+    return timers
+
+
+def summarize_phases(trials: Sequence[Sequence[dict[str, Any]]]) -> dict[str, float]:
+    """Per phase the median over trials of the slowest rank's time; ``rest``: the restore's time less
+    its phases, of the slowest rank."""
+    names = sorted({k for t in trials for r in t for k in r.get("phases", {})})
+    out = {k: h.median([max(r.get("phases", {}).get(k, 0.0) for r in t) for t in trials]) for k in names}
+    out["rest"] = h.median([max(r["restore_s"] - sum(r.get("phases", {}).values()) for r in t) for t in trials])
+    return out
+
+
+def _phase_table(restores: dict[str, Any]) -> list[str]:
+    """Part 2b: each case's tiercheck restore (a job start's default) by phase against ``dcp.load``."""
+    rows = []
+    for key, r in restores.items():
+        tc, dcp = r["methods"].get("tiercheck", {}), r["methods"].get("dcp.load", {})
+        a, b = tc.get("phases"), dcp.get("phases")
+        if not a or not b:
+            continue
+        fixed = sum(a.get(p, 0.0) for p in ("agree", "prepare", "plan", "lineage", "rest"))
+        row = [key, h.fmt(tc.get("restore_s"), ".3f"), *(h.fmt(a.get(p, 0.0), ".3f") for p in (*TC_PHASES, "rest"))]
+        row.append(h.fmt(fixed, ".3f"))
+        row += [h.fmt(dcp.get("restore_s"), ".3f"), h.fmt(b.get("dcp.read", 0.0), ".3f")]
+        row += [h.fmt(b.get("rest", 0.0) + b.get("dcp.metadata", 0.0), ".3f")]
+        rows.append([*row, h.fmt(h.ratio(tc.get("restore_s"), dcp.get("restore_s")))])
+    if not rows:
+        return []
+    head = ["case", "tc s", *TC_PHASES, "rest", "tc fixed", "dcp.load s", "dcp read", "dcp plan+meta", "tc/dcp"]
+    return ["Part 2b - restore by phase (s; slowest rank, median); tiercheck's fixed cost: all but 'read'", "",
+            h.table(head, rows), ""]  # fmt: skip
 
 
 def _p2p(rank: int, nbytes: int) -> dict[str, float]:
@@ -478,6 +542,8 @@ def run_restores(ranks: list[int], cfg_base: dict[str, Any], root: Path, args: a
                 times = [max(x["restore_s"] for x in t) for t in trials]
                 pm = per_method[m] = {"restore_s": h.median(times), "restore_all_s": times}
                 pm["open_s"] = h.median([max(x["open_s"] for x in t) for t in trials])
+                if cfg.get("phases"):
+                    pm["phases"] = summarize_phases(trials)
                 for k in ("bytes_read", "chunks_received", "chunks_shared", "unstaged_bytes", "verified_tensors"):
                     pm[k] = sum(x.get(k, 0) for x in trials[-1])
                 h.log(f"  {case['name']} {m}: {pm['restore_s']:.2f}s")
@@ -502,6 +568,7 @@ def parent_main(args: argparse.Namespace) -> int:
     source = shm / f"dist_bench-{os.getpid()}.f32"
     cfg = {"specs": specs, "source": str(source), "drop_caches": not args.no_drop_caches, "n": n}
     cfg |= {"settle_max_s": args.settle_max_s, "pg_timeout": args.pg_timeout, "dcp_threads": args.dcp_threads}
+    cfg |= {"phases": args.phases}
     with h.scratch_dir(args.dir, "dist_bench-", args.keep) as root:
         try:
             machine = h.machine_info(root)
@@ -645,6 +712,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         h.table(RESTORE_HEAD, [_restore_row(r) for r in restores.values()]),
         "",
+        *_phase_table(restores),
     ]
     for k, s in saves.items():
         L += h.noise_warnings(f"save {k}", s["load"])
@@ -665,6 +733,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dcp-threads", type=int, default=1, help="FileSystemWriter thread_count for dcp.save (default 1, DCP's)"
     )
+    p.add_argument("--phases", action="store_true", help="time the restore by phase against dcp.load (Part 2b)")
     p.add_argument("--from-json", metavar="PATH", help="only re-print the tables from a saved JSON")
     args = p.parse_args(argv)
     args.ranks = sorted(set(args.ranks))

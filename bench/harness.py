@@ -53,6 +53,30 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     out = fn()
     return time.perf_counter() - t0, out
 
+
+class MethodTimers:
+    """Seconds spent in methods wrapped with ``wrap`` since the last ``take``, in this process, by
+    name (a benchmark timing a library's phases as it ships, e.g. dist_bench's restore by phase)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        real: Callable[..., Any] = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, {}
+        return out
+
 def when_done(inner: Future[Any], then: Callable[[], None] = lambda: None) -> Future[float]:
     """A future of the perf_counter() time ``inner`` completed (after ``then()``), or its failure."""
     out: Future[float] = Future()

@@ -7,6 +7,7 @@ own saves, whichever tool resumes the drain.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from tests.conftest import assert_identical
 from tests.servers import SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, RetentionOptions
 from tiercheck.format.lineage import read_lineage, write_lineage
-from tiercheck.format.paths import step_dir
+from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import read_marker
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import open_tier
@@ -122,3 +123,43 @@ def test_a_damaged_local_step_is_never_read_from_a_remote_holding_another_save(
         assert ck.restore() == 2
     assert_identical(state, state_of(22))
     assert any("holds another save of step 3" in r.getMessage() for r in caplog.records)
+
+
+def test_a_planted_remote_step_of_another_save_is_set_aside_and_this_runs_step_drained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 65 item 3. The prefix holds step 1 drained by this run and, planted, another run's
+    committed step 2; this run's step 2 is undrained in its local directory. The next job
+    (``keep_last=1``) restores 2: step 2 is this lineage's, so the remote's other save of it is set
+    aside (kept, named in the log) and this run's step 2 drained, never left to the other run."""
+    url, remote, local = f"file://{tmp_path / 'remote'}", tmp_path / "remote", tmp_path / "local"
+    state = state_of(0)
+    with Checkpointer(state, local=local, remote=url) as ck:
+        set_to(state, 11)
+        ck.save(1)
+        ck.drain()
+    with Checkpointer(state, local=local) as ck:  # the same run goes on without the remote: step 2 undrained
+        set_to(state, 12)
+        ck.save(2)
+    theirs = state_of(0)
+    with Checkpointer(theirs, local=tmp_path / "other", remote=f"file://{tmp_path / 'theirs'}") as ck:
+        set_to(theirs, 92)
+        ck.save(2)
+        ck.drain()
+    shutil.copytree(tmp_path / "theirs" / step_dir(2), remote / step_dir(2))  # planted
+    planted = read_marker(open_tier(url), 2).save_id
+    mine = read_marker(LocalTier(local), 2).save_id
+    assert planted != mine
+
+    caplog.clear()
+    state = state_of(0)
+    with Checkpointer(state, local=local, remote=url, retention=RetentionOptions(keep_last=1)) as ck:
+        assert ck.restore() == 2
+        status = ck.drain()
+        assert status["failed"] == 0, status
+    assert read_marker(open_tier(url), 2).save_id == mine
+    assert_identical(tiercheck.load(url, step=2), state_of(12))
+    (aside,) = [p for p in (remote / "set-aside").iterdir() if p.name.startswith(step_dir(2))]
+    assert json.loads((aside / COMMIT_FILE).read_bytes())["save_id"] == planted  # kept whole
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and planted in r.getMessage()]
+    assert any("set-aside" in m for m in said), said

@@ -228,3 +228,40 @@ def test_restore_to_commits_no_copy_of_a_step_missing_a_manifest_file(tmp_path: 
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert FILES[lost][0] in proc.stderr or "arrays-000000.json" in proc.stderr, proc.stderr
     assert list_steps(LocalTier(tmp_path / "node")).committed == []
+
+
+def test_a_step_the_restore_passed_over_never_blocks_the_next_save_of_its_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 65 item 2. Step 3 is damaged, passed over, set aside and saved again; then an old backup
+    of the first step 3's ``COMMIT`` and ``manifest.json`` is copied back over the new one. The restore
+    passes over step 3 (its marker names another save than its files) and restores 2; the run that
+    passed it over then saves 3 again: the step is set aside (kept, named in the log), never a
+    ``StepExistsError``."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, {1: 1, 2: 2, 3: 3})
+    step3 = ckpt / step_dir(3)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    for name in (COMMIT_FILE, MANIFEST_FILE):
+        shutil.copyfile(step3 / name, backup / name)
+    (step3 / pack_file(0)).write_bytes(b"\x00" * (step3 / pack_file(0)).stat().st_size)
+    state = make_state(0)
+    with Checkpointer(state, local=ckpt) as ck:
+        assert ck.restore() == 2
+        state.update(make_state(4))
+        ck.save(3).wait()
+    for name in (COMMIT_FILE, MANIFEST_FILE):
+        shutil.copyfile(backup / name, step3 / name)
+
+    state = make_state(0)
+    with Checkpointer(state, local=ckpt) as ck:
+        assert ck.restore() == 2  # step 3's marker and its files are of two saves: passed over
+        assert_identical(state, make_state(2))
+        state.update(make_state(5))
+        ck.save(3).wait()
+        assert ck.steps() == [1, 2, 3]
+    assert_identical(tiercheck.load(ckpt, step=3), make_state(5))
+    aside = sorted(p.name.split(".")[0] for p in (ckpt / "set-aside").iterdir())
+    assert aside == [step_dir(3)] * 2, aside  # both earlier step 3s kept, none deleted
+    assert sum("set step 3 aside" in r.getMessage() for r in caplog.records) == 2

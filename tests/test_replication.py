@@ -25,7 +25,7 @@ from tiercheck.tiers.local import LocalTier
 
 from .distributed import run_ranks
 from .ondisk import flip_chunk_byte, written_by
-from .test_distributed import SAVED, check_model, global_tensors, model_state, node_dir
+from .test_distributed import SAVED, Layout, check_model, global_tensors, model_state, node_dir
 
 NODES, PER_NODE = 4, 2
 
@@ -310,3 +310,60 @@ def test_a_received_piece_keeps_its_bytes_while_the_next_ones_arrive() -> None:
     held = list(Replicator._pieces(cast(Any, counter), cast(Any, Sender()), _Ring(1 << 16), 5 * (1 << 16) - 3))
     assert [len(p) for p in held] == [1 << 16] * 4 + [(1 << 16) - 3]
     assert [set(bytes(p)) for p in held] == [{1}, {2}, {3}, {4}, {5}]
+
+
+PAIR = Layout(tp=2, pp=1, dp=1)  # two ranks, each a node of its own
+
+
+def _save_pair(rank: int, world: int, root: str, seed: int) -> bool:
+    """Step 2 alone, with ``seed``'s bits, each node's files replicated to the other node."""
+    state = model_state(PAIR, rank, seed=seed)
+    options = tiercheck.ReplicationOptions(replicas=1, piece_bytes=1 << 16, timeout_s=60)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1), replication=options) as ck:
+        return ck.save(2).replicated.result(timeout=90)
+
+
+def _restore_pair(rank: int, world: int, root: str) -> dict[str, Any]:
+    state = model_state(PAIR, rank, seed=2, fill=-1.0)
+    with tiercheck.Checkpointer(state, local=node_dir(root, rank, 1)) as ck:
+        try:
+            return {"step": ck.restore()}
+        except tiercheck.TiercheckError as e:
+            return {"step": None, "error": type(e).__name__, "message": str(e)}
+
+
+def test_a_committed_step_with_no_whole_copy_of_a_writers_files_raises_never_a_fresh_start(tmp_path: Path) -> None:
+    """Issue 65 item 1. Two ranks on two nodes, one replica each; node 0 is wiped and node 1's replica
+    of rank 0's pack is another run's pack of equal size. Step 2 is committed but no tier holds rank 0's
+    files whole: every rank raises, naming the step and the damaged file, and never returns None (a fresh
+    start, as if no checkpoint existed)."""
+    root, other = tmp_path / "job", tmp_path / "other"
+    assert run_ranks(_save_pair, 2, str(root), 2) == [True, True]
+    assert run_ranks(_save_pair, 2, str(other), 7) == [True, True]  # another run: same layout, other bits
+    pack = rank_files(0)[-1]
+    replica = root / "node1" / step_dir(2) / pack
+    foreign = other / "node0" / step_dir(2) / pack
+    assert replica.stat().st_size == foreign.stat().st_size
+    shutil.copyfile(foreign, replica)
+    shutil.rmtree(root / "node0")
+    for r in run_ranks(_restore_pair, 2, str(root), timeout=120):
+        assert r["step"] is None and r["error"] in ("CorruptCheckpointError", "PartlyRestoredError"), r
+        assert f"{step_dir(2)}/{pack}" in r["message"], r["message"]  # the damaged file, by its name in the step
+        assert "no other node holds a copy of saving rank(s) [0]' files" in r["message"], r["message"]
+
+
+def _save_alone(rank: int, world: int, root: str) -> None:
+    with tiercheck.Checkpointer(model_state(PAIR, rank, seed=2), local=node_dir(root, rank, 1)) as ck:
+        ck.save(2)
+
+
+def test_a_committed_step_whose_marker_no_node_can_read_raises_never_a_fresh_start(tmp_path: Path) -> None:
+    """Issue 65 item 1, the mechanism: a restore that passes over every committed step (here step 2,
+    its commit marker damaged on both nodes) raises on every rank, naming the step and its file, where
+    it returned None as if no checkpoint existed."""
+    run_ranks(_save_alone, 2, str(tmp_path))
+    for node in ("node0", "node1"):
+        (tmp_path / node / step_dir(2) / "COMMIT").write_bytes(b"\x00garbage")
+    for r in run_ranks(_restore_pair, 2, str(tmp_path), timeout=120):
+        assert r["step"] is None and r["error"] == "CorruptCheckpointError", r
+        assert "step(s) 2 are committed" in r["message"] and "commit marker is damaged" in r["message"], r

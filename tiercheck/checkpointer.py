@@ -274,10 +274,9 @@ class Checkpointer:
             commit_job(bg, job, library_version=__version__)
 
     def _after_commit(self, job: PendingSave) -> None:
-        step = job.step
-        self._tiers.committed(step, job.handle.replicated, job.handle.drained)
-        self._local.add(step)
-        self._local.whole(step)  # committed: every rank's part is durable
+        self._tiers.committed(job.step, job.handle.replicated, job.handle.drained, save=job.save_id)
+        self._local.add(job.step)
+        self._local.whole(job.step)  # committed: every rank's part is durable
         self._local.retain()
 
     # ------------------------------------------------------------------------------ restoring
@@ -366,6 +365,7 @@ class Checkpointer:
             self._local.add(*self.steps())
             self._local.whole(done.step)
             self._owner.restored(from_remote=done.from_remote, restore=n, step=done.step)
+            self._tiers.own(done.step, done.save_id)  # the lineage's step: another save of it is set aside
             if self._mem is not None:
                 self._mem.after_restore(done.step, from_memory=done.from_memory, local=self._local, tiers=self._tiers)
             if populate_local and done.from_remote and self._leader and len(done.held_here) < self.world_size:

@@ -29,6 +29,12 @@ class LineageError(TiercheckError, RuntimeError):
     from it (it would replace them): use another place, restore from it, or take it over."""
 
 
+class ContestedStepError(LineageError):
+    """The remote prefix holds a committed step of another save, which its lineage has not
+    abandoned, under the number of a local step being drained. Only a run that restored or saved
+    that local step (then the step is its lineage's) sets the remote one aside and drains its own."""
+
+
 class CorruptCheckpointError(TiercheckError, ValueError):
     """Stored bytes do not match their checksum, or a manifest cannot be read."""
 

@@ -31,7 +31,10 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
     counted only where their files match their markers (unless not ``check_replicas``: the node's other
     ranks, which learn what their node holds of the chosen step from its leader, ``plan.find_holders``).
     Steps whose commit marker cannot be read are left out, and put in ``damaged`` with why; so are
-    the saves the directory's lineage abandoned (a rollback's branch, another lineage's steps)."""
+    the saves the directory's lineage abandoned (a rollback's branch, another lineage's steps). Every
+    step left out is in ``damaged``: a restore that passes over a committed step says so
+    (``report.passed_over_here``), and the run's next save of that number sets it aside instead of
+    finding it in the way (``Checkpointer.save``)."""
     held: dict[str, JSON] = {}
     abandoned = abandoned_on(tier)
     for s in list_steps(tier).committed:
@@ -43,7 +46,10 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
                 damaged[s] = str(e)
             continue
         if (s, marker.save_id) in abandoned:
-            log.info("ignoring step %d on %s: its lineage abandoned that save (a rollback or a take-over)", s, tier.url)
+            why = f"its lineage abandoned save {marker.save_id} (a rollback or a take-over)"
+            log.info("ignoring step %d on %s: %s", s, tier.url, why)
+            if damaged is not None:
+                damaged[s] = why
             continue
         own = list(marker.ranks)
         replicas = read_replicas(tier, s, checked=check_replicas)

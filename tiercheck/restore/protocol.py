@@ -29,7 +29,9 @@ from tiercheck.errors import (
 from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
+from tiercheck.format.paths import pack_file, step_dir
 from tiercheck.format.refmaps import check_documents
+from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps, plural
 from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
@@ -78,22 +80,39 @@ def restore_state(
     explained once, in docs/concepts/restore.md (invariant 7 of docs/design.md). When the chosen
     step turns out damaged (a bad checksum, a missing or unreadable file) on every tier, the ranks
     agree to restore the newest older whole step instead, with a warning; a requested step is never
-    swapped for another. Where no tier holds a step but the local directory holds another framework's
-    checkpoints, raises ``ForeignCheckpointError`` rather than return None (a fresh start over them)."""
+    swapped for another. Where no tier holds a step but a local directory holds committed steps none
+    can read (their commit markers damaged), raises ``CorruptCheckpointError`` naming them, and where
+    it holds another framework's checkpoints, ``ForeignCheckpointError``: never None (a fresh start
+    over them)."""
     done = Restore(state, job, request, name=name, pool=pool).run()
     if done is None and request.step is None:
-        _refuse_foreign(job, f"{name}/foreign")
+        _refuse_fresh_start(job, f"{name}/foreign")
     return done
 
 
-def _refuse_foreign(job: Job, scope: str) -> None:
-    """Every rank together: where any rank's directory holds another framework's checkpoints (and no tier a
-    step), every rank raises ``ForeignCheckpointError``, never a fresh start over them on some ranks only."""
-    found = find_foreign(job.tier)
-    error = ForeignCheckpointError(say_foreign(job.tier, found)) if found else None
+def _refuse_fresh_start(job: Job, scope: str) -> None:
+    """Every rank together, where no tier holds a step it can restore: where any rank's directory holds
+    committed steps whose commit markers cannot be read, every rank raises ``CorruptCheckpointError`` naming
+    them and why; where it holds another framework's checkpoints, ``ForeignCheckpointError``. Never a fresh
+    start over them on some ranks only. (A step whose marker names a save the lineage abandoned is readable, and
+    no step of this lineage: a fresh start over it is right.)"""
+    unreadable: dict[int, str] = {}  # none read where the directory commits no step: a fresh start's case
+    for s in list_steps(job.tier).committed:
+        try:
+            read_marker(job.tier, s)
+        except TiercheckError as e:
+            unreadable[s] = str(e)
+    error: TiercheckError | None = None
+    if unreadable:
+        error = CorruptCheckpointError(
+            f"{job.tier.url}: no step can be restored, but step(s) {fmt_steps(sorted(unreadable))} are committed "
+            f"there: {'; '.join(unreadable.values())}"
+        )
+    elif found := find_foreign(job.tier):
+        error = ForeignCheckpointError(say_foreign(job.tier, found))
     # settle finishes the scope itself (its leaders count out once): finishing it here again let the first rank
     # out delete the failure before a slower rank had read it, which then started fresh
-    drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError,)))
+    drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError, CorruptCheckpointError)))
 
 
 class Restore:
@@ -250,6 +269,7 @@ class Restore:
             copied_up=moved.copied_up,
             held_here=sorted(prepared.st.here),
             passed_over=passed_over_here(choice, step) if request.step is None else {},
+            save_id=prepared.st.save_id,
         )
 
     def agree(self, name: str, below: int | None) -> StepChoice:
@@ -390,7 +410,8 @@ class Restore:
             return error
         self.found[step] |= new
         node_of(self.job.coord).post(f"{self.name}/copies/{step}", dumps(sorted(new)))
-        return _CopyDamaged(f"{error} (in this node's copy of saving rank(s) {fmt_steps(sorted(new))}' files)")
+        packs = ", ".join(f"{step_dir(step)}/{pack_file(w)}" for w in sorted(new))  # where the damaged chunks lie
+        return _CopyDamaged(f"{error} (in this node's copy of saving rank(s) {fmt_steps(sorted(new))}' files: {packs})")
 
     def _dropped(self, step: int) -> set[int]:
         """On a node's leader: the saving ranks whose files, as the node holds them, its ranks found

@@ -38,6 +38,7 @@ class Restored:
     from_memory: bool = False  # the step was restored from the memory tier (``tiercheck.memory``)
     local_reads: int = 0  # chunks a restore from the memory tier read from the local tier (bad in memory)
     copies_passed_over: int = 0  # saving ranks whose files this rank found damaged in its node's copy
+    save_id: str | None = None  # the save restored (the step's commit marker names it)
 
     def counters(self) -> dict[str, int]:
         """What ``Checkpointer.stats()`` reports of the last restore."""

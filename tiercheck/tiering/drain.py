@@ -31,12 +31,13 @@ from tiercheck.cluster.coordination import Coordinator
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import (
     CheckpointNotFoundError,
+    ContestedStepError,
     CoordinationError,
     CorruptCheckpointError,
     RemoteStorageError,
     TiercheckError,
 )
-from tiercheck.format.commit import withdraw_step
+from tiercheck.format.commit import copy_aside, withdraw_step
 from tiercheck.format.lineage import abandoned_on, abandoned_why
 from tiercheck.format.paths import (
     COMMIT_FILE,
@@ -47,7 +48,7 @@ from tiercheck.format.verify import step_damage
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
-from tiercheck.tiering.upload import upload_step
+from tiercheck.tiering.upload import contested, upload_step
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
 
@@ -81,6 +82,12 @@ class Drainer:
         self._current: int | None = None
         self._failed: set[int] = set()  # drains that failed in this run (the local copy is kept)
         self._checking: set[int] = set()  # local steps whose save the resume is looking for on the remote
+        # (step, save) this run restored or saved: its lineage's, whatever else the remote holds under the number
+        self._ours: set[tuple[int, str]] = set()
+        self._owned = False  # the run restored or saved: a step it did not own is contested no longer, it failed
+        # Steps whose drain found the remote's other save in the way before the run restored or saved anything
+        # (a resumed drain at start): they wait for that, which says whether the step is the run's.
+        self._contested: dict[int, tuple[list[Future[bool]], ContestedStepError]] = {}
         self._settling = False
         self._stop = False
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="tiercheck-upload") if uploads else None
@@ -122,6 +129,19 @@ class Drainer:
                     self._queue.setdefault(step, [])
             self._cond.notify_all()
 
+    def own(self, step: int, save: str | None) -> None:
+        """This run restored or saved ``step`` as the save ``save``: the step is its lineage's, and a
+        remote step of that number committed by another save, not abandoned, is set aside (kept) when
+        it is drained (``_set_aside``). A step whose drain waits for that goes again now."""
+        with self._cond:
+            if save is not None:
+                self._ours.add((step, save))
+            self._owned = True
+            for waiting, (futures, _) in self._contested.items():
+                self._queue.setdefault(waiting, []).extend(futures)
+            self._contested.clear()
+            self._cond.notify_all()
+
     def resume(self, local_steps: list[int]) -> None:
         """In the background: queue the local steps a previous run committed but did not finish
         draining (those whose save the remote does not hold). Until that is known, local
@@ -151,7 +171,7 @@ class Drainer:
         the only one)."""
         with self._cond:
             current = {self._current} if self._current is not None else set()
-            return set(self._queue) | self._failed | current | self._checking
+            return set(self._queue) | self._failed | current | self._checking | set(self._contested)
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._resumer is not None:
@@ -166,6 +186,7 @@ class Drainer:
             out = dict(self.status)
             out["pending"] = sorted(self._queue)
             out["draining"] = self._current
+            out["contested"] = sorted(self._contested)
         counters = getattr(self.remote, "counters", None)
         if counters is not None:
             out["retries"] = counters["retries"]
@@ -186,6 +207,9 @@ class Drainer:
         if drain:
             self.wait(left())
         with self._cond:
+            for step, (futures, e) in self._contested.items():  # the run never said the step is its own
+                self._fail(step, futures, e)
+            self._contested.clear()
             undrained = set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
             self._stop = True
             for futures in self._queue.values():
@@ -232,13 +256,13 @@ class Drainer:
                     cause, e = e, RemoteStorageError(f"{self.remote.url}: draining step {chosen}: {e}")
                     e.__cause__ = cause
                 with self._cond:
-                    self.status["failed"] += 1
-                    self._failed.add(chosen)
-                    self.status["last_error"] = f"step {chosen}: {type(e).__name__}: {e}"
-                log.error("drain of step %d to %s failed (the local copy is kept): %s", chosen, self.remote.url, e)
-                for f in futures:
-                    if not f.cancelled():
-                        f.set_exception(e)
+                    if isinstance(e, _Contested) and self._owned:  # the run restored or saved meanwhile: again
+                        self._queue.setdefault(chosen, []).extend(futures)
+                    elif isinstance(e, _Contested):
+                        self._contested[chosen] = (futures, e.error)
+                        log.info("drain: step %d waits for this run to restore or save it: %s", chosen, e.error)
+                    else:
+                        self._fail(chosen, futures, e)
             finally:
                 with self._cond:
                     self._current = None
@@ -250,6 +274,16 @@ class Drainer:
                 with self._cond:
                     self._settling = False
                     self._cond.notify_all()
+
+    def _fail(self, step: int, futures: list[Future[bool]], e: BaseException) -> None:
+        """The drain of ``step`` failed (under ``_cond``): counted, said, and each future told."""
+        self.status["failed"] += 1
+        self._failed.add(step)
+        self.status["last_error"] = f"step {step}: {type(e).__name__}: {e}"
+        log.error("drain of step %d to %s failed (the local copy is kept): %s", step, self.remote.url, e)
+        for f in futures:
+            if not f.cancelled():
+                f.set_exception(e)
 
     def _choose(self, waiting: list[int]) -> int:
         """The step to drain next. With several nodes, the nodes must pick the same steps: the
@@ -277,6 +311,11 @@ class Drainer:
         try:
             self._upload(step)
         except BaseException as e:
+            if isinstance(e, ContestedStepError):
+                with self._cond:
+                    waits = not self._owned
+                if waits:  # for the run's restore or save (``_loop``), then goes again: no verdict yet
+                    raise _Contested(e) from e
             why = f"error: {type(e).__name__}: {e}"
             self._tell(outcome, why)
             # The other nodes wait for the remote commit this node's files would complete: tell them it
@@ -315,6 +354,7 @@ class Drainer:
                 self.status["files_uploaded"] += 1
 
         assert self._pool is not None
+        self._set_aside(step)
         result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count, take_over=self.take_over)
         with self._cond:
             self.status["files_already_there"] += result.files_already_there
@@ -330,6 +370,35 @@ class Drainer:
             if not self.remote.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
                 verdict = self.coord.get(committed).decode()
                 raise CoordinationError(f"step {step} was not committed on {self.remote.url}: {verdict}")
+
+    def _set_aside(self, step: int) -> None:
+        """Where this run restored or saved the local ``step`` (``own``) and the remote holds that
+        number committed by another save its lineage has not abandoned (planted there, or left by a
+        run whose save the lineage never restored): set it aside on the remote, kept and named in
+        the log (``format.commit.copy_aside``), so that this run's save drains. Job rank 0's node
+        sets it aside; a node that sees it in the way waits for its word before it replaces files."""
+        save = read_marker(self.local, step).save_id
+        if save is None or (step, save) not in self._ours:
+            return
+        other = contested(self.remote, step, save)
+        word = self.coord.key("drain", step, save, "aside")
+        if self.coord.rank == 0:
+            if other is not None:
+                try:
+                    to = copy_aside(self.remote, step)
+                except BaseException as e:  # the other nodes hear why instead of waiting out the deadline
+                    self._tell(word, f"error: {type(e).__name__}: {e}", everyone=True)
+                    raise
+                log.warning("drain: %s held step %d of another save (%s; this run's is %s, the save it restored "
+                            "or saved), which its lineage never abandoned: set it aside as %s (kept: delete it once "
+                            "it is of no more use)", self.remote.url, step, other, save, to)  # fmt: skip
+            self._tell(word, "ok", everyone=True)
+        elif other is not None:
+            self.coord.wait([word], what=f"rank 0 to set aside the remote's step {step}",
+                            timeout_s=self.options.retry.deadline_s)  # fmt: skip
+            verdict = self.coord.get(word).decode()
+            if verdict != "ok":
+                raise CoordinationError(f"rank 0 could not set aside step {step} on {self.remote.url}: {verdict}")
 
     def _retain(self) -> None:
         """Remote retention. ``keep_last`` counts the steps whose index reads back whole (the
@@ -354,6 +423,14 @@ class Drainer:
         for old in steps_to_delete(committed, self.options.retention, damage=damage):
             withdraw_step(self.remote, old)
             log.info("remote retention: deleted step %d from %s", old, self.remote.url)
+
+
+class _Contested(Exception):
+    """A drain that met ``ContestedStepError`` before the run restored or saved anything (``Drainer._drain``)."""
+
+    def __init__(self, error: ContestedStepError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def pending_steps(local: Tier, local_steps: list[int], remote: Tier, every: int = 1) -> list[int]:

@@ -87,16 +87,24 @@ class TierManager:
         pinned = self.drainer.pinned() if self.drainer is not None else set()
         return pinned | (self.replicator.pinned() if self.replicator is not None else set())
 
-    def committed(self, step: int, replicated: Future[bool], drained: Future[bool]) -> None:
-        """``step`` is committed locally: replicate and drain it (or say that nothing will)."""
+    def committed(self, step: int, replicated: Future[bool], drained: Future[bool], *, save: str | None = None) -> None:
+        """``step`` is committed locally: replicate and drain it (or say that nothing will).
+        ``save``: this run saved it (``own``)."""
         if self.replicator is not None:
             self.replicator.submit(step, replicated)
         else:
             replicated.set_result(False)
         if self.drainer is not None:
+            if save is not None:
+                self.drainer.own(step, save)
             self.drainer.submit(step, drained)
         else:
             drained.set_result(False)
+
+    def own(self, step: int, save: str | None) -> None:
+        """This run restored ``step`` (the save ``save``): it is its lineage's (``Drainer.own``)."""
+        if self.drainer is not None:
+            self.drainer.own(step, save)
 
     def populate(self, step: int) -> None:
         """Copy ``step``, restored from the remote tier, into the local tier in the background,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError
+from tiercheck.errors import CheckpointNotFoundError, ContestedStepError, CorruptCheckpointError
 from tiercheck.format.commit import commit_step
 from tiercheck.format.files import files_of_ranks
 from tiercheck.format.lineage import abandoned_on
@@ -118,8 +118,10 @@ def same_save_committed(remote: Tier, step: int, save: str | None, *, take_over:
     while this save's files replace its own (each node replaces its files, see ``resumable``).
     Only a save the prefix's lineage abandoned is replaced (a rollback records its abandoned steps
     before any step of its branch lands, a take-over the old lineage's): any other is refused
-    (``LineageError``), unless ``take_over``. A lineage claim copied into a directory (its
-    ``LINEAGE.json`` from another run's) thus replaces no committed step of that run."""
+    (``ContestedStepError``), unless ``take_over``, or set aside first by a run that restored or
+    saved the local step (``contested``, ``format.commit.copy_aside``: ``Drainer``). A lineage
+    claim copied into a directory (its ``LINEAGE.json`` from another run's) thus replaces no
+    committed step of that run."""
     d = step_dir(step)
     try:
         there = read_marker(remote, step)
@@ -133,11 +135,12 @@ def same_save_committed(remote: Tier, step: int, save: str | None, *, take_over:
     disowned = there is None or there.save_id is None or take_over or (step, there.save_id) in abandoned_on(remote)
     if not disowned:
         assert there is not None
-        raise LineageError(
+        raise ContestedStepError(
             f"not draining step {step} to {remote.url}: it holds step {step} of another save ({there.save_id}, "
-            f"this one is {save}) that its lineage has not abandoned (no rollback branched below it): the local "
-            f"directory's steps are not that lineage's trajectory (its {LINEAGE_FILE} copied from another "
-            "run's?). Nothing was replaced; pass take_over to replace it"
+            f"this one is {save}) that its lineage has not abandoned (no rollback branched below it), and no "
+            f"run that restored or saved this one drains it: the local directory's steps are not that "
+            f"lineage's trajectory (its {LINEAGE_FILE} copied from another run's?). Nothing was replaced; "
+            "restore the step in a job with this remote, or pass take_over to replace it"
         )
     if there is not None:
         log.warning(
@@ -167,3 +170,16 @@ def drained_ranks(remote: Tier, step: int, save: str | None) -> set[int]:
         except (CorruptCheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             log.warning("drain: ignoring %s: %s", where, e)
     return have
+
+
+def contested(remote: Tier, step: int, save: str) -> str | None:
+    """The save of the committed step ``step`` on ``remote`` where it is another save than
+    ``save`` and one its lineage has not abandoned: a step ``same_save_committed`` refuses to
+    replace. None where the remote holds no such step."""
+    try:
+        there = read_marker(remote, step).save_id
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return None
+    if there is None or there == save or (step, there) in abandoned_on(remote):
+        return None
+    return there
