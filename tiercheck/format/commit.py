@@ -42,13 +42,15 @@ def commit_step(
     save_id: str,
     ranks: tuple[int, ...] = (0,),
     world_size: int = 1,
+    lineage: str | None = None,
 ) -> None:
     """Publish a step whose data files are all durably written (by every saving rank).
 
     ``ranks`` are the saving ranks whose chunk files this tier holds: with node-local tiers, the
     ranks of this node. The step is whole where the tiers together hold all ``world_size`` ranks.
     ``save_id`` is the manifest's: two tiers hold the same save of a step where their commit
-    markers name the same one.
+    markers name the same one. ``lineage``: the lineage the save is committed for, where the tier
+    names none of its own (the memory tier's directory).
     """
     d = step_dir(step)
     tier.write(f"{d}/{MANIFEST_FILE}", [manifest])
@@ -60,6 +62,7 @@ def commit_step(
         ranks=tuple(ranks),
         world_size=world_size,
         save_id=save_id,
+        lineage=lineage,
     )
     tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -292,6 +293,9 @@ class CommitMarker:
     ranks: tuple[int, ...] = (0,)  # saving ranks whose packs are in this directory (its node's)
     world_size: int = 1  # saving ranks in all; the step is whole where the directories hold them all
     save_id: str | None = None  # the manifest's; two tiers hold the same save where these agree
+    # The lineage the save was committed for: written by the memory tier, whose directory is named
+    # by no lineage file of its own (``tiercheck.memory``); absent elsewhere.
+    lineage: str | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -303,6 +307,7 @@ class CommitMarker:
                 "manifest_size": self.manifest_size,
                 "ranks": list(self.ranks),
                 "world_size": self.world_size,
+                **({"lineage": self.lineage} if self.lineage is not None else {}),
             }
         ).encode()
 
@@ -317,6 +322,19 @@ class CommitMarker:
                 ranks=tuple(nonneg_int(r) for r in doc.get("ranks", [0])),
                 world_size=world_size_of(doc.get("world_size", 1)),
                 save_id=None if doc.get("save_id") is None else save_id_of(doc, where=where),
+                lineage=_lineage_of(doc.get("lineage")),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: commit marker is damaged ({e!r})") from None
+
+
+_LINEAGE_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+def _lineage_of(value: object) -> str | None:
+    """A commit marker's ``lineage`` (absent: None): a lineage id, 8-64 lowercase hex digits."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _LINEAGE_ID.fullmatch(value):
+        raise ValueError(f"lineage {str(value)[:80]!r} is not a lineage id")
+    return value

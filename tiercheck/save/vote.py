@@ -43,6 +43,7 @@ class RankOutcome:
     metadata: JSON = None  # the caller's, as rank 0 saved it
     library_version: str
     vote: str = "save"  # names the vote's store keys: a save committed to two tiers votes twice
+    lineage: str | None = None  # written into the commit marker (the memory tier's: CommitMarker.lineage)
 
 
 def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
@@ -158,7 +159,7 @@ def _commit_node(job: Job, outcome: RankOutcome, meta: str, *, where: str) -> No
         save_id=outcome.save_id,
     )
     commit_step(job.tier, outcome.step, index.to_bytes(), save_id=outcome.save_id, ranks=nodes.ranks,
-                world_size=coord.world_size)  # fmt: skip
+                world_size=coord.world_size, lineage=outcome.lineage)  # fmt: skip
 
 
 def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchange[str]:
@@ -179,7 +180,9 @@ def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchang
     return verdict
 
 
-def commit_job(job: Job, save: PendingSave, *, library_version: str, vote: str = "save") -> None:
+def commit_job(
+    job: Job, save: PendingSave, *, library_version: str, vote: str = "save", lineage: str | None = None
+) -> None:
     """Commit a save the pipeline has written (or failed to) to ``job.tier``: this rank's manifest
     parts, then ``commit_save`` with the other ranks. Runs on the commit thread, on its own store
     connection (``job.coord``). The memory tier's commit is a vote of its own (``vote``)."""
@@ -201,5 +204,6 @@ def commit_job(job: Job, save: PendingSave, *, library_version: str, vote: str =
         metadata=save.metadata,
         library_version=library_version,
         vote=vote,
+        lineage=lineage,
     )
     drive(job.coord, commit_save(job, outcome))
