@@ -40,7 +40,16 @@ from tiercheck.cli.memory import MEMORY_ROLES, Locked, gc_memory, memory_role
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.commit import withdraw_step
-from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR, step_dir, step_of
+from tiercheck.format.paths import (
+    COMMIT_FILE,
+    LINEAGE_FILE,
+    LOCK_FILE,
+    MEMORY_RECORD_FILE,
+    NODE_FILE,
+    SET_ASIDE_DIR,
+    step_dir,
+    step_of,
+)
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.format.verify import step_damage, verify_step
 from tiercheck.humanize import fmt_steps, ranges
@@ -159,7 +168,7 @@ def restore_command(
 
 #: What a checkpoint directory may hold beside its steps: a directory holding none of these
 #: (but something) is another tool's, and a copy would add files beside its own.
-_CHECKPOINT_NAMES = {LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR}
+_CHECKPOINT_NAMES = {LINEAGE_FILE, LOCK_FILE, NODE_FILE, SET_ASIDE_DIR, MEMORY_RECORD_FILE}
 
 
 def _not_checkpoint(tier: Tier) -> str | None:

@@ -135,9 +135,14 @@ def is_replica_marker(name: str) -> bool:
 MEMORY_OWNER_FILE = "OWNER"  # in a memory directory: the lineage its steps belong to (tiercheck.memory)
 
 
+MEMORY_RECORD_FILE = "MEMORY.json"  # at a local directory's root: where its memory tier lives (format.memory_steps)
+
+
 def memory_dir(path: str | os.PathLike[str], local: str | os.PathLike[str]) -> Path:
     """The memory tier's directory of the node-local directory ``local`` under ``MemoryOptions.path``:
-    named by a hash of ``local``'s absolute path, so a run restarted on the same node with the same
-    directory finds it, and the CLI finds it from the directory's name."""
-    digest = hashlib.sha256(os.path.abspath(local).encode()).hexdigest()[:16]
+    named by a hash of the directory's real path (symbolic links resolved: a job that opens it
+    through a link finds the same memory tier), so a run restarted on the same node with the same
+    directory finds it, and the CLI finds it from the directory's name. The directory records it
+    too (``MEMORY_RECORD_FILE``), for a job started without the memory tier."""
+    digest = hashlib.sha256(os.path.realpath(local).encode()).hexdigest()[:16]
     return Path(os.fspath(path)) / digest
