@@ -136,3 +136,22 @@ def test_a_replaced_node_says_from_the_background_that_its_memory_lacks_the_step
     said = run_ranks(_restore_and_say, 2, str(shm))
     assert any("step 3 is not persisted to" in m and "memory lacks its files" in m for m in said[1]), said[1]
     assert list_steps(LocalTier(shm / "node0")).committed[-1] == 3, "node 0 persisted its files"
+
+
+def test_the_start_up_bound_counts_the_bytes_a_save_flattens() -> None:
+    """``Checkpointer()`` with ``memory=`` sizes its slots from ``tensor_sizes``, a walk that names nothing
+    (``flatten`` took 0.07 s of a restart's start for 3,200 tensors): the same tensors, the same bytes."""
+    import numpy as np
+    import torch
+
+    from tiercheck import Shard
+    from tiercheck.state.flatten import flatten, tensor_sizes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt, "extra": {"a": [torch.arange(5, dtype=torch.int16), (np.ones(3),)],
+             "n": 3, "s": "x"}, "piece": Shard(torch.ones(2, 3), global_shape=(4, 3), offsets=(2, 0))}  # fmt: skip
+    _, leaves = flatten(state, allow_pickle=False)
+    assert sorted(tensor_sizes(state)) == sorted(x.tensor.nelement() * x.tensor.element_size() for x in leaves)

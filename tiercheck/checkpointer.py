@@ -108,7 +108,7 @@ class Checkpointer:
             raise UnsupportedValueError(f"state must be a mapping of names to state, not {type(state).__qualname__}")
         self.state = state
         self.staging = staging or StagingOptions()
-        self._memory = memory_pool.start(memory, local, state, allow_pickle)
+        self._memory = memory_pool.start(memory, local, state)
         self.write = write or WriteOptions()
         self.retention = retention or RetentionOptions()
         self.distributed = distributed or DistributedOptions()
