@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class RestoredFrom(logging.Handler):
     """Which tier a restore read, and when it had read it: tiercheck logs the memory tier's restore
-    (from the restoring thread) before it persists the step to the local directory."""
+    (from the restoring thread); it then persists the step to the local directory beside training."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -315,7 +315,7 @@ def _restart(restored_from: RestoredFrom, restart_ms: float, t_open: float) -> s
     if restored_from.memory_read_at is None:
         return f"the local directory in {restart_ms:.1f} ms"
     read_ms = (restored_from.memory_read_at - t_open) * 1e3
-    return f"the memory tier in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; the rest persisting it to disk)"
+    return f"the memory tier in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; persisted to disk beside training)"
 
 
 def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[bool]], None]:

@@ -95,4 +95,5 @@ def test_the_demo_kills_the_run_and_it_restarts_from_memory_bit_identical(tmp_pa
     step = restart.group(1)
     assert re.search(rf"\[disk restore\] restart: step {step} restored from the local directory in [\d.]+ ms", out)
     assert re.search(r"from the memory tier +[\d.]+ ms .*\n +from the local directory +[\d.]+ ms", out), out
+    assert re.search(r"the restart from memory took [\d.]+x the restart from the local directory, end to end", out), out
     assert set(Path("/dev/shm").glob("tiercheck-demo-*")) == before, "the demo left its memory tier behind"
