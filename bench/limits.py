@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 
 def tcp_loopback(nbytes: int, block: int = 4 << 20, repeats: int = 1) -> dict[str, float]:
@@ -36,3 +37,21 @@ def tcp_loopback(nbytes: int, block: int = 4 << 20, repeats: int = 1) -> dict[st
             best = min(best, time.perf_counter() - t0)
         srv.close()
     return {"bytes": got[0], "s": best, "mib_s": got[0] / (1 << 20) / best, "gib_s": got[0] / (1 << 30) / best}
+
+
+def copy_crc_on(threads: int, src: Any, dst: Any, checksum: Any) -> float:
+    """Seconds for ``threads`` threads to copy ``src`` into ``dst`` and CRC32C it, a part each (both
+    calls let go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bounds = [len(src) * i // threads for i in range(threads + 1)]
+
+    def part(i: int) -> None:
+        into = dst[bounds[i] : bounds[i + 1]]
+        into.copy_(src[bounds[i] : bounds[i + 1]])
+        checksum(into.numpy().data)
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(part, range(threads)))
+        return time.perf_counter() - t0

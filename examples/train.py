@@ -198,8 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class RestoredFrom(logging.Handler):
-    """When a restore from memory had read its step: tiercheck logs it (from the restoring thread)
-    before it persists the step to the local directory. Which tier served it, ``stats()`` says."""
+    """When a restore from memory had read its step: tiercheck logs it (from the restoring thread); it
+    then persists the step to the local directory beside training. Which tier served it, ``stats()`` says."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -328,7 +328,7 @@ def _restart(ckpt: Checkpointer, restored_from: RestoredFrom, restart_ms: float,
     if restored_from.memory_read_at is None:
         return f"memory in {restart_ms:.1f} ms"
     read_ms = (restored_from.memory_read_at - t_open) * 1e3
-    return f"memory in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; the rest persisting it to disk)"
+    return f"memory in {restart_ms:.1f} ms ({read_ms:.1f} ms to read it; persisted to disk beside training)"
 
 
 def _report_commit(handle: SaveHandle, t0: float) -> Callable[[Future[bool]], None]:

@@ -97,4 +97,5 @@ def test_the_demo_kills_the_run_and_it_restarts_from_memory_bit_identical(tmp_pa
     assert re.search(r"from memory +[\d.]+ ms .*\n +from the local directory +[\d.]+ ms", out), out
     # each run says at start where its checkpoints go: the memory tier named
     assert re.search(r"\[run 2, resumed\] checkpoints: .*, memory tier under /dev/shm/tiercheck-demo-", out), out
+    assert re.search(r"the restart from memory took [\d.]+x the restart from the local directory, end to end", out), out
     assert set(Path("/dev/shm").glob("tiercheck-demo-*")) == before, "the demo left its memory tier behind"

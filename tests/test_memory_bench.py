@@ -27,7 +27,9 @@ def test_memory_bench_quick(tmp_path: Path) -> None:
     assert summary["all_bit_identical"] is True, report["restarts"]
     (restart,) = report["restarts"]
     assert [restart[k]["tier"] for k in ("memory", "local", "dcp.load")] == ["memory", "local", "dcp"]
-    for key in ("memory_vs_memcpy_crc", "local_cold_vs_memory", "memory_held_vs_shard"):
+    assert summary["all_persisted"] is True, restart["memory"]  # the restart persisted its memory-only step
+    assert restart["memory"]["restore_persist_s"] > 0
+    for key in ("memory_vs_memcpy_crc", "local_cold_vs_memory", "memory_vs_local_cold", "memory_held_vs_shard"):
         assert summary[key] is not None and summary[key] > 0, key
     assert summary["memory_held_vs_shard"] == pytest.approx(2.0, rel=0.1)  # two slots, each about a snapshot
     for method in ("tiercheck.memory", "tiercheck.lazy", "dcp.async_save"):

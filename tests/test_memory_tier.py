@@ -127,7 +127,10 @@ def test_a_killed_process_restarts_from_memory_bit_identical(shm: Path, tmp_path
     with Checkpointer(restored, local=local, memory=MemoryOptions(path=shm, persist_every=4)) as ck:
         assert ck.restore() == 3
         assert_identical(restored, _state(3))
+        assert ck.stats()["memory_persist"] in ("pending", "done"), "persisted beside training, not before restore()"
+        ck.wait()
         assert ck.steps() == [3], "the step the crash left in memory only is persisted by the run that restored it"
+        assert (ck.stats()["memory_persist"], ck.stats()["memory_persisted_step"]) == ("done", 3)
     assert_identical(tiercheck.load(local, step=3), _state(3))
 
 

@@ -11,7 +11,6 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -109,7 +108,7 @@ class Checkpointer:
             raise UnsupportedValueError(f"state must be a mapping of names to state, not {type(state).__qualname__}")
         self.state = state
         self.staging = staging or StagingOptions()
-        self._memory = memory_pool.start(memory, local, state, allow_pickle)
+        self._memory = memory_pool.start(memory, local, state)
         self.write = write or WriteOptions()
         self.retention = retention or RetentionOptions()
         self.distributed = distributed or DistributedOptions()
@@ -187,6 +186,8 @@ class Checkpointer:
                 raise StepExistsError(
                     f"step {step} is already committed in {self.tier.url}; saving it again would overwrite it"
                 )
+            if self._mem is not None:
+                self._mem.before_save(step)  # the step a restore read from memory, being persisted
             inflight = self._pipeline.inflight_steps() if self._pipeline is not None else set()
             if step in inflight:
                 raise StepExistsError(f"step {step} is already being saved")
@@ -226,9 +227,12 @@ class Checkpointer:
             handle.timings["hook_blocked_s"] = handle.timings.get("hook_blocked_s", 0.0) + waited
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the failure of the latest save."""
+        """Block until every save so far is committed, and a step restored from the memory tier is
+        persisted to the local directory (its failure is logged); raise the failure of the latest save."""
         if self._pipeline is not None and not self._pipeline.wait_idle(timeout):
             raise TimeoutError(f"saves still in flight after {timeout} s")
+        if self._mem is not None:
+            self._mem.wait_persisted(timeout)
         if self._last is not None and not self._last.skipped:
             exc = self._last.committed.exception(timeout=0)
             if exc is not None:
@@ -342,17 +346,10 @@ class Checkpointer:
                 in_place = n == 0 and self._counters["saves"] == 0
             self._restores += 1
             try:
-                request = RestoreRequest(
-                    step=step,
-                    strict=strict,
-                    allow_pickle=self.allow_pickle if allow_pickle is None else allow_pickle,
-                    others=others,
-                    extra=extra,
-                    in_place=in_place,
-                    read_once=self.distributed.read_once,
-                    share_memory=self.distributed.share_memory,
-                    io_threads=self.write.io_threads,
-                )
+                d, pickle = self.distributed, self.allow_pickle if allow_pickle is None else allow_pickle
+                request = RestoreRequest(step=step, strict=strict, allow_pickle=pickle, others=others, extra=extra,
+                                         in_place=in_place, read_once=d.read_once, share_memory=d.share_memory,
+                                         io_threads=self.write.io_threads)  # fmt: skip
                 name = f"restore{n}"
                 disk = functools.partial(restore_state, self.state, self._job, request, name=name, pool=self._pool)
                 done = self._mem.restore(self.state, request, name, disk) if self._mem else disk()
@@ -395,6 +392,8 @@ class Checkpointer:
         from the local directory, damaged in memory) and ``restore_copies_passed_over`` (saving ranks whose
         files this rank found damaged in its node's copy, read from another node's or the remote tier).
         With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
+        With ``memory=``: ``memory_persist`` (None, ``"pending"``, ``"done"``, ``"failed"``: the background copy of
+        a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``.
         """
         out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:
@@ -402,7 +401,7 @@ class Checkpointer:
         out["inflight"] = sorted(self._pipeline.inflight_steps()) if self._pipeline else []
         out.update(self._pool.stats() if self._pool else NO_POOL)
         out.update(lazy=self.lazy, rank=self.rank, world_size=self.world_size)
-        out.update(self._planner.stats(), memory_held_bytes=self._mem.held() if self._mem else 0)
+        out.update(self._planner.stats(), **(self._mem.stats() if self._mem else {"memory_held_bytes": 0}))
         out.update(store_traffic([c for c in (self._coord, self._bg_coord) if c is not None]))
         return out
 
@@ -489,9 +488,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _check_open(self) -> None:

@@ -16,12 +16,14 @@ the usual restore. What this module adds is the choice between tiers, made alike
   11 and 13): a memory directory whose owner is not that lineage is never restored, and is
   withdrawn, with a warning, before this run saves.
 * A step restored from memory that the local tier lacks is persisted there (and drained, by
-  policy) by the run that restored it: nothing a crash interrupted is lost.
+  policy) by the run that restored it, in the background once ``restore()`` has returned
+  (``tiering.persisting``, invariant 15): nothing a crash interrupted is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +38,7 @@ from tiercheck.errors import (
     CorruptCheckpointError,
     MemoryTierError,
     PartlyRestoredError,
+    StepExistsError,
     TiercheckError,
 )
 from tiercheck.format.lineage import lineage_id, memory_owner, owns_memory
@@ -50,6 +53,7 @@ from tiercheck.state.memory_pool import MemoryTier
 from tiercheck.state.memory_slots import MemorySlots
 from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.memory_peers import MemoryPeers
+from tiercheck.tiering.persisting import NOT_STARTED, Persisting
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiers.base import Tier
@@ -69,13 +73,42 @@ class Memory:
         self.leader = job.nodes.leader == job.coord.rank
         self._owner: str | None = None  # the lineage this rank last named in OWNER (the leader's)
         self.peers: MemoryPeers | None = None
+        self._persisting: Persisting | None = None  # the step the last restore persists in the background
         if replication is not None and job.nodes.count > 1:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
-            self.slots.before_reuse = self.peers.before_reuse
+        self.slots.before_reuse = self._before_reuse
 
     def held(self) -> int:
         """Bytes of memory this rank's slots hold (``stats()``'s ``memory_held_bytes``)."""
         return self.slots.held()
+
+    def stats(self) -> dict[str, Any]:
+        """``Checkpointer.stats()``'s entries of the memory tier: ``memory_held_bytes``, and where the
+        background persist of the step a restore read from memory stands (``tiering.persisting``)."""
+        persisting = NOT_STARTED if self._persisting is None else self._persisting.stats()
+        return {"memory_held_bytes": self.held(), **persisting}
+
+    def _before_reuse(self, step: int) -> None:
+        """Before a save stages into the slot of memory step ``step``: its copies (to the local
+        directory in the background, to peers) are done."""
+        if self._persisting is not None and self._persisting.step == step:
+            self._persisting.wait()
+        if self.peers is not None:
+            self.peers.before_reuse(step)
+
+    def before_save(self, step: int) -> None:
+        """Refuse a save of the step being persisted in the background: it is committed (restored from
+        memory), and a save of its number would withdraw its memory copy under the copy."""
+        if self._persisting is not None and self._persisting.step == step and self._persisting.pending():
+            where = self.local_job.tier.url
+            raise StepExistsError(f"step {step} is committed in the memory tier (restored from it) and being "
+                                  f"persisted to {where}; saving it again would overwrite it")  # fmt: skip
+
+    def wait_persisted(self, timeout: float | None = None) -> None:
+        """Wait until the background persist of the step a restore read from memory has ended (the step
+        committed on the local directory, or the failure logged); ``TimeoutError`` after ``timeout`` s."""
+        if self._persisting is not None and not self._persisting.wait(timeout):
+            raise TimeoutError(f"step {self._persisting.step} still being persisted after {timeout} s")
 
     def persists(self, step: int) -> bool:
         """Whether the save of ``step`` goes to the local tier too (``MemoryOptions.persist_every``)."""
@@ -228,25 +261,35 @@ class Memory:
     def after_restore(self, step: int, *, from_memory: bool, local: LocalSteps, tiers: TierManager) -> None:
         """Memory steps newer than the restored one belong to a future this run abandoned: withdrawn.
         A step restored from memory that the local tier lacks is persisted there (this node's
-        ranks' files) and drained by policy."""
+        ranks' files) and drained by policy, in the background (``tiering.persisting``): it is
+        committed in memory, and the restart does not wait for a copy that can run beside training."""
         if not self.leader:
             return
         if self.peers is not None:
             self.peers.wait()  # a copy to or from a peer runs in the steps withdrawn next
+        self.wait_persisted()  # an earlier restore's copy reads a step that may be withdrawn next
         for s in list_steps(self.slots.root).committed:
             if s > step:
                 log.info("withdrawing step %d from the memory tier: the restore went back to step %d", s, step)
                 self.slots.withdraw(s)
         if from_memory and step not in list_steps(self.local_job.tier).committed:
-            try:
-                self.persist(step, local=local, tiers=tiers)
-            except CheckpointNotFoundError as e:  # a replaced node, restored from its peers' memory
-                log.warning("step %d is not persisted to %s: this node's memory lacks its files (%s)",
-                            step, self.local_job.tier.url, e)  # fmt: skip
-            except CorruptCheckpointError as e:  # the restore read the damaged files from a peer's copy
-                log.warning("step %d is not persisted to %s: this node's memory copy of it is damaged, and no "
-                            "tier holds this node's files of that save whole but peers' memory; the next save "
-                            "that persists carries the state on (%s)", step, self.local_job.tier.url, e)  # fmt: skip
+            log.info("persisting step %d from the memory tier to %s in the background", step, self.local_job.tier.url)
+            self._persisting = Persisting(step, functools.partial(self._persist_said, step, local=local, tiers=tiers))
+
+    def _persist_said(self, step: int, *, local: LocalSteps, tiers: TierManager) -> bool:
+        """``persist``, on the background thread: True once committed there; a step that cannot be, said."""
+        try:
+            self.persist(step, local=local, tiers=tiers)
+        except CheckpointNotFoundError as e:  # a replaced node, restored from its peers' memory
+            log.warning("step %d is not persisted to %s: this node's memory lacks its files (%s)",
+                        step, self.local_job.tier.url, e)  # fmt: skip
+            return False
+        except CorruptCheckpointError as e:  # the restore read the damaged files from a peer's copy
+            log.warning("step %d is not persisted to %s: this node's memory copy of it is damaged, and no "
+                        "tier holds this node's files of that save whole but peers' memory; the next save "
+                        "that persists carries the state on (%s)", step, self.local_job.tier.url, e)  # fmt: skip
+            return False
+        return True
 
     def persist(self, step: int, *, local: LocalSteps, tiers: TierManager) -> None:
         """Copy this node's files of memory step ``step`` to the local tier, committed there. A chunk
@@ -269,7 +312,9 @@ class Memory:
     def close(self, *, local: LocalSteps, tiers: TierManager) -> None:
         """At a clean close: the newest memory step not on the local tier is persisted there, then the
         tier's memory is given back (its steps and slot files), unless ``MemoryOptions.keep_at_close``
-        or the persisting failed (then the steps stay, and a next run restores them)."""
+        or the persisting failed (then the steps stay, and a next run restores them). A restored
+        step still being persisted in the background is waited for first."""
+        self.wait_persisted()
         self.slots.unmap()
         if self.peers is not None:
             self.peers.close()

@@ -235,6 +235,33 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool) -> tuple[JSON, list
     return tree, enc.leaves
 
 
+def tensor_sizes(state: Mapping[str, Any]) -> list[int]:
+    """The bytes of each tensor (this rank's piece of it) and numeric array ``flatten`` would find in
+    ``state``, and nothing else: what the memory tier's start-up bound needs (``memory_pool.pool_bound``),
+    without naming and checking every leaf (on a restart, 0.07 s of ``Checkpointer()`` for 3,200 tensors).
+    Values ``flatten`` would refuse are refused by the first save, as without the memory tier."""
+    out: list[int] = []
+
+    def walk(obj: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            return
+        if isinstance(obj, torch.Tensor | Shard):
+            t = obj.local if isinstance(obj, Shard) else local_tensor(obj)
+            out.append(t.nelement() * t.element_size())
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v, depth + 1)
+        elif isinstance(obj, np.ndarray) and obj.dtype.name in STORAGE_DTYPES:
+            out.append(obj.nbytes)
+
+    for value in state.values():
+        walk(value.state_dict() if is_stateful(value) else value, 1)
+    return out
+
+
 # ----------------------------------------------------------------------------------- decoding
 
 

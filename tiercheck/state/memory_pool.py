@@ -33,7 +33,7 @@ from tiercheck.errors import InvalidArgumentError, MemoryTierError, UnsafeCheckp
 from tiercheck.format.paths import memory_dir
 from tiercheck.libc import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from tiercheck.options import MemoryOptions
-from tiercheck.state.flatten import flatten
+from tiercheck.state.flatten import tensor_sizes
 from tiercheck.state.staging import align_up
 from tiercheck.tiers.local import open_no_follow
 from tiercheck.tiers.private import check_levels
@@ -63,7 +63,6 @@ def start(
     options: MemoryOptions | None,
     local: str | os.PathLike[str],
     state: Mapping[str, Any],
-    allow_pickle: bool,
 ) -> MemoryTier | None:
     """The memory tier of a Checkpointer saving ``state`` to ``local`` (None without ``options``), once
     its directories, where they exist, proved private to this user (``tiers.private.check_levels``:
@@ -75,7 +74,7 @@ def start(
         raise InvalidArgumentError(f"memory must be a MemoryOptions or None, not {type(options).__qualname__}")
     directory = pool_dir(options, os.path.abspath(local))
     check_levels(options.path, directory)
-    bound = pool_bound(state, allow_pickle)
+    bound = pool_bound(state)
     check_bound(options, directory, bound, local_ranks())
     warn_unless_memory(Path(os.fspath(options.path)))
     every = options.persist_every
@@ -101,14 +100,13 @@ def warn_unless_memory(path: Path) -> None:
         )  # fmt: skip
 
 
-def pool_bound(state: Mapping[str, Any], allow_pickle: bool) -> int:
+def pool_bound(state: Mapping[str, Any]) -> int:
     """A slot's size for the start-up check: this rank's tensors as they are now, each rounded to a
     page. A slot holds a whole snapshot (the pack's image), whatever ``StagingOptions.max_host_bytes``
     bounds the ring pool to. An estimate: chunks padded at an edge, and optimizer state made at its
     first step, take more; the slot file's reservation is the exact check, still before a byte is
     written."""
-    _, leaves = flatten(state, allow_pickle=allow_pickle)
-    return sum(align_up(leaf.tensor.nelement() * leaf.tensor.element_size()) for leaf in leaves)
+    return sum(align_up(n) for n in tensor_sizes(state))
 
 
 def local_ranks() -> int:
