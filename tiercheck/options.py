@@ -311,6 +311,9 @@ class MemoryOptions:
         keep_at_close: keep the memory tier's steps and slot files after a clean ``close()`` (a next
             job on this node then restarts from memory); False gives the memory back once the newest
             step is persisted to the local directory.
+        slot_wait_s: how long a save waits for a slot while every one is in flight or holds the
+            newest committed step; then the save fails with ``MemoryTierError`` (it never blocks for
+            ever; it fails at once where no save in flight could give a slot back).
     """
 
     # str | Path, not str | os.PathLike: tyro (torchtitan's command line) can build these, and calls a field whose
@@ -319,8 +322,15 @@ class MemoryOptions:
     slots: int = 2
     persist_every: int = 1
     keep_at_close: bool = False
+    slot_wait_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.slot_wait_s, bool)
+            or not isinstance(self.slot_wait_s, int | float)
+            or not 0 < self.slot_wait_s < float("inf")
+        ):
+            raise InvalidArgumentError(f"MemoryOptions.slot_wait_s must be a positive number, not {self.slot_wait_s!r}")
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise InvalidArgumentError(f"MemoryOptions.path must be a non-empty path, not {self.path!r}")
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:

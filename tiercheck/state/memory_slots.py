@@ -18,9 +18,12 @@ into the other one, or waits for it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +87,7 @@ class MemorySlots:
         # A link at any level (slots/, a slot file) is refused here, never mapped.
         self.slots = [Slot(self.root.path(f"{SLOTS_DIR}/rank-{rank:06d}.{k}")) for k in range(memory.options.slots)]
         self._cond = threading.Condition()
-        self.newest: int | None = None  # the newest memory step committed (by this run or the last)
+        self.wait_s = memory.options.slot_wait_s
         self.before_reuse: Callable[[int], None] = lambda step: None  # waits for the copies of a step to peers
         self._adopt()
 
@@ -104,23 +107,72 @@ class MemorySlots:
                 continue
             if inode in by_inode:
                 by_inode[inode].step = step
-                self.newest = step if self.newest is None else max(self.newest, step)
+
+    def _holds(self, slot: Slot) -> bool:
+        """Whether ``slot``'s step is still a committed memory step whose pack of this rank is this
+        slot: a step withdrawn since (by a restore that passed over it, by the node's first rank, by
+        an operator) holds no slot, whatever this process last knew."""
+        if slot.step is None:
+            return False
+        d = step_dir(slot.step)
+        try:
+            os.lstat(self.root.path(f"{d}/{COMMIT_FILE}"))
+            pack = os.lstat(self.root.path(f"{d}/{pack_file(self.rank)}"))
+            mine = os.lstat(slot.path)
+        except (OSError, TiercheckError):
+            return False
+        return (pack.st_dev, pack.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _refresh(self) -> None:
+        """Forget the step of every idle slot that no longer holds it (``_holds``)."""
+        for slot in self.slots:
+            if not slot.busy and slot.step is not None and not self._holds(slot):
+                slot.step = None
+
+    @property
+    def newest(self) -> int | None:
+        """The newest committed memory step an idle slot of this rank holds: kept intact (a restart
+        restores it) while the next save stages into another slot."""
+        held = [s.step for s in self.slots if not s.busy and s.step is not None]
+        return max(held, default=None)
 
     def _free(self) -> Slot | None:
         """The slot a new save may take: one holding no step, else the one of the oldest step that
         is neither in flight nor the newest committed."""
-        idle = [s for s in self.slots if not s.busy and (s.step is None or s.step != self.newest)]
+        newest = self.newest
+        idle = [s for s in self.slots if not s.busy and (s.step is None or s.step != newest)]
         if not idle:
             return None
         return min(idle, key=lambda s: -1 if s.step is None else s.step)  # steps are >= 0
 
+    def _wait_free(self, step: int) -> Slot:
+        """The slot ``_free`` names once there is one (under ``_cond``), waiting while a save in flight
+        may give one back; ``MemoryTierError`` where none can come (no save in flight) or none came
+        within ``MemoryOptions.slot_wait_s``: a save never blocks for ever."""
+        self._refresh()
+        deadline = time.monotonic() + self.wait_s
+        while (slot := self._free()) is None:
+            left = deadline - time.monotonic()
+            if not any(s.busy for s in self.slots) or left <= 0:
+                held = ", ".join(f"{s.path.name}: {'a save in flight' if s.busy else f'step {s.step}'}"
+                                 for s in self.slots)  # fmt: skip
+                why = "no save in flight can give one back" if left > 0 else f"none was given back in {self.wait_s:g} s"
+                raise MemoryTierError(
+                    errno.EBUSY,
+                    f"no slot of the memory tier at {self.root.root} is free for the save of step {step} ({held}): "
+                    f"{why}. The newest committed step keeps its slot; give the tier more slots "
+                    "(MemoryOptions.slots) or wait for the saves in flight (Checkpointer.wait())",
+                )
+            self._cond.wait(timeout=left)
+            self._refresh()
+        return slot
+
     def take(self, step: int, nbytes: int) -> SlotPool:
         """A slot of at least ``nbytes`` for the save of ``step``, linked into the memory tier as
-        this rank's pack of it; waits while every slot is in flight or holds the newest step."""
+        this rank's pack of it; waits (``_wait_free``) while every slot is in flight or holds the
+        newest step."""
         with self._cond:
-            self._cond.wait_for(lambda: self._free() is not None)
-            slot = self._free()
-            assert slot is not None
+            slot = self._wait_free(step)
             slot.busy = True
             old, slot.step = slot.step, None
         withdrawn = old is None
@@ -180,8 +232,10 @@ class MemorySlots:
         self.root.delete(f"{step_dir(step)}/{COMMIT_FILE}")
         self.root.delete_tree(step_dir(step))
         with self._cond:
-            if self.newest == step:
-                self.newest = None
+            for slot in self.slots:
+                if slot.step == step and not slot.busy:
+                    slot.step = None  # it holds no step now: the next save may take it
+            self._cond.notify_all()
 
     def done(self, step: int, *, committed: bool) -> None:
         """The save of ``step`` committed to memory, or failed (its memory step withdrawn)."""
@@ -197,8 +251,6 @@ class MemorySlots:
                     slot.busy = False
                     if not committed:
                         slot.step = None
-            if committed:
-                self.newest = step if self.newest is None else max(self.newest, step)
             self._cond.notify_all()
 
     def unmap(self) -> None:
@@ -208,11 +260,16 @@ class MemorySlots:
                 slot.buf = None
 
     def remove(self) -> None:
-        """Delete this rank's slot files (a step linking one keeps its bytes until it is withdrawn)."""
+        """Delete this rank's slot files (a step linking one keeps its bytes until it is withdrawn),
+        then ``slots/`` and the memory directory where nothing else is left in them: the node's last
+        rank to close leaves no empty directory behind (one still in use is not empty)."""
         with self._cond, self.root.refusals("remove its slot files"):
             for slot in self.slots:
                 slot.step = None
                 slot.path.unlink(missing_ok=True)
+            for directory in (self.root.root / SLOTS_DIR, self.root.root):
+                with contextlib.suppress(OSError):  # not empty (another rank's, a step kept), or gone
+                    os.rmdir(directory)
 
     def held(self) -> int:
         """Bytes this rank's slots hold mapped."""
