@@ -45,6 +45,7 @@ from tiercheck.state import memory_pool
 from tiercheck.state.flatten import Leaf, flatten, gc_paused
 from tiercheck.state.staging import NO_POOL, HostPool
 from tiercheck.tiering import lineage
+from tiercheck.tiering.memory_found import warn_of_newer
 from tiercheck.tiering.retention import set_aside_on_node
 from tiercheck.tiers.base import Tier
 from tiercheck.version import __version__
@@ -140,7 +141,7 @@ class Checkpointer:
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
         self._mem = Memory(self._memory, self._job, replication) if self._memory else None
         self._planner.align = RUN_ALIGN if self._mem else 1  # a slot stages the pack's image (Memory)
-        self._owner = lineage.Owner(self._job, take_over=self.write.take_over)
+        self._owner = lineage.Owner(self._job, take_over=self.write.take_over, memory=self._mem is not None)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
         self._prefaulter = Prefaulter()
         if not self._local.sorted():  # where steps are committed, a restore comes first: it starts it
@@ -355,6 +356,8 @@ class Checkpointer:
                 done = self._mem.restore(self.state, request, name, disk) if self._mem else disk()
             finally:
                 self._prefault()  # for the state as restored (a fresh optimizer's state included)
+            if self._mem is None and self.rank == 0:  # without the memory tier: says what it holds, if newer
+                warn_of_newer(self.tier, None if done is None else done.step)
             if done is None:
                 return None
             self._counters.update(done.counters())

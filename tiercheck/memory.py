@@ -41,11 +41,12 @@ from tiercheck.errors import (
     StepExistsError,
     TiercheckError,
 )
-from tiercheck.format.lineage import lineage_id, memory_owner, owns_memory
+from tiercheck.format.lineage import Lineage, lineage_id, memory_owner, owns_memory, read_lineage
+from tiercheck.format.memory_steps import doubt, record_memory, remote_doubt
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import ReplicationOptions
-from tiercheck.restore.agree import agree_on_step, remote_steps
+from tiercheck.restore.agree import Trust, agree_on_step, remote_steps
 from tiercheck.restore.protocol import Restored, RestoreRequest, restore_state
 from tiercheck.save.handle import PendingSave
 from tiercheck.save.vote import commit_job
@@ -121,7 +122,8 @@ class Memory:
         of the run's ``lineage`` (the local directory's). Its slot is released either way; a failure is
         the save's (raised)."""
         try:
-            commit_job(replace(self.job, coord=job.coord), save, library_version=library_version, vote="memory")
+            commit_job(replace(self.job, coord=job.coord), save, library_version=library_version, vote="memory",
+                       lineage=lineage)  # fmt: skip
         except BaseException:
             self.slots.done(save.step, committed=False)
             raise
@@ -133,6 +135,15 @@ class Memory:
                 self.slots.root.delete_tree(MEMORY_OWNER_FILE)
             self.slots.root.publish(MEMORY_OWNER_FILE, (lineage or "").encode())
             self._owner = lineage
+            self._record()
+
+    def _record(self) -> None:
+        """Record in the local directory where its memory tier lives (``format.memory_steps``): a job
+        started there without ``MemoryOptions`` then finds this lineage's memory steps."""
+        try:
+            record_memory(self.local_job.tier, self.slots.root.root)
+        except (OSError, TiercheckError) as e:  # a hint for other jobs: the save stands without it
+            log.warning("could not record the memory tier's place in %s: %s", self.local_job.tier.url, e)
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -252,11 +263,40 @@ class Memory:
     def _choose(self, name: str, requested: int | None, below: int | None) -> int | None:
         """The step every rank would restore from memory, older than ``below`` when given (None:
         none, or not the one asked for)."""
+        lineage = self._lineage() if self.leader else None
+        trust: Trust = functools.partial(doubt, lineage=lineage, local=self.local_job.tier)
         try:
-            choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below)
+            choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below,
+                                   trust=trust if self.leader else None, veto=self._veto)  # fmt: skip
             return drive(self.job.coord, choice).step
         except CheckpointNotFoundError:
             return None
+
+    def _lineage(self) -> Lineage | None:
+        """The local directory's lineage (None: none, or its file unreadable: no memory step is then
+        restorable, ``format.memory_steps.doubt``)."""
+        try:
+            return read_lineage(self.local_job.tier)
+        except (OSError, TiercheckError):
+            return None
+
+    def _veto(self, step: int) -> str | None:
+        """Rank 0: why memory step ``step`` is not the lineage's, as the remote prefix says (None:
+        it is, or there is no remote)."""
+        remote = self.local_job.remote
+        return None if remote is None else remote_doubt(remote, step, _save_of(self.slots.root, step))
+
+    def _doubted(self) -> dict[int, str]:
+        """This node's committed memory steps that are not its lineage's, each with why."""
+        lineage, out = self._lineage(), {}
+        for s in list_steps(self.slots.root).committed:
+            try:
+                why = doubt(s, read_marker(self.slots.root, s), lineage=lineage, local=self.local_job.tier)
+            except (OSError, TiercheckError) as e:
+                why = str(e)
+            if why is not None:
+                out[s] = why
+        return out
 
     def after_restore(self, step: int, *, from_memory: bool, local: LocalSteps, tiers: TierManager) -> None:
         """Memory steps newer than the restored one belong to a future this run abandoned: withdrawn.
@@ -268,9 +308,13 @@ class Memory:
         if self.peers is not None:
             self.peers.wait()  # a copy to or from a peer runs in the steps withdrawn next
         self.wait_persisted()  # an earlier restore's copy reads a step that may be withdrawn next
+        doubted = self._doubted()
         for s in list_steps(self.slots.root).committed:
             if s > step:
                 log.info("withdrawing step %d from the memory tier: the restore went back to step %d", s, step)
+                self.slots.withdraw(s)
+            elif s in doubted:
+                log.info("withdrawing step %d from the memory tier: %s", s, doubted[s])
                 self.slots.withdraw(s)
         if from_memory and step not in list_steps(self.local_job.tier).committed:
             log.info("persisting step %d from the memory tier to %s in the background", step, self.local_job.tier.url)
@@ -295,7 +339,9 @@ class Memory:
         """Copy this node's files of memory step ``step`` to the local tier, committed there. A chunk
         damaged in memory (the restore read it from the remote tier) is copied from the remote
         tier, where it holds the same save: the copy resumes, keeping what memory gave whole."""
-        ranks, dst = set(self.local_job.nodes.ranks), self.local_job.tier
+        # The saving ranks whose files this node's memory holds (its marker's): the ranks of the job that
+        # saved the step, which may not be this job's (a restore onto another number of ranks).
+        ranks, dst = set(read_marker(self.slots.root, step).ranks), self.local_job.tier
         try:
             copy_step(self.slots.root, dst, step, ranks=ranks)
         except CorruptCheckpointError as e:
@@ -320,7 +366,8 @@ class Memory:
             self.peers.close()
         keep = self.options.keep_at_close
         if self.leader:
-            committed = list_steps(self.slots.root).committed
+            doubted = self._doubted()
+            committed = [s for s in list_steps(self.slots.root).committed if s not in doubted]
             if committed and committed[-1] not in list_steps(self.local_job.tier).committed:
                 try:
                     self.persist(committed[-1], local=local, tiers=tiers)

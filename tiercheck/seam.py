@@ -63,6 +63,7 @@ from tiercheck.format.extents import check_extents
 from tiercheck.format.foreign import find_foreign, say_foreign, step_in_name
 from tiercheck.format.lineage import owns_memory
 from tiercheck.format.manifest import JSON, ArrayRecord, CommitMarker, Manifest
+from tiercheck.format.memory_steps import lineage_steps
 from tiercheck.format.metadata import MAX_BYTES as MAX_METADATA_BYTES
 from tiercheck.format.paths import COMMIT_FILE, step_of
 from tiercheck.format.steps import list_steps, read_index, read_manifest
@@ -138,19 +139,20 @@ def read_regions(
 
 def memory_steps(memory: MemoryOptions | None, local: str | os.PathLike[str]) -> tuple[LocalTier | None, list[int]]:
     """The memory tier of the node-local directory ``local`` with ``memory``'s options, and the steps
-    committed there that a restore may read: none where it holds another lineage's (``Checkpointer``
-    never restores those either), or where ``memory`` is None (then no tier: None). Nothing is
-    created; a missing memory directory holds no steps."""
+    committed there that a restore may read: none where it holds another lineage's, and none that is
+    not the save the lineage holds for its number (``Checkpointer`` never restores those either), or
+    where ``memory`` is None (then no tier: None). Nothing is created; a missing memory directory
+    holds no steps."""
     if memory is None:
         return None, []
     root = pool_dir(memory, os.path.abspath(local))
     tier = LocalTier(root, fsync=False)
     if not root.is_dir():
         return tier, []
-    steps = list_steps(tier).committed
-    if not steps:
+    local_tier = LocalTier(Path(local).absolute())
+    if not list_steps(tier).committed or not owns_memory(local_tier, tier):
         return tier, []
-    return tier, steps if owns_memory(LocalTier(Path(local).absolute()), tier) else []
+    return tier, sorted(lineage_steps(tier, local_tier))  # each the save its lineage holds (format.memory_steps)
 
 
 def committed_step_at(path: str | Path) -> int | None:

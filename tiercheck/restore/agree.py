@@ -14,7 +14,7 @@ from tiercheck.cluster.hierarchy import fold, forget_later, tell, verdict
 from tiercheck.cluster.job import Job
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.lineage import abandoned_on, read_lineage
-from tiercheck.format.manifest import JSON
+from tiercheck.format.manifest import JSON, CommitMarker
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps, ranges
@@ -25,7 +25,15 @@ log = logging.getLogger("tiercheck")
 
 
 
-def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_replicas: bool = True) -> dict[str, JSON]:
+#: Why a committed step of a node's tier is not its lineage's to restore (None: it is), from its marker
+#: (the memory tier's rule, ``format.memory_steps.doubt``); rank 0's ``Veto`` asks the remote prefix.
+Trust = Callable[[int, CommitMarker], str | None]
+Veto = Callable[[int], str | None]
+
+
+def held_steps(
+    tier: Tier, damaged: dict[int, str] | None = None, *, check_replicas: bool = True, trust: Trust | None = None
+) -> dict[str, JSON]:
     """A node's committed steps: ``{step: [saving ranks whose files are here, saving world size, those
     of them this node wrote itself]}``; the others are peers' replicas (``format.replicas.read_replicas``),
     counted only where their files match their markers (unless not ``check_replicas``: the node's other
@@ -34,7 +42,8 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
     the saves the directory's lineage abandoned (a rollback's branch, another lineage's steps). Every
     step left out is in ``damaged``: a restore that passes over a committed step says so
     (``report.passed_over_here``), and the run's next save of that number sets it aside instead of
-    finding it in the way (``Checkpointer.save``)."""
+    finding it in the way (``Checkpointer.save``). ``trust`` leaves out, saying why in the log, the
+    steps it doubts (not in ``damaged``: they are another branch's or job's, never set aside for one)."""
     held: dict[str, JSON] = {}
     abandoned = abandoned_on(tier)
     for s in list_steps(tier).committed:
@@ -50,6 +59,10 @@ def held_steps(tier: Tier, damaged: dict[int, str] | None = None, *, check_repli
             log.info("ignoring step %d on %s: %s", s, tier.url, why)
             if damaged is not None:
                 damaged[s] = why
+            continue
+        doubted = trust(s, marker) if trust is not None else None
+        if doubted is not None:
+            log.info("not restoring step %d from %s: %s", s, tier.url, doubted)
             continue
         own = list(marker.ranks)
         replicas = read_replicas(tier, s, checked=check_replicas)
@@ -73,14 +86,17 @@ def agree_on_step(
     requested: int | None,
     remote_steps: Callable[[], list[int]],
     below: int | None = None,
+    trust: Trust | None = None,
+    veto: Veto | None = None,
 ) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
     when given. The node leaders fold what their nodes hold up a tree to rank 0
     (``cluster.hierarchy``), which picks the step and calls ``remote_steps`` (on rank 0 only); each
-    leader reads the answer and tells its node."""
+    leader reads the answer and tells its node. ``trust`` (each node's) and ``veto`` (rank 0's, on
+    the step it would choose) leave out steps that are not the lineage's (see ``Trust``)."""
     coord, tier, nodes = job.coord, job.tier, job.nodes
     damaged: dict[int, str] = {}
-    held = held_steps(tier, damaged) if coord.rank == nodes.leader else {}
+    held = held_steps(tier, damaged, trust=trust) if coord.rank == nodes.leader else {}
     answer: bytes | None = None
     if coord.rank == nodes.leader:
         where = f"{name}/held"
@@ -94,13 +110,13 @@ def agree_on_step(
         if folded is not None:  # node 0's leader: every leader is past what it kept for later
             forget_later(coord)
             answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
-                             remote_steps, world=coord.world_size, where=tier.url)  # fmt: skip
+                             remote_steps, world=coord.world_size, where=tier.url, veto=veto)  # fmt: skip
     raw = yield from tell(coord, nodes, f"{name}/step", answer, what="rank 0 to choose the step to restore")
     decision = StepDecision.from_json(loads(raw, where=name), where=name)
     if decision.error is not None:
         raise CheckpointNotFoundError(decision.error)
     if coord.rank != nodes.leader:
-        held = held_steps(tier, damaged, check_replicas=False)
+        held = held_steps(tier, damaged, check_replicas=False, trust=trust)
     return StepChoice(decision.step, decision.remote, held, damaged)
 
 
@@ -112,17 +128,27 @@ def _decide(
     *,
     world: int,
     where: str,
+    veto: Veto | None = None,
 ) -> bytes:
-    """Rank 0's answer: the step every rank restores, or why none can be."""
+    """Rank 0's answer: the step every rank restores, or why none can be. A step ``veto`` refuses
+    is left out, and the choice made again without it."""
     remote = set(remote_steps())
     if below is not None:
         remote = {s for s in remote if s < below}
         held = HeldSteps({s: h for s, h in held.steps.items() if s < below})
-    try:
-        step = choose_step(held, requested, remote, world=world, where=where)
-        decision = StepDecision(step, step is not None and step in remote)
-    except CheckpointNotFoundError as e:
-        decision = StepDecision(None, error=str(e))
+    while True:
+        try:
+            step = choose_step(held, requested, remote, world=world, where=where)
+            decision = StepDecision(step, step is not None and step in remote)
+        except CheckpointNotFoundError as e:
+            decision = StepDecision(None, error=str(e))
+            break
+        why = veto(step) if veto is not None and step is not None else None
+        if step is None or why is None:
+            break
+        log.info("not restoring step %d from %s: %s", step, where, why)
+        held = HeldSteps({s: h for s, h in held.steps.items() if s != step})
+        remote.discard(step)
     return dumps(decision.to_json()).encode()
 
 

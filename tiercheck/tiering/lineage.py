@@ -26,6 +26,7 @@ from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_a
 from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps
+from tiercheck.tiering.memory_found import abandon_above
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.refusals import storage_error
 
@@ -199,13 +200,15 @@ def conflict(tier: Tier, lineage: str | None, *, run: str, kind: str) -> str | N
 
 
 def settle(
-    job: Job, *, lineage: str | None, take_over: bool, branch: int | None = None
+    job: Job, *, lineage: str | None, take_over: bool, branch: int | None = None, memory: bool = True
 ) -> Exchange[str]:
     """Before a run's first save: every node's leader checks its directory, rank 0 the remote
     prefix; all ranks raise the same ``LineageError`` if one may not write, else every leader
     claims its directory. Returns the run's lineage (``lineage``, or a new one: the job's run).
     ``branch``: the step the run restored; the committed steps above it, on each directory and
-    the remote, are the branch it abandons (a rollback): recorded as such, no restore takes them."""
+    the remote, are the branch it abandons (a rollback): recorded as such, no restore takes them. A
+    job without the memory tier (not ``memory``) withdraws them from the memory tier its directory
+    records (``tiering.memory_found``; a job with it withdrew them as it restored)."""
     coord, local, remote, run = job.coord, job.tier, job.remote, job.nodes.run
     leader = job.nodes.leader == coord.rank
     failure: BaseException | None = None
@@ -217,6 +220,8 @@ def settle(
                 claim(local, mine, run)
                 if branch is not None:
                     disown(local, mine, saves_above(local, branch))
+                    if not memory:
+                        abandon_above(local, branch)
             except OSError as e:
                 raise storage_error(e, local.local_path or local.url, f"record its lineage in {LINEAGE_FILE}") from e
         recorded = remote is not None and coord.rank != 0  # the remote is rank 0's to check
@@ -382,15 +387,16 @@ class Owner:
     """A Checkpointer's side of its lineage: what it continues, checked before its first save
     (and the first after each restore)."""
 
-    def __init__(self, job: Job, *, take_over: bool) -> None:
-        self.job, self.coord, self.take_over = job, job.coord, take_over
+    def __init__(self, job: Job, *, take_over: bool, memory: bool = True) -> None:
+        self.job, self.coord, self.take_over, self.memory = job, job.coord, take_over, memory
         self.lineage = continued(job.tier)  # None: a new run, until it restores or saves
         self._settled = False
         self._branch: int | None = None  # the step last restored: the first save after it branches there
 
     def before_save(self) -> None:
         if not self._settled:
-            settling = settle(self.job, lineage=self.lineage, take_over=self.take_over, branch=self._branch)
+            settling = settle(self.job, lineage=self.lineage, take_over=self.take_over, branch=self._branch,
+                              memory=self.memory)  # fmt: skip
             self.lineage = drive(self.coord, settling)
             self._settled, self._branch = True, None
 
