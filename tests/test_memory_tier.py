@@ -74,12 +74,13 @@ def _die_while_staging_step_3(local: str, shm: str, announce: Connection) -> Non
 
 def test_save_and_restore_with_memory_are_bit_identical(shm: Path, tmp_path: Path) -> None:
     state = _state()
-    memory = MemoryOptions(path=shm)
+    memory = MemoryOptions(path=shm, keep_at_close=True)  # kept: the next job reads memory, not the disk
     with Checkpointer(state, local=tmp_path / "ckpt", memory=memory) as ck:
         ck.save(1).wait()
     restored = {k: torch.zeros_like(v) for k, v in state.items()}
     with Checkpointer(restored, local=tmp_path / "ckpt", memory=memory) as ck:
         assert ck.restore() == 1
+        assert ck.stats()["restore_from_memory"] == 1, "read from the memory tier"
     assert_identical(restored, state)
     assert_identical(tiercheck.load(tmp_path / "ckpt"), state)
 
@@ -239,9 +240,13 @@ def test_a_damaged_chunk_of_a_memory_only_step_is_read_from_a_copy_of_the_same_s
         assert_identical(tiercheck.load(local, step=3), _state(3))
         assert "cannot restore step 3 from the memory tier" not in caplog.text
         return
-    said = next(r.getMessage() for r in caplog.records if "cannot restore step 3 from the memory tier" in r.getMessage())
-    assert "no other tier holds that save of it" in said
-    assert "reading the next older step in memory, or the other tiers" in said
+    if copy == "another save":  # memory's step 3 is not the save the local directory holds: never tried
+        assert "holds another save of step 3" in caplog.text
+        assert "cannot restore step 3 from the memory tier" not in caplog.text
+    else:
+        said = next(m for r in caplog.records if "cannot restore step 3 from the memory tier" in (m := r.getMessage()))
+        assert "no other tier holds that save of it" in said
+        assert "reading the next older step in memory, or the other tiers" in said
     if copy == "none":
         assert step == 2, "the newest step no tier holds whole is lost, and the restore says so"
         assert_identical(restored, _state(2))
@@ -294,8 +299,11 @@ def test_a_clean_close_persists_the_newest_memory_step_and_gives_the_memory_back
     assert list_steps(LocalTier(local)).committed == [2]
     assert_identical(tiercheck.load(local, step=2), state)
     held = _memory_dir(shm, local)
-    assert list_steps(LocalTier(held)).committed == ([1, 2] if keep else [])
-    assert len(list((held / "slots").iterdir())) == (2 if keep else 0)
+    if keep:
+        assert list_steps(LocalTier(held)).committed == [1, 2]
+        assert len(list((held / "slots").iterdir())) == 2
+    else:
+        assert not held.exists(), "a clean close leaves no empty slots/ or memory directory behind"
     if keep:  # the next job on this node restarts from memory
         shutil.rmtree(local / step_dir(2))
         restored = _state(9)
