@@ -56,8 +56,9 @@ def warn_of_newer(local: Tier, restored: int | None) -> None:
     log.warning(
         "the memory tier at %s holds committed step(s) %s of this directory's lineage, newer than %s restored "
         "from %s: this job has no memory tier (Checkpointer(memory=None)). To restore them, restart with "
-        "memory=MemoryOptions(path=%r) before this job saves (its first save abandons them, as a rollback), or "
-        "copy them to the directory first with `tiercheck persist %s --memory %s`",
+        "memory=MemoryOptions(path=%r) before this job saves, or copy them to the directory first with "
+        "`tiercheck persist %s --memory %s`; to drop them, let this job save: its first save branches below them "
+        "(a rollback) and withdraws them from memory",
         memory.url, fmt_steps(newer), what, local.url, str(memory.root.parent), shlex.quote(local.url), path,
     )  # fmt: skip
 
