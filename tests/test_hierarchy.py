@@ -16,7 +16,7 @@ from tiercheck.cluster.coordination import Coordinator, lockstep
 from tiercheck.cluster.hierarchy import FAN_IN
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.nodes import Nodes, join_in_lockstep, join_nodes, local_channel, open_channel
-from tiercheck.errors import CoordinationError
+from tiercheck.errors import CheckpointNotFoundError, CoordinationError
 from tiercheck.format.codec import seal
 from tiercheck.format.manifest import RankPart
 from tiercheck.format.saveid import new_save_id
@@ -91,6 +91,28 @@ def test_the_newest_step_whole_on_every_node_folds_up_a_tree_no_rank_hears_every
     assert max(ops) <= 2 * FAN_IN + 8, ops  # a parent reads (and deletes) its children's folds, not every node's
     asked = lockstep([agree_on_step(j, "q/step", requested=2, remote_steps=list) for j in jobs], capture=True)
     assert all(f"saving rank(s) {world - 1} are on no rank's local tier" in str(e) for e in asked), asked[0]
+
+
+def test_rank_0s_refusal_alone_gives_every_rank_no_step_after_the_same_exchange(tmp_path: Path) -> None:
+    """``refuse`` (the memory tier, where rank 0's node's memory is another lineage's): rank 0's alone counts,
+    and every rank takes part in the same exchange as for a choice, then learns that no step is restored."""
+    world, per_node = 8, 2
+    coords, _, jobs = _job(world, per_node, tmp_path)
+    assert _commit(jobs, 1) == [None] * world
+
+    def agree(name: str, refusing: set[int]) -> tuple[list[Any], list[int]]:
+        before = [c.counters["store_ops"] for c in coords]
+        out = lockstep([agree_on_step(j, name, requested=None, remote_steps=list,
+                                      refuse="not ours" if j.coord.rank in refusing else None)
+                        for j in jobs], capture=True)  # fmt: skip
+        return out, [c.counters["store_ops"] - b for c, b in zip(coords, before, strict=True)]
+
+    agree("a/step", set())  # in the first exchange after the vote, rank 0 also deletes the keys it kept for later
+    chosen, ops = agree("b/step", set(range(1, world)))  # refusals of other ranks than 0 are not asked
+    assert [c.step for c in chosen] == [1] * world
+    refused, refused_ops = agree("c/step", {0})
+    assert all(isinstance(e, CheckpointNotFoundError) and str(e) == "not ours" for e in refused), refused
+    assert refused_ops == ops
 
 
 def _node_1_meets_in_the_jobs_store(tmp_path: Path, *, serve_fails: int = 0, connect_fails: int = 0) -> Any:

@@ -15,7 +15,7 @@ import tiercheck
 from tests.ondisk import flip_chunk_byte
 from tests.shm import private_shm
 from tiercheck import Checkpointer
-from tiercheck.seam import memory_steps, open_step, read_regions, restore_tree
+from tiercheck.seam import LocalTier, memory_steps, open_step, read_regions, restore_tree, step_tiers
 
 
 def test_restore_adds_saved_entries_unless_told_not_to_and_others_are_picked_by_name(ckpt_dir: Path) -> None:
@@ -66,7 +66,8 @@ def test_read_regions_reads_rows_of_an_array_verified(ckpt_dir: Path) -> None:
 
 def test_memory_steps_are_the_directorys_lineages_only(tmp_path: Path) -> None:
     """``memory_steps``: the memory tier's committed steps where they are the local directory's lineage; none
-    where the memory is another lineage's (a restore never reads those), none without memory."""
+    where the memory is another lineage's (a restore never reads those), none without memory. ``step_tiers``
+    puts the memory tier first only where it holds the step as such a one."""
     local = tmp_path / "ckpt"
     with private_shm() as shm:
         memory = tiercheck.MemoryOptions(path=shm, persist_every=1000, keep_at_close=True)
@@ -77,6 +78,10 @@ def test_memory_steps_are_the_directorys_lineages_only(tmp_path: Path) -> None:
             tier, steps = memory_steps(memory, local)
             assert steps == [1, 2] and tier is not None and ck.steps() == []  # in memory only
         assert tier is not None
+        remote = LocalTier(tmp_path / "remote")
+        assert [t.url for t in step_tiers(2, local, memory=memory, remote=remote)] == [tier.url, str(local), remote.url]
+        assert [t.url for t in step_tiers(3, local, memory=memory)] == [str(local)]  # not in memory
         (tier.root / "OWNER").write_text("f" * 32)  # the memory names another lineage as its owner
         assert memory_steps(memory, local)[1] == []
+        assert [t.url for t in step_tiers(2, local, memory=memory)] == [str(local)]  # never another lineage's
         assert memory_steps(None, local) == (None, [])

@@ -61,6 +61,8 @@ from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
 
+_NOT_OWNED = "the memory tier of rank 0's node holds another lineage's steps: none is restored from memory"
+
 
 class Memory:
     """A Checkpointer's memory tier: its slots, and the job as the memory tier sees it."""
@@ -176,10 +178,12 @@ class Memory:
         newest: int | None = None  # the local and remote tiers' newest step every rank can get
         below: int | None = None
         partly: PartlyRestoredError | None = None  # a memory step read in part into the state's own memory
-        # -1, a step no tier holds: where rank 0's node's memory is not this lineage's, none is read
-        wanted = request.step if self.owned() else -1
+        # Whether this node's memory is this lineage's (its leader withdraws it where not). Rank 0's answer
+        # decides for every rank: where its node's is not, rank 0 answers _choose's collective, which every
+        # rank joins alike, with no step, and the memory tier is skipped.
+        skip = not self.owned()
         for n in itertools.count():
-            mem = self._choose(f"{name}/memory{n or ''}", wanted, below)
+            mem = self._choose(f"{name}/memory{n or ''}", request.step, below, skip=skip)
             if mem is None:
                 break
             if request.step is None and n == 0:
@@ -260,14 +264,16 @@ class Memory:
                 return tier
         return None
 
-    def _choose(self, name: str, requested: int | None, below: int | None) -> int | None:
+    def _choose(self, name: str, requested: int | None, below: int | None, *, skip: bool = False) -> int | None:
         """The step every rank would restore from memory, older than ``below`` when given (None:
-        none, or not the one asked for)."""
+        none, or not the one asked for). ``skip``, rank 0's only: its node's memory is not this
+        lineage's, so none of the tier's steps is (None on every rank, after the same collective)."""
         lineage = self._lineage() if self.leader else None
         trust: Trust = functools.partial(doubt, lineage=lineage, local=self.local_job.tier)
         try:
             choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below,
-                                   trust=trust if self.leader else None, veto=self._veto)  # fmt: skip
+                                   trust=trust if self.leader else None, veto=self._veto,
+                                   refuse=_NOT_OWNED if skip else None)  # fmt: skip
             return drive(self.job.coord, choice).step
         except CheckpointNotFoundError:
             return None

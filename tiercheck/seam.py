@@ -27,6 +27,8 @@ Steps and tiers
     ``memory_steps``: the memory tier (``MemoryOptions``) of a node-local directory and the steps it
     may restore (those of the directory's lineage), for frameworks that list or read steps by
     themselves (a memory-only step, ``persist_every`` > 1, is on no other tier).
+    ``step_tiers``: the tiers to read a step from, fastest first (memory where it holds the step as
+    one a restore may read, the local directory, the remote), as a restore tries them.
     ``BLOCK``: the block size of ``LocalTier``'s direct I/O, which buffers written by it align to.
     ``list_steps``, ``read_index``, ``read_manifest``: the steps on a tier, a step's ``manifest.json``
     and its whole manifest.
@@ -155,6 +157,21 @@ def memory_steps(memory: MemoryOptions | None, local: str | os.PathLike[str]) ->
     return tier, sorted(lineage_steps(tier, local_tier))  # each the save its lineage holds (format.memory_steps)
 
 
+def step_tiers(
+    step: int, local: str | os.PathLike[str], *, memory: MemoryOptions | None = None, remote: Tier | None = None
+) -> list[Tier]:
+    """The tiers to read committed step ``step`` from, fastest first, as a restore tries them: the memory
+    tier of the node-local directory ``local`` (with ``memory``'s options) where it holds ``step`` as one a
+    restore may read (``memory_steps``), then ``local``, then ``remote`` where given. Whether a tier holds
+    the step whole is for the reader to find, reading the next tier where it does not."""
+    tier, held = memory_steps(memory, local)
+    tiers: list[Tier] = [tier] if tier is not None and step in held else []
+    tiers.append(LocalTier(local))
+    if remote is not None:
+        tiers.append(remote)
+    return tiers
+
+
 def committed_step_at(path: str | Path) -> int | None:
     """N where the directory ``path`` is committed tiercheck step N of the directory above it (given as a
     framework's checkpoint path, such as torchtitan's ``initial_load_path``), else None."""
@@ -208,5 +225,6 @@ __all__ = [
     "restore_tree",
     "some",
     "step_in_name",
+    "step_tiers",
     "torch_dtype",
 ]

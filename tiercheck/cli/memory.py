@@ -42,7 +42,7 @@ from tiercheck.cli.drain import drain_steps
 from tiercheck.cluster.lock import DirectoryLock
 from tiercheck.errors import DirectoryInUseError, InvalidArgumentError, TiercheckError
 from tiercheck.format.commit import withdraw_step
-from tiercheck.format.lineage import memory_owner, read_lineage
+from tiercheck.format.lineage import lineage_owns, memory_owner, read_lineage
 from tiercheck.format.paths import MEMORY_OWNER_FILE, memory_dir
 from tiercheck.format.steps import list_steps, read_manifest, read_marker
 from tiercheck.humanize import fmt_steps
@@ -76,7 +76,7 @@ class NodeMemory:
     def foreign(self) -> str | None:
         """Why the memory's steps are not the local directory's (None: they are, or there are none):
         a restore never reads them then, and ``gc --memory`` reclaims them."""
-        if not list_steps(self.tier).committed or (self.lineage is not None and self.owner == self.lineage):
+        if not list_steps(self.tier).committed or lineage_owns(self.lineage, self.owner):
             return None
         whose = f"lineage {self.owner[:12]}" if self.owner else "an unknown lineage"
         mine = f"lineage {self.lineage[:12]}" if self.lineage else "no lineage"

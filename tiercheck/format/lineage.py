@@ -234,5 +234,11 @@ def owns_memory(local: Tier, memory: Tier) -> bool:
     """Whether the memory directory's steps are ``local``'s lineage: its ``OWNER`` names the lineage
     ``local``'s ``LINEAGE.json`` does. False where either is missing or cannot be read (a memory of
     an unknown owner is never restored)."""
-    mine = lineage_id(local)
-    return mine is not None and memory_owner(memory) == mine
+    return lineage_owns(lineage_id(local), memory_owner(memory))
+
+
+def lineage_owns(lineage: str | None, owner: str | None) -> bool:
+    """The memory tier's ownership rule: a memory directory's steps are lineage ``lineage``'s (a local
+    directory's id) only where its ``OWNER`` names it (``owner``, as ``memory_owner`` reads it). A
+    directory of no lineage owns no memory, and a memory of no ``OWNER`` is no one's."""
+    return lineage is not None and owner == lineage

@@ -133,6 +133,14 @@ def is_replica_marker(name: str) -> bool:
 
 
 MEMORY_OWNER_FILE = "OWNER"  # in a memory directory: the lineage its steps belong to (tiercheck.memory)
+SLOTS_DIR = "slots"  # in a memory directory: every rank's slot files (state.memory_slots)
+SLOT_FILES = f"{SLOTS_DIR}/rank-*"  # a glob of them, relative to the memory directory
+
+
+def slot_file(rank: int, k: int) -> str:
+    """A rank's slot ``k`` in a memory directory: a save stages into it, and a memory step links it as
+    the rank's pack."""
+    return f"{SLOTS_DIR}/rank-{rank:06d}.{k}"
 
 
 MEMORY_RECORD_FILE = "MEMORY.json"  # at a local directory's root: where its memory tier lives (format.memory_steps)

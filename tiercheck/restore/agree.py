@@ -88,12 +88,15 @@ def agree_on_step(
     below: int | None = None,
     trust: Trust | None = None,
     veto: Veto | None = None,
+    refuse: str | None = None,
 ) -> Exchange[StepChoice]:
     """Every rank learns the same step to restore (None: no tier holds one), older than ``below``
     when given. The node leaders fold what their nodes hold up a tree to rank 0
     (``cluster.hierarchy``), which picks the step and calls ``remote_steps`` (on rank 0 only); each
     leader reads the answer and tells its node. ``trust`` (each node's) and ``veto`` (rank 0's, on
-    the step it would choose) leave out steps that are not the lineage's (see ``Trust``)."""
+    the step it would choose) leave out steps that are not the lineage's (see ``Trust``).
+    ``refuse`` (rank 0's): why none of the tier's steps is to be restored, whatever the nodes hold;
+    every rank still takes part in the exchange, and raises ``CheckpointNotFoundError`` with it."""
     coord, tier, nodes = job.coord, job.tier, job.nodes
     damaged: dict[int, str] = {}
     held = held_steps(tier, damaged, trust=trust) if coord.rank == nodes.leader else {}
@@ -109,8 +112,11 @@ def agree_on_step(
         )  # fmt: skip
         if folded is not None:  # node 0's leader: every leader is past what it kept for later
             forget_later(coord)
-            answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
-                             remote_steps, world=coord.world_size, where=tier.url, veto=veto)  # fmt: skip
+            if refuse is not None:
+                answer = dumps(StepDecision(None, error=refuse).to_json()).encode()
+            else:
+                answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
+                                 remote_steps, world=coord.world_size, where=tier.url, veto=veto)  # fmt: skip
     raw = yield from tell(coord, nodes, f"{name}/step", answer, what="rank 0 to choose the step to restore")
     decision = StepDecision.from_json(loads(raw, where=name), where=name)
     if decision.error is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tiercheck.errors import InvalidArgumentError, MemoryTierError, UnsafeCheckpointError
-from tiercheck.format.paths import memory_dir
+from tiercheck.format.paths import SLOT_FILES, memory_dir
 from tiercheck.libc import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from tiercheck.options import MemoryOptions
 from tiercheck.state.flatten import tensor_sizes
@@ -171,7 +171,7 @@ def cgroup_room(root: str | os.PathLike[str] | None = None) -> tuple[int | None,
 def _existing_bytes(directory: Path) -> int:
     """Bytes the pool files already in ``directory`` hold (reused: they need no new room)."""
     try:
-        return sum(p.lstat().st_blocks * 512 for p in directory.glob("slots/rank-*"))  # a link: 0, not its target
+        return sum(p.lstat().st_blocks * 512 for p in directory.glob(SLOT_FILES))  # a link: 0, not its target
     except OSError:
         return 0
 

@@ -1,8 +1,8 @@
 """The memory tier's slots: where a save stages when the memory tier is on, and how a staged save
 becomes a step of the memory tier without a copy.
 
-A rank has ``MemoryOptions.slots`` slot files, ``<memory dir>/slots/rank-NNNNNN.K``, each mapped
-shared for the life of the process. A save takes one slot and stages into it each chunk at its
+A rank has ``MemoryOptions.slots`` slot files, ``<memory dir>/slots/rank-NNNNNN.K`` (``format.paths.slot_file``),
+each mapped shared for the life of the process. A save takes one slot and stages into it each chunk at its
 place in the rank's pack (the pack's own image, checksum trailers included), then the slot is
 hard-linked into the memory tier's step directory as that rank's pack: the memory tier is a
 directory of the same format as the node-local one, on a tmpfs, committed by the same vote, read by
@@ -31,15 +31,13 @@ from pathlib import Path
 import torch
 
 from tiercheck.errors import MemoryTierError, TiercheckError
-from tiercheck.format.paths import COMMIT_FILE, PACKS_DIR, pack_file, step_dir
+from tiercheck.format.paths import COMMIT_FILE, PACKS_DIR, SLOTS_DIR, pack_file, slot_file, step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.state.memory_pool import MemoryTier, mapped_empty
 from tiercheck.state.staging import ALIGN, Region, align_up
 from tiercheck.tiers.private import PrivateTier, refusal
 
 log = logging.getLogger("tiercheck")
-
-SLOTS_DIR = "slots"
 
 
 class SlotPool:
@@ -85,7 +83,7 @@ class MemorySlots:
         self.root = PrivateTier(memory.directory, top=memory.options.path)  # 0700/0600, no link followed
         self.root.create()
         # A link at any level (slots/, a slot file) is refused here, never mapped.
-        self.slots = [Slot(self.root.path(f"{SLOTS_DIR}/rank-{rank:06d}.{k}")) for k in range(memory.options.slots)]
+        self.slots = [Slot(self.root.path(slot_file(rank, k))) for k in range(memory.options.slots)]
         self._cond = threading.Condition()
         self.wait_s = memory.options.slot_wait_s
         self.before_reuse: Callable[[int], None] = lambda step: None  # waits for the copies of a step to peers

@@ -37,15 +37,13 @@ from tiercheck.integrations.dcp.steps import restorable_steps
 from tiercheck.integrations.dcp.writer import TiercheckWriter
 from tiercheck.seam import (
     FreshShard,
-    LocalTier,
-    Tier,
     fmt_steps,
     host_read_buffer,
-    memory_steps,
     open_tier,
     read_index,
     refuse_foreign,
     restore_tree,
+    step_tiers,
 )
 
 __all__ = ["TiercheckReader"]
@@ -120,12 +118,9 @@ class TiercheckReader(StorageReader):
             refuse_foreign(self.local)  # DCP checkpoints of its own writer there: name the import, not just "none"
             raise CheckpointNotFoundError(f"{where}: no step is committed on every rank's local tier or the remote")
         self._step = step
-        in_memory, held = memory_steps(memory, self.local)
-        local = LocalTier(self.local)
         remote = open_tier(self.remote, storage_options=self.remote_options) if self.remote else None
-        tiers: list[Tier] = [t for t in (in_memory if step in held else None, local, remote) if t is not None]
         error: TiercheckError | None = None
-        for tier in tiers:
+        for tier in step_tiers(step, self.local, memory=memory, remote=remote):
             try:
                 _, doc, _ = read_index(tier, step)
             except (CheckpointNotFoundError, CorruptCheckpointError) as e:

@@ -41,7 +41,7 @@ from tiercheck.integrations.deepspeed.files import (
     write_atomically,
     write_pointers,
 )
-from tiercheck.seam import Tier, memory_steps, restore_tree
+from tiercheck.seam import Tier, memory_steps, restore_tree, step_tiers
 
 __all__ = ["TiercheckCheckpointEngine"]
 
@@ -380,10 +380,10 @@ class TiercheckCheckpointEngine(CheckpointEngine):
     def _read_alone(self, pointer: Mapping[str, Any], folder: str) -> dict[str, Any]:
         """Every file of the pointer's step, read by this process alone (not collective)."""
         step = int(pointer["step"])
-        memory, in_memory = memory_steps(self.options.get("memory"), pointer["root"])
+        fastest, *slower = step_tiers(step, pointer["root"], memory=self.options.get("memory"))
         source = pointer.get("remote") if not os.path.isdir(pointer["root"]) and pointer.get("remote") else None
-        if memory is not None and step in in_memory:  # a step not persisted: its restore reads memory too
-            source = str(memory.root)
+        if slower:  # the memory tier comes before the local one: a step not persisted, its restore reads memory too
+            source = fastest.url
         step_state = load(source or pointer["root"], step, allow_pickle=False)
         step_state.pop(META, None)
         return {os.path.join(folder, name): value for name, value in step_state.items()}

@@ -27,7 +27,7 @@ from tiercheck.integrations.dcp.shared import CHECKPOINTER_OPTIONS
 from tiercheck.integrations.lightning import pointer
 from tiercheck.integrations.lightning.compat import CheckpointIO, global_rank, lightning_load
 from tiercheck.options import DistributedOptions, RetentionOptions
-from tiercheck.seam import LocalTier, Tier, decode, flatten, memory_steps, open_tier, read_index, restore_tree
+from tiercheck.seam import Tier, decode, flatten, open_tier, read_index, restore_tree, step_tiers
 
 __all__ = ["TiercheckCheckpointIO"]
 
@@ -249,11 +249,8 @@ class TiercheckCheckpointIO(CheckpointIO):
         """Step ``step`` as a nested dict: rank 0 through its Checkpointer (the run continues the step's
         lineage), the other ranks read-only from the local tier, else the remote."""
         if global_rank() != 0:
-            memory, in_memory = memory_steps(self.options.get("memory"), self.local)
-            try:
-                if memory is not None and step in in_memory:  # rank 0's node: what its restore reads too
-                    return load(memory.root, step, allow_pickle=self.allow_pickle)
-                return load(self.local, step, allow_pickle=self.allow_pickle)
+            try:  # memory where it holds the step (rank 0's node: what its restore reads too), else local
+                return load(self._tiers(step, remote=False)[0].url, step, allow_pickle=self.allow_pickle)
             except (CheckpointNotFoundError, FileNotFoundError):
                 if self.remote is None:
                     raise
@@ -287,12 +284,10 @@ class TiercheckCheckpointIO(CheckpointIO):
     def _tiers(self, step: int, *, remote: bool = True) -> list[Tier]:
         """Where a restore of ``step`` looks, first to last: the memory tier where it holds the step (with
         ``memory``), the local tier, the remote."""
-        memory, in_memory = memory_steps(self.options.get("memory"), self.local)
-        tiers: list[Tier] = [memory] if memory is not None and step in in_memory else []
-        tiers.append(LocalTier(self.local))
+        remote_tier = None
         if remote and self.remote is not None:
-            tiers.append(open_tier(self.remote, storage_options=self.options.get("remote_options")))
-        return tiers
+            remote_tier = open_tier(self.remote, storage_options=self.options.get("remote_options"))
+        return step_tiers(step, self.local, memory=self.options.get("memory"), remote=remote_tier)
 
     def _named_steps(self) -> set[int]:
         """Steps the pointer files in this plugin's directories name (read from each file's first bytes)."""
