@@ -239,7 +239,7 @@ def restore_from(kind: str, gib: float, local: str, shm: str, dcp_dir: str, drop
         ck = Checkpointer({"model": model, "optim": opt}, local=local, memory=memory)
         step = ck.restore()
         s = time.perf_counter() - t0
-        tier = "memory" if any(m.startswith("restored step %d from the memory tier") for m in said.messages) else "local"
+        tier = "memory" if any(m.startswith("restored step %d from memory") for m in said.messages) else "local"
         close_s, _ = h.timed(ck.close)  # waits for the persist of a step restored from memory
         stats = ck.stats()
     with torch.no_grad():

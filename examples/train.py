@@ -206,7 +206,7 @@ class RestoredFrom(logging.Handler):
         self.memory_read_at: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith(("restored step %d from memory", "restored step %d from the memory tier")):
+        if str(record.msg).startswith("restored step %d from memory"):
             self.memory_read_at = time.perf_counter()
 
 

@@ -147,7 +147,7 @@ def test_with_the_memory_tier_a_fresh_reader_loads_a_memory_only_step(
             dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=1)
         with caplog.at_level(logging.INFO, logger="tiercheck"):
             dcp.load(into, storage_reader=TiercheckReader(local=root, memory=memory), checkpoint_id=1)
-        assert "restored step 1 from the memory tier" in caplog.text
+        assert "restored step 1 from memory (" in caplog.text
         _equal(saved[1], _full(into))
         assert list_steps(LocalTier(root)).committed == [1, 2]  # the restored memory step is persisted too
 

@@ -19,7 +19,7 @@ from tests.distributed import run_ranks
 from tests.killed import die
 from tests.ondisk import flip_chunk_byte
 from tiercheck import Checkpointer, MemoryOptions, StagingOptions
-from tiercheck.format.paths import MEMORY_OWNER_FILE, step_dir
+from tiercheck.format.paths import MEMORY_OWNER_FILE, MEMORY_RECORD_FILE, step_dir
 from tiercheck.format.steps import list_steps
 from tiercheck.state import memory_pool
 from tiercheck.tiers.local import LocalTier
@@ -69,19 +69,27 @@ def _restart(local: Path, shm: Path, every: int, step: int | None = None) -> tup
 # ------------------------------------------------------------------------------ A: abandoned steps
 
 
+@pytest.mark.parametrize("record", ["kept", "lost"])
 def test_a_memory_step_another_save_replaced_on_the_local_directory_is_never_restored(
-    shm: Path, tmp_path: Path
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, record: str
 ) -> None:
     """Issue 64 A.1: memory saves 1..5 (persist_every=2); a job without memory restores 4 from disk and
-    saves a new 5 (seed 100); the next job with memory restores the local 5, not memory's abandoned 5."""
+    saves a new 5 (seed 100); the next job with memory restores the local 5, not memory's abandoned 5.
+    With the directory's record of its memory tier, the job without it withdrew memory's 5 as it
+    branched; without the record ("lost": a job of a release before it), memory's 5 is still there,
+    and passed over for not being the save the local directory holds."""
     local = tmp_path / "ckpt"
     die(_job_then_die, str(local), str(shm), 2, [1, 2, 3, 4, 5], False)
+    if record == "lost":
+        (local / MEMORY_RECORD_FILE).unlink(missing_ok=True)
     assert _job(str(local), None, 2, [5], restore=True, seed=100) == 4  # saves 5'
     assert list_steps(LocalTier(local)).committed == [2, 4, 5]
     got, state, stats = _restart(local, shm, 2)
     assert got == 5
     assert_identical(state, _state(105)), "the local directory's 5, the save its lineage holds"
     assert stats["restore_from_memory"] == 0
+    assert ("holds another save of step 5" in caplog.text) == (record == "lost"), "withdrawn at the branch"
+    assert "restored step 5 from the local directory: its step 5 is newer than the memory tier's newest" in caplog.text
 
 
 def test_restore_of_a_step_number_asks_the_save_the_lineage_holds(shm: Path, tmp_path: Path) -> None:
@@ -122,7 +130,7 @@ def test_the_memory_directory_is_found_through_a_symlinked_local_directory(shm: 
     link = tmp_path / "link"
     link.symlink_to(local)
     got, state, stats = _restart(link, shm, 100)
-    assert got == 3 and stats["restore_from_memory"] == 1
+    assert got == 3 and stats["restore_from_memory"] == 1, "the memory tier of the directory the link names"
     assert_identical(state, _state(3))
 
 

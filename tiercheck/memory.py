@@ -182,13 +182,16 @@ class Memory:
         # decides for every rank: where its node's is not, rank 0 answers _choose's collective, which every
         # rank joins alike, with no step, and the memory tier is skipped.
         skip = not self.owned()
+        passed = "the memory tier held another lineage's steps (withdrawn)" if skip else ""  # why not memory
         for n in itertools.count():
             mem = self._choose(f"{name}/memory{n or ''}", request.step, below, skip=skip)
             if mem is None:
+                passed = passed or (_held_none(request.step) if n == 0 else "no step in memory could be read whole")
                 break
             if request.step is None and n == 0:
                 newest = self._newest_elsewhere(f"{name}/disk")
             if newest is not None and newest > mem:
+                passed = passed or f"its step {newest} is newer than the memory tier's newest whole step, {mem}"
                 break
             try:
                 done = self._restore_step(state, request, mem, f"{name}/m{n or ''}")
@@ -202,12 +205,16 @@ class Memory:
                 if done is not None:
                     return done
                 break
+            passed = "no step in memory could be read whole (see the warnings above)"
             if request.step is not None:
                 break
             below = mem
         done = disk()
         if done is None and partly is not None:  # a fresh start over a state the memory's steps were read into
             raise partly
+        if done is not None and self.job.coord.rank == 0:
+            log.info("restored step %d from %s: %s", done.step,
+                     "the remote tier" if done.from_remote else "the local directory", passed)  # fmt: skip
         return done
 
     def _newest_elsewhere(self, name: str) -> int | None:
@@ -241,7 +248,7 @@ class Memory:
         if backup is not None and backup is self.local_job.tier:
             done = replace(done, remote_reads=0, local_reads=done.remote_reads + done.fallbacks)
         done = replace(done, from_remote=False, from_memory=True)
-        log.info("restored step %d from the memory tier at %s%s", done.step, self.slots.root.url,
+        log.info("restored step %d from memory (%s)%s", done.step, self.slots.root.url,
                  f" ({done.fallbacks} chunk(s) read from {backup.url} after a bad copy in memory)"
                  if done.fallbacks and backup is not None else "")  # fmt: skip
         return done
@@ -416,3 +423,10 @@ def _no_backup(backup: Tier | None) -> str:
     if backup is None:
         return "and no other tier holds that save of it"
     return f"nor from {backup.url}, which holds that save of it"
+
+
+def _held_none(step: int | None) -> str:
+    """Why a restore read no memory step, where the memory tier offered none."""
+    if step is None:
+        return "the memory tier held no step of this lineage whole on every node"
+    return f"the memory tier does not hold step {step} of this lineage whole on every node"
