@@ -351,7 +351,9 @@ SMALL = Layout(tp=2, pp=1, dp=2)  # 4 ranks on 2 nodes: DP replicas on different
 
 def _save_and_die(rank: int, world: int, root: str, victim: int) -> str:
     state = model_state(SMALL, rank, seed=1)
-    opts = tiercheck.DistributedOptions(timeout_s=5)
+    # The dead rank is found out at this timeout; 5 s was too short for step 1's planning on a loaded
+    # 2-core machine (a rank gave up waiting for the plan before any rank died).
+    opts = tiercheck.DistributedOptions(timeout_s=15)
     ck = tiercheck.Checkpointer(state, local=node_dir(root, rank, 2), distributed=opts)
     ck.save(1).wait()
     for value in state["model"].values():
