@@ -15,7 +15,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "bench/results/gpu-nvidia-h200.json"
-REMOTE = ROOT / "bench/results/remote-issue41.json"
+REMOTE = ROOT / "bench/results/remote-parts.json"
 SOURCES = (GPU, REMOTE)  # tests/test_docs.py checks each is tracked by git
 
 METHODS = ("tiercheck.lazy", "tiercheck.eager", "dcp.async_save", "torch_checkpointing")
@@ -131,7 +131,7 @@ def remote_plot(out: Path, plt: Any) -> list[str]:
         _bars(ax, labels, values, colors)
         ax.set_title(r["name"], fontsize=10)
         ax.set_xlabel("seconds for the 512 MiB step (median)")
-    fig.suptitle("Remote tier on loopback servers, 2 vCPUs (bench/results/remote-issue41.json)", fontsize=10)
+    fig.suptitle("Remote tier on loopback servers, 2 vCPUs (bench/results/remote-parts.json)", fontsize=10)
     fig.tight_layout()
     return [_save(fig, out / "remote.png", plt)]
 

@@ -5,7 +5,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,14 @@ def shm() -> Iterator[Path]:
     """A directory of its own on the real /dev/shm (a tmpfs: the memory tier's), removed after the test."""
     with private_shm() as path:
         yield path
+
+
+def seeded_tensors(seed: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A state's tensors: float32 normals of ``shapes`` (name -> shape), drawn in that order from a
+    generator seeded with ``seed``, so a seed gives the same values on every run and two seeds differ
+    with the same layout. A test adds its plain entries (``| {"step": seed}``) or nests it."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
 
 
 def assert_identical(a: Any, b: Any, where: str = "state") -> None:

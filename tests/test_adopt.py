@@ -14,14 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tiercheck
+from tests.conftest import seeded_tensors
 from tiercheck.errors import ForeignCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def make_state(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}, "step": seed}
+    return {"model": seeded_tensors(seed, {"w": (16, 8), "b": (8,)}), "step": seed}
 
 
 def restore_fresh(local: Path) -> int | None:

@@ -18,7 +18,7 @@ import torch
 
 import tiercheck
 from tests.cli import run, s3_args
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, seeded_tensors
 from tests.ondisk import flip_chunk_byte
 from tests.servers import SeaweedS3
 from tiercheck.format.paths import step_dir
@@ -27,11 +27,7 @@ from tiercheck.tiers.remote import open_tier
 
 
 def make_state(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model": {f"layer{i}": torch.randn(128, 96, generator=g) for i in range(8)},
-        "step": seed,
-    }
+    return {"model": seeded_tensors(seed, {f"layer{i}": (128, 96) for i in range(8)}), "step": seed}
 
 
 def save_steps(local: Path, steps: list[int], remote: str | None = None, **kw: Any) -> None:

@@ -33,6 +33,7 @@ from tiercheck.format.steps import list_steps, read_index
 from tiercheck.integrations.dcp import TiercheckReader, TiercheckWriter
 from tiercheck.tiers.local import LocalTier
 
+from .conftest import assert_identical
 from .distributed import run_ranks
 from .ondisk import chunks_of, evict_packs, flip_chunk_byte
 from .shm import private_shm
@@ -70,21 +71,6 @@ def _full(value: Any) -> Any:
     return value
 
 
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where} differs"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 # ------------------------------------------------------------------------------- one process
 
 
@@ -111,18 +97,18 @@ def test_save_load_one_process_steps_and_newest(tmp_path: Path) -> None:
             dcp.save(second, storage_writer=writer)  # DCP calls no reset() without one
         _, _, into = _state(7)
         dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=100)  # while the writer is open
-        _equal(saved[100], _full(into))
+        assert_identical(saved[100], _full(into))
     for checkpoint_id, step in ((None, 101), ("100", 100), (101, 101)):
         model, optimizer, into = _state(9)
         dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=checkpoint_id)
-        _equal(saved[step], _full(into), f"step {step}")
+        assert_identical(saved[step], _full(into), f"step {step}")
         set_state_dict(model, optimizer, model_state_dict=into["model"], optim_state_dict=into["optim"])
-        _equal(saved[step]["model"], _full(model.state_dict()))
+        assert_identical(saved[step]["model"], _full(model.state_dict()))
     with pytest.raises(CheckpointException, match="step 99 is not committed"):
         dcp.load(into, storage_reader=TiercheckReader(local=root), checkpoint_id=99)
     # A plain tiercheck step: tiercheck.load (and so `tiercheck ls/verify/restore`) reads it.
     plain = tiercheck.load(root, 101)
-    _equal(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})
+    assert_identical(saved[101]["model"], {k[len("model.") :]: v for k, v in plain.items() if k.startswith("model.")})
     assert torch.load(io.BytesIO(plain["train.step"]), weights_only=True) == 2
 
 
@@ -148,7 +134,7 @@ def test_with_the_memory_tier_a_fresh_reader_loads_a_memory_only_step(
         with caplog.at_level(logging.INFO, logger="tiercheck"):
             dcp.load(into, storage_reader=TiercheckReader(local=root, memory=memory), checkpoint_id=1)
         assert "restored step 1 from memory (" in caplog.text
-        _equal(saved[1], _full(into))
+        assert_identical(saved[1], _full(into))
         assert list_steps(LocalTier(root)).committed == [1, 2]  # the restored memory step is persisted too
 
 
@@ -177,7 +163,7 @@ def test_drained_to_remote_and_loaded_from_there(tmp_path: Path) -> None:
     assert writer.close() == []  # waited for the drain
     _, _, into = _state(6)
     dcp.load(into, storage_reader=TiercheckReader(local=tmp_path / "node-b", remote=remote))
-    _equal(saved, _full(into))
+    assert_identical(saved, _full(into))
 
 
 def test_reader_refuses_pickles_and_process_mode_is_refused(tmp_path: Path) -> None:
@@ -271,7 +257,7 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
         dcp.save(saved, storage_writer=writer, checkpoint_id=1)
     into: dict[str, Any] = {"a": torch.zeros(64, 64), "b": torch.zeros(7), "cfg": {"lr": 0.0}}
     dcp.load(into, storage_reader=TiercheckReader(local=root))
-    _equal(saved, into)
+    assert_identical(saved, into)
     assert copies == [0] and own == [False, False]  # in place: DCP's tensors are the state's
 
     for scratch, direct in ((False, [True, True]), (True, [True, False])):  # a shared scratch is read into once
@@ -280,7 +266,7 @@ def test_load_reads_into_fresh_memory_only(tmp_path: Path, monkeypatch: pytest.M
         into = {"a": torch.zeros(64, 64), "b": torch.zeros(7), "cfg": {"lr": 0.0}}
         planner = _Materialize(scratch=scratch)
         dcp.load(into, storage_reader=TiercheckReader(local=root), planner=planner)
-        _equal(saved, into)
+        assert_identical(saved, into)
         assert copies == [0] and own == direct and set(planner.committed) == {"a", "b"}
 
     flip_chunk_byte(root / step_dir(1), "a", chunks_of(root / step_dir(1), "a")[-1], 5)
@@ -312,7 +298,7 @@ def test_a_cold_load_reads_big_tensors_around_the_page_cache(tmp_path: Path, mon
     evict_packs(root / step_dir(1))
     into = {"big": torch.zeros(1024, 1024), "small": torch.zeros(10)}
     dcp.load(into, storage_reader=TiercheckReader(local=root))
-    _equal(saved, into)
+    assert_identical(saved, into)
     assert sum(direct_bytes) >= saved["big"].numel() * 4
 
 
@@ -333,7 +319,7 @@ def test_async_save_thread(tmp_path: Path) -> None:
         assert writer.checkpointer is not None and writer.checkpointer.steps() == [7]
     _, _, into = _state(8)
     dcp.load(into, storage_reader=TiercheckReader(local=root))
-    _equal(saved, _full(into))
+    assert_identical(saved, _full(into))
 
 
 # ------------------------------------------------------------------------------- several ranks (gloo, CPU)
@@ -396,14 +382,14 @@ def _load_fsdp(rank: int, world: int, root: str, shard: bool) -> dict[int, Any]:
 def test_fsdp2_save_on_2_ranks_load_on_1_and_4(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")  # one node: every rank shares the directory
     saved = run_ranks(_save_fsdp, 2, root)
-    _equal(saved[0], saved[1])  # the gathered full state is the same on both ranks
+    assert_identical(saved[0], saved[1])  # the gathered full state is the same on both ranks
     for world, shard in ((1, False), (4, True)):
         loaded = run_ranks(_load_fsdp, world, root, shard)
         for rank, got in enumerate(loaded):
             for step in (100, 200):
                 state, live_model = got[step]
-                _equal(saved[0][step], state, f"{world} ranks, rank {rank}, step {step}")
-                _equal(saved[0][step]["model"], live_model, f"{world} ranks, rank {rank}, step {step}, model")
+                assert_identical(saved[0][step], state, f"{world} ranks, rank {rank}, step {step}")
+                assert_identical(saved[0][step]["model"], live_model, f"{world} ranks, rank {rank}, step {step}, model")
     assert not torch.equal(saved[0][100]["model"]["0.weight"], saved[0][200]["model"]["0.weight"])
 
 
@@ -421,7 +407,7 @@ def _layout_changes(rank: int, world: int, root: str) -> list[bool]:
     for step, n in ((1, 3), (2, 5), (3, 5)):
         into = {"w": torch.zeros(16), "hist": torch.zeros(n), "step": -1}
         dcp.load(into, storage_reader=TiercheckReader(local=root, **opts), checkpoint_id=step)
-        _equal(saved[step], _full(into), f"step {step}")
+        assert_identical(saved[step], _full(into), f"step {step}")
         same.append(True)
     return same
 
@@ -470,7 +456,7 @@ def test_a_writer_per_call_shares_one_checkpointer_and_exit_drains(tmp_path: Pat
         assert LocalTier(tmp_path / "remote").exists(f"{step_dir(step)}/COMMIT"), step
         _, _, into = _fsdp_state(5, shard=False)
         dcp.load(into, storage_reader=TiercheckReader(local=tmp_path / "empty", remote=remote), checkpoint_id=step)
-        _equal(saved[0][step], _full(into), f"step {step}")
+        assert_identical(saved[0][step], _full(into), f"step {step}")
 
 
 _UNAWAITED = """

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import tiercheck
 from tests.cli import run, s3_args
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, seeded_tensors
 from tests.servers import SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, RetentionOptions
 from tiercheck.format.lineage import read_lineage, write_lineage
@@ -29,8 +28,7 @@ from tiercheck.tiers.remote import open_tier
 
 
 def state_of(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g), "seed": seed}
+    return seeded_tensors(seed, {"w": (64, 33), "b": (33,)}) | {"seed": seed}
 
 
 def set_to(state: dict[str, Any], seed: int) -> None:

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import tiercheck
 from tests.cli import run
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, seeded_tensors
 from tiercheck import Checkpointer
 from tiercheck.errors import CorruptCheckpointError
 from tiercheck.format.paths import (
@@ -50,8 +49,7 @@ from tiercheck.tiers.remote import open_tier
 
 def make_state(seed: int) -> dict[str, Any]:
     """The same layout for every seed: packs and parts of two seeds have the same sizes."""
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}, "seed": seed}
+    return {"model": seeded_tensors(seed, {"w": (64, 32), "b": (32,)}), "seed": seed}
 
 
 def save(local: Path, steps: dict[int, int]) -> None:

@@ -18,7 +18,7 @@ import torch
 
 import tiercheck
 from tests.cli import run, s3_args
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, seeded_tensors
 from tests.distributed import run_ranks
 from tests.servers import SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, LineageError, RetentionOptions, Shard, WriteOptions
@@ -32,8 +32,7 @@ from tiercheck.tiers.remote import open_tier
 
 
 def state_of(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(48, 17, generator=g), "seed": seed}
+    return seeded_tensors(seed, {"w": (48, 17)}) | {"seed": seed}
 
 
 def set_to(state: dict[str, Any], seed: int) -> None:

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import tiercheck
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, seeded_tensors
 from tests.faultproxy import FaultProxy
 from tests.servers import SeaweedS3
 from tiercheck import Checkpointer, DrainOptions, RetryOptions
@@ -28,8 +27,7 @@ PATIENT = RetryOptions(attempts=200, initial_backoff_s=0.05, max_backoff_s=0.5, 
 
 
 def state_of(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(64, 256, generator=g) for i in range(12)} | {"step": seed}
+    return seeded_tensors(seed, {f"layer{i}": (64, 256) for i in range(12)}) | {"step": seed}
 
 
 class StopsServerMidway(RemoteTier):

@@ -23,7 +23,7 @@ from awscrt import checksums as _crc
 
 from tiercheck.errors import CorruptCheckpointError, UnsupportedValueError
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.format.paths import FORMAT_NAME, FORMAT_VERSION
+from tiercheck.format.paths import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little endian
     raise ImportError("tiercheck writes raw little-endian bytes and needs a little-endian host")
@@ -151,7 +151,7 @@ def zarr_documents(records: Iterable[ArrayRecord], *, root: bool = True) -> dict
     docs: dict[str, bytes] = {}
     if root:  # the step's own group: written by each node's first rank; arrays by their coordinators
         docs["zarr.json"] = _zarr_group_document(
-            {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": "manifest.json"}}
+            {FORMAT_NAME: {"format_version": FORMAT_VERSION, "manifest": MANIFEST_FILE}}
         )
     group = _zarr_group_document({})
     for rec in records:

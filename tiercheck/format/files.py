@@ -2,7 +2,7 @@
 (``tiering.upload``), copy (``tiering.transfer``) and peer replication (``tiering.replication``)
 all select by, so that a file is never uploaded by one and left behind by another.
 
-No torch here, and no I/O: the callers list the directory and pass what the manifest names.
+No torch here, and no I/O: the callers list the directory and pass the listing and the ranks.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from tiercheck.format.paths import rank_files
 
 def files_of_ranks(listing: Mapping[str, int], ranks: Iterable[int]) -> dict[str, int]:
     """The files of saving ranks ``ranks`` among a step directory's ``listing`` (path inside the
-    step -> size), with their sizes, in the manifest's order.
+    step -> size), with their sizes, in rank order and, within a rank, in ``paths.rank_files``'s.
 
-    A file counts only if the step's manifest names it as one of these ranks' files: nothing is
-    trusted by its name pattern or by being there. The manifest index names each saving rank's
-    files (its ``parts``: the rank's manifest part, arrays shard, owners file, reference map and
-    pack, ``paths.rank_files``). A file the manifest names but the listing lacks is not returned
-    (a rank writes no owners file when it coordinated no array, say): whether it must be there is
-    the caller's check.
+    A file counts only if its path is exactly one of the five names ``paths.rank_files`` gives
+    one of these ranks: its manifest part, arrays shard, owners file, reference map and pack, the
+    names the manifest index spells as its ``parts``. That is the one name pattern trusted here;
+    nothing is matched by a looser one (a prefix, a glob), and being in the directory makes nothing
+    a rank's file. A file so named that the listing lacks is not returned (a rank writes no owners
+    file when it coordinated no array, say): whether it must be there is the caller's check.
 
     Everything else in the directory is excluded, whatever its name, and stays where it is: the
     commit marker and ``manifest.json`` (each caller writes those itself, last), the tier's own

@@ -1,6 +1,11 @@
-"""Every name on storage: the format's name and version, the step directories, and the files of
-a step (index, commit marker, manifest parts, packs, reference maps). Nothing else in the package
-spells a file name out; it asks here."""
+"""Every name tiercheck gives on storage: the format's name and version, the step directories, the
+files of a step (index, commit marker, manifest parts, packs, reference maps), the tiers' markers and
+the memory tier's slots. Other modules join these names and spell none of their own, with three
+kinds of exception: the manifest index writes the per-rank names out again as templates for other
+readers of the format (``manifest.ManifestIndex``) and ``refmaps`` reads a rank back from a
+reference map's name; ``zarr.json`` and ``c`` are zarr's names, and the torchtitan integration's
+``step-N`` folders torchtitan's; a few temporaries (``.tiercheck-import-*``,
+``.tiercheck-measure-*``) are named where they are made and removed."""
 
 
 from __future__ import annotations

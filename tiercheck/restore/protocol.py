@@ -123,10 +123,10 @@ class Restore:
     store (never in the training's collectives), so no rank may skip one:
 
     1. ``agree(name, below)``: every rank learns the same step (``restore.agree``). Each node's
-       first rank posts the steps its directory holds (``messages.HeldPost``); rank 0 alone picks
-       the newest whole across the nodes or committed on the remote tier (older than ``below``
-       when given) and sets one ``StepDecision``, which every rank reads. None: no tier holds a
-       step, and ``run`` returns None.
+       first rank posts the steps its directory holds (``messages.HeldSteps``, folded up the node
+       leaders' tree); rank 0 alone picks the newest whole across the nodes or committed on the
+       remote tier (older than ``below`` when given) and sets one ``StepDecision``, which every
+       rank reads. None: no tier holds a step, and ``run`` returns None.
     2. ``prepare(choice, name)``: each node's first rank claims the saving ranks whose files the
        node holds (``restore.holders``: a ``HolderClaim`` each, its ``NodeHolds`` for the node's
        other ranks); every rank gets the part of the step's manifest it needs (``restore.needed``:

@@ -41,6 +41,7 @@ from tiercheck.errors import (
 )
 from tiercheck.format.codec import STORAGE_DTYPES
 from tiercheck.format.manifest import JSON
+from tiercheck.format.paths import COMMIT_FILE, MANIFEST_FILE
 from tiercheck.format.values import MAX_TREE_DEPTH, check_array_path
 from tiercheck.state.sharding import Shard, is_dtensor, local_tensor, placement_of
 
@@ -106,7 +107,7 @@ def _escape(component: str) -> str:
                 out.extend(f"%{b:02X}" for b in ch.encode())
         text = "".join(out)
     # Names that would collide with zarr's layout or the step's own files, or leave the directory.
-    if not text or text in (".", "..", "c", "zarr.json", "manifest.json", "COMMIT") or text.startswith("__"):
+    if not text or text in (".", "..", "c", "zarr.json", MANIFEST_FILE, COMMIT_FILE) or text.startswith("__"):
         text = "%" + f"{ord(text[0]):02X}" + text[1:] if text else "%00"
     return text
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
+
+from tiercheck.tiers.transient import causes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,15 +46,8 @@ _MISSING = frozenset({"NoCredentialsError", "PartialCredentialsError", "Credenti
 
 
 def missing_credentials(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says the client found no usable credentials."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return False
-        if any(t.__name__ in _MISSING for t in type(seen).__mro__):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    """Whether ``exc`` (or what caused it, four deep at most) says the client found no usable credentials."""
+    return any(t.__name__ in _MISSING for e in islice(causes(exc), 4) for t in type(e).__mro__)
 
 
 def credential_sources(scheme: str, given: Iterable[str]) -> str:

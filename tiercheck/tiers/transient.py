@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 # Error codes object stores use for "slow down / try again" and for their own failures.
@@ -32,15 +33,23 @@ _TRANSIENT_NAMES = {
 }  # fmt: skip
 
 
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what caused it (``__cause__``, else ``__context__``), and so on down the chain:
+    each exception once, so a chain that loops back on itself ends."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying ``exc`` may succeed: throttling, server errors, resets, timeouts. Not a host
     name that does not resolve (``unresolved_host``), though its clients wrap it as a connection error."""
     if unresolved_host(exc) is not None:
         return False
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in causes(exc):
         if isinstance(e, FileNotFoundError | PermissionError | FileExistsError | IsADirectoryError):
             return False  # no such bucket / key, access denied: the same answer next time
         if isinstance(e, ConnectionError | TimeoutError | asyncio.TimeoutError):
@@ -55,7 +64,6 @@ def is_transient(exc: BaseException) -> bool:
             return status in (408, 429) or status >= 500
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
-        e = e.__cause__ or e.__context__
     return False
 
 
@@ -63,16 +71,12 @@ def unresolved_host(exc: BaseException) -> str | None:
     """Why ``exc`` (or what caused it) is a host name that does not resolve, naming the host where the
     client says it: the resolver's answer (no such name, no address), the same on every retry. None
     otherwise, and for ``EAI_AGAIN``, the resolver's own "try again" (a DNS server under load says it)."""
-    seen: set[int] = set()
     host = None
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in causes(exc):
         host = host or getattr(e, "host", None)  # aiohttp's ClientConnectorError names it
         if isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN:
             named = f"host name {host!r}" if isinstance(host, str) else "the store's host name"
             return f"{named} does not resolve ({e.strerror or e}): check the URL and endpoint_url"
-        e = e.__cause__ or e.__context__
     return None
 
 
@@ -90,29 +94,18 @@ def error_code(e: BaseException) -> str | None:
 
 def past_the_end(e: BaseException) -> bool:
     """Whether a ranged read failed only because it starts past the object's end (HTTP 416)."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in causes(e):
         if status_of(cur) == 416 or error_code(cur) in ("InvalidRange", "InvalidRangeHeader"):
             return True
         if "range is not satisfiable" in str(cur).lower() or "range not satisfiable" in str(cur).lower():
             return True
-        cur = cur.__cause__ or cur.__context__
     return False
 
 
 def no_such_upload(e: BaseException) -> bool:
     """Whether ``e`` (s3fs's FileNotFoundError of a part or a completion) says the multipart
     upload is gone (aborted by another client), not the bucket."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if error_code(cur) == "NoSuchUpload" or type(cur).__name__ == "NoSuchUpload":
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    return any(error_code(cur) == "NoSuchUpload" or type(cur).__name__ == "NoSuchUpload" for cur in causes(e))
 
 
 def status_of(e: BaseException) -> int | None:
