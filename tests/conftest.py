@@ -99,8 +99,9 @@ def seeded_tensors(seed: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str
     return {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
 
 
-def assert_identical(a: Any, b: Any, where: str = "state") -> None:
-    """Bit-identical equality for nested states (NaNs compare equal to themselves)."""
+def assert_identical(a: Any, b: Any, where: str = "state", *, any_order: bool = False) -> None:
+    """Bit-identical equality for nested states (NaNs compare equal to themselves); ``any_order``:
+    a mapping's keys may come in another order (a state rebuilt by a framework from its own plan)."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: {type(b)} is not a tensor"
         assert a.dtype == b.dtype and a.shape == b.shape, (
@@ -113,13 +114,14 @@ def assert_identical(a: Any, b: Any, where: str = "state") -> None:
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
         assert a.tobytes() == b.tobytes(), f"{where}: bytes differ"
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        same = set(a) == set(b) if any_order else list(a) == list(b)
+        assert isinstance(b, dict) and same, f"{where}: keys {list(a)} vs {list(b)}"
         for k in a:
-            assert_identical(a[k], b[k], f"{where}/{k}")
+            assert_identical(a[k], b[k], f"{where}/{k}", any_order=any_order)
     elif isinstance(a, list | tuple):
         assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_identical(x, y, f"{where}/{i}")
+            assert_identical(x, y, f"{where}/{i}", any_order=any_order)
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, where
     else:

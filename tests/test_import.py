@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import tiercheck
 from tests.cli import run
-from tests.test_dcp import _equal
+from tests.conftest import assert_identical
 from tiercheck.errors import CorruptCheckpointError, ForeignCheckpointError, UnsafeCheckpointError
 from tiercheck.integrations.dcp import TiercheckReader
 from tiercheck.integrations.importer import import_checkpoint
@@ -63,12 +63,12 @@ def test_a_dcp_checkpoint_saved_sharded_by_2_ranks_imports_and_restores_bit_iden
                              "step": b""}  # fmt: skip
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.restore() == 10
-    _equal({"w": state["model.w"], "b": state["model.b"]}, full["model"], "restored")
+    assert_identical({"w": state["model.w"], "b": state["model.b"]}, full["model"], "restored", any_order=True)
     assert torch.load(io.BytesIO(state["step"]), weights_only=True) == 10
     # dcp.load through tiercheck's reader: the nested state as dcp.save had it
     nested = {"model": {"w": torch.zeros(8, 6), "b": torch.zeros(6, dtype=torch.bfloat16)}, "step": 0}
     dcp.load(nested, storage_reader=TiercheckReader(tmp_path / "ck"), no_dist=True)
-    _equal(nested, {"model": full["model"], "step": 10}, "dcp.load")
+    assert_identical(nested, {"model": full["model"], "step": 10}, "dcp.load", any_order=True)
 
 
 def test_a_torch_save_file_imports_and_restores_bit_identical(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_torch_save_file_imports_and_restores_bit_identical(tmp_path: Path) ->
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.steps() == [1000]
         assert ck.restore() == 1000
-    _equal(state, _full_state(7), "restored")
+    assert_identical(state, _full_state(7), "restored", any_order=True)
 
 
 def test_a_large_torch_save_file_streams_through_a_bounded_pool(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_a_large_torch_save_file_streams_through_a_bounded_pool(tmp_path: Path) 
     state = {k: torch.zeros_like(v) for k, v in source.items()}
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.restore() == 5
-    _equal(state, source, "restored")
+    assert_identical(state, source, "restored", any_order=True)
 
 
 def test_a_lightning_ckpt_imports_at_its_step(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_lightning_ckpt_imports_at_its_step(tmp_path: Path) -> None:
     state: dict[str, Any] = {"state_dict": _full_state(0)["model"], "global_step": 0, "epoch": 0}
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.restore() == 400
-    _equal(state, ckpt, "restored")
+    assert_identical(state, ckpt, "restored", any_order=True)
 
 
 def _save_big_sharded(rank: int, world: int, path: str) -> None:
@@ -150,7 +150,7 @@ def test_a_large_dcp_checkpoint_streams_its_tensors_from_their_files(tmp_path: P
     assert {mapped[f"w{i}"] for i in range(4)} | {mapped["wt"], mapped["b"]} <= files, mapped
     assert Path(mapped["s0"]).name.startswith(".tiercheck-import-") and mapped["s0"].endswith(" (deleted)"), mapped
     assert list((tmp_path / "scratch").iterdir()) == []
-    _equal(state, _big_state(), "read")
+    assert_identical(state, _big_state(), "read", any_order=True)
     del state
     bound = 4 << 20
     done = import_checkpoint(src, tmp_path / "ck", max_host_bytes=bound)
@@ -159,7 +159,7 @@ def test_a_large_dcp_checkpoint_streams_its_tensors_from_their_files(tmp_path: P
     state = {k: torch.zeros_like(v) for k, v in _big_state().items()}
     with tiercheck.Checkpointer(state, local=tmp_path / "ck") as ck:
         assert ck.restore() == 5
-    _equal(state, _big_state(), "restored")
+    assert_identical(state, _big_state(), "restored", any_order=True)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +268,7 @@ def test_the_command_the_foreign_checkpoint_error_names_imports_and_the_run_resu
     run(*command[1:])
     with tiercheck.Checkpointer(state, local=tmp_path) as ck:
         assert ck.restore() == 10
-    _equal({"w": state["model.w"], "b": state["model.b"]}, _full_state(10)["model"], "resumed")
+    assert_identical({"w": state["model.w"], "b": state["model.b"]}, _full_state(10)["model"], "resumed", any_order=True)
 
 
 def test_export_to_dcp_loads_with_dcp_load_bit_identical(tmp_path: Path) -> None:
@@ -280,12 +280,12 @@ def test_export_to_dcp_loads_with_dcp_load_bit_identical(tmp_path: Path) -> None
     assert (tmp_path / "out" / ".metadata").is_file()
     back = _full_state(0)
     dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)  # DCP's own reader, no tiercheck
-    _equal(back, saved, "dcp.load")
+    assert_identical(back, saved, "dcp.load", any_order=True)
     # --only, and the safetensors options refused by name
     run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "model"), "--format", "dcp", "--only", "model")
     model = {"model": _full_state(0)["model"]}
     dcp.load(model, checkpoint_id=tmp_path / "model", no_dist=True)
-    _equal(model, {"model": saved["model"]}, "--only model")
+    assert_identical(model, {"model": saved["model"]}, "--only model", any_order=True)
     ran = run("export", str(tmp_path / "ck"), "--to", str(tmp_path / "x"), "--format", "dcp", "--dtype", "float16",
               check=False)  # fmt: skip
     assert ran.returncode == 2 and "--dtype: safetensors' options" in ran.stderr
@@ -299,7 +299,7 @@ def test_a_dcp_checkpoint_imported_then_exported_is_what_dcp_saved(tmp_path: Pat
     back = {"model": {"w": torch.zeros(8, 6), "b": torch.zeros(6, dtype=torch.bfloat16)}, "step": 0}
     dcp.load(back, checkpoint_id=tmp_path / "out", no_dist=True)  # its byte items written back as DCP stored them
     full = _full_state(10)
-    _equal(back, {"model": full["model"], "step": 10}, "round trip")
+    assert_identical(back, {"model": full["model"], "step": 10}, "round trip", any_order=True)
 
 
 def test_dcp_load_through_tiercheck_where_only_dcp_checkpoints_lie_names_the_import(tmp_path: Path) -> None:
@@ -316,4 +316,4 @@ def test_import_to_a_url_drains_the_step_there(tmp_path: Path) -> None:
     state = _full_state(0)
     with tiercheck.Checkpointer(state, local=tmp_path / "new-node", remote=remote) as ck:  # an empty local directory
         assert ck.restore() == 5
-    _equal(state, _full_state(5), "from the remote")
+    assert_identical(state, _full_state(5), "from the remote", any_order=True)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import assert_identical
+
 pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra installs it)")
 
 import lightning.pytorch as pl
@@ -37,7 +39,6 @@ from tiercheck.options import RetentionOptions
 
 from .distributed import fork_server
 from .shm import private_shm
-from .test_dcp import _equal
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice (workers, logging, no last checkpoint)
@@ -134,7 +135,7 @@ def test_killed_fit_resumes_from_last_bit_identical_and_retention_keeps_named_st
     assert _pointers(run / "ckpts")["last.ckpt"] == 10  # 2 epochs of 5 batches
     resumed = _state(_fit(str(run), resume=True))
     for key in ("model", "optim", "sched", "step"):
-        _equal(resumed[key], whole[key], key)
+        assert_identical(resumed[key], whole[key], key, any_order=True)
 
     named = _pointers(run / "ckpts")
     assert len(named) == 3 and named["last.ckpt"] == 20  # top 2 + last
@@ -212,7 +213,7 @@ def test_with_the_memory_tier_a_pointer_to_a_memory_only_step_loads_from_memory(
         with caplog.at_level(logging.INFO, logger="tiercheck"):
             back = reader.load_checkpoint(tmp_path / "one.ckpt")
         assert "restored step 1 from memory (" in caplog.text
-        _equal(back["state_dict"], _ckpt(1, 1.0, 0.1)["state_dict"])
+        assert_identical(back["state_dict"], _ckpt(1, 1.0, 0.1)["state_dict"], any_order=True)
         reader.teardown()
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import assert_identical
+
 pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra installs it)")
 
 import lightning.pytorch as pl
@@ -20,7 +22,6 @@ import tiercheck
 from tiercheck.integrations.importer import import_checkpoint
 from tiercheck.integrations.lightning import TiercheckCheckpointIO
 
-from .test_dcp import _equal
 from .test_lightning import EPOCHS, _data, _fit, _state, _Tiny
 
 pytestmark = [
@@ -50,7 +51,7 @@ def test_lightnings_own_last_ckpt_resumes_under_the_plugin_bit_identical(tmp_pat
     own = tmp_path / "own-last.ckpt"  # the plugin's first save replaces last.ckpt with its pointer
     shutil.copy(last, own)
     moved = _state(_fit_with(run, EPOCHS, plugin=True, ckpt_path=str(last)))
-    _equal(moved, whole, "moved")
+    assert_identical(moved, whole, "moved", any_order=True)
 
     # the same .ckpt imported: restore() gives back every tensor and value Lightning saved
     done = import_checkpoint(own, tmp_path / "imported", step=10)
@@ -59,4 +60,4 @@ def test_lightnings_own_last_ckpt_resumes_under_the_plugin_bit_identical(tmp_pat
     empty["state_dict"] = {k: torch.zeros_like(v) for k, v in saved["state_dict"].items()}
     with tiercheck.Checkpointer(empty, local=tmp_path / "imported") as ck:
         assert ck.restore() == done.step == 10
-    _equal(empty["state_dict"], saved["state_dict"], "imported")
+    assert_identical(empty["state_dict"], saved["state_dict"], "imported", any_order=True)

@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import assert_identical
 from tiercheck.format.paths import step_dir
 
 from .distributed import run_ranks
 from .ondisk import chunks_of, flip_chunk_byte, step_parts
 from .shm import private_shm
-from .test_dcp import _equal, _full
+from .test_dcp import _full
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
 
@@ -206,7 +207,7 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
     for rank in range(2):
         assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
         for key in ("model", "optim", "lr", "next_batch"):
-            _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+            assert_identical(resumed[rank][key], whole[rank][key], f"rank {rank} {key}", any_order=True)
         said = resumed[rank]["log"]  # the start says there is no memory tier, and the restore the tier it read
         assert any(line.endswith(", no memory tier") for line in said), said
         assert any(line.startswith("restored step 5 from the local directory through tiercheck in ") for line in said)
@@ -220,7 +221,7 @@ def test_killed_run_resumes_bit_identical_from_local_then_remote_alone(tmp_path:
     for rank in range(2):
         assert fresh[rank]["step"] == TOTAL
         for key in ("model", "optim", "lr", "next_batch"):
-            _equal(fresh[rank][key], whole[rank][key], f"rank {rank} {key} (from the remote)")
+            assert_identical(fresh[rank][key], whole[rank][key], f"rank {rank} {key} (from the remote)", any_order=True)
 
 
 def test_a_killed_run_resumes_from_the_memory_tier_bit_identical(tmp_path: Path) -> None:
@@ -239,7 +240,7 @@ def test_a_killed_run_resumes_from_the_memory_tier_bit_identical(tmp_path: Path)
     for rank in range(2):
         assert resumed[rank]["resumed"] and resumed[rank]["start"] == 5
         for key in ("model", "optim", "lr", "next_batch"):
-            _equal(resumed[rank][key], whole[rank][key], f"rank {rank} {key}")
+            assert_identical(resumed[rank][key], whole[rank][key], f"rank {rank} {key}", any_order=True)
         said = resumed[rank]["log"]  # the start names the memory tier, and the restore the tier it read
         assert any(f"memory tier under {shm} (every checkpoint; those of a step divisible by 1000" in line
                    for line in said), said  # fmt: skip

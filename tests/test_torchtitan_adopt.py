@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import assert_identical
 from tiercheck.errors import InvalidArgumentError
 from tiercheck.format.paths import step_dir
 
 from .distributed import run_ranks
-from .test_dcp import _equal, _full
+from .test_dcp import _full
 from .test_torchtitan import INTERVAL, TOTAL, _steps, training_parts
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="needs torchtitan 0.3 (scripts/test.sh installs it)")
@@ -70,26 +71,26 @@ def test_a_torchtitan_run_continues_under_tiercheck_from_its_own_newest_step(tmp
     for rank in range(2):
         assert moved[rank]["resumed"] and moved[rank]["start"] == 5
         for key in ("model", "optim", "lr", "next_batch"):
-            _equal(moved[rank][key], whole[rank][key], f"rank {rank} {key}")
+            assert_identical(moved[rank][key], whole[rank][key], f"rank {rank} {key}", any_order=True)
     assert _steps(run / "checkpoint") == [10]  # the run goes on in tiercheck's steps
     # --checkpoint.load_step=5: torchtitan's own step, beside tiercheck's
     again = run_ranks(_run, 2, str(run), False, 0, load_step=5, timeout=150)
     for rank in range(2):
         assert again[rank]["resumed"] and again[rank]["start"] == 5
-        _equal(again[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} load_step=5")
+        assert_identical(again[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} load_step=5", any_order=True)
 
     # initial_load_path at that DCP checkpoint (not a tiercheck step): loaded through DCP, the model only
     fresh = run_ranks(_run, 2, str(tmp_path / "fresh"), False, 0, initial=str(run / "checkpoint" / "step-5"),
                       timeout=150)  # fmt: skip
     for rank in range(2):
         assert fresh[rank]["resumed"] and fresh[rank]["start"] == 0  # model only: torchtitan's default
-        _equal(fresh[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} model from initial_load_path")
+        assert_identical(fresh[rank]["loaded"], moved[rank]["loaded"], f"rank {rank} model from initial_load_path", any_order=True)
     # initial_load_path at a tiercheck step of another run's directory: restored by tiercheck
     other = run_ranks(_run, 2, str(tmp_path / "other"), False, 0, initial=str(run / "checkpoint" / step_dir(10)),
                       timeout=150)  # fmt: skip
     for rank in range(2):
         assert other[rank]["resumed"]
-        _equal(other[rank]["loaded"], moved[rank]["model"], f"rank {rank} model from a tiercheck step")
+        assert_identical(other[rank]["loaded"], moved[rank]["model"], f"rank {rank} model from a tiercheck step", any_order=True)
 
 
 def test_async_with_pinned_mem_without_cuda_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:
