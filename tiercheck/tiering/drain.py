@@ -48,6 +48,7 @@ from tiercheck.format.verify import step_damage
 from tiercheck.humanize import fmt_steps
 from tiercheck.options import DrainOptions
 from tiercheck.tiering.retention import steps_to_delete
+from tiercheck.tiering.suppliers import post_held, unsupplied
 from tiercheck.tiering.upload import contested, upload_step
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import LocalTier
@@ -74,6 +75,8 @@ class Drainer:
         self.options = options
         self.coord = coord
         self.node_ranks = nodes.ranks
+        self.node_count = nodes.count
+        self._held: set[tuple[int, str]] = set()  # (step, save) this node's directory held at the start
         self.uploads = uploads = coord.rank == nodes.leader  # the node's first rank
         self.on_settled = on_settled  # a drain finished or steps were skipped: local retention may act
         self.take_over = take_over  # the remote prefix may hold another lineage's steps (lineage.check_remote)
@@ -150,6 +153,13 @@ class Drainer:
             self._checking = set(local_steps)
 
         def run() -> None:
+            if self.coord.world_size > 1:
+                try:
+                    held = post_held(self.coord.connect_again(), self.local, local_steps, self.node_count)
+                    with self._cond:
+                        self._held = held
+                except (RuntimeError, CoordinationError) as e:  # drains of other nodes' files wait as before
+                    log.debug("could not post the steps this node holds: %s", e)
             try:
                 steps = pending_steps(self.local, local_steps, self.remote, self.options.every)
             except Exception as e:  # an unreachable remote must not stop training: the drains find out
@@ -196,12 +206,18 @@ class Drainer:
     def close(self, *, drain: bool, timeout: float | None = None) -> list[int]:
         """Stop, after waiting (with ``drain``) for the queued drains; ``timeout`` bounds the whole
         wait. Returns the steps left undrained: queued, in flight when the wait ran out (their
-        requests stop retrying), or failed in this run."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        requests stop retrying), or failed in this run. Without ``drain`` nothing in flight is
+        waited for (a drain waiting for other nodes' files would hold it up to the retry deadline):
+        it is stopped, and the next job resumes it from the local directory (invariant 11)."""
+        deadline = None if timeout is None or not drain else time.monotonic() + timeout
 
         def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
+            return 0.0 if not drain else None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        if not drain:
+            with self._cond:
+                self._stop = True  # the drain thread acts no more (``_loop``): no verdict, no local retention
+            self.remote.abort()
         if self._resumer is not None:
             self._resumer.join(left())
         if drain:
@@ -210,7 +226,8 @@ class Drainer:
             for step, (futures, e) in self._contested.items():  # the run never said the step is its own
                 self._fail(step, futures, e)
             self._contested.clear()
-            undrained = set(self._queue) | self._failed | ({self._current} if self._current is not None else set())
+            current = {self._current} if self._current is not None else set()
+            undrained = set(self._queue) | self._failed | current | self._checking
             self._stop = True
             for futures in self._queue.values():
                 for f in futures:
@@ -266,14 +283,16 @@ class Drainer:
             finally:
                 with self._cond:
                     self._current = None
-                    self._settling = True
-                try:
-                    self.on_settled()
-                except Exception:
-                    log.exception("local retention after draining step %d failed", chosen)
-                with self._cond:
-                    self._settling = False
-                    self._cond.notify_all()
+                    stopped = self._stop  # closed meanwhile (``close``): the Checkpointer no longer owns the directory
+                    self._settling = not stopped
+                if not stopped:
+                    try:
+                        self.on_settled()
+                    except Exception:
+                        log.exception("local retention after draining step %d failed", chosen)
+                    with self._cond:
+                        self._settling = False
+                        self._cond.notify_all()
 
     def _fail(self, step: int, futures: list[Future[bool]], e: BaseException) -> None:
         """The drain of ``step`` failed (under ``_cond``): counted, said, and each future told."""
@@ -364,12 +383,34 @@ class Drainer:
             self._retain()
         elif not result.was_committed:
             # Another node will find every rank accounted for and commit; wait for its word.
+            self._check_supplied(step)
             self.coord.wait(
                 [committed], what=f"the remote commit of step {step}", timeout_s=self.options.retry.deadline_s
             )
             if not self.remote.exists(f"{step_dir(step)}/{COMMIT_FILE}"):
                 verdict = self.coord.get(committed).decode()
                 raise CoordinationError(f"step {step} was not committed on {self.remote.url}: {verdict}")
+
+    def _check_supplied(self, step: int) -> None:
+        """Of a step the local directory held at the start (a resumed drain): raise where some saving
+        rank's files are neither on the remote nor in any node's directory (``tiering.suppliers``),
+        rather than wait out the retry deadline for a commit that cannot come."""
+        save = read_marker(self.local, step).save_id
+        with self._cond:
+            resumed = (step, save) in self._held
+        if not resumed:  # saved or persisted in this run: each node uploads its files of it
+            return
+        try:
+            missing = unsupplied(self.coord, self.local, self.remote, step)
+        except (RuntimeError, CoordinationError) as e:
+            log.debug("drain: could not learn which nodes hold step %d (%s): waiting for its commit", step, e)
+            return
+        if missing:
+            raise CoordinationError(
+                f"not committing step {step} on {self.remote.url}: no node of this job holds the files of "
+                f"{len(missing)} saving rank(s), e.g. {missing[:8]} (a node's directory lost since?), nor does the "
+                "remote; this node's files stay there, and its local copy is kept for a job holding them all to drain"
+            )
 
     def _set_aside(self, step: int) -> None:
         """Where this run restored or saved the local ``step`` (``own``) and the remote holds that
