@@ -205,3 +205,16 @@ def test_two_ranks_of_a_node_restore_what_one_rank_saved_to_memory_and_persist_i
     assert run_ranks(_restore_on_one_node, 2, str(local), str(shm)) == [2, 2]
     assert list_steps(LocalTier(local)).committed == [2]
     assert_identical(tiercheck.load(local, step=2), _state(2))
+
+
+def test_a_clean_close_gives_back_the_memory_of_steps_it_does_not_trust_too(shm: Path, tmp_path: Path) -> None:
+    """A step of another lineage planted in the memory directory is never persisted at a clean close,
+    and its memory is given back with the rest: no step directory, slot or memory directory stays."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    die(_job_then_die, str(ours), str(shm), 100, [1, 2], False)
+    die(_job_then_die, str(theirs), str(shm), 100, [3], False, 50)
+    mine = _memory_dir(shm, ours)
+    shutil.copytree(_memory_dir(shm, theirs) / step_dir(3), mine / step_dir(3))
+    Checkpointer(_state(99), local=ours, memory=MemoryOptions(path=shm, persist_every=100)).close()
+    assert list_steps(LocalTier(ours)).committed == [2], "the lineage's newest persisted, never the planted 3"
+    assert not mine.exists()

@@ -42,7 +42,7 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.format.lineage import Lineage, lineage_id, memory_owner, owns_memory, read_lineage
-from tiercheck.format.memory_steps import doubt, record_memory, remote_doubt
+from tiercheck.format.memory_steps import doubt, judge, record_memory, remote_doubt
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import ReplicationOptions
@@ -301,15 +301,7 @@ class Memory:
 
     def _doubted(self) -> dict[int, str]:
         """This node's committed memory steps that are not its lineage's, each with why."""
-        lineage, out = self._lineage(), {}
-        for s in list_steps(self.slots.root).committed:
-            try:
-                why = doubt(s, read_marker(self.slots.root, s), lineage=lineage, local=self.local_job.tier)
-            except (OSError, TiercheckError) as e:
-                why = str(e)
-            if why is not None:
-                out[s] = why
-        return out
+        return {s: why for s, _, why in judge(self.slots.root, self.local_job.tier) if why is not None}
 
     def after_restore(self, step: int, *, from_memory: bool, local: LocalSteps, tiers: TierManager) -> None:
         """Memory steps newer than the restored one belong to a future this run abandoned: withdrawn.
@@ -379,18 +371,19 @@ class Memory:
             self.peers.close()
         keep = self.options.keep_at_close
         if self.leader:
+            committed = list_steps(self.slots.root).committed
             doubted = self._doubted()
-            committed = [s for s in list_steps(self.slots.root).committed if s not in doubted]
-            if committed and committed[-1] not in list_steps(self.local_job.tier).committed:
+            ours = [s for s in committed if s not in doubted]  # only the lineage's is persisted
+            if ours and ours[-1] not in list_steps(self.local_job.tier).committed:
                 try:
-                    self.persist(committed[-1], local=local, tiers=tiers)
+                    self.persist(ours[-1], local=local, tiers=tiers)
                 except (OSError, TiercheckError) as e:
                     keep = True
                     log.error("could not persist step %d from the memory tier at close (it stays there): %s",
-                              committed[-1], e)  # fmt: skip
+                              ours[-1], e)  # fmt: skip
             if not keep:
                 with _said_at_close():
-                    for step in committed:
+                    for step in committed:  # the doubted ones too: no restore takes them
                         self.slots.withdraw(step)
                     self.slots.root.delete_tree(MEMORY_OWNER_FILE)  # a file, or whatever damage put there
                 self._owner = None

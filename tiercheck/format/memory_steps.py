@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
+from tiercheck.errors import TiercheckError
 from tiercheck.format.lineage import Lineage, read_lineage
 from tiercheck.format.manifest import CommitMarker
 from tiercheck.format.paths import MEMORY_RECORD_FILE
@@ -72,22 +73,27 @@ def remote_doubt(remote: Tier, step: int, save: str | None) -> str | None:
     return None
 
 
-def lineage_steps(memory: Tier, local: Tier) -> dict[int, str]:
-    """The committed steps of ``memory`` that are ``local``'s lineage's to restore, each with its
-    save id (``doubt``): what a job without the memory tier, or a command, may say memory holds."""
+def judge(memory: Tier, local: Tier) -> Iterator[tuple[int, str | None, str | None]]:
+    """``(step, save id, why not)`` for each committed step of ``memory``: ``why not`` is None where
+    the step is ``local``'s lineage's to restore (``doubt``); a marker or lineage file that cannot be
+    read is a reason too (no step is trusted on a guess)."""
     try:
         lineage = read_lineage(local)
     except (TiercheckError, OSError):
-        return {}
-    out: dict[int, str] = {}
+        lineage = None
     for step in list_steps(memory).committed:
         try:
             marker = read_marker(memory, step)
-        except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+        except (TiercheckError, OSError) as e:
+            yield step, None, str(e)
             continue
-        if marker.save_id is not None and doubt(step, marker, lineage=lineage, local=local) is None:
-            out[step] = marker.save_id
-    return out
+        yield step, marker.save_id, doubt(step, marker, lineage=lineage, local=local)
+
+
+def lineage_steps(memory: Tier, local: Tier) -> dict[int, str]:
+    """The committed steps of ``memory`` that are ``local``'s lineage's to restore, each with its
+    save id (``judge``): what a job without the memory tier, or a command, may say memory holds."""
+    return {step: save for step, save, why in judge(memory, local) if why is None and save is not None}
 
 
 def record_memory(local: Tier, directory: Path) -> None:
