@@ -275,11 +275,13 @@ class Memory:
         """The step every rank would restore from memory, older than ``below`` when given (None:
         none, or not the one asked for). ``skip``, rank 0's only: its node's memory is not this
         lineage's, so none of the tier's steps is (None on every rank, after the same collective)."""
-        lineage = self._lineage() if self.leader else None
-        trust: Trust = functools.partial(doubt, lineage=lineage, local=self.local_job.tier)
+        # Each node's leader judges its node's steps (the other ranks learn the choice from it).
+        trust: Trust | None = None
+        if self.leader:
+            trust = functools.partial(doubt, lineage=self._lineage(), local=self.local_job.tier)
         try:
             choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below,
-                                   trust=trust if self.leader else None, veto=self._veto,
+                                   trust=trust, veto=self._veto,
                                    refuse=_NOT_OWNED if skip else None)  # fmt: skip
             return drive(self.job.coord, choice).step
         except CheckpointNotFoundError:
