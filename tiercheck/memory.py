@@ -57,6 +57,7 @@ from tiercheck.tiering.memory_peers import MemoryPeers
 from tiercheck.tiering.persisting import NOT_STARTED, Persisting
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
+from tiercheck.tiering.whole_again import NOT_WHOLE, WholeAgain
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -77,6 +78,7 @@ class Memory:
         self._owner: str | None = None  # the lineage this rank last named in OWNER (the leader's)
         self.peers: MemoryPeers | None = None
         self._persisting: Persisting | None = None  # the step the last restore persists in the background
+        self._whole: WholeAgain | None = None  # the last restore's step made whole again on every node
         if replication is not None and job.nodes.count > 1:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
         self.slots.before_reuse = self._before_reuse
@@ -89,7 +91,8 @@ class Memory:
         """``Checkpointer.stats()``'s entries of the memory tier: ``memory_held_bytes``, and where the
         background persist of the step a restore read from memory stands (``tiering.persisting``)."""
         persisting = NOT_STARTED if self._persisting is None else self._persisting.stats()
-        return {"memory_held_bytes": self.held(), **persisting}
+        whole = NOT_WHOLE if self._whole is None else self._whole.stats()
+        return {"memory_held_bytes": self.held(), **persisting, **whole}
 
     def _before_reuse(self, step: int) -> None:
         """Before a save stages into the slot of memory step ``step``: its copies (to the local
@@ -112,6 +115,8 @@ class Memory:
         committed on the local directory, or the failure logged); ``TimeoutError`` after ``timeout`` s."""
         if self._persisting is not None and not self._persisting.wait(timeout):
             raise TimeoutError(f"step {self._persisting.step} still being persisted after {timeout} s")
+        if self._whole is not None and not self._whole.wait(timeout):
+            raise TimeoutError(f"step {self._whole.step} still being made whole again after {timeout} s")
 
     def persists(self, step: int) -> bool:
         """Whether the save of ``step`` goes to the local tier too (``MemoryOptions.persist_every``)."""
@@ -310,7 +315,11 @@ class Memory:
         A step restored from memory that the local tier lacks is persisted there (this node's
         ranks' files) and drained by policy, in the background (``tiering.persisting``): it is
         committed in memory, and the restart does not wait for a copy that can run beside training."""
+        whole = from_memory and self.peers is not None  # its copies made whole again (tiering.whole_again)
         if not self.leader:
+            if whole:
+                assert self.peers is not None
+                self.peers.make_whole(step, None, Future())
             return
         if self.peers is not None:
             self.peers.wait()  # a copy to or from a peer runs in the steps withdrawn next
@@ -323,12 +332,42 @@ class Memory:
             elif s in doubted:
                 log.info("withdrawing step %d from the memory tier: %s", s, doubted[s])
                 self.slots.withdraw(s)
-        if from_memory and step not in list_steps(self.local_job.tier).committed:
-            log.info("persisting step %d from the memory tier to %s in the background", step, self.local_job.tier.url)
-            self._persisting = Persisting(step, functools.partial(self._persist_said, step, local=local, tiers=tiers))
+        rebuilt: Future[bool] | None = None  # this node's own files back in its memory (a replaced node)
+        if whole and not self._holds_own(step):
+            rebuilt = Future()
+        if from_memory and (rebuilt is not None or step not in list_steps(self.local_job.tier).committed):
+            log.info("persisting step %d from the memory tier to %s in the background%s", step,
+                     self.local_job.tier.url, "" if rebuilt is None else ", once its peers gave it back")  # fmt: skip
+            copy = functools.partial(self._persist_said, step, local=local, tiers=tiers, rebuilt=rebuilt)
+            self._persisting = Persisting(step, copy)
+        if whole:
+            assert self.peers is not None
+            self._whole = self.peers.whole_again(step, rebuilt, self._persisting, owner=self._own_lineage,
+                                                 where=self.local_job.tier.url)  # fmt: skip
 
-    def _persist_said(self, step: int, *, local: LocalSteps, tiers: TierManager) -> bool:
-        """``persist``, on the background thread: True once committed there; a step that cannot be, said."""
+    def _holds_own(self, step: int) -> bool:
+        """Whether this node's memory holds its own files of ``step``, committed (not a replaced node's)."""
+        try:
+            return self.local_job.nodes.leader in read_marker(self.slots.root, step).ranks
+        except (TiercheckError, OSError):
+            return False
+
+    def _own_lineage(self, lineage: str | None) -> None:
+        """Name ``lineage`` as the memory directory's (a step rebuilt there from a peer is committed next)."""
+        if lineage != self._owner:
+            self.slots.root.publish(MEMORY_OWNER_FILE, (lineage or "").encode())
+            self._owner = lineage
+            self._record()
+
+    def _persist_said(
+        self, step: int, *, local: LocalSteps, tiers: TierManager, rebuilt: Future[bool] | None = None
+    ) -> bool:
+        """``persist``, on the background thread: True once committed there; a step that cannot be, said.
+        ``rebuilt``: this node's files are first given back to its memory by its peers (True: they were)."""
+        if rebuilt is not None and not rebuilt.result():
+            log.warning("step %d is not persisted to %s: this node's memory lacks its files, and no peer gave them "
+                        "back (see the warnings above)", step, self.local_job.tier.url)  # fmt: skip
+            return False
         try:
             self.persist(step, local=local, tiers=tiers)
         except CheckpointNotFoundError as e:  # a replaced node, restored from its peers' memory
@@ -359,7 +398,7 @@ class Memory:
             copy_step(remote, dst, step, ranks=ranks)
         local.add(step)
         local.whole(step)
-        tiers.committed(step, Future(), Future())
+        tiers.persisted(step, Future())
         log.info("persisted step %d from the memory tier to %s", step, self.local_job.tier.url)
 
     def close(self, *, local: LocalSteps, tiers: TierManager) -> None:

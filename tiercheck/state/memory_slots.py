@@ -179,6 +179,9 @@ class MemorySlots:
                 self.before_reuse(old)
                 self.withdraw(old)
                 withdrawn = True
+            for loose in self._loose():
+                self.before_reuse(loose)
+                self.withdraw(loose)
             # A step of this number already here (a try that failed, a run that did not restore it) stops
             # counting before a byte of this save lands in it. Its marker only: the node's other ranks
             # are linking their slots into the same directory.
@@ -196,6 +199,31 @@ class MemorySlots:
             if isinstance(e, OSError) and not isinstance(e, TiercheckError):
                 raise refusal(e, self.root.root, f"stage step {step} into its slot {slot.path.name}") from e
             raise
+
+    def _loose(self) -> list[int]:
+        """Committed memory steps older than the newest one this rank's slots hold, whose pack of
+        this rank is no slot of its own (a replaced node's step, its files given back by its peers
+        and written, not staged; a slot a run with more slots left): withdrawn as a slot's step
+        would be, once a newer step holds a slot."""
+        newest = self.newest
+        if newest is None:
+            return []
+        mine = set()
+        for slot in self.slots:
+            with contextlib.suppress(OSError):
+                st = os.lstat(slot.path)
+                mine.add((st.st_dev, st.st_ino))
+        loose = []
+        for step in list_steps(self.root).committed:
+            if step >= newest:
+                break
+            try:
+                pack = os.lstat(self.root.local_path / step_dir(step) / pack_file(self.rank))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # none of this rank's: not this rank's to judge
+            if (pack.st_dev, pack.st_ino) not in mine:
+                loose.append(step)
+        return loose
 
     def _map(self, slot: Slot, capacity: int) -> torch.Tensor:
         """Map ``slot`` (again) where it is unmapped, smaller than ``capacity``, or no longer its file as

@@ -57,6 +57,12 @@ def restored(source: Tier, other: Tier | None, run: str) -> str:
     """The lineage a run continues by restoring a step from ``source``: the one ``source``
     belongs to, else (a place from before lineages, or filled by a copy) ``other``'s, else a new
     one named after the run."""
+    found = found_lineage(source, other)
+    return run if found is None else found
+
+
+def found_lineage(source: Tier, other: Tier | None) -> str | None:
+    """The lineage ``source`` belongs to, else ``other``'s; None where neither names one."""
     for tier in (source, other):
         if tier is None:
             continue
@@ -67,7 +73,7 @@ def restored(source: Tier, other: Tier | None, run: str) -> str:
             continue
         if found is not None:
             return found.id
-    return run
+    return None
 
 
 def claim(tier: Tier, lineage: str, run: str, *, keep: frozenset[tuple[int, str]] = frozenset()) -> Lineage | None:
@@ -363,13 +369,22 @@ def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
     """A job restored a step (from ``remote`` where ``from_remote``, else from its directories):
     it continues that step's lineage. The node leaders agree on one (``key``: this restore's, removed
     once all have read it) and tell their nodes; each leader claims its directory for it; the remote prefix is checked
-    and claimed at the next save (``settle``) and drain (``check_remote``)."""
+    and claimed at the next save (``settle``) and drain (``check_remote``). A leader whose directory
+    names no lineage (a replaced node's, empty) proposes a new one only after every leader that
+    found one has proposed it: a replaced node never moves the job onto a lineage of its own, which
+    would abandon every other node's steps."""
     coord, local, remote, nodes = job.coord, job.tier, job.remote, job.nodes
     node, leader = node_of(coord), nodes.leader == coord.rank
     here = node.key(key, "agreed")
     if leader:  # the leaders read the source's lineage (the remote's: one request per node), the first wins
         source, other = (remote, local) if from_remote and remote is not None else (local, remote)
-        agreed = coord.decide(key, restored(source, other, nodes.run))
+        found = found_lineage(source, other)
+        if found is not None:
+            coord.decide(key, found)
+        yield coord.arrive(f"{key}/found", what="every node's leader to propose the lineage it found",
+                           count=nodes.count)  # fmt: skip
+        agreed = coord.decide(key, nodes.run)  # a found one where any leader found one
+        coord.finish(f"{key}/found", count=nodes.count)
         node.set(here, agreed)
     else:
         agreed = bytes((yield Barrier(here, "the node's leader to learn the lineage", node, fetch=True))).decode()

@@ -101,6 +101,17 @@ class TierManager:
         else:
             drained.set_result(False)
 
+    def persisted(self, step: int, drained: Future[bool]) -> None:
+        """``step``, restored from the memory tier, is now committed locally on this node alone (each
+        node persists its own, when it can): drained by policy, never replicated to peers' local
+        tiers. Replication pairs every leader's steps in one order; a step that only some nodes
+        commit, or at different times, would leave a peer waiting on a copy never sent. Its copies
+        on peers are its memory tier's (``tiering.memory_peers``, made whole after a replacement)."""
+        if self.drainer is not None:
+            self.drainer.submit(step, drained)
+        else:
+            drained.set_result(False)
+
     def own(self, step: int, save: str | None) -> None:
         """This run restored ``step`` (the save ``save``): it is its lineage's (``Drainer.own``)."""
         if self.drainer is not None:

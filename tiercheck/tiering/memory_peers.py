@@ -19,12 +19,15 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from tiercheck.cluster.coordination import Coordinator
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.options import ReplicationOptions
+from tiercheck.tiering.persisting import Persisting
 from tiercheck.tiering.replication import Replicator
+from tiercheck.tiering.whole_again import MakeWhole, WholeAgain
 from tiercheck.tiers.local import LocalTier
 
 NAME = "memory-replicate"  # the store keys' scope: apart from the local tier's replication
@@ -41,6 +44,8 @@ class MemoryPeers:
         self.replicator = Replicator(tier, options, coord=coord, nodes=nodes, node=where, name=NAME)
         self._signal = coord.connect_again() if self.leader else None  # the copy's thread (or the commit's)
         self._waiter = coord.connect_again()  # the stager's thread
+        self._whole_coord = coord.connect_again() if self.leader else None  # the copies' thread: whole_again
+        self._restores = 0  # restores from memory: each one's keys apart
         self._lock = threading.Lock()
         self._sent: set[int] = set()  # steps this run committed whose copies a slot's reuse waits for
 
@@ -55,6 +60,44 @@ class MemoryPeers:
             done: Future[bool] = Future()
             done.add_done_callback(functools.partial(self._copied, step))
             self.replicator.submit(step, done)
+
+    def make_whole(self, step: int, job: Callable[[], bool] | None, done: Future[bool]) -> None:
+        """After a restore of ``step`` from memory (every rank of the node calls it): the leader runs
+        ``job`` (``tiering.whole_again``) in its turn on the copies' thread, and until it is over no
+        rank withdraws the step or reuses its slot, as for a step's copies."""
+        with self._lock:
+            self._sent.add(step)
+        if self.leader:
+            assert job is not None
+            done.add_done_callback(functools.partial(self._copied, step))
+            self.replicator.in_turn(step, job, done)
+
+    def whole_again(
+        self,
+        step: int,
+        rebuilt: Future[bool] | None,
+        persisting: Persisting | None,
+        *,
+        owner: Callable[[str | None], None],
+        where: str,
+    ) -> WholeAgain:
+        """The leader's ``make_whole`` of ``step``, restored from memory: ``rebuilt`` (this node
+        lacked its own files: it gets them back, then ``persisting`` copies them to ``where``, its
+        local directory) or None (it held them); ``owner`` names the memory's lineage."""
+        coord = self._whole_coord
+        assert coord is not None
+        self._restores += 1
+
+        def persisted() -> bool:
+            return persisting is not None and persisting.wait() and bool(persisting.persisted)
+
+        job = MakeWhole(self.replicator, coord, step, f"r{self._restores}", node=self.nodes.number,
+                        first=self.nodes.leader, count=self.nodes.count, rebuilt=rebuilt or Future(),
+                        persisted=persisted, owner=owner)  # fmt: skip
+        done: Future[bool] = Future()
+        state = WholeAgain(job, done, replaced=rebuilt is not None, where=where)
+        self.make_whole(step, job, done)
+        return state
 
     def _copied(self, step: int, _: Future[bool]) -> None:
         """Copied, failed (reported by the replicator), or not one ``ReplicationOptions.every`` selects."""

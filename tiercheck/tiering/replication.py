@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -166,7 +166,8 @@ class Replicator:
             "last_replication_s": None,
         }
         self._cond = threading.Condition()
-        self._queue: list[tuple[int, Future[bool]]] = []
+        # A step to replicate, or a job of the pairs' own run in its turn (``in_turn``).
+        self._queue: list[tuple[int, Future[bool], Callable[[], bool] | None]] = []
         self._current: int | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -196,13 +197,25 @@ class Replicator:
             fut.set_result(False)
             return
         with self._cond:
-            self._queue.append((step, fut))
+            self._queue.append((step, fut, None))
+            self._cond.notify_all()
+
+    def in_turn(self, step: int, job: Callable[[], bool], done: Future[bool]) -> None:
+        """Run ``job`` on the replication thread in its turn among the submitted steps (every leader
+        submits the same jobs at the same place in its queue, so the pairs stay in step): it may use
+        the pairs (``targets``, ``sources``) in either direction. ``done`` gets its result (False
+        where it raised: reported, as a step's replication is)."""
+        if not self.leader or self._thread is None:
+            done.set_result(False)
+            return
+        with self._cond:
+            self._queue.append((step, done, job))
             self._cond.notify_all()
 
     def pinned(self) -> set[int]:
         """Steps still to be replicated: local retention keeps them."""
         with self._cond:
-            return {s for s, _ in self._queue} | ({self._current} if self._current is not None else set())
+            return {s for s, _, _ in self._queue} | ({self._current} if self._current is not None else set())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted step is replicated (or failed); False on timeout."""
@@ -219,7 +232,7 @@ class Replicator:
         self.wait(timeout)
         with self._cond:
             self._stop = True
-            for _, fut in self._queue:
+            for _, fut, _ in self._queue:
                 fut.set_result(False)
             self._queue.clear()
             self._cond.notify_all()
@@ -231,10 +244,10 @@ class Replicator:
                     self._cond.wait()
                 if self._stop:
                     return
-                step, fut = self._queue.pop(0)
+                step, fut, job = self._queue.pop(0)
                 self._current = step
             try:
-                fut.set_result(self._replicate(step))
+                fut.set_result(self._replicate(step) if job is None else job())
             except BaseException as e:  # reported; replication never stops training
                 fut.set_result(False)
                 log.warning("replication of step %d failed: %s", step, e)
@@ -284,10 +297,15 @@ class Replicator:
 
     def _send(self, pair: _Pair, d: str, header: ReplicaHeader) -> None:
         pair.send_bytes(json.dumps(header.to_json()).encode())
+        self.send_files(pair, d, header.files)
+
+    def send_files(self, pair: _Pair, d: str, files: Iterable[tuple[str, int]]) -> None:
+        """Send ``files`` of step directory ``d`` (name, size) in pieces, then their CRC32Cs; wait
+        for the peer's acknowledgement (``TiercheckError`` where it kept nothing)."""
         buf = torch.empty(self.options.piece_bytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         crcs = []
-        for name, size in header.files:
+        for name, size in files:
             crc = 0
             for offset in range(0, size, len(view)):
                 n = min(len(view), size - offset)
@@ -305,9 +323,15 @@ class Replicator:
             raise TiercheckError(f"node {pair.peer} could not keep the copy (its log says why)")
 
     def _receive(self, pair: _Pair, step: int, own: set[int]) -> None:
-        d = step_dir(step)
         where = f"{self.tier.url}: step {step}: replica from node {pair.peer}"
         header = ReplicaHeader.from_json(loads(pair.recv_bytes(1 << 20), where=where), where=where)
+        self.receive_replica(pair, step, own, header)
+
+    def receive_replica(self, pair: _Pair, step: int, own: set[int], header: ReplicaHeader) -> None:
+        """Receive the files ``header`` names (its ranks' replica of ``step``), keep them where
+        they check out (with their replica marker, written last), and acknowledge."""
+        d = step_dir(step)
+        where = f"{self.tier.url}: step {step}: replica from node {pair.peer}"
         ranks, world, files = list(header.ranks), header.world_size, header.files
         named = {n: s for n, s in files}
         problem = None
@@ -320,35 +344,11 @@ class Replicator:
         elif not self.tier.exists(f"{d}/{COMMIT_FILE}"):
             problem = "the step is not committed here (deleted, or its save failed on this node)"
         keep = problem is None
-        # A piece is received into memory the file's writer no longer holds: ``write_stream`` writes
-        # up to two pieces while the next is received, and a single buffer received into again
-        # changed a piece under its write after its CRC32C was folded (a replica marked whole, and
-        # damaged).
-        ring = _Ring(self.options.piece_bytes)
-        crcs: dict[str, int] = {}
         written: list[str] = []
         try:
-            for name, size in files:
-                pieces = self._pieces(pair, ring, size)
-                if keep:
-                    crcs[name] = 0
-
-                    def stream(name: str = name, pieces: Iterator[memoryview] = pieces) -> Iterator[memoryview]:
-                        for piece in pieces:
-                            crcs[name] = checksum(piece, crcs[name])
-                            yield piece
-
-                    self.tier.write_stream(f"{d}/{name}", stream)
-                    written.append(name)
-                else:
-                    for _ in pieces:  # the protocol goes on: take the bytes, keep nothing
-                        pass
-            sent = torch.zeros(max(1, len(files)), dtype=torch.int64)
-            pair.recv(sent)
-            if keep:
-                bad = [n for (n, _), c in zip(files, sent.tolist(), strict=False) if crcs[n] != c]
-                if bad:
-                    problem, keep = f"CRC32C mismatch in {', '.join(bad)}", False
+            crcs, bad = self.receive_files(pair, d, files, keep, written)
+            if keep and bad:
+                problem, keep = f"CRC32C mismatch in {', '.join(bad)}", False
             if keep:
                 self.tier.sync_dirs(d)
                 replica = Replica(step, tuple(ranks), world, {n: (s, crcs[n]) for n, s in files}, header.node)
@@ -361,6 +361,38 @@ class Replicator:
             self._discard(d, written)
             log.warning("%s: not kept: %s", where, problem)
         pair.send(torch.tensor([1 if keep else 0], dtype=torch.int64))
+
+    def receive_files(
+        self, pair: _Pair, d: str, files: tuple[tuple[str, int], ...], keep: bool, written: list[str]
+    ) -> tuple[dict[str, int], list[str]]:
+        """Receive ``files`` (name, size) into step directory ``d`` where ``keep`` (each named in
+        ``written`` once begun; else take the bytes and keep nothing), then the sender's CRC32Cs.
+        Returns the CRC32C of each file received, and the files whose CRC32C the sender's differs from."""
+        # A piece is received into memory the file's writer no longer holds: ``write_stream`` writes
+        # up to two pieces while the next is received, and a single buffer received into again
+        # changed a piece under its write after its CRC32C was folded (a replica marked whole, and
+        # damaged).
+        ring = _Ring(self.options.piece_bytes)
+        crcs: dict[str, int] = {}
+        for name, size in files:
+            pieces = self._pieces(pair, ring, size)
+            if keep:
+                crcs[name] = 0
+
+                def stream(name: str = name, pieces: Iterator[memoryview] = pieces) -> Iterator[memoryview]:
+                    for piece in pieces:
+                        crcs[name] = checksum(piece, crcs[name])
+                        yield piece
+
+                self.tier.write_stream(f"{d}/{name}", stream)
+                written.append(name)
+            else:
+                for _ in pieces:  # the protocol goes on: take the bytes, keep nothing
+                    pass
+        sent = torch.zeros(max(1, len(files)), dtype=torch.int64)
+        pair.recv(sent)
+        bad = [n for (n, _), c in zip(files, sent.tolist(), strict=False) if keep and crcs[n] != c]
+        return crcs, bad
 
     def _pieces(self, pair: _Pair, ring: _Ring, size: int) -> Iterator[memoryview]:
         for offset in range(0, size, ring.size):
