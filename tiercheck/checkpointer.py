@@ -229,7 +229,8 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed, and a step restored from the memory tier is
-        persisted to the local directory (its failure is logged); raise the failure of the latest save."""
+        persisted to the local directory and made whole again on the peers (their failure is logged);
+        raise the failure of the latest save."""
         if self._pipeline is not None and not self._pipeline.wait_idle(timeout):
             raise TimeoutError(f"saves still in flight after {timeout} s")
         if self._mem is not None:
@@ -396,7 +397,11 @@ class Checkpointer:
         files this rank found damaged in its node's copy, read from another node's or the remote tier).
         With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
         With ``memory=``: ``memory_persist`` (None, ``"pending"``, ``"done"``, ``"failed"``: the background copy of
-        a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``.
+        a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``;
+        with ``replication=`` too, on each node's first rank: ``memory_rereplicate`` (None, ``"pending"``,
+        ``"done"``, ``"failed"``: the step restored from memory made whole again on every node, a replaced
+        node's files back in its memory and the peers' copies sent again), ``memory_rereplicated_step``,
+        ``memory_rereplicate_s``.
         """
         out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:

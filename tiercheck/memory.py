@@ -17,7 +17,9 @@ the usual restore. What this module adds is the choice between tiers, made alike
   withdrawn, with a warning, before this run saves.
 * A step restored from memory that the local tier lacks is persisted there (and drained, by
   policy) by the run that restored it, in the background once ``restore()`` has returned
-  (``tiering.persisting``, invariant 15): nothing a crash interrupted is lost.
+  (``tiering.persisting``, invariant 15): nothing a crash interrupted is lost. With peers' copies,
+  the step is then made whole again on every node, in the background too (``tiering.whole_again``):
+  a replaced node gets its files back into its memory from a peer before it persists them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ replication's (``tiering.replication``), run by a ``Replicator`` of its own over
 directory: a node's files of a step land in the peers' memory directories of that step, counted by
 a replica marker written last, once every file is whole and its CRC32C checked. A replaced node,
 whose tmpfs is empty, then restores from a peer's memory (the restore counts replica markers as it
-does on the local tier).
+does on the local tier); after that restore, the step is made whole again on every node
+(``tiering.whole_again``, run in its turn on the same thread, over the same pairs).
 
 A slot is never reused while the step it holds is being copied: every rank of the node waits, before
 it withdraws that step, until its node's leader says the copy is over (a store key per step and

@@ -13,7 +13,10 @@ counts both (``held_steps``) and prefers a node's own files, then a peer's copy,
 
 Transport: leaders talk over gloo process groups of tiercheck's own, one per sending and receiving pair of
 nodes (made from the store at start, never the training's group), from a background thread; every leader
-replicates the same committed steps in the same order, so the pairs stay in step. Memory: one piece
+replicates the same committed steps in the same order, so the pairs stay in step: only the steps every node
+commits together (a save's vote) are submitted, never a step one node commits alone (a step persisted from
+memory: ``TierManager.persisted``), and work of the pairs' own (``in_turn``: a restored step made whole
+again, ``tiering.whole_again``) is queued by every leader at the same place. Memory: one piece
 (``piece_bytes``) per pair in flight, read from and written to disk. A pair that fails (a peer died, a
 timeout) is reported and left out for the rest of the run; the step stays committed and restorable from
 its own node or the remote tier. Steps committed before a restart are not replicated again.
