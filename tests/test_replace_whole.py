@@ -32,10 +32,11 @@ def _state(step: int, rank: int) -> dict[str, torch.Tensor]:
     return seeded_tensors(100 * step + rank, _SHAPES)
 
 
-def _node(rank: int, world: int, root: str, phase: str, replicas: int) -> dict[str, Any]:
+def _node(rank: int, world: int, root: str, phase: str, replicas: int, then: tuple[int, ...] = ()) -> dict[str, Any]:
     """One rank, a node of its own: ``save`` saves steps 1 to 3 to memory (the clean close persists
     step 3); ``restore`` restores (step 3, bit-identical), waits for the background work
-    (``Checkpointer.wait``), and returns its stats and the tiercheck INFO and WARNING lines it logged."""
+    (``Checkpointer.wait``), saves the steps ``then``, and returns its stats and the tiercheck INFO
+    and WARNING lines it logged."""
     live = _state(0, rank)
     state = {k: per_rank(v) for k, v in live.items()}
     memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
@@ -59,6 +60,10 @@ def _node(rank: int, world: int, root: str, phase: str, replicas: int) -> dict[s
             assert_identical(live, _state(3, rank))
             ck.wait()  # its persist and its copies made whole again: not a sleep
             stats = {k: v for k, v in ck.stats().items() if k.startswith(("memory_", "restore_from"))}
+            for step in then:
+                for k, v in _state(step, rank).items():
+                    live[k].copy_(v)
+                ck.save(step).wait()
     finally:
         log.removeHandler(handler)
     torch.distributed.barrier()  # the job goes on after the close (its training group), as a job would
@@ -135,8 +140,10 @@ def test_a_restart_after_a_replacement_with_replication_on_does_not_wait_for_a_c
     got = run_ranks(_node, 2, str(shm), "restore", 1, timeout=120)
     assert [out["stats"]["memory_persisted_step"] for out in got] == [3, 3]
     assert not [m for out in got for m in out["said"] if "withdrawing" in m or "failed" in m], got[0]["said"]
-    got = run_ranks(_node, 2, str(shm), "restore", 1, timeout=120)  # the next restart: from memory again, whole
+    got = run_ranks(_node, 2, str(shm), "restore", 1, (4, 5), timeout=120)  # the next restart: from memory, whole
     assert [out["stats"]["restore_from_memory"] for out in got] == [1, 1]
+    for rank in (0, 1):  # step 3 given back to node 1 (in no slot) is reclaimed as node 0's slot of it is
+        assert list_steps(LocalTier(_memory(shm, rank))).committed == [4, 5], rank
 
 
 def _restore_with_a_dying_giver(rank: int, world: int, root: str) -> dict[str, Any]:

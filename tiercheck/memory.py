@@ -90,8 +90,9 @@ class Memory:
         return self.slots.held()
 
     def stats(self) -> dict[str, Any]:
-        """``Checkpointer.stats()``'s entries of the memory tier: ``memory_held_bytes``, and where the
-        background persist of the step a restore read from memory stands (``tiering.persisting``)."""
+        """``Checkpointer.stats()``'s entries of the memory tier: ``memory_held_bytes``, where the
+        background persist of the step a restore read from memory stands (``tiering.persisting``), and,
+        on a node's leader, where making that step whole again on every node stands (``tiering.whole_again``)."""
         persisting = NOT_STARTED if self._persisting is None else self._persisting.stats()
         whole = NOT_WHOLE if self._whole is None else self._whole.stats()
         return {"memory_held_bytes": self.held(), **persisting, **whole}
@@ -350,9 +351,10 @@ class Memory:
     def _holds_own(self, step: int) -> bool:
         """Whether this node's memory holds its own files of ``step``, committed (not a replaced node's)."""
         try:
-            return self.local_job.nodes.leader in read_marker(self.slots.root, step).ranks
+            read_marker(self.slots.root, step)
         except (TiercheckError, OSError):
             return False
+        return True
 
     def _own_lineage(self, lineage: str | None) -> None:
         """Name ``lineage`` as the memory directory's (a step rebuilt there from a peer is committed next)."""

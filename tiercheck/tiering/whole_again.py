@@ -82,9 +82,10 @@ class Holding:
 
 
 def holding(rep: Replicator, step: int, *, node: int, first: int) -> Holding:
-    """What ``rep``'s tier holds of ``step``: its own files where its commit marker names ``first``."""
+    """What ``rep``'s tier holds of ``step``: its own files where it is committed there (their first
+    saving rank then as its marker names it, else ``first``, the node's first rank)."""
     try:
-        own = first in read_marker(rep.tier, step).ranks
+        first, own = read_marker(rep.tier, step).ranks[0], True
     except (TiercheckError, OSError):
         own = False
     holds = tuple(sorted(r.ranks[0] for r in read_replicas(rep.tier, step, checked=True))) if own else ()
@@ -188,9 +189,10 @@ class MakeWhole:
 
     def _has_own(self) -> bool:
         try:
-            return self.first in read_marker(self.rep.tier, self.step).ranks
+            read_marker(self.rep.tier, self.step)
         except (TiercheckError, OSError):
             return False
+        return True
 
     def _pairs(self, kind: str, peers: tuple[int, ...]) -> list[_Pair]:
         pairs = {p.peer: p for p in (self.rep.targets if kind == "targets" else self.rep.sources)}
@@ -226,8 +228,8 @@ class MakeWhole:
     def _give(self, pair: _Pair) -> None:
         """Send the peer ``pair.peer`` its own files of the step, from the replica of them held here."""
         d, tier = step_dir(self.step), self.rep.tier
-        theirs = [r for r in read_replicas(tier, self.step, checked=True) if r.ranks and r.ranks[0] != self.first]
-        replica = next((r for r in theirs if self._posts[pair.peer].first == r.ranks[0]), None)
+        held = read_replicas(tier, self.step, checked=True)
+        replica = next((r for r in held if r.ranks[0] == self._posts[pair.peer].first), None)
         if replica is None:
             pair.send_bytes(b"")  # held no more (withdrawn meanwhile): the peer learns at once
             return
@@ -314,7 +316,11 @@ class MakeWhole:
             log.warning("%s: the peer has no files of its own of the step to copy", where)
             return
         header = ReplicaHeader.from_json(loads(raw, where=where), where=where)
-        self.rep.receive_replica(pair, self.step, {self.first}, header)
+        try:  # this node's saving ranks: no peer's copy may name one
+            own = set(read_marker(self.rep.tier, self.step).ranks)
+        except (TiercheckError, OSError):
+            own = {self._posts[self.node].first}  # none committed here: the copy is not kept anyway
+        self.rep.receive_replica(pair, self.step, own, header)
 
     def _wait_whole(self, replaced: list[int]) -> bool:
         """Wait (at most the pair timeout) until each node in ``replaced`` whose copy this node holds
