@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from tiercheck.cluster.assign import LeafDesc, Need, assign_all_reads, assign_writes, needed_chunks, route_chunks
 from tiercheck.cluster.coordination import Coordinator, lockstep, shard_of
+from tiercheck.cluster.keys import scope_key
+from tiercheck.cluster.keys.save import plan_holders_scope
 from tiercheck.cluster.nodes import join_in_lockstep
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.layout import chunks, chunks_in_box, grid_for_boxes
@@ -315,7 +317,7 @@ def test_a_garbled_node_register_fails_every_rank_naming_it_without_a_hang() -> 
     protocols = [plan_save(c, 0, per_rank[c.rank], target_chunk_bytes=64) for c in coords]
     node = coords[4].node
     assert node is not None
-    node.append(node.key("plan0", "holders"), "1:zz:9:;")
+    node.append(scope_key(node, plan_holders_scope("plan0")), "1:zz:9:;")
     outcomes = lockstep(protocols, capture=True)
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
     assert all("field 'holders[0]'" in str(o) for o in outcomes), outcomes

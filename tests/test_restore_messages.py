@@ -15,6 +15,8 @@ from tests.test_coordination import agreed_manifest, job, save
 from tiercheck.cluster.assign import Need, Route, Source
 from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys import scope_key
+from tiercheck.cluster.keys.restore import groups_scope
 from tiercheck.cluster.ranksets import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CoordinationError
 from tiercheck.format.layout import chunk_at
@@ -245,7 +247,7 @@ def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, s
         st, manifest = yield from agreed_manifest(rank_job)
         if c.rank == 1:  # said before the node's first rank reads it (rank 5 is on another node)
             assert c.node is not None
-            c.node.append(c.node.key("r/reads", "groups"), said)
+            c.node.append(scope_key(c.node, groups_scope("r/reads")), said)
         needs = [Need(d.path, d.offsets, d.shape) for d in per_rank[c.rank]]
         return (
             yield from plan_restore(

@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiercheck.cluster.coordination import Coordinator, store_traffic
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import restore_scope
 from tiercheck.errors import ClosedError, InvalidArgumentError, StepExistsError, UnsupportedValueError
 from tiercheck.format.manifest import JSON
 from tiercheck.format.metadata import encode as encode_metadata
@@ -352,7 +353,7 @@ class Checkpointer:
                 request = RestoreRequest(step=step, strict=strict, allow_pickle=pickle, others=others, extra=extra,
                                          in_place=in_place, read_once=d.read_once, share_memory=d.share_memory,
                                          io_threads=self.write.io_threads)  # fmt: skip
-                name = f"restore{n}"
+                name = restore_scope(n)
                 disk = functools.partial(restore_state, self.state, self._job, request, name=name, pool=self._pool)
                 done = self._mem.restore(self.state, request, name, disk) if self._mem else disk()
             finally:

@@ -35,6 +35,7 @@ from typing import Any
 
 from tiercheck.cluster.coordination import drive
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import disk_scope, memory_choice_scope, memory_scope
 from tiercheck.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -192,17 +193,17 @@ class Memory:
         skip = not self.owned()
         passed = "the memory tier held another lineage's steps (withdrawn)" if skip else ""  # why not memory
         for n in itertools.count():
-            mem = self._choose(f"{name}/memory{n or ''}", request.step, below, skip=skip)
+            mem = self._choose(memory_choice_scope(name, n), request.step, below, skip=skip)
             if mem is None:
                 passed = passed or (_held_none(request.step) if n == 0 else "no step in memory could be read whole")
                 break
             if request.step is None and n == 0:
-                newest = self._newest_elsewhere(f"{name}/disk")
+                newest = self._newest_elsewhere(disk_scope(name))
             if newest is not None and newest > mem:
                 passed = passed or f"its step {newest} is newer than the memory tier's newest whole step, {mem}"
                 break
             try:
-                done = self._restore_step(state, request, mem, f"{name}/m{n or ''}")
+                done = self._restore_step(state, request, mem, memory_scope(name, n))
             except PartlyRestoredError as e:
                 if not (request.in_place and request.strict):
                     raise

@@ -5,7 +5,8 @@ with the training's own and deadlock it. So ranks meet in the store that ``torch
 already runs (a TCPStore: rank 0 serves it, everyone is a client); background threads open their
 own client connection to it. A single process uses an in-memory store and the same code.
 
-Every key lives under ``tiercheck/<namespace>/``; a namespace is one Checkpointer of the job.
+Every key lives under ``tiercheck/<namespace>/``; a namespace is one Checkpointer of the job. Keys
+and scopes are built by ``cluster.keys`` only, one function per family (``docs/protocol.md``).
 
 Cost stays flat per rank as the job grows: no protocol here has a rank read every rank's keys.
 Ranks meet at counting barriers (one ``add`` each; the last to arrive sets one key everyone waits
@@ -37,6 +38,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from tiercheck.cluster.keys import (
+    arrived_key,
+    bucket_item_key,
+    bucket_n_key,
+    error_key,
+    finished_key,
+    job_namespace,
+    open_key,
+)
 from tiercheck.errors import CoordinationError
 
 log = logging.getLogger("tiercheck")
@@ -110,9 +120,6 @@ class Coordinator:
         coord = cls(store, rank=0, world_size=1, namespace="local", timeout_s=timeout_s)
         coord.owns_client = True
         return coord
-
-    def key(self, *parts: object) -> str:
-        return "/".join(["tiercheck", self.namespace, *map(str, parts)])
 
     def connect_again(self) -> Coordinator:
         """The same coordinator over a client connection of its own, for use from another thread
@@ -268,10 +275,10 @@ class Coordinator:
         """Count this rank in at barrier ``name``; the last of ``count`` (default: every rank) to
         arrive opens it. Yield the result to wait there. ``record``: for ``finish`` to delete (else
         the protocol deletes its keys itself)."""
-        done = self.key(name, "open")
+        done = open_key(self, name)
         if record:
             self._barriers.append(name)
-        if self.add(self.key(name, "arrived"), 1) == (self.world_size if count is None else count):
+        if self.add(arrived_key(self, name), 1) == (self.world_size if count is None else count):
             self.set(done, "1")
         return Barrier(done, what, self)
 
@@ -282,14 +289,14 @@ class Coordinator:
         of a long job. ``count``: how many ranks take part (default: every rank)."""
         names = [n for n in self._barriers if n == scope or n.startswith(f"{scope}/")]
         self._barriers = [n for n in self._barriers if n not in names]
-        if self.add(self.key(scope, "finished"), 1) == (self.world_size if count is None else count):
-            barriers = [self.key(n, k) for n in dict.fromkeys(names) for k in ("arrived", "open", "error")]
-            self.delete(self.key(scope, "finished"), self.key(scope, "error"), *barriers, *keys)
+        if self.add(finished_key(self, scope), 1) == (self.world_size if count is None else count):
+            barriers = [f(self, n) for n in dict.fromkeys(names) for f in (arrived_key, open_key, error_key)]
+            self.delete(finished_key(self, scope), error_key(self, scope), *barriers, *keys)
 
     def report(self, name: str, error: BaseException) -> None:
         """Record that this rank failed at ``name`` (the first report wins); every rank learns of
         it with ``check(name)`` after the next barrier."""
-        self.decide(self.key(name, "error"), dumps(Failure(self.rank, type(error).__name__, str(error)).to_json()))
+        self.decide(error_key(self, name), dumps(Failure(self.rank, type(error).__name__, str(error)).to_json()))
 
     def check(self, name: str, own: BaseException | None = None, *, shared: tuple[type[Exception], ...] = ()) -> None:
         """Raise this rank's own failure, else the first failure any rank reported at ``name``: as
@@ -297,7 +304,7 @@ class Coordinator:
         layout that cannot be planned), else as ``CoordinationError`` naming the failed rank."""
         if own is not None:
             raise own
-        key = self.key(name, "error")
+        key = error_key(self, name)
         if self.has(key):
             self.raise_failure(self.get(key), where=key, shared=shared)
 
@@ -313,17 +320,17 @@ class Coordinator:
     def post(self, bucket: str, value: str | bytes) -> int:
         """Put ``value`` into ``bucket``, for the rank that ``collect``s it after a barrier; returns
         how many values the bucket holds with this one."""
-        i = self.add(self.key(bucket, "n"), 1)
-        self.set(self.key(bucket, i), value)
+        i = self.add(bucket_n_key(self, bucket), 1)
+        self.set(bucket_item_key(self, bucket, i), value)
         return i
 
     def collect(self, bucket: str, *, forget: bool = True) -> list[bytes]:
         """Everything posted into ``bucket`` (in no particular order); with ``forget``, removed."""
-        n = self.add(self.key(bucket, "n"), 0)
-        keys = [self.key(bucket, i) for i in range(1, n + 1)]
+        n = self.add(bucket_n_key(self, bucket), 0)
+        keys = [bucket_item_key(self, bucket, i) for i in range(1, n + 1)]
         values = self.multi_get(keys)
         if forget:
-            self.delete(self.key(bucket, "n"), *keys)
+            self.delete(bucket_n_key(self, bucket), *keys)
         return values
 
 
@@ -393,7 +400,7 @@ def namespace_of(group: Any) -> str:
 
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     members = "-".join(map(str, ranks)) if len(ranks) <= 8 else hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
-    return f"g{members}/ckpt{next(_namespaces[ranks])}"
+    return job_namespace(members, next(_namespaces[ranks]))
 
 
 def default_store() -> Any:

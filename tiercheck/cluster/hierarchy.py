@@ -20,6 +20,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange
+from tiercheck.cluster.keys import (
+    all_left_key,
+    answer_key,
+    arrived_key,
+    error_key,
+    left_key,
+    node_in_scope,
+    open_key,
+    out_key,
+    scope_key,
+    up_key,
+)
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import CoordinationError
 
@@ -49,15 +61,15 @@ def verdict(
     node = node_of(coord)
     if failure is not None:
         coord.report(name, failure)
-    here = node.arrive(f"{name}/in", what=f"this node's ranks: {what}", record=False)
-    out = node.key(name, "out")
+    here = node.arrive(node_in_scope(name), what=f"this node's ranks: {what}", record=False)
+    out = out_key(node, name)
     if coord.rank == nodes.leader:
         yield here
         yield coord.arrive(name, what=f"every node: {what}", count=nodes.count)
-        error = coord.key(name, "error")
+        error = error_key(coord, name)
         raw = coord.get(error) if coord.has(error) else b""
         node.set(out, raw or b"-")
-        yield from leave_node(node, nodes, name, keys=(out, *_barrier_keys(node, f"{name}/in")), wait=True)
+        yield from leave_node(node, nodes, name, keys=(out, *_barrier_keys(node, node_in_scope(name))), wait=True)
         coord.finish(name, count=nodes.count)
     else:
         raw = bytes((yield Barrier(out, what, node, fetch=True)))
@@ -65,7 +77,7 @@ def verdict(
     if failure is not None:
         raise failure
     if raw not in (b"", b"-"):
-        coord.raise_failure(raw, where=coord.key(name, "error"), shared=shared)
+        coord.raise_failure(raw, where=error_key(coord, name), shared=shared)
 
 
 def leave_node(
@@ -74,7 +86,7 @@ def leave_node(
     """The end of a protocol at a node. Its other ranks count themselves out (their last request to
     the node's store); the leader, whose process serves that store and may exit next, waits for them
     (``wait``: not where one of them is known to be gone) and deletes the protocol's ``keys`` there."""
-    left, all_left = node.key(name, "left"), node.key(name, "left", "all")
+    left, all_left = left_key(node, name), all_left_key(node, name)
     if node.rank != 0:
         if node.add(left, 1) == len(nodes.ranks) - 1:
             node.set(all_left, "1")
@@ -89,7 +101,7 @@ def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) 
     ending in ``;``), appended under ``scope`` in the node's store. The leader, once every rank of
     the node has, gets all of them, split, and deletes the scope's keys; the others get None at once
     (they need not wait). ``CoordinationError`` on the leader where what was said is not ASCII."""
-    said = node.key(scope)
+    said = scope_key(node, scope)
     if entries:
         node.append(said, entries)
     here = node.arrive(scope, what=what, record=False)
@@ -106,7 +118,7 @@ def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) 
 
 
 def _barrier_keys(node: Coordinator, name: str) -> tuple[str, str]:
-    return node.key(name, "arrived"), node.key(name, "open")
+    return arrived_key(node, name), open_key(node, name)
 
 
 def fold(
@@ -118,13 +130,13 @@ def fold(
     k = nodes.number
     values = [value]
     for child in range(FAN_IN * k + 1, min(FAN_IN * (k + 1), nodes.count - 1) + 1):
-        key = coord.key(name, "up", child)
+        key = up_key(coord, name, child)
         values.append(bytes((yield Barrier(key, what, coord, fetch=True))))
         coord.delete(key)
     folded = merge(values) if len(values) > 1 else value
     if k == 0:
         return folded
-    coord.set(coord.key(name, "up", k), folded)
+    coord.set(up_key(coord, name, k), folded)
     return None
 
 
@@ -133,7 +145,7 @@ def tell(coord: Coordinator, nodes: Nodes, name: str, answer: bytes | None, *, w
     the job's store, the node's other ranks from their leader. Node 0's leader deletes it at its
     next fold (``forget_later``)."""
     node = node_of(coord)
-    key, here = coord.key(name, "answer"), node.key(name, "answer")
+    key, here = answer_key(coord, name), answer_key(node, name)
     if coord.rank == nodes.leader:
         if nodes.number == 0:
             if answer is None:

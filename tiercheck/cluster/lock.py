@@ -23,6 +23,7 @@ import socket
 from pathlib import Path
 
 from tiercheck.cluster.coordination import Coordinator, Exchange
+from tiercheck.cluster.keys.nodes import LOCK, lock_scope
 from tiercheck.errors import DirectoryInUseError, StorageError, TiercheckError
 from tiercheck.format.paths import LOCK_FILE
 from tiercheck.tiers.refusals import storage_error
@@ -120,12 +121,12 @@ def lock_node(
         except (DirectoryInUseError, StorageError) as e:
             failed = e
     if failed is not None:
-        coord.report("lock", failed)
-    yield coord.arrive("lock/taken", what="every node's first rank to lock its directory")
+        coord.report(LOCK, failed)
+    yield coord.arrive(lock_scope(), what="every node's first rank to lock its directory")
     try:
-        coord.check("lock", failed, shared=(DirectoryInUseError,))
+        coord.check(LOCK, failed, shared=(DirectoryInUseError,))
     except BaseException:
         lock.release()
         raise
     finally:
-        coord.finish("lock")
+        coord.finish(LOCK)

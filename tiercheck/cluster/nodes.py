@@ -27,6 +27,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, dumps, lockstep
+from tiercheck.cluster.keys import bucket_item_key, bucket_n_key, node_namespace
+from tiercheck.cluster.keys.nodes import (
+    CHANNEL,
+    NODES,
+    channel_key,
+    channel_tried_key,
+    channel_whole_key,
+    leaders_bucket,
+    node_members_bucket,
+    node_number_key,
+    nodes_count_key,
+    nodes_scope,
+    run_key,
+)
 from tiercheck.cluster.wire import as_fields, as_rank, as_str, loads
 from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
@@ -60,31 +74,31 @@ def join_nodes(coord: Coordinator, node: str, host: str | None = None) -> Exchan
     """Learn this node's ranks, number and host: each rank reads its own node's members, never
     every rank's; rank 0 reads one entry per node to number them. ``host``: a key equal on the
     ranks of one host (``restore.share.host_key``; None: unknown, a host of its own)."""
-    bucket = f"nodes/{node}"
+    bucket = node_members_bucket(node)
     mine = coord.post(bucket, str(coord.rank))
     if mine == 1:
-        coord.add(coord.key("nodes", "count"), 1)
+        coord.add(nodes_count_key(coord), 1)
     if coord.rank == 0:
-        coord.set(coord.key("nodes", "run"), uuid.uuid4().hex)
-    yield coord.arrive("nodes/joined", what="every rank to name its node directory")
+        coord.set(run_key(coord), uuid.uuid4().hex)
+    yield coord.arrive(nodes_scope("joined"), what="every rank to name its node directory")
     members = sorted(int(v) for v in coord.collect(bucket, forget=False))
-    count = coord.add(coord.key("nodes", "count"), 0)
-    run = coord.get(coord.key("nodes", "run")).decode()
+    count = coord.add(nodes_count_key(coord), 0)
+    run = coord.get(run_key(coord)).decode()
     if coord.rank == members[0]:
-        coord.post("nodes/leaders", dumps([coord.rank, host]) if host else str(coord.rank))
-    yield coord.arrive("nodes/read", what="every rank to read its node's members")
-    coord.delete(coord.key(bucket, mine), *([coord.key(bucket, "n")] if mine == 1 else []))
+        coord.post(leaders_bucket(), dumps([coord.rank, host]) if host else str(coord.rank))
+    yield coord.arrive(nodes_scope("read"), what="every rank to read its node's members")
+    coord.delete(bucket_item_key(coord, bucket, mine), *([bucket_n_key(coord, bucket)] if mine == 1 else []))
     if coord.rank == 0:
-        coord.delete(coord.key("nodes", "count"), coord.key("nodes", "run"))
-        numbers = _numbers(coord.collect("nodes/leaders"))
-        coord.multi_set({coord.key("nodes", "number", r): v for r, v in numbers.items()})
-    key = coord.key("nodes", "number", members[0])
+        coord.delete(nodes_count_key(coord), run_key(coord))
+        numbers = _numbers(coord.collect(leaders_bucket()))
+        coord.multi_set({node_number_key(coord, r): v for r, v in numbers.items()})
+    key = node_number_key(coord, members[0])
     raw = yield Barrier(key, "rank 0 to number the nodes", coord, fetch=True)
     number, first_on_host = _rank_and(loads(raw, where=key), key, "number", as_rank)
-    yield coord.arrive("nodes/numbered", what="every rank to learn its node's number")
+    yield coord.arrive(nodes_scope("numbered"), what="every rank to learn its node's number")
     if coord.rank == members[0]:
         coord.delete(key)
-    coord.finish("nodes")
+    coord.finish(NODES)
     return Nodes(tuple(members), count, run, number, first_on_host)
 
 
@@ -100,7 +114,7 @@ def _rank_and(doc: object, where: str, field: str, second: Callable[[object, str
 def _numbers(said: list[bytes]) -> dict[int, str]:
     """Rank 0: each node's number (its place among the leaders), with the first node of its host
     where that is another node (``[number, leader]``)."""
-    where = "nodes/leaders"
+    where = leaders_bucket()
     hosts: dict[int, str | None] = {}
     for v in said:
         r, h = _rank_and(loads(v, where=where), where, "leader", as_str)
@@ -159,7 +173,7 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     does a node whose ranks cannot all reach their leader's store (containers of one host, each with
     a network of its own, sharing the directory): it works as before, through the job's store."""
     local = nodes.ranks.index(coord.rank)
-    namespace = f"{coord.namespace}/node{nodes.number}"
+    namespace = node_namespace(coord.namespace, nodes.number)
     if len(nodes.ranks) == 1:  # its node's store is this process's alone
         import torch.distributed as dist
 
@@ -170,8 +184,8 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     shared.owns_client = coord.owns_client
     if nodes.count == 1:
         return shared
-    key = coord.key("nodes", "channel", nodes.number)
-    tried_key, whole_key = f"{key}/tried", f"{key}/whole"
+    key = channel_key(coord, nodes.number)
+    tried_key, whole_key = channel_tried_key(coord, nodes.number), channel_whole_key(coord, nodes.number)
     store: Any = None
     if local == 0:
         try:
@@ -193,8 +207,8 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
     if tried & 0xFFFFF == len(nodes.ranks):
         coord.set(whole_key, "1" if tried < 1 << 20 else "0")
     whole = (yield Barrier(whole_key, "the node's ranks to reach its store", coord, fetch=True)) == b"1"
-    yield shared.arrive("channel", what="every rank of the node to learn how it meets")
-    shared.finish("channel", keys=(tried_key, whole_key, key))
+    yield shared.arrive(CHANNEL, what="every rank of the node to learn how it meets")
+    shared.finish(CHANNEL, keys=(tried_key, whole_key, key))
     if not whole:
         return shared
     node = coord.fork(store, rank=local, world_size=len(nodes.ranks), namespace=namespace)

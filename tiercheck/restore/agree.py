@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tiercheck.cluster.coordination import Exchange, dumps
 from tiercheck.cluster.hierarchy import fold, forget_later, tell, verdict
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import agree_scope
 from tiercheck.errors import CheckpointNotFoundError, TiercheckError
 from tiercheck.format.lineage import abandoned_on, read_lineage
 from tiercheck.format.manifest import JSON, CommitMarker
@@ -102,7 +103,7 @@ def agree_on_step(
     held = held_steps(tier, damaged, trust=trust) if coord.rank == nodes.leader else {}
     answer: bytes | None = None
     if coord.rank == nodes.leader:
-        where = f"{name}/held"
+        where = agree_scope(name, "held")
         mine = HeldSteps.of_node(nodes.ranks, held)
         folded = yield from fold(
             coord, nodes, where, dumps(mine.to_json()).encode(),
@@ -117,7 +118,7 @@ def agree_on_step(
             else:
                 answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
                                  remote_steps, world=coord.world_size, where=tier.url, veto=veto)  # fmt: skip
-    raw = yield from tell(coord, nodes, f"{name}/step", answer, what="rank 0 to choose the step to restore")
+    raw = yield from tell(coord, nodes, agree_scope(name, "step"), answer, what="rank 0 to choose the step to restore")
     decision = StepDecision.from_json(loads(raw, where=name), where=name)
     if decision.error is not None:
         raise CheckpointNotFoundError(decision.error)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tiercheck.cluster.coordination import Exchange
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import fetch_round_scope, fetch_scope, manifest_file_key, want_key
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.manifest import ManifestIndex, parse_manifest_doc
 from tiercheck.format.paths import step_dir
@@ -19,7 +20,7 @@ def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> E
     A shard that does not exist (its rank coordinated nothing) comes back empty. A file that
     cannot be read fails every rank (the reader with its own error, the others quoting it)."""
     coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
-    name = f"{root}/{what}"
+    name = fetch_scope(root, what)
     d = step_dir(st.step)
     got: dict[FileId, bytes] = {}
     away = sorted(f for f in wanted if f[1] not in st.here)
@@ -35,8 +36,8 @@ def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> E
     except TiercheckError as e:
         own, away = e, []
         coord.report(name, e)
-    coord.multi_set({coord.key(name, "want", *f): "1" for f in away})
-    yield coord.arrive(f"{name}/wanted", what="every rank to ask for the manifest files it needs")
+    coord.multi_set({want_key(coord, name, *f): "1" for f in away})
+    yield coord.arrive(fetch_round_scope(name, "wanted"), what="every rank to ask for the manifest files it needs")
     served: list[str] = []
     if coord.rank == nodes.leader:
         claimed = holders_of(coord, root, st.here, remote=st.from_remote)
@@ -44,9 +45,9 @@ def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> E
             if claimed.get(w) != list(nodes.ranks):
                 continue  # another node serves this rank's files
             for kind in ("rank", "arrays"):
-                want = coord.key(name, "want", kind, w)
+                want = want_key(coord, name, kind, w)
                 if coord.has(want):
-                    file_key = coord.key(name, "file", kind, w)
+                    file_key = manifest_file_key(coord, name, kind, w)
                     try:
                         data = read_manifest_file(tier, d, (kind, w))
                     except TiercheckError as e:  # still answer: the asking rank must not wait forever
@@ -54,14 +55,14 @@ def fetch(job: Job, root: str, st: Step, wanted: set[FileId], *, what: str) -> E
                         coord.report(name, e)
                     coord.set(file_key, data)
                     served += [want, file_key]
-    yield coord.arrive(f"{name}/served", what="the nodes holding the step to share manifest files")
+    yield coord.arrive(fetch_round_scope(name, "served"), what="the nodes holding the step to share manifest files")
     coord.check(name, own, shared=(CorruptCheckpointError,))
-    files = [coord.key(name, "file", *f) for f in away]
+    files = [manifest_file_key(coord, name, *f) for f in away]
     if files:  # served before the barrier; a file no node served fails within timeout_s, not the store's
         coord.wait(files, what="the manifest files this rank asked other nodes for")
     for f, value in zip(away, coord.multi_get(files), strict=True):
         got[f] = value
-    yield coord.arrive(f"{name}/fetched", what="every rank to read the manifest files it asked for")
+    yield coord.arrive(fetch_round_scope(name, "fetched"), what="every rank to read the manifest files it asked for")
     coord.delete(*served)
     return got
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import holder_key, node_holds_key, part_scope, step_index_key
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.manifest import ManifestIndex, parse_manifest_doc, parse_rank_part
@@ -64,17 +65,17 @@ def find_holders(
     found damaged, left out of ``here``. Each must then be claimed by another node, or be on the
     remote tier, or the step is damaged (``CorruptCheckpointError`` on every rank)."""
     coord, tier, nodes, remote = job.coord, job.tier, job.nodes, job.remote
-    index_key = coord.key(root, "index")
+    index_key = step_index_key(coord, root)
     own: TiercheckError | None = None
     claimed: list[str] = []
     members = dumps(HolderClaim(nodes.ranks, host).to_json())
 
     def claim(ranks: Sequence[int]) -> None:
         for w in ranks:
-            if coord.decide(coord.key(root, "holder", w), members) == members:
-                claimed.append(coord.key(root, "holder", w))
+            if coord.decide(holder_key(coord, root, w), members) == members:
+                claimed.append(holder_key(coord, root, w))
 
-    node_key = coord.key(root, "node", nodes.leader)
+    node_key = node_holds_key(coord, root, nodes.leader)
     if coord.rank == nodes.leader:
         try:
             index = node_copy(tier, step, here, remote=remote if from_remote else None) if here else None
@@ -89,16 +90,16 @@ def find_holders(
                 claim(sorted(set(here) & set(written)))
         except TiercheckError as e:
             own = e
-            coord.report(f"{root}/holders", e)
-    yield coord.arrive(f"{root}/holders", what="the nodes holding the step to say so")
-    coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
+            coord.report(part_scope(root, "holders"), e)
+    yield coord.arrive(part_scope(root, "holders"), what="the nodes holding the step to say so")
+    coord.check(part_scope(root, "holders"), own, shared=(CorruptCheckpointError,))
     if coord.rank != nodes.leader:
         mine = NodeHolds.from_json(loads(coord.get(node_key), where=node_key), where=node_key)
         here, written = mine.here, mine.written
     copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
         claim(copies)
-    yield coord.arrive(f"{root}/replicas", what="the nodes holding replicas of the step to say so")
+    yield coord.arrive(part_scope(root, "replicas"), what="the nodes holding replicas of the step to say so")
     if dropped is not None:
         yield from _claimed_elsewhere(coord, root, dropped, from_remote=from_remote, where=f"{tier.url}: step {step}")
     # The step's index: a node's (node_copy chose to use that node's files), else the remote's. A
@@ -120,13 +121,13 @@ def _claimed_elsewhere(
 ) -> Exchange[None]:
     """Every rank: whether each saving rank a node left out, its copy damaged, has another holder
     (or the remote tier holds the step); where one has none, the step is damaged on every rank."""
-    lost = [w for w in dropped if not coord.has(coord.key(root, "holder", w))] if not from_remote else []
+    lost = [w for w in dropped if not coord.has(holder_key(coord, root, w))] if not from_remote else []
     own = None
     if lost:
         own = CorruptCheckpointError(f"{where}: no other node holds a copy of saving rank(s) {lost}' files")
-        coord.report(f"{root}/copies", own)
-    yield coord.arrive(f"{root}/copies", what="the nodes to find other copies of damaged files")
-    coord.check(f"{root}/copies", own, shared=(CorruptCheckpointError,))
+        coord.report(part_scope(root, "copies"), own)
+    yield coord.arrive(part_scope(root, "copies"), what="the nodes to find other copies of damaged files")
+    coord.check(part_scope(root, "copies"), own, shared=(CorruptCheckpointError,))
 
 
 def node_copy(tier: Tier, step: int, here: Iterable[int], *, remote: Tier | None) -> bytes | None:
@@ -189,7 +190,7 @@ def holders_of(
     """The restoring ranks that can read each of these saving ranks' files (none: only the remote);
     into ``hosts`` where given, their host, by restoring rank."""
     wanted = sorted(set(saving))
-    keys = [coord.key(name, "holder", w) for w in wanted]
+    keys = [holder_key(coord, name, w) for w in wanted]
     if remote:  # some saving ranks may be on no node: ask for each before reading
         present = [(w, k) for w, k in zip(wanted, keys, strict=True) if coord.has(k)]
     else:  # the step is whole across the nodes: every saving rank has a holder

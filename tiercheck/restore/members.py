@@ -25,13 +25,14 @@ did, and a node's entry is its first rank, not its first rank, host and offsets 
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.keys import DIGEST_HEX, digest
+from tiercheck.cluster.keys.restore import needs_ranks_key, sig_key, sig_n_key, signatures_key
 from tiercheck.cluster.ranksets import RankSet
 from tiercheck.cluster.wire import bad
 
@@ -51,7 +52,8 @@ _SPANS = r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*"
 _NODE_ENTRY = re.compile(rf"([0-9]+):({_HOST})?:({_SPANS})")
 _LISTED = re.compile(rf"([0-9]+)(?::({_HOST}))?")
 _HOST_ONLY = re.compile(_HOST)
-_SIGNATURE = re.compile(rf"([0-9a-f]{{24}}):(s?):((?:[0-9a-f]{{24}}/{_SPANS}\|)*[0-9a-f]{{24}}/{_SPANS})")
+_DIGEST = rf"[0-9a-f]{{{DIGEST_HEX}}}"
+_SIGNATURE = re.compile(rf"({_DIGEST}):(s?):((?:{_DIGEST}/{_SPANS}\|)*{_DIGEST}/{_SPANS})")
 
 
 def offsets_entry(leader: int, ranks: Sequence[int]) -> str:
@@ -97,16 +99,16 @@ def sign(coord: Coordinator, name: str, leader: int, host: str | None, groups: G
     for (c, d), (ranks, first) in sorted(groups.items()):
         offsets = offsets_entry(leader, ranks)
         if first:
-            coord.append(coord.key(name, "needs", c, d, "ranks"), node_entry(leader, host, offsets))
+            coord.append(needs_ranks_key(coord, name, c, d), node_entry(leader, host, offsets))
         else:
             joined[c][d] = offsets
     shares = host is not None
     for c, items in sorted(joined.items()):
         body = signature_entry("", shares, items)
-        signature = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
-        coord.append(coord.key(name, "sig", c, signature), listed_node(leader, host))
-        if coord.add(coord.key(name, "sig", c, signature, "n"), 1) == 1:
-            coord.append(coord.key(name, "sigs", c), signature_entry(signature, shares, items))
+        signature = digest(body)
+        coord.append(sig_key(coord, name, c, signature), listed_node(leader, host))
+        if coord.add(sig_n_key(coord, name, c, signature), 1) == 1:
+            coord.append(signatures_key(coord, name, c), signature_entry(signature, shares, items))
 
 
 def collect(coord: Coordinator, name: str, wanted: Sequence[str]) -> dict[str, list[Member]]:
@@ -114,15 +116,15 @@ def collect(coord: Coordinator, name: str, wanted: Sequence[str]) -> dict[str, l
     digest, ``wanted``: those posted to it), from the groups' registers and its signatures, whose
     keys it then deletes."""
     rank, world = coord.rank, coord.world_size
-    registers = [coord.key(name, "needs", rank, d, "ranks") for d in wanted]
-    sigs_key = coord.key(name, "sigs", rank)
+    registers = [needs_ranks_key(coord, name, rank, d) for d in wanted]
+    sigs_key = signatures_key(coord, name, rank)
     *raws, sigs_raw = coord.multi_get([*registers, sigs_key]) if coord.has(sigs_key) else [
         *coord.multi_get(registers), b""]  # fmt: skip
     out: dict[str, list[Member]] = {}
     for d, key, raw in zip(wanted, registers, raws, strict=True):
         out[d] = [Member(n + o, n, h) for n, h, offsets in parse_register(raw, where=key, world=world) for o in offsets]
     signatures = parse_signatures(sigs_raw, where=sigs_key, world=world)
-    lists = [coord.key(name, "sig", rank, s) for s, _, _ in signatures]
+    lists = [sig_key(coord, name, rank, s) for s, _, _ in signatures]
     for (s, shares, joined), key, raw in zip(signatures, lists, coord.multi_get(lists), strict=True):
         nodes = parse_nodes(raw, where=key, world=world)
         for d, offsets in joined.items():
@@ -131,7 +133,7 @@ def collect(coord: Coordinator, name: str, wanted: Sequence[str]) -> dict[str, l
             if len(out[d]) + len(nodes) * len(offsets) > world or any(n + offsets[-1] >= world for n, _ in nodes):
                 raise bad(key, "nodes", f"at most {world} members of group {d}, each below rank {world}", raw[:80])
             out[d] += [Member(n + o, n, h if shares else None) for n, h in nodes for o in offsets]
-    counts = [coord.key(name, "sig", rank, s, "n") for s, _, _ in signatures]
+    counts = [sig_n_key(coord, name, rank, s) for s, _, _ in signatures]
     coord.delete(*registers, sigs_key, *lists, *counts)
     return out
 

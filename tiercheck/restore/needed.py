@@ -9,6 +9,7 @@ from typing import Any
 
 from tiercheck.cluster.coordination import Exchange, shard_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.restore import part_scope
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.manifest import Manifest, RankPart
 from tiercheck.format.steps import assemble
@@ -43,7 +44,7 @@ def manifest_for(
             more = {("rank", w) for w in range(ix.world_size)} - set(got)
     except TiercheckError as e:
         failure = e
-    yield from settle(job, f"{root}/tree", failure, shared=DAMAGE)
+    yield from settle(job, part_scope(root, "tree"), failure, shared=DAMAGE)
     got |= yield from fetch(job, root, st, more, what="trees")
     paths: set[str] = set()
     try:
@@ -51,7 +52,7 @@ def manifest_for(
         paths = {p for t in trees for p in tensor_paths(t) if isinstance(p, str)}
     except TiercheckError as e:
         failure = e
-    yield from settle(job, f"{root}/paths", failure, shared=DAMAGE)
+    yield from settle(job, part_scope(root, "paths"), failure, shared=DAMAGE)
     shards = {("arrays", shard_of(p, ix.world_size)) for p in paths}
     got |= yield from fetch(job, root, st, shards, what="arrays")
     manifest: Manifest | None = None
@@ -60,6 +61,6 @@ def manifest_for(
     except TiercheckError as e:
         failure = e
     del got
-    yield from settle(job, f"{root}/manifest", failure, shared=DAMAGE)
+    yield from settle(job, part_scope(root, "manifest"), failure, shared=DAMAGE)
     assert manifest is not None
     return manifest

@@ -28,10 +28,8 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
    replica.
 """
 
-
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -41,6 +39,16 @@ from tiercheck.cluster.assign import Need, Needers, Read, ReadAssignment, Route,
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.hierarchy import gather_at_leader, node_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys import digest, scope_key
+from tiercheck.cluster.keys.restore import (
+    groups_scope,
+    needs_bucket,
+    needs_n_key,
+    part_scope,
+    reads_round_scope,
+    route_key,
+    work_bucket,
+)
 from tiercheck.cluster.wire import bad
 from tiercheck.errors import CoordinationError, CorruptCheckpointError, IncompatibleStateError, TiercheckError
 from tiercheck.format.codec import chunk_nbytes, unseal
@@ -96,7 +104,7 @@ class ReadRequest:
 def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchange[RestorePlan]:
     """Round 3: post needs to the arrays' coordinators, plan there, learn this rank's work."""
     coord = job.coord
-    name = f"{root}/reads"
+    name = part_scope(root, "reads")
     world = coord.world_size
     shards = sorted({shard_of(n.path, st.world_size) for n in request.needs})  # the same on every rank
     shard_holders = holders_of(coord, root, shards, remote=st.from_remote)
@@ -107,7 +115,7 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     alone = _self_served(coord, name, st, request, by_coord)
     groups = _post_needs(coord, name, by_coord)
     yield from _register(job, name, groups, request.host)
-    yield coord.arrive(f"{name}/posted", what="every rank to say what it needs")
+    yield coord.arrive(reads_round_scope(name, "posted"), what="every rank to say what it needs")
 
     # As a coordinator: plan the reads of my arrays, post each group (and each other reader) its work.
     garbled, told = None, []
@@ -120,7 +128,7 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
     if wanted:
         told = _coordinate_reads(job, root, st, wanted, members, request.records, read_once=request.read_once)
     del wanted, members, by_coord
-    yield coord.arrive(f"{name}/planned", what="the coordinators to plan the restore's reads")
+    yield coord.arrive(reads_round_scope(name, "planned"), what="the coordinators to plan the restore's reads")
     coord.check(name, garbled, shared=(IncompatibleStateError, CorruptCheckpointError))
 
     # My work: what to read (with each chunk's checksum from its writer's part), send, receive. A
@@ -132,10 +140,10 @@ def plan_restore(job: Job, root: str, st: Step, request: ReadRequest) -> Exchang
         plan = _my_work(job, name, st, {c: d for c, (d, _) in groups.items()}, alone, request.records, request.parts)
     except TiercheckError as e:
         failure = e
-        coord.report(f"{name}/done", e)
-    yield coord.arrive(f"{name}/done", what="every rank to learn its part of the restore")
+        coord.report(reads_round_scope(name, "done"), e)
+    yield coord.arrive(reads_round_scope(name, "done"), what="every rank to learn its part of the restore")
     coord.delete(*told)  # read by now: every rank is past 'done'
-    coord.check(f"{name}/done", failure, shared=(IncompatibleStateError, CorruptCheckpointError))
+    coord.check(reads_round_scope(name, "done"), failure, shared=(IncompatibleStateError, CorruptCheckpointError))
     assert plan is not None
     return plan
 
@@ -147,9 +155,9 @@ def _post_needs(coord: Coordinator, name: str, by_coord: Mapping[int, list[Need]
     digests: dict[int, tuple[str, bool]] = {}
     for c, items in sorted(by_coord.items()):
         digest = _digest(items)
-        first = coord.add(coord.key(name, "needs", c, digest, "n"), 1) == 1
+        first = coord.add(needs_n_key(coord, name, c, digest), 1) == 1
         if first:
-            coord.post(f"{name}/needs/{c}", dumps(NeedsPost(digest, tuple(items)).to_json()))
+            coord.post(needs_bucket(name, c), dumps(NeedsPost(digest, tuple(items)).to_json()))
         digests[c] = (digest, first)
     return digests
 
@@ -165,11 +173,11 @@ def _register(job: Job, name: str, groups: Mapping[int, tuple[str, bool]], host:
         sign(coord, name, leader, host, {(c, d): ([coord.rank], first) for c, (d, first) in groups.items()})
         return
     node = node_of(coord)
-    said = node.key(name, "groups")
+    said = scope_key(node, groups_scope(name))
     members: dict[tuple[int, str], tuple[list[int], bool]] = {}
     try:
         entries = yield from gather_at_leader(
-            node, f"{name}/groups",
+            node, groups_scope(name),
             "".join(f"{c}:{d}:{coord.rank}:{'f' if first else ''};" for c, (d, first) in sorted(groups.items())),
             what="this node's ranks to say which groups they need with",
         )  # fmt: skip
@@ -190,18 +198,18 @@ def _register(job: Job, name: str, groups: Mapping[int, tuple[str, bool]], host:
 
 def _collect_needs(coord: Coordinator, name: str) -> tuple[dict[str, list[Need]], dict[str, list[Member]]]:
     """Round 2, as a coordinator: what each group posted to me, and its members."""
-    where = f"{name}/needs/{coord.rank}"
+    where = needs_bucket(name, coord.rank)
     posted = [NeedsPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)]
     wanted = {p.digest: list(p.needs) for p in posted}
     members = collect(coord, name, list(wanted))
-    coord.delete(*(coord.key(name, "needs", coord.rank, d, "n") for d in wanted))
+    coord.delete(*(needs_n_key(coord, name, coord.rank, d) for d in wanted))
     return wanted, members
 
 
 def _digest(needs: Sequence[Need]) -> str:
     """A group's name: the digest of the boxes its ranks need of one coordinator's arrays."""
     body = dumps(NeedsPost("", tuple(needs)).to_json()["needs"])
-    return hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
+    return digest(body)
 
 
 def _self_served(
@@ -233,7 +241,7 @@ def _self_served(
                 break
             mine += [Read(n.path, ch, False) for ch in chunks]
         else:
-            if coord.has(coord.key(name, "needs", c, _digest(needs), "n")):
+            if coord.has(needs_n_key(coord, name, c, _digest(needs))):
                 continue  # its replicas' group, posted already
             reads += mine
             del by_coord[c]
@@ -259,8 +267,8 @@ def _my_work(
     out_moves: dict[tuple[int, int], Transfer] = {}
     recs: dict[str, ArrayRecord] = {x.path: records[x.path] for x in alone[0]}
     owners_of: dict[tuple[str, str], int] = {(x.path, x.chunk.key): alone[1] for x in alone[0] if alone[1] is not None}
-    personal = f"{name}/work/{rank}"
-    keys = [coord.key(name, "route", c, d) for c, d in sorted(groups.items())]
+    personal = work_bucket(name, rank)
+    keys = [route_key(coord, name, c, d) for c, d in sorted(groups.items())]
     told = [(personal, v) for v in coord.collect(personal)]
     told += list(zip(keys, coord.multi_get(keys), strict=True))
     for where, value in told:
@@ -315,7 +323,7 @@ def _coordinate_reads(
     ``known``: records this rank parsed already from the same shards (its own manifest's, without
     owners): where they cover a shard's needed arrays, the shard is not parsed again."""
     coord = job.coord
-    name = f"{root}/reads"
+    name = part_scope(root, "reads")
     rank, world = coord.rank, coord.world_size
     by_rank = {m.rank: m for ms in members.values() for m in ms}
     try:
@@ -355,7 +363,7 @@ def _coordinate_reads(
     for d, got in chunks_of.items():
         mine_routes = tuple(index[k] for k in sorted(got))
         shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({r.path for r, _ in mine_routes}))
-        told[coord.key(name, "route", rank, d)] = dumps(RouteWork(mine_routes, shapes).to_json())
+        told[route_key(coord, name, rank, d)] = dumps(RouteWork(mine_routes, shapes).to_json())
     coord.multi_set(told)
     alone: dict[int, list[tuple[Route, int]]] = defaultdict(list)  # reads for groups not their own
     for k, (route, tag) in index.items():
@@ -364,7 +372,7 @@ def _coordinate_reads(
                 alone[s.rank].append((route, tag))
     for r, items in sorted(alone.items()):
         shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({route.path for route, _ in items}))
-        coord.post(f"{name}/work/{r}", dumps(RouteWork(tuple(items), shapes).to_json()))
+        coord.post(work_bucket(name, r), dumps(RouteWork(tuple(items), shapes).to_json()))
     return list(told)
 
 

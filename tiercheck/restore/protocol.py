@@ -19,6 +19,8 @@ from typing import Any
 from tiercheck.cluster.coordination import Coordinator, drive, dumps, shard_of
 from tiercheck.cluster.hierarchy import node_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys import scope_key
+from tiercheck.cluster.keys.restore import copies_bucket, part_scope, retry_scope
 from tiercheck.errors import (
     CoordinationError,
     CorruptCheckpointError,
@@ -86,7 +88,7 @@ def restore_state(
     over them)."""
     done = Restore(state, job, request, name=name, pool=pool).run()
     if done is None and request.step is None:
-        _refuse_fresh_start(job, f"{name}/foreign")
+        _refuse_fresh_start(job, part_scope(name, "foreign"))
     return done
 
 
@@ -183,7 +185,7 @@ class Restore:
                         if self.job.coord.rank == 0:
                             log.warning("step %d: %s; reading the files of that copy from another node's copy, or "
                                         "the remote tier", d.step, d.error)  # fmt: skip
-                        attempt = f"{self.name}.{n}"
+                        attempt = retry_scope(self.name, n)
                         continue
                     if first_copy is not None:  # no other copy served those files: say what was damaged
                         d = _Damaged(d.step, CorruptCheckpointError(f"{first_copy}; {d.error}"))
@@ -193,7 +195,7 @@ class Restore:
                     if self.job.coord.rank == 0:
                         log.warning("cannot restore step %d, trying the newest older whole step: %s", d.step, d.error)
                     damaged.append(d)
-                    below, attempt = d.step, f"{self.name}.{n}"
+                    below, attempt = d.step, retry_scope(self.name, n)
                     continue
                 if done is None and damaged:
                     more = [d.step for d in damaged[1:]]
@@ -278,7 +280,7 @@ class Restore:
         return drive(
             self.job.coord,
             agree_on_step(
-                self.job, f"{name}/step", requested=self.request.step, below=below,
+                self.job, part_scope(name, "step"), requested=self.request.step, below=below,
                 remote_steps=lambda: remote_steps(remote, self.job.tier),
             ),
         )  # fmt: skip
@@ -328,7 +330,7 @@ class Restore:
                 if coord.world_size == 1:
                     raise
                 failure = e
-            drive(coord, settle(job, f"{name}/prepared", failure, shared=DAMAGE))
+            drive(coord, settle(job, part_scope(name, "prepared"), failure, shared=DAMAGE))
         except CorruptCheckpointError as e:
             _leave(coord, name, claimed)
             raise _Damaged(step, e) from None
@@ -387,7 +389,7 @@ class Restore:
             try:
                 if coord.world_size > 1:
                     shared = (_CopyDamaged, CorruptCheckpointError)
-                    drive(coord, settle(job, f"{name}/read", failure, shared=shared))
+                    drive(coord, settle(job, part_scope(name, "read"), failure, shared=shared))
                 elif failure is not None:
                     raise failure
             except CorruptCheckpointError as e:
@@ -409,19 +411,19 @@ class Restore:
         if not new or self.job.nodes.count == 1 or not isinstance(error, CorruptCheckpointError):
             return error
         self.found[step] |= new
-        node_of(self.job.coord).post(f"{self.name}/copies/{step}", dumps(sorted(new)))
+        node_of(self.job.coord).post(copies_bucket(self.name, step), dumps(sorted(new)))
         packs = ", ".join(f"{step_dir(step)}/{pack_file(w)}" for w in sorted(new))  # where the damaged chunks lie
         return _CopyDamaged(f"{error} (in this node's copy of saving rank(s) {fmt_steps(sorted(new))}' files: {packs})")
 
     def _dropped(self, step: int) -> set[int]:
         """On a node's leader: the saving ranks whose files, as the node holds them, its ranks found
         damaged in ``step`` so far (``_copy_damaged``)."""
-        node, bucket = node_of(self.job.coord), f"{self.name}/copies/{step}"
+        node, bucket = node_of(self.job.coord), copies_bucket(self.name, step)
         got = self.dropped.setdefault(step, set())
         for raw in node.collect(bucket):
-            ranks = loads(raw, where=node.key(bucket))
+            ranks = loads(raw, where=scope_key(node, bucket))
             if not isinstance(ranks, list) or not all(type(w) is int and w >= 0 for w in ranks):
-                raise CoordinationError(f"{node.key(bucket)}: not a list of saving ranks: {raw[:80]!r}")
+                raise CoordinationError(f"{scope_key(node, bucket)}: not a list of saving ranks: {raw[:80]!r}")
             got.update(ranks)
         return got
 

@@ -28,10 +28,8 @@ distinct pieces of a few arrays and a few bytes per holder): about the same at 1
 again, with a new generation number).
 """
 
-
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections import defaultdict
@@ -41,6 +39,18 @@ from dataclasses import dataclass
 from tiercheck.cluster.assign import LeafDesc, Offer, WriteTask, assign_owners, chunk_array, local_chunk
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.hierarchy import gather_at_leader
+from tiercheck.cluster.keys import digest as digest_of
+from tiercheck.cluster.keys import error_key, scope_key
+from tiercheck.cluster.keys.save import (
+    holders_key,
+    offer_key,
+    pieces_bucket,
+    pieces_n_key,
+    plan_holders_scope,
+    plan_round_scope,
+    plan_scope,
+    took_bucket,
+)
 from tiercheck.cluster.wire import bad, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
@@ -75,21 +85,23 @@ def plan_save(
 ) -> Exchange[SavePlan]:
     """This rank's side of making a save plan (see the module docstring). Every rank runs it
     with the same ``generation``; it yields at each barrier."""
-    name = f"plan{generation}"
+    name = plan_scope(generation)
     by_coord: dict[int, list[LeafDesc]] = defaultdict(list)
     for d in descs:
         by_coord[shard_of(d.path, coord.world_size)].append(d)
     digests, blocks = _post_pieces(coord, name, by_coord)
     yield from _register(coord, name, digests, blocks)
-    yield coord.arrive(f"{name}/posted", what="every rank's tensors for a new save plan")
+    yield coord.arrive(plan_round_scope(name, "posted"), what="every rank's tensors for a new save plan")
     layouts, offered = _offer_chunks(coord, name, target_chunk_bytes)
-    yield coord.arrive(f"{name}/offered", what="the coordinators to lay out the arrays of a new save plan")
+    yield coord.arrive(
+        plan_round_scope(name, "offered"), what="the coordinators to lay out the arrays of a new save plan"
+    )
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
     records, tasks, nbytes = _take_share(coord, name, descs, by_coord, (digests, blocks))
-    yield coord.arrive(f"{name}/chosen", what="every rank to take its share of a new save plan")
+    yield coord.arrive(plan_round_scope(name, "chosen"), what="every rank to take its share of a new save plan")
     shard = _record_owners(coord, name, layouts)
     coord.delete(*offered)  # read by now: every holder passed 'chosen'
-    yield coord.arrive(f"{name}/done", what="the coordinators to record a new save plan")
+    yield coord.arrive(plan_round_scope(name, "done"), what="the coordinators to record a new save plan")
     coord.check(name, shared=(IncompatibleStateError, CoordinationError))
     coord.finish(name)
     return SavePlan(records=records, tasks=tasks, nbytes=nbytes, shard=shard)
@@ -112,9 +124,9 @@ def _post_pieces(
         pattern = as_pattern(leaves)
         posted = tuple(leaves) if pattern is None else pattern.leaves
         body = ("p" if pattern else "") + dumps([d.to_json() for d in posted])
-        digests[c] = digest = hashlib.blake2b(body.encode(), digest_size=12).hexdigest()
-        if coord.add(coord.key(name, "in", c, digest, "n"), 1) == 1:
-            coord.post(f"{name}/in/{c}", dumps(PiecesPost(digest, posted, pattern=pattern is not None).to_json()))
+        digests[c] = digest = digest_of(body)
+        if coord.add(pieces_n_key(coord, name, c, digest), 1) == 1:
+            coord.post(pieces_bucket(name, c), dumps(PiecesPost(digest, posted, pattern=pattern is not None).to_json()))
         if pattern is not None:
             blocks[c] = pattern.block
     return digests, blocks
@@ -128,14 +140,14 @@ def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: di
     node = coord.node
     if node is None or node.world_size == 1:
         for c, d in sorted(digests.items()):
-            coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry([(coord.rank, blocks.get(c))]))
+            coord.append(holders_key(coord, name, c, d), holders_entry([(coord.rank, blocks.get(c))]))
         return
-    said = node.key(name, "holders")
+    said = scope_key(node, plan_holders_scope(name))
     members: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
     try:
         mine = "".join(f"{c}:{d}:{coord.rank}:{blocks.get(c, '')};" for c, d in sorted(digests.items()))
         what = "this node's ranks to say what they hold"
-        entries = yield from gather_at_leader(node, f"{name}/holders", mine, what=what)
+        entries = yield from gather_at_leader(node, plan_holders_scope(name), mine, what=what)
         if entries is None:
             return
         for i, entry in enumerate(entries):
@@ -147,7 +159,7 @@ def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: di
         coord.report(name, e)
         return
     for (c, d), held in sorted(members.items()):
-        coord.append(coord.key(name, "in", c, d, "ranks"), holders_entry(held))
+        coord.append(holders_key(coord, name, c, d), holders_entry(held))
 
 
 def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tuple[dict[str, _Layout], list[str]]:
@@ -157,16 +169,16 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
     disagreement or a hole is reported to every rank, and nothing is offered."""
     rank = coord.rank
     bodies: dict[str, PiecesPost] = {}
-    where = f"{name}/in/{rank}"
+    where = pieces_bucket(name, rank)
     for post in (PiecesPost.from_json(loads(v, where=where), where=where) for v in coord.collect(where)):
         bodies[post.digest] = post
-    if bodies and coord.has(coord.key(name, "error")):  # a node's first rank could not register its node's holders:
+    if bodies and coord.has(error_key(coord, name)):  # a node's first rank could not register its node's holders:
         bodies = {}  # its registers are missing (every rank hears why at the next check)
-    registers = {digest: coord.key(name, "in", rank, digest, "ranks") for digest in bodies}
+    registers = {digest: holders_key(coord, name, rank, digest) for digest in bodies}
     held: dict[str, list[tuple[int, int]]] = {}  # each holder and its block (0: not a pattern)
     for (digest, key), value in zip(registers.items(), coord.multi_get(list(registers.values())), strict=True):
         held[digest] = sorted(parse_holders(value, where=key, world=coord.world_size, pattern=bodies[digest].pattern))
-    coord.delete(*registers.values(), *(coord.key(name, "in", rank, digest, "n") for digest in bodies))
+    coord.delete(*registers.values(), *(pieces_n_key(coord, name, rank, digest) for digest in bodies))
     pieces: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
     for digest, post in bodies.items():
         for r, k in held[digest]:
@@ -195,7 +207,7 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
     cand: dict[str, str] = {}
     records = {path: rec for path, (rec, _) in layouts.items()}
     for digest, rs in held.items() if offered else ():
-        key = coord.key(name, "offer", rank, digest)
+        key = offer_key(coord, name, rank, digest)
         if not bodies[digest].pattern:
             cand[key] = offer(rs[0][0])
             continue
@@ -205,7 +217,7 @@ def _offer_chunks(coord: Coordinator, name: str, target_chunk_bytes: int) -> tup
             continue
         cand[key] = dumps(EACH)  # an uneven layout: the holders of each block their own offer
         first = {k: r for r, k in reversed(rs)}
-        cand.update({coord.key(name, "offer", rank, digest, k): offer(r) for k, r in first.items()})
+        cand.update({offer_key(coord, name, rank, digest, k): offer(r) for k, r in first.items()})
     coord.multi_set(cand)
     return layouts, list(cand)
 
@@ -228,11 +240,11 @@ def _take_share(
     coords_of = sorted(by_coord)
     groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
     moved: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # and per group moved to my block
-    keys = [coord.key(name, "offer", c, digests[c]) for c in coords_of]
+    keys = [offer_key(coord, name, c, digests[c]) for c in coords_of]
     docs = [loads(value, where=key) for key, value in zip(keys, coord.multi_get(keys), strict=True)]
     uneven = [i for i, (c, doc) in enumerate(zip(coords_of, docs, strict=True)) if doc == EACH and c in blocks]
     if uneven:  # patterns whose layout is uneven: my block's own offers, in one request
-        own = [coord.key(name, "offer", coords_of[i], digests[coords_of[i]], blocks[coords_of[i]]) for i in uneven]
+        own = [offer_key(coord, name, coords_of[i], digests[coords_of[i]], blocks[coords_of[i]]) for i in uneven]
         for i, key, value in zip(uneven, own, coord.multi_get(own), strict=True):
             keys[i], docs[i] = key, loads(value, where=key)
     for c, key, doc in zip(coords_of, keys, docs, strict=True):
@@ -268,7 +280,7 @@ def _take_share(
     for c, took in taken.items():
         if took:  # only the ranks that took chunks of a coordinator's arrays tell it
             post = TookPost(rank=rank, took={path: tuple(ccs) for path, ccs in took.items()})
-            coord.post(f"{name}/took/{c}", dumps(post.to_json()))
+            coord.post(took_bucket(name, c), dumps(post.to_json()))
     return records, tasks, nbytes
 
 
@@ -276,7 +288,7 @@ def _record_owners(coord: Coordinator, name: str, layouts: dict[str, _Layout]) -
     """Round 4, as a coordinator: record every chunk's owner; each must have exactly one (a chunk
     taken twice or by no rank is reported to every rank)."""
     owners_by_path: dict[str, dict[str, int]] = defaultdict(dict)
-    where = f"{name}/took/{coord.rank}"
+    where = took_bucket(name, coord.rank)
     for value in coord.collect(where):
         post = TookPost.from_json(loads(value, where=where), where=where)
         h = post.rank

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, drive
 from tiercheck.cluster.hierarchy import forget_later, leave_node, node_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys import arrived_key, node_in_scope, open_key
+from tiercheck.cluster.keys.save import VOTE_KEYS, NodeVoteKey, vote_key, vote_node_key, vote_scope
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.cluster.wire import loads
 from tiercheck.errors import CoordinationError
@@ -60,22 +62,22 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     coord, nodes = job.coord, job.nodes
     node = node_of(coord)
     step, rank, leader = outcome.step, coord.rank, coord.rank == job.nodes.leader
-    name = f"{outcome.vote}/{step}/{outcome.attempt}"
-    decided, done = coord.key(name, "outcome"), coord.key(name, "committed")
-    mine = [coord.key(name, k) for k in ("meta", "outcome", "arrived", "nodes", "committed")]
+    name = vote_scope(outcome.vote, step, outcome.attempt)
+    decided, done = vote_key(coord, name, "outcome"), vote_key(coord, name, "committed")
+    mine = [vote_key(coord, name, k) for k in VOTE_KEYS]
     if leader and nodes.number == 0:  # deleted at a later vote that every leader counted in at
         coord.later.extend(mine)
-    error = outcome.error if outcome.error is not None else _write_parts(job, outcome, coord.key(name, "meta"))
+    error = outcome.error if outcome.error is not None else _write_parts(job, outcome, vote_key(coord, name, "meta"))
     if error is not None:
         coord.decide(decided, f"rank {rank} failed: {error!r}")
     try:
-        arrived = node.arrive(f"{name}/in", what=f"the ranks of this node to write step {step}", record=False)
+        arrived = node.arrive(node_in_scope(name), what=f"the ranks of this node to write step {step}", record=False)
     except CoordinationError as e:  # the node's leader, whose process serves the node's store, is gone
         coord.decide(decided, f"rank {rank} lost its node's leader: {e}")
     whole = leader  # whether the leader waits for its node's ranks as it leaves (all of them arrived)
     if error is not None:
         if leader:
-            node.set(node.key(name, "outcome"), coord.get(decided))
+            node.set(vote_node_key(node, name, "outcome"), coord.get(decided))
         yield from _leave(node, nodes, name, wait=whole)
         raise error
     if leader:
@@ -85,8 +87,8 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
             coord.decide(decided, str(e))
             whole = False  # so it does not wait for that rank again as it leaves
         else:
-            if coord.add(coord.key(name, "arrived"), 1) == nodes.count:
-                meta = coord.get(coord.key(name, "meta")).decode()
+            if coord.add(vote_key(coord, name, "arrived"), 1) == nodes.count:
+                meta = coord.get(vote_key(coord, name, "meta")).decode()
                 coord.decide(decided, f"{_OK}{meta}")
     verdict = yield from _verdict(job, name, "outcome", decided, f"the other ranks to write step {step}")
     if not verdict.startswith(_OK):
@@ -95,11 +97,11 @@ def commit_save(job: Job, outcome: RankOutcome) -> Exchange[None]:
     if leader:
         try:
             _commit_node(job, outcome, verdict[len(_OK) :], where=decided)
-            if coord.add(coord.key(name, "nodes"), 1) == nodes.count:
+            if coord.add(vote_key(coord, name, "nodes"), 1) == nodes.count:
                 coord.decide(done, _OK)
         except BaseException as e:
             coord.decide(done, f"the node of rank {rank} could not commit: {e!r}")
-            node.set(node.key(name, "committed"), coord.get(done))
+            node.set(vote_node_key(node, name, "committed"), coord.get(done))
             yield from _leave(node, nodes, name, wait=whole)
             raise
     verdict = yield from _verdict(job, name, "committed", done, f"every node to commit step {step}")
@@ -117,7 +119,7 @@ def _leave(node: Coordinator, nodes: Nodes, name: str, *, wait: bool) -> Exchang
     """Done with a vote at this node; its leader waits for the node's ranks (``wait``: all of them
     arrived) and deletes the vote's keys there. Where the leader is gone, so is the node's store:
     the outcome stands, and nothing is left to delete."""
-    keys = (node.key(name, "outcome"), node.key(name, "committed"), *_in(node, name))
+    keys = (vote_node_key(node, name, "outcome"), vote_node_key(node, name, "committed"), *_in(node, name))
     try:
         yield from leave_node(node, nodes, name, keys=keys, wait=wait)
     except CoordinationError as e:
@@ -125,7 +127,7 @@ def _leave(node: Coordinator, nodes: Nodes, name: str, *, wait: bool) -> Exchang
 
 
 def _in(node: Coordinator, name: str) -> tuple[str, str]:
-    return node.key(f"{name}/in", "arrived"), node.key(f"{name}/in", "open")
+    return arrived_key(node, node_in_scope(name)), open_key(node, node_in_scope(name))
 
 
 def _write_parts(job: Job, outcome: RankOutcome, meta_key: str) -> BaseException | None:
@@ -162,21 +164,21 @@ def _commit_node(job: Job, outcome: RankOutcome, meta: str, *, where: str) -> No
                 world_size=coord.world_size, lineage=outcome.lineage)  # fmt: skip
 
 
-def _verdict(job: Job, name: str, what_key: str, key: str, what: str) -> Exchange[str]:
+def _verdict(job: Job, name: str, what_key: NodeVoteKey, key: str, what: str) -> Exchange[str]:
     """The job's decision at ``key``: the leader reads it from the job's store and tells its node,
     the node's other ranks read it from the node. A rank that gives up waiting decides it with why
     (the first decision wins, so every rank reads the same one)."""
     coord, node = job.coord, node_of(job.coord)
     leader = coord.rank == job.nodes.leader
     try:
-        raw = yield Barrier(key, what, coord, fetch=True) if leader else Barrier(node.key(name, what_key), what, node,
-                                                                                 fetch=True)  # fmt: skip
+        raw = yield Barrier(key, what, coord, fetch=True) if leader else Barrier(
+            vote_node_key(node, name, what_key), what, node, fetch=True)  # fmt: skip
         verdict = bytes(raw).decode()
     except CoordinationError as e:
         coord.decide(key, str(e))
         verdict = coord.get(key).decode()
     if leader:
-        node.set(node.key(name, what_key), verdict)
+        node.set(vote_node_key(node, name, what_key), verdict)
     return verdict
 
 

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.keys.tiering import drain_aside_key, drain_decision_key, drain_node_key, remote_commit_key
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import (
     CheckpointNotFoundError,
@@ -315,7 +316,7 @@ class Drainer:
         for s in waiting:
             wanted = "go" if s == newest else "skip"
             try:
-                decided = self.coord.decide(self.coord.key("drain", s, "decision"), wanted)
+                decided = self.coord.decide(drain_decision_key(self.coord, s), wanted)
             except (RuntimeError, CoordinationError):  # the job's store is gone: decide alone
                 decided = wanted
             if decided == "go":
@@ -326,7 +327,7 @@ class Drainer:
         if not self.uploads:
             self._follow(step)
             return
-        outcome = self.coord.key("drain", step, "node", self.node_ranks[0])
+        outcome = drain_node_key(self.coord, step, self.node_ranks[0])
         try:
             self._upload(step)
         except BaseException as e:
@@ -342,7 +343,7 @@ class Drainer:
             if self.coord.world_size > 1:
                 try:
                     self.coord.decide(
-                        self.coord.key("drain", step, "remote-commit"), f"the node of rank {self.node_ranks[0]}: {why}"
+                        remote_commit_key(self.coord, step), f"the node of rank {self.node_ranks[0]}: {why}"
                     )
                 except (RuntimeError, CoordinationError):
                     log.debug("could not post the drain failure to the store")
@@ -358,7 +359,7 @@ class Drainer:
 
     def _follow(self, step: int) -> None:
         """A rank that does not upload: wait for its node's first rank to say how it went."""
-        key = self.coord.key("drain", step, "node", self.node_ranks[0])
+        key = drain_node_key(self.coord, step, self.node_ranks[0])
         self.coord.wait(
             [key], what=f"rank {self.node_ranks[0]} to drain step {step}", timeout_s=4 * self.options.retry.deadline_s
         )
@@ -377,7 +378,7 @@ class Drainer:
         result = upload_step(self.local, self.remote, step, pool=self._pool, on_file=count, take_over=self.take_over)
         with self._cond:
             self.status["files_already_there"] += result.files_already_there
-        committed = self.coord.key("drain", step, "remote-commit")
+        committed = remote_commit_key(self.coord, step)
         if result.committed:
             self._tell(committed, "ok", everyone=True)
             self._retain()
@@ -422,7 +423,7 @@ class Drainer:
         if save is None or (step, save) not in self._ours:
             return
         other = contested(self.remote, step, save)
-        word = self.coord.key("drain", step, save, "aside")
+        word = drain_aside_key(self.coord, step, save)
         if self.coord.rank == 0:
             if other is not None:
                 try:

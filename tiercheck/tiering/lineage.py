@@ -21,6 +21,7 @@ from dataclasses import replace
 from tiercheck.cluster.coordination import Barrier, Exchange, drive
 from tiercheck.cluster.hierarchy import node_of, verdict
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.tiering import LINEAGE, lineage_agreed_key, lineage_read_scope, lineage_restored_key
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
 from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, step_dir
@@ -237,7 +238,7 @@ def settle(
             mark_rollback(local, mine, branch)
     except (LineageError, CorruptCheckpointError, OSError) as e:  # StorageError is an OSError
         failure = e
-    yield from verdict(coord, job.nodes, "lineage", failure, what="every node to check who owns its directory",
+    yield from verdict(coord, job.nodes, LINEAGE, failure, what="every node to check who owns its directory",
                        shared=(LineageError, StorageError))  # fmt: skip
     remember(local, mine)
     return mine
@@ -375,7 +376,7 @@ def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
     would abandon every other node's steps."""
     coord, local, remote, nodes = job.coord, job.tier, job.remote, job.nodes
     node, leader = node_of(coord), nodes.leader == coord.rank
-    here = node.key(key, "agreed")
+    here = lineage_agreed_key(node, key)
     if leader:  # the leaders read the source's lineage (the remote's: one request per node), the first wins
         source, other = (remote, local) if from_remote and remote is not None else (local, remote)
         found = found_lineage(source, other)
@@ -388,7 +389,7 @@ def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
         node.set(here, agreed)
     else:
         agreed = bytes((yield Barrier(here, "the node's leader to learn the lineage", node, fetch=True))).decode()
-    yield from verdict(coord, nodes, f"{key}/read", None, what="every rank to learn the lineage it continues")
+    yield from verdict(coord, nodes, lineage_read_scope(key), None, what="every rank to learn the lineage it continues")
     if coord.rank == 0:
         coord.delete(key)
     if leader:  # its node's ranks are past reading it (verdict)
@@ -416,6 +417,6 @@ class Owner:
             self._settled, self._branch = True, None
 
     def restored(self, *, from_remote: bool, restore: int, step: int) -> None:
-        key = self.coord.key("lineage", "restored", restore)
+        key = lineage_restored_key(self.coord, restore)
         self.lineage = drive(self.coord, after_restore(self.job, from_remote=from_remote, key=key))
         self._settled, self._branch = False, step

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.keys.tiering import copies_done_key, copies_seen_key
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiering.persisting import Persisting
@@ -51,7 +52,7 @@ class MemoryPeers:
         self._sent: set[int] = set()  # steps this run committed whose copies a slot's reuse waits for
 
     def _key(self, step: int) -> str:
-        return self._waiter.key(NAME, "done", self.nodes.leader, step)
+        return copies_done_key(self._waiter, NAME, self.nodes.leader, step)
 
     def committed(self, step: int) -> None:
         """``step`` is committed in memory (every rank of the node calls it): its copies begin."""
@@ -115,8 +116,8 @@ class MemoryPeers:
         key = self._key(step)
         what = f"the copies of memory step {step} to peers' memory (a slot of it is reused next)"
         self._waiter.wait([key], what=what, timeout_s=self.timeout_s)
-        if self._waiter.add(f"{key}/seen", 1) == len(self.nodes.ranks):
-            self._waiter.delete(key, f"{key}/seen")
+        if self._waiter.add(copies_seen_key(self._waiter, NAME, self.nodes.leader, step), 1) == len(self.nodes.ranks):
+            self._waiter.delete(key, copies_seen_key(self._waiter, NAME, self.nodes.leader, step))
 
     def wait(self) -> None:
         """Until every copy begun is over (before a restore withdraws memory steps)."""

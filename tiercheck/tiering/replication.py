@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tiercheck.cluster.coordination import Coordinator, _own_client
+from tiercheck.cluster.keys.tiering import pair_prefix
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.cluster.wire import as_dict, as_int, as_list, as_rank, as_ranks, as_str, loads
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
@@ -178,8 +179,8 @@ class Replicator:
             return
         targets, sources = placement(number, nodes.count, options)
         self.status["to"], self.status["from"] = targets, sources
-        base = coord.key(name, "pair")
-        wanted = [(f"{base}/{number}-{t}", 0, t) for t in targets] + [(f"{base}/{s}-{number}", 1, s) for s in sources]
+        wanted = [(pair_prefix(coord, name, number, t), 0, t) for t in targets] + [
+            (pair_prefix(coord, name, s, number), 1, s) for s in sources]  # fmt: skip
 
         def connect(w: tuple[str, int, int]) -> _Pair:  # a store client each: they are not shared between threads
             return _Pair(_own_client(coord.store, options.timeout_s), w[0], w[1], options.timeout_s, w[2])

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.keys.tiering import set_aside_key
 from tiercheck.errors import StepExistsError
 from tiercheck.format.commit import set_aside_step, withdraw_step
 from tiercheck.format.lineage import abandoned_on, abandoned_why
@@ -164,7 +165,7 @@ def set_aside_on_node(local: LocalSteps, job: Job, step: int, why: str, *, resto
     of the way (``LocalSteps.set_aside``) instead of refusing the save or overwriting it. The
     node's leader moves it; its other ranks wait for its word before they write into that name."""
     coord, nodes = job.coord, job.nodes
-    moved, outcome = coord.key("aside", restore, step, nodes.leader), "ok"
+    moved, outcome = set_aside_key(coord, restore, step, nodes.leader), "ok"
     try:
         local.set_aside([step], {step: why})
     except OSError as e:  # the save then refuses the number, saying why (as every rank of the node)

@@ -15,6 +15,7 @@ import json
 import logging
 
 from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.keys.tiering import held_all_key, held_count_key, held_key
 from tiercheck.errors import CheckpointNotFoundError, CoordinationError, CorruptCheckpointError
 from tiercheck.format.steps import read_marker
 from tiercheck.tiering.upload import drained_ranks
@@ -36,9 +37,9 @@ def post_held(coord: Coordinator, local: Tier, steps: list[int], nodes: int) -> 
         if marker.save_id is None:
             continue
         held.add((step, marker.save_id))
-        coord.append(coord.key("drain", step, marker.save_id, "held"), json.dumps(list(marker.ranks)) + "\n")
-    if coord.add(coord.key("drain", "held"), 1) == nodes:
-        coord.set(coord.key("drain", "held", "all"), "ok")
+        coord.append(held_key(coord, step, marker.save_id), json.dumps(list(marker.ranks)) + "\n")
+    if coord.add(held_count_key(coord), 1) == nodes:
+        coord.set(held_all_key(coord), "ok")
     return held
 
 
@@ -46,9 +47,9 @@ def unsupplied(coord: Coordinator, local: Tier, remote: Tier, step: int) -> list
     """The saving ranks of the local ``step`` whose files neither the remote holds (drained, for
     its save) nor any node of this job's directory held at its start (``post_held``)."""
     marker = read_marker(local, step)
-    coord.wait([coord.key("drain", "held", "all")], what="the nodes to say which steps they hold")
+    coord.wait([held_all_key(coord)], what="the nodes to say which steps they hold")
     there = drained_ranks(remote, step, marker.save_id)
-    key = coord.key("drain", step, marker.save_id, "held")
+    key = held_key(coord, step, marker.save_id)
     holders: set[int] = set()
     for line in coord.get(key).decode().splitlines() if coord.has(key) else []:
         try:
