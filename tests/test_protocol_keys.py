@@ -267,6 +267,7 @@ def _expected(on: Coordinator, node: Coordinator) -> dict[str, tuple[Callable[[]
         "lineage_restored_key": (lambda: tk.lineage_restored_key(on, 2), lineage),
         "lineage_agreed_key": (lambda: tk.lineage_agreed_key(node, lineage), f"{n}/{lineage}/agreed"),
         "lineage_read_scope": (lambda: tk.lineage_read_scope(lineage), f"{lineage}/read"),
+        "lineage_found_scope": (lambda: tk.lineage_found_scope(lineage), f"{lineage}/found"),
         "drain_decision_key": (lambda: tk.drain_decision_key(on, 30), f"{j}/drain/30/decision"),
         "drain_node_key": (lambda: tk.drain_node_key(on, 30, 8), f"{j}/drain/30/node/8"),
         "remote_commit_key": (lambda: tk.remote_commit_key(on, 30), f"{j}/drain/30/remote-commit"),
@@ -284,6 +285,9 @@ def _expected(on: Coordinator, node: Coordinator) -> dict[str, tuple[Callable[[]
             lambda: tk.copies_seen_key(on, "memory-replicate", 8, 30),
             f"{j}/memory-replicate/done/8/30/seen",
         ),
+        "whole_holding_key": (lambda: tk.whole_holding_key(on, "r1", 3), f"{j}/memory-whole/r1/holding/3"),
+        "whole_done_key": (lambda: tk.whole_done_key(on, "r1", 3), f"{j}/memory-whole/r1/whole/3"),
+        "whole_left_key": (lambda: tk.whole_left_key(on, "r1"), f"{j}/memory-whole/r1/left"),
     }
 
 

@@ -21,7 +21,13 @@ from dataclasses import replace
 from tiercheck.cluster.coordination import Barrier, Exchange, drive
 from tiercheck.cluster.hierarchy import node_of, verdict
 from tiercheck.cluster.job import Job
-from tiercheck.cluster.keys.tiering import LINEAGE, lineage_agreed_key, lineage_read_scope, lineage_restored_key
+from tiercheck.cluster.keys.tiering import (
+    LINEAGE,
+    lineage_agreed_key,
+    lineage_found_scope,
+    lineage_read_scope,
+    lineage_restored_key,
+)
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, LineageError, StorageError
 from tiercheck.format.lineage import Lineage, new_lineage, read_lineage, saves_above, write_lineage
 from tiercheck.format.paths import COMMIT_FILE, LINEAGE_FILE, step_dir
@@ -382,10 +388,10 @@ def after_restore(job: Job, *, from_remote: bool, key: str) -> Exchange[str]:
         found = found_lineage(source, other)
         if found is not None:
             coord.decide(key, found)
-        yield coord.arrive(f"{key}/found", what="every node's leader to propose the lineage it found",
+        yield coord.arrive(lineage_found_scope(key), what="every node's leader to propose the lineage it found",
                            count=nodes.count)  # fmt: skip
         agreed = coord.decide(key, nodes.run)  # a found one where any leader found one
-        coord.finish(f"{key}/found", count=nodes.count)
+        coord.finish(lineage_found_scope(key), count=nodes.count)
         node.set(here, agreed)
     else:
         agreed = bytes((yield Barrier(here, "the node's leader to learn the lineage", node, fetch=True))).decode()

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from tiercheck.cluster.coordination import Coordinator
+from tiercheck.cluster.keys.tiering import whole_done_key, whole_holding_key, whole_left_key
 from tiercheck.cluster.wire import as_dict, as_int, as_list, as_rank, as_ranks, as_str, loads
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.files import files_of_ranks
@@ -53,8 +54,6 @@ from tiercheck.options import ReplicationOptions
 from tiercheck.tiering.replication import ReplicaHeader, Replicator, _Pair, replica_files
 
 log = logging.getLogger("tiercheck")
-
-NAME = "memory-whole"  # the store keys' scope
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,8 +142,6 @@ class MakeWhole:
         self.whole: bool | None = None  # None: running
         self._posts: dict[int, Holding] = {}
 
-    def _key(self, *parts: object) -> str:
-        return self.coord.key(NAME, self.scope, *parts)
 
     def __call__(self) -> bool:
         t0 = time.perf_counter()
@@ -160,9 +157,9 @@ class MakeWhole:
     def _run(self) -> bool:
         options, timeout = self.rep.options, self.rep.options.timeout_s
         mine = holding(self.rep, self.step, node=self.node, first=self.first)
-        self.coord.set(self._key("holding", self.node), json.dumps(mine.to_json()))
+        self.coord.set(whole_holding_key(self.coord, self.scope, self.node), json.dumps(mine.to_json()))
         nodes = needed(self.node, self.count, options)
-        keys = [self._key("holding", n) for n in nodes]
+        keys = [whole_holding_key(self.coord, self.scope, n) for n in nodes]
         self.coord.wait(keys, what=f"the peers to say what their memory holds of step {self.step}", timeout_s=timeout)
         where = f"store: step {self.step}: what a peer's memory holds"
         posts = {n: Holding.from_json(loads(raw, where=where), where=where)
@@ -180,7 +177,7 @@ class MakeWhole:
         ok = self._second(todo) and ok
         if not mine.own:  # its persist (beside this thread) waited for the first round
             whole = self.rebuilt.result() and self.persisted() and ok
-            self.coord.set(self._key("whole", self.node), "1" if whole else "0")
+            self.coord.set(whole_done_key(self.coord, self.scope, self.node), "1" if whole else "0")
             ok = whole
         ok = self._wait_whole([s for s in placement(self.node, self.count, options)[1]
                                if not posts[s].own and posts[s].first in mine.holds]) and ok  # fmt: skip
@@ -327,7 +324,7 @@ class MakeWhole:
         says it is whole again: this node's copy of its files stays until then."""
         if not replaced:
             return True
-        keys = [self._key("whole", n) for n in replaced]
+        keys = [whole_done_key(self.coord, self.scope, n) for n in replaced]
         try:
             self.coord.wait(keys, what=f"node(s) {replaced} to be whole again", timeout_s=self.rep.options.timeout_s)
         except TiercheckError as e:
@@ -337,9 +334,11 @@ class MakeWhole:
 
     def _leave(self) -> None:
         """The last leader to leave deletes the posts (each was read by the time its reader left)."""
-        if self.coord.add(self._key("left"), 1) == self.count:
-            posts = [self._key(k, n) for k in ("holding", "whole") for n in range(self.count)]
-            self.coord.delete(self._key("left"), *posts)
+        left = whole_left_key(self.coord, self.scope)
+        if self.coord.add(left, 1) == self.count:
+            families = (whole_holding_key, whole_done_key)
+            posts = [f(self.coord, self.scope, n) for f in families for n in range(self.count)]
+            self.coord.delete(left, *posts)
 
 
 NOT_WHOLE: dict[str, Any] = {"memory_rereplicate": None, "memory_rereplicated_step": None, "memory_rereplicate_s": None}

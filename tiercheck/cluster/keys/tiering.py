@@ -28,6 +28,13 @@ def lineage_agreed_key(node: Namespaced, restored: str) -> str:
 
 
 @family
+def lineage_found_scope(restored: str) -> str:
+    """Scope ``<lineage_restored_key>/found`` (the whole job key as a scope): the leaders' barrier
+    once every leader that found a lineage proposed it (``arrive``/``finish``, counted by nodes)."""
+    return f"{restored}/found"
+
+
+@family
 def lineage_read_scope(restored: str) -> str:
     """Scope ``<lineage_restored_key>/read`` (the whole job key as a scope): the verdict of every rank
     once all learned the lineage."""
@@ -128,3 +135,31 @@ def copies_seen_key(on: Namespaced, scope: str, leader: int, step: int) -> str:
     """``<scope>/done/<leader>/<step>/seen``. W: each rank of the node adds 1 once it read
     ``copies_done_key``; the last deletes both. Value: a counter."""
     return f"{copies_done_key(on, scope, leader, step)}/seen"
+
+
+# ----------------------------------------------------------------------------- whole again
+
+WHOLE = "memory-whole"  # scope of making a restored memory step whole again (``tiering.whole_again``)
+
+
+@family
+def whole_holding_key(on: Namespaced, restore: str, node: int) -> str:
+    """``memory-whole/<restore>/holding/<node>``: what node ``node``'s memory holds of the step
+    restored (``Holding``, JSON). W: the node's leader. R: the leaders it pairs with. Bound: one per
+    node and restore from memory; the last leader to leave deletes it."""
+    return join(on, WHOLE, restore, "holding", node)
+
+
+@family
+def whole_done_key(on: Namespaced, restore: str, node: int) -> str:
+    """``memory-whole/<restore>/whole/<node>``: whether replaced node ``node`` holds its files of the
+    step again, in memory and its local directory (``1`` or ``0``). W: its leader. R: the holders of
+    its copies, before their copy counts as done. Bound and deletion: as ``whole_holding_key``."""
+    return join(on, WHOLE, restore, "whole", node)
+
+
+@family
+def whole_left_key(on: Namespaced, restore: str) -> str:
+    """``memory-whole/<restore>/left``: a counter of the leaders done with the restore's copies; the
+    last deletes it and the two keys above."""
+    return join(on, WHOLE, restore, "left")
