@@ -469,8 +469,11 @@ class _Moves:
             else:
                 out = up = data.to(self.device) if up is None else up
             self.keep.append(out)
-            op = dist.isend(out, dst=_global(self.group, dst), group=self.group, tag=tag)
-            self.ops.append((op, _global(self.group, dst), f"array {path!r} chunk {c.key}"))
+            peer, what = _global(self.group, dst), f"array {path!r} chunk {c.key}"
+            try:
+                self.ops.append((dist.isend(out, dst=peer, group=self.group, tag=tag), peer, what))
+            except RuntimeError as e:  # the connection to ``peer`` is known to be gone already
+                raise transfer_error(dist.get_rank(), peer, what, True, e) from None
 
 
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes
