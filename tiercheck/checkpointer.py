@@ -137,7 +137,7 @@ class Checkpointer:
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # save() and restore() from several threads stay serialised
         self._closed = False
-        self._counters = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
+        self._counters: dict[str, Any] = {"saves": 0, "skipped": 0, "staging_blocked_s": 0.0}
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
         self._mem = Memory(self._memory, self._job, replication) if self._memory else None
@@ -394,8 +394,8 @@ class Checkpointer:
         ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
         (read straight into the state), ``restore_copied_up_bytes`` (staged on the host for a GPU),
         ``restore_from_memory`` (1: from the memory tier), ``restore_local_reads`` (chunks such a restore read
-        from the local directory, damaged in memory) and ``restore_copies_passed_over`` (saving ranks whose
-        files this rank found damaged in its node's copy, read from another node's or the remote tier).
+        from the local directory, damaged in memory), ``restore_copies_passed_over`` (saving ranks whose files this
+        rank found damaged in its node's copy) and ``restore_own_placed_s`` (its own reads' time, beside serving).
         With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
         With ``memory=``: ``memory_persist`` (None, ``"pending"``, ``"done"``, ``"failed"``: the background copy of
         a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``;

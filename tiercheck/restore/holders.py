@@ -70,10 +70,17 @@ def find_holders(
     claimed: list[str] = []
     members = dumps(HolderClaim(nodes.ranks, host).to_json())
 
-    def claim(ranks: Sequence[int]) -> None:
+    def claim(ranks: Sequence[int], *, copies: bool = False) -> None:
+        # A copy's claim starts with a newline: a node holding another copy then adds its own after it
+        # (``holders_of(every_copy=True)``: they share the reads), never to a claim its writer's node made.
+        mine = "\n" + members if copies else members
         for w in ranks:
-            if coord.decide(holder_key(coord, root, w), members) == members:
-                claimed.append(holder_key(coord, root, w))
+            key = holder_key(coord, root, w)
+            got = coord.decide(key, mine)
+            if got == mine:
+                claimed.append(key)
+            elif copies and got.startswith("\n"):
+                coord.append(key, mine)
 
     node_key = node_holds_key(coord, root, nodes.leader)
     if coord.rank == nodes.leader:
@@ -98,7 +105,7 @@ def find_holders(
         here, written = mine.here, mine.written
     copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
-        claim(copies)
+        claim(copies, copies=True)
     yield coord.arrive(part_scope(root, "replicas"), what="the nodes holding replicas of the step to say so")
     if dropped is not None:
         yield from _claimed_elsewhere(coord, root, dropped, from_remote=from_remote, where=f"{tier.url}: step {step}")
@@ -185,10 +192,19 @@ def _save_of(tier: Tier, step: int) -> str | None:
 
 
 def holders_of(
-    coord: Coordinator, name: str, saving: Iterable[int], *, remote: bool, hosts: dict[int, str | None] | None = None
+    coord: Coordinator,
+    name: str,
+    saving: Iterable[int],
+    *,
+    remote: bool,
+    hosts: dict[int, str | None] | None = None,
+    every_copy: bool = False,
 ) -> dict[int, list[int]]:
-    """The restoring ranks that can read each of these saving ranks' files (none: only the remote);
-    into ``hosts`` where given, their host, by restoring rank."""
+    """The restoring ranks that can read each of these saving ranks' files (none: only the remote):
+    those of the node whose claim stood (the one serving its manifest files), and with
+    ``every_copy``, after them, those of every other node holding a copy of files no writer's node
+    claimed (a replaced node's: each holder reads part of its chunks). Into ``hosts`` where given,
+    their host, by restoring rank."""
     wanted = sorted(set(saving))
     keys = [holder_key(coord, name, w) for w in wanted]
     if remote:  # some saving ranks may be on no node: ask for each before reading
@@ -198,10 +214,13 @@ def holders_of(
     values = coord.multi_get([k for _, k in present])
     out: dict[int, list[int]] = {}
     for (w, k), v in zip(present, values, strict=True):
-        claim = HolderClaim.from_json(loads(v, where=k), where=k)
-        out[w] = list(claim.ranks)
-        if hosts is not None:
-            hosts.update(dict.fromkeys(claim.ranks, claim.host))
+        claims = [line for line in v.split(b"\n") if line]  # a copy's claims: the first, then any others
+        out[w] = []
+        for line in claims if every_copy else claims[:1]:
+            claim = HolderClaim.from_json(loads(line, where=k), where=k)
+            out[w] += [r for r in claim.ranks if r not in out[w]]
+            if hosts is not None:
+                hosts.update(dict.fromkeys(claim.ranks, claim.host))
     return out
 
 

@@ -335,7 +335,7 @@ def _coordinate_reads(
                 needers.setdefault(k, (c, set()))[1].update(m.rank for m in members[d])
         owners = {mine[p].owner(c.key) for (p, _), (c, _) in needers.items()}
         claimed: dict[int, str | None] = {}  # host keys of the ranks of the nodes holding the chunks
-        readers = holders_of(coord, root, owners, remote=st.from_remote, hosts=claimed)
+        readers = holders_of(coord, root, owners, remote=st.from_remote, hosts=claimed, every_copy=True)
 
         def node_of_rank(r: int) -> int:
             """A rank's node: as it registered, or, for a chunk's writer reading its own chunks

@@ -6,7 +6,6 @@ found damaged falls back to an older one. The ranks meet in the store, never in 
 collectives; what they send each other there is in ``restore.messages``.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +42,7 @@ from tiercheck.restore.needed import DAMAGE, manifest_for
 from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
 from tiercheck.restore.read import ReadCounts, ReadSource, deferrable, fill_deferred, move_chunks, share_key
 from tiercheck.restore.report import Restored, overwritten, passed_over_here, say_mixed, say_partly_restored
+from tiercheck.restore.serve import TransferError
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
 from tiercheck.state.flatten import gc_paused
@@ -272,6 +272,7 @@ class Restore:
             held_here=sorted(prepared.st.here),
             passed_over=passed_over_here(choice, step) if request.step is None else {},
             save_id=prepared.st.save_id,
+            own_placed_s=moved.counts.own_placed_s,
         )
 
     def agree(self, name: str, below: int | None) -> StepChoice:
@@ -387,6 +388,8 @@ class Restore:
             except TiercheckError as e:
                 failure = self._copy_damaged(e, step, counts.damaged)
             try:
+                if isinstance(failure, TransferError):  # a rank it moved chunks with is gone: no verdict comes
+                    raise failure
                 if coord.world_size > 1:
                     shared = (_CopyDamaged, CorruptCheckpointError)
                     drive(coord, settle(job, part_scope(name, "read"), failure, shared=shared))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +36,9 @@ from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
 from tiercheck.restore.plan import RestorePlan
 from tiercheck.restore.runs import Folded, RunLayout, Slot, read_runs
+from tiercheck.restore.serve import TransferError, serve, to_serve, transfer_error
 from tiercheck.restore.share import HEADER, Sharing, host_key, unshared
-from tiercheck.restore.stage import Bounce, ReadItem, run_span, whole_blocks
+from tiercheck.restore.stage import Bounce, ReadItem, direct_target, run_span, whole_blocks
 from tiercheck.state.flatten import torch_dtype
 from tiercheck.tiers.base import Tier
 
@@ -121,39 +123,6 @@ def fill_deferred(sharing: Sharing) -> None:
     sharing.later.clear()
 
 
-def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whole: bool) -> torch.Tensor | None:
-    """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
-    single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
-    tensor, or rows of one). An edge chunk qualifies when its padding trails its data (it is cut
-    short in its first dimension only), unless ``whole`` (the full chunk is sent to other ranks).
-    None otherwise: the chunk is read, then copied."""
-    valid = c.valid_shape
-    if valid[1:] != rec.chunks[1:] or (whole and valid != rec.chunks):
-        return None
-    if len(items) == 1 and not any(items[0].offsets) and items[0].dest.shape == rec.shape:
-        item = items[0]  # the usual case, without a box test: one destination, the whole array
-    else:
-        hits = [i for i in items if overlap(c.starts, c.stops, i.offsets, _stops(i)) is not None]
-        if len(hits) != 1:
-            return None
-        item = hits[0]
-        stops = _stops(item)
-        if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
-            return None
-    dest = item.dest.detach()
-    if item.deferred or dest.device.type != "cpu" or dest.dtype != torch_dtype(rec.dtype):
-        return None
-    if c.stops != dest.shape or any(c.starts) or any(item.offsets):  # a part of the destination
-        dest = dest[tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))]
-    if not dest.is_contiguous():
-        return None
-    return dest.reshape(-1).view(torch.uint8)
-
-
-def _stops(item: ReadItem) -> tuple[int, ...]:
-    return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReadSource:
     """Where and how one rank reads a committed step (``move_chunks``): ``step`` on ``tier``, and
@@ -188,6 +157,9 @@ def move_chunks(
     moves = _Moves(source, plan, items, sharing)
     if counts is not None:
         moves.counts = counts
+    # Chunks read only for other ranks are served from the tier's memory on a thread of their own
+    # (``restore.serve``), beside the reads of the chunks this rank places.
+    served, reads = to_serve(reads, moves.sends, moves.by_path, records) if tier.lends_memory else ([], reads)
     runs = read_runs(tier, records, reads, remote=source.remote, max_bytes=READ_RUN_BYTES, max_chunks=READ_RUN_CHUNKS)
     # Threads overlap reads, but each chunk also costs Python (its slot, its checksum) under the
     # GIL: many small chunks go no faster on more threads, and slower as the threads trade the GIL
@@ -200,21 +172,32 @@ def move_chunks(
     receiver = threading.Thread(target=moves.receive_all, name="tiercheck-receive", daemon=True)
     if moves.recvs:
         receiver.start()
-    total = 0
+    server = threading.Thread(target=moves.serve_all, args=(served,), name="tiercheck-serve", daemon=True)
+    if served:
+        server.start()
+    total, start = 0, time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="tiercheck-read") as pool:
         for done, direct_bytes in pool.map(moves.read_and_share, runs):
             moves.counts.direct_bytes += direct_bytes
             for path, c, data in done:
                 total += data.numel()
                 moves.send(path, c, data)
+    if reads:
+        moves.counts.own_placed_s = time.perf_counter() - start
     if moves.bounce is not None:  # what follows on this thread's stream (copy_in) comes after the copies up
         torch.cuda.current_stream(moves.bounce.device).wait_stream(moves.bounce.stream)
     if moves.recvs:
         receiver.join()
-    for op in moves.ops:
-        op.wait()
-    if moves.errors:
-        raise moves.errors[0]
+    if served:
+        server.join()
+        total += moves.served
+    for op, dst, what in moves.ops:
+        try:
+            op.wait()
+        except RuntimeError as e:  # gloo's and NCCL's errors (DistError is one)
+            moves.errors.insert(0, transfer_error(dist.get_rank(), dst, what, True, e))
+    if moves.errors:  # a transfer's first: a rank is gone, and no verdict can come
+        raise next((e for e in moves.errors if isinstance(e, TransferError)), moves.errors[0])
     return total
 
 
@@ -229,6 +212,7 @@ class ReadCounts:
     fallbacks: int = 0  # of those, chunks read there after a bad copy on the local tier
     direct_bytes: int = 0  # bytes read from the local tier around the page cache (O_DIRECT)
     damaged: set[int] = field(default_factory=set)  # saving ranks with a chunk bad in this node's copy (and remote)
+    own_placed_s: float | None = None  # from the start of the reads until those this rank places were placed
 
 
 class _Moves:
@@ -250,10 +234,11 @@ class _Moves:
             self.by_path[item.record.path].append(item)
         self.sends: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, bool]]] = defaultdict(list)
         self.recvs: list[tuple[Transfer, torch.Tensor, Any, bool]] = []  # and whether it lands in place
-        self.ops: list[Any] = []  # sends
+        self.ops: list[tuple[Any, int, str]] = []  # sends: to which global rank, of what
         self.keep: list[torch.Tensor] = []  # sent buffers stay alive until the sends complete
         self.errors: list[BaseException] = []
         self.bounce: Bounce | None = None
+        self.served = 0  # bytes served from the tier's memory (``serve_all``)
         self.device = _comm_device(group) if transfers else torch.device("cpu")
         if any(t.shared for t in transfers) and sharing is None:
             raise AssertionError("transfers through shared memory, and no sharing to pass them through")
@@ -442,7 +427,11 @@ class _Moves:
             if self.device.type == "cuda":  # a new thread starts on GPU 0
                 torch.cuda.set_device(self.device)
             for t, buf, op, in_place in self.recvs:
-                op.wait()
+                try:
+                    op.wait()
+                except RuntimeError as e:
+                    what = f"array {t.path!r} chunk {t.chunk.key}"
+                    raise transfer_error(dist.get_rank(), _global(self.group, t.src), what, False, e) from None
                 if self.errors or in_place:
                     continue  # every message is still taken in: no sender waits on this rank
                 data = buf  # on the GPU for NCCL: filled there, never through host memory
@@ -452,6 +441,14 @@ class _Moves:
                     data = self.sharing.inbox.view(buf.cpu(), where=where)
                 self.place(self.records[t.path], t.chunk, data, self.by_path[t.path])
         except BaseException as e:  # raised on the calling thread; the receives posted still land
+            self.errors.append(e)
+
+    def serve_all(self, jobs: list[Read]) -> None:
+        """Serve ``jobs`` (``restore.serve``), on a thread of its own; its failure raised on the calling thread."""
+        try:
+            setup = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
+            self.served = serve(self, jobs, setup)
+        except BaseException as e:
             self.errors.append(e)
 
     def read_and_share(self, run: list[Read]) -> tuple[list[Placed], int]:
@@ -472,7 +469,11 @@ class _Moves:
             else:
                 out = up = data.to(self.device) if up is None else up
             self.keep.append(out)
-            self.ops.append(dist.isend(out, dst=_global(self.group, dst), group=self.group, tag=tag))
+            peer, what = _global(self.group, dst), f"array {path!r} chunk {c.key}"
+            try:
+                self.ops.append((dist.isend(out, dst=peer, group=self.group, tag=tag), peer, what))
+            except RuntimeError as e:  # the connection to ``peer`` is known to be gone already
+                raise transfer_error(dist.get_rank(), peer, what, True, e) from None
 
 
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes

@@ -39,8 +39,11 @@ class Restored:
     local_reads: int = 0  # chunks a restore from the memory tier read from the local tier (bad in memory)
     copies_passed_over: int = 0  # saving ranks whose files this rank found damaged in its node's copy
     save_id: str | None = None  # the save restored (the step's commit marker names it)
+    # Seconds from the start of the reads until the chunks this rank read itself were verified and
+    # placed (None: it read none), while it served other ranks beside them (``restore.serve``).
+    own_placed_s: float | None = None
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int | float | None]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
         return {
             "restore_bytes_read": self.bytes_read,
@@ -57,6 +60,7 @@ class Restored:
             "restore_from_memory": int(self.from_memory),
             "restore_local_reads": self.local_reads,
             "restore_copies_passed_over": self.copies_passed_over,
+            "restore_own_placed_s": self.own_placed_s,
         }
 
 

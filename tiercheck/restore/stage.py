@@ -3,8 +3,6 @@ new memory (host memory, or spare memory on the GPU for a GPU tensor) or for a p
 save pool, and once every chunk is verified the staged data is handed to the live tensors
 (``copy_in``): all or nothing."""
 
-
-
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +16,10 @@ import torch
 
 from tiercheck.cluster.assign import Need, Read
 from tiercheck.format.codec import CHECKSUM_BYTES, chunk_nbytes
+from tiercheck.format.layout import Chunk, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.restore.to_device import Ring, ring_worthy
+from tiercheck.state.flatten import torch_dtype
 from tiercheck.state.staging import aligned_empty, page_aligned_empty, pinned_empty
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.local import BLOCK, DIRECT_MIN_BYTES
@@ -256,3 +256,37 @@ class Bounce:
             return None
         body = max(whole_blocks(end - CHECKSUM_BYTES - start) for _, start, end in spans)
         return cls(devices.pop(), body, threads + 1)
+
+
+def direct_target(rec: ArrayRecord, c: Chunk, items: Sequence[ReadItem], *, whole: bool) -> torch.Tensor | None:
+    """The memory chunk ``c`` can be read straight into, as bytes: when the chunk lies within a
+    single destination, on the CPU, of the stored dtype, where its part is contiguous (a whole
+    tensor, or rows of one). An edge chunk qualifies when its padding trails its data (it is cut
+    short in its first dimension only), unless ``whole`` (the full chunk is sent to other ranks).
+    None otherwise: the chunk is read, then copied."""
+    valid = c.valid_shape
+    if valid[1:] != rec.chunks[1:] or (whole and valid != rec.chunks):
+        return None
+    if len(items) == 1 and not any(items[0].offsets) and items[0].dest.shape == rec.shape:
+        item = items[0]  # the usual case, without a box test: one destination, the whole array
+    else:
+        hits = [i for i in items if overlap(c.starts, c.stops, i.offsets, dest_stops(i)) is not None]
+        if len(hits) != 1:
+            return None
+        item = hits[0]
+        stops = dest_stops(item)
+        if not all(o <= a and b <= e for a, b, o, e in zip(c.starts, c.stops, item.offsets, stops, strict=True)):
+            return None
+    dest = item.dest.detach()
+    if item.deferred or dest.device.type != "cpu" or dest.dtype != torch_dtype(rec.dtype):
+        return None
+    if c.stops != dest.shape or any(c.starts) or any(item.offsets):  # a part of the destination
+        dest = dest[tuple(slice(a - o, b - o) for a, b, o in zip(c.starts, c.stops, item.offsets, strict=True))]
+    if not dest.is_contiguous():
+        return None
+    return dest.reshape(-1).view(torch.uint8)
+
+
+def dest_stops(item: ReadItem) -> tuple[int, ...]:
+    """Where ``item``'s destination ends in its global array, by dimension."""
+    return tuple(o + n for o, n in zip(item.offsets, item.dest.shape, strict=True))

@@ -109,6 +109,17 @@ class Tier(ABC):
             pos += n
         return pos, pass_read(views, pos, each)
 
+    @property
+    def lends_memory(self) -> bool:
+        """Whether ``map_range`` lends the tier's own memory (a directory on a tmpfs: ``LocalTier``)."""
+        return False
+
+    def map_range(self, path: str, offset: int, length: int) -> memoryview | None:
+        """``length`` bytes of ``path`` from ``offset`` on, lent from the tier's own memory rather than
+        read into new memory, for as long as the view lives; None where the tier lends none
+        (``lends_memory``) or the file holds fewer bytes there."""
+        return None
+
     def open_pack(self, path: str) -> PackWriter:
         """A file the I/O threads fill at given offsets, concurrently: a save's pack. Only tiers a
         save writes to (the local tier) have one."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
@@ -17,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from tiercheck.errors import UnsafeCheckpointError
-from tiercheck.libc import MAP_FAILED, libc
+from tiercheck.libc import RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.mapped import map_file_range, resident_pages
 from tiercheck.tiers.refusals import storage_error
 
 STREAM_WRITERS = 2  # pieces a copy writes at once (``write_stream``), beside the one being read
@@ -43,6 +43,7 @@ class LocalTier(Tier):
         self.durable = fsync
         self._fsync = fsync
         self._direct = direct_io and hasattr(os, "O_DIRECT")
+        self._in_memory: bool | None = None  # on a tmpfs (``map_range``), once asked
 
     @property
     def direct_io(self) -> bool:
@@ -204,6 +205,25 @@ class LocalTier(Tier):
                     break  # the end of the file (a direct read cannot go on from within a block)
                 _advance(pending, n)  # a short read resumes mid-buffer
             return total, direct
+        finally:
+            os.close(fd)
+
+    @property
+    def lends_memory(self) -> bool:
+        if self._in_memory is None:
+            self._in_memory = filesystem_type(os.fspath(self.root)) in (TMPFS_MAGIC, RAMFS_MAGIC)
+        return self._in_memory
+
+    def map_range(self, path: str, offset: int, length: int) -> memoryview | None:
+        """``length`` bytes of ``path`` from ``offset`` on, mapped rather than read (``tiers.mapped``),
+        where the directory is in memory (a tmpfs: the memory tier); None on a disk (a read is as
+        cheap, and ``direct_io`` keeps big reads out of the page cache) or where the file holds fewer.
+        A missing file raises ``FileNotFoundError``."""
+        if not self.lends_memory:
+            return None
+        fd = open_no_follow(self._abs(path), os.O_RDONLY)
+        try:
+            return map_file_range(fd, offset, length)
         finally:
             os.close(fd)
 
@@ -435,29 +455,6 @@ def _cached(fd: int, offset: int, views: Sequence[memoryview]) -> bool:
     length, start = largest
     resident = resident_pages(fd, start, length)
     return resident is not None and 2 * resident * mmap.PAGESIZE > length
-
-
-def resident_pages(fd: int, offset: int, length: int) -> int | None:
-    """How many pages of ``length`` bytes of the file ``fd`` from ``offset`` on the page cache
-    holds: ``mincore`` of a mapping of them that is never touched, so nothing is read in (a read
-    that must not wait, ``RWF_NOWAIT``, says as much, but reads in the page it misses: the next
-    restore of the same cold pack would take it for cached). None where that cannot be told."""
-    if libc is None:
-        return None
-    start = offset - offset % mmap.PAGESIZE
-    length += offset - start
-    if length <= 0:
-        return 0
-    address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-    if address is None or address == MAP_FAILED:
-        return None
-    try:
-        pages = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
-        if libc.mincore(address, length, pages.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))) != 0:
-            return None
-        return int(np.count_nonzero(pages & 1))
-    finally:
-        libc.munmap(address, length)
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
