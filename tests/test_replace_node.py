@@ -166,3 +166,23 @@ def test_a_serving_peer_that_dies_mid_transfer_fails_the_replaced_node_naming_it
     assert "may hold parts of step(s) 2" in said, "a job start reads in place: it says what it overwrote"
     if world == 3:
         assert out[2].error is not None and "CoordinationError" in out[2].error and "gave up waiting" in out[2].error
+
+
+def test_over_a_group_that_matches_by_order_sends_to_each_rank_are_posted_in_ascending_tags() -> None:
+    """NCCL matches sends to receives by the order they are posted, not by tag: chunks verified in any
+    order (read threads, the serving thread) are posted to each rank in the tag order its receives
+    were posted in; over gloo (by tag), each at once."""
+    from tiercheck.restore.order import SendOrder, receive_order
+
+    posted: list[tuple[int, int]] = []
+    tags = [(1, 7), (1, 3), (2, 4), (1, 5)]
+    order = SendOrder(tags, ordered=True)
+    for dst, tag in [(1, 5), (2, 4), (1, 7), (1, 3)]:
+        order.post(dst, tag, lambda dst=dst, tag=tag: posted.append((dst, tag)))
+    assert posted == [(2, 4), (1, 3), (1, 5), (1, 7)]
+    assert list(receive_order([7, 3, 5], lambda t: t, ordered=True)) == [3, 5, 7]
+    posted.clear()
+    unordered = SendOrder(tags, ordered=False)
+    for dst, tag in [(1, 5), (1, 3)]:
+        unordered.post(dst, tag, lambda dst=dst, tag=tag: posted.append((dst, tag)))
+    assert posted == [(1, 5), (1, 3)]

@@ -14,6 +14,7 @@ shared memory is filled from there only once every rank has verified every chunk
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from tiercheck.format.layout import Chunk, chunks_in_box, overlap
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.format.paths import step_dir
 from tiercheck.format.verify import read_stored_chunk
+from tiercheck.restore.order import SendOrder, comm_device, global_rank, matches_by_order, receive_order
 from tiercheck.restore.plan import RestorePlan
 from tiercheck.restore.runs import Folded, RunLayout, Slot, read_runs
 from tiercheck.restore.serve import TransferError, serve, to_serve, transfer_error
@@ -239,10 +241,11 @@ class _Moves:
         self.errors: list[BaseException] = []
         self.bounce: Bounce | None = None
         self.served = 0  # bytes served from the tier's memory (``serve_all``)
-        self.device = _comm_device(group) if transfers else torch.device("cpu")
+        self.device = comm_device(group) if transfers else torch.device("cpu")
         if any(t.shared for t in transfers) and sharing is None:
             raise AssertionError("transfers through shared memory, and no sharing to pass them through")
-        for t in transfers:
+        ordered = matches_by_order(group) if transfers else False
+        for t in receive_order(transfers, lambda t: t.tag, ordered=ordered):
             if t.dst == rank:
                 n = HEADER if t.shared else chunk_nbytes(records[t.path])
                 # Straight into its destination where the whole chunk lies in one (no new memory to fault
@@ -250,10 +253,11 @@ class _Moves:
                 into = None if t.shared or self.device.type != "cpu" else self.receivable(t, n)
                 buf = torch.empty(n, dtype=torch.int64 if t.shared else torch.uint8, device=self.device) \
                     if into is None else into  # fmt: skip
-                op = dist.irecv(buf, src=_global(group, t.src), group=group, tag=t.tag)
+                op = dist.irecv(buf, src=global_rank(group, t.src), group=group, tag=t.tag)
                 self.recvs.append((t, buf, op, into is not None))
             elif t.src == rank:
                 self.sends[(t.path, t.chunk.coords)].append((t.dst, t.tag, t.shared))
+        self.order = SendOrder(((d, tag) for to in self.sends.values() for d, tag, _ in to), ordered=ordered)
         self.shared_out = {k for k, to in self.sends.items() if any(shared for _, _, shared in to)}
         self.outbox = None
         if self.shared_out:
@@ -431,7 +435,7 @@ class _Moves:
                     op.wait()
                 except RuntimeError as e:
                     what = f"array {t.path!r} chunk {t.chunk.key}"
-                    raise transfer_error(dist.get_rank(), _global(self.group, t.src), what, False, e) from None
+                    raise transfer_error(dist.get_rank(), global_rank(self.group, t.src), what, False, e) from None
                 if self.errors or in_place:
                     continue  # every message is still taken in: no sender waits on this rank
                 data = buf  # on the GPU for NCCL: filled there, never through host memory
@@ -469,11 +473,14 @@ class _Moves:
             else:
                 out = up = data.to(self.device) if up is None else up
             self.keep.append(out)
-            peer, what = _global(self.group, dst), f"array {path!r} chunk {c.key}"
-            try:
-                self.ops.append((dist.isend(out, dst=peer, group=self.group, tag=tag), peer, what))
-            except RuntimeError as e:  # the connection to ``peer`` is known to be gone already
-                raise transfer_error(dist.get_rank(), peer, what, True, e) from None
+            self.order.post(dst, tag, functools.partial(self._isend, out, dst, tag, f"array {path!r} chunk {c.key}"))
+
+    def _isend(self, out: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        peer = global_rank(self.group, dst)
+        try:
+            self.ops.append((dist.isend(out, dst=peer, group=self.group, tag=tag), peer, what))
+        except RuntimeError as e:  # the connection to ``peer`` is known to be gone already
+            raise transfer_error(dist.get_rank(), peer, what, True, e) from None
 
 
 READ_RUN_BYTES = 64 << 20  # chunks that lie together in a pack are read together, up to this many bytes
@@ -485,16 +492,7 @@ def share_key(group: Any, nodes: Nodes) -> str | None:
     ``Nodes.host``, a few digits, the same on every node of its host. None where it cannot share
     (no ``memfd_create``), or where the process group moves chunks in GPU memory (NCCL passes
     them between a host's GPUs itself)."""
-    if dist.is_available() and dist.is_initialized() and _comm_device(group).type != "cpu":
+    if dist.is_available() and dist.is_initialized() and comm_device(group).type != "cpu":
         return None
     return None if host_key() is None else str(nodes.host)
 
-
-def _comm_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _global(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
