@@ -385,15 +385,15 @@ class Checkpointer:
         exchanging nothing), ``memory_held_bytes`` (the memory tier's slots), ``store_ops``, ``store_bytes``,
         ``node_store_ops`` and ``node_store_bytes`` (this rank's traffic through the job's and its node's store).
         After the first save: ``committed``, ``failed``, ``state_changed`` (lazy saves failed
-        because a tensor changed during its copy) and ``bytes_written``. After a restore, of the
-        last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
-        (received through shared memory), ``restore_unstaged_bytes`` (filled straight from shared
-        memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
-        ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
-        (read straight into the state), ``restore_copied_up_bytes`` (staged on the host for a GPU),
-        ``restore_from_memory`` (1: from the memory tier), ``restore_local_reads`` (chunks such a restore read
-        from the local directory, damaged in memory) and ``restore_copies_passed_over`` (saving ranks whose
-        files this rank found damaged in its node's copy, read from another node's or the remote tier).
+        because a tensor changed during its copy) and ``bytes_written``. After a restore, of the last one:
+        ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared`` (received through shared
+        memory), ``restore_unstaged_bytes`` (filled straight from shared memory), ``restore_remote_reads``,
+        ``restore_fallbacks``, ``restore_staged_in_pool``, ``restore_staged_on_device``, ``restore_read_direct_bytes``
+        (``O_DIRECT``), ``restore_in_place_bytes`` (read straight into the state), ``restore_copied_up_bytes`` (staged
+        on the host for a GPU), ``restore_from_memory`` (1: from the memory tier), ``restore_local_reads`` (chunks
+        such a restore read from the local directory, damaged in memory), ``restore_copies_passed_over`` (saving ranks
+        whose files this rank found damaged in its node's copy, read from another's or the remote tier), and its
+        seconds by phase (``restore.report.PHASES``): ``restore_{agree,plan,transfer,verify,place}_s``, ``restore_s``.
         With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
         With ``memory=``: ``memory_persist`` (None, ``"pending"``, ``"done"``, ``"failed"``: the background copy of
         a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``.
