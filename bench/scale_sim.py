@@ -248,6 +248,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--full", action="store_true",
         help="gpt3, llama405*: plan for every rank, not one pipeline stage and its coordinators",
     )
+    ap.add_argument(
+        "--replace",
+        type=int,
+        default=0,
+        metavar="REPLICAS",
+        help="after: also restore with one node replaced, its files in REPLICAS peers' memory (bench/scale_replace.py)",
+    )
     args = ap.parse_args(argv)
     args.server_ops_per_s = store_rate()
     print(f"a TCPStore on loopback serves {args.server_ops_per_s:,.0f} requests/s here", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Agreeing on the step to restore: each node says which steps it holds whole, rank 0 picks the
 newest every rank can get (locally, from a peer's replica, or from the remote tier), and every
 rank learns the answer. Also the verdict after a restore (``settle``): all ranks succeeded, or all
-fall back together."""
+fall back together; and, where no tier holds a step, no fresh start over steps a directory holds but
+cannot read (``refuse_fresh_start``)."""
 
 from __future__ import annotations
 
