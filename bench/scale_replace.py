@@ -145,3 +145,29 @@ class _Run:
             "chunks_sent_max": max(self.sends(r) for r in ranks),
             "chunks_received_max": max(received),
         }
+
+
+def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The replacement's table (bench/README.md): per world size and role, the busiest rank's figures with the
+    replacement / without it, in the same run."""
+    from harness import fmt_bytes
+
+    head = ["ranks (nodes)", "ranks of", "plan s (own)", "store bytes", "store requests", "manifest read",
+            "chunk bytes read", "chunks sent"]  # fmt: skip
+    out = []
+    for row in rows:
+        got = row.get("replace")
+        if not got:
+            continue
+        where = f"{row['world_size']:,} ({row['nodes']:,})"
+        for role, name in (("replaced", "the replaced node"), ("peers", "its peers"), ("others", "the others")):
+            a, b = got[role], got[f"{role}_without"]
+
+            def pair(key: str, fmt: Any = str, a: dict[str, Any] = a, b: dict[str, Any] = b) -> str:
+                return f"{fmt(a[key])} / {fmt(b[key])}"
+
+            out.append([where, f"{name} ({a['ranks']:,})", pair("plan_s_max", lambda v: f"{v:.3f}"),
+                        pair("store_bytes_max", fmt_bytes), pair("store_ops_max"),
+                        pair("manifest_read_bytes_max", fmt_bytes), pair("chunk_read_bytes_max", fmt_bytes),
+                        pair("chunks_sent_max")])  # fmt: skip
+    return head, out

@@ -299,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             gc.unfreeze()
     if not args.json:
         print_table(rows)
+        if args.replace:
+            from scale_replace import table_rows
+
+            print(f"\nnode 1 replaced, its files in {args.replace} peers' memory (with / without the replacement):")
+            print(h.table(*table_rows(rows), right=False))
     if after_missing:
         print(f"\n{after_missing}", file=sys.stderr if args.json else sys.stdout)
     print(f"peak RSS {h.hwm_bytes() / h.MiB:.0f} MiB", file=sys.stderr if args.json else sys.stdout)
