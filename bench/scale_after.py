@@ -177,25 +177,25 @@ def _commit(sim: Sim, plans: dict[int, SavePlan], parts: dict[tuple[int, int], b
     return (yield from commit_save(sim.job(r), outcome))
 
 
-def _restore_plan(sim: Sim, r: int, choice: StepChoice) -> Any:
+def restore_plan(sim: Sim, r: int, choice: StepChoice, name: str = "restore0") -> Any:
     """What ``restore.protocol`` runs after agreeing on the step and before moving bytes, for a rank
     restoring the layout it saved (the live state is not built: its needs are the pieces it holds)."""
     job = sim.job(r)
     assert choice.step is not None
-    here, _, own = choice.held[str(choice.step)]
+    here, _, own = choice.held.get(str(choice.step), [[], 0, []])  # a replaced node holds none
     # As ``restore.protocol`` asks (``restore.read.share_key``): with its node's host (one host per node: its
     # first rank), so the reads are planned per node and shared memory is used in one.
     host = str(sim.nodes[r].host)
-    st = yield from find_holders(job, "restore0", choice.step, here, own, from_remote=False, host=host)
+    st = yield from find_holders(job, name, choice.step, here, own, from_remote=False, host=host)
     parts: dict[int, RankPart] = {}  # the saving ranks' parts it parses (its own: it reads its chunks alone)
-    manifest = yield from manifest_for(job, "restore0", st, {}, others=False, parts=parts)
-    yield from settle(job, "restore0/prepared", None)
+    manifest = yield from manifest_for(job, name, st, {}, others=False, parts=parts)
+    yield from settle(job, f"{name}/prepared", None)
     needs = [Need(d.path, d.offsets, d.shape) for d in sim.descs[r]]
     request = ReadRequest(needs=needs, records=manifest.arrays, read_once=False, parts=parts, host=host)
-    return (yield from plan_restore(job, "restore0", st, request))
+    return (yield from plan_restore(job, name, st, request))
 
 
-def _in_group(sim: Sim, on: bool) -> None:
+def in_group(sim: Sim, on: bool) -> None:
     nodes = len({sim.nodes[r].number for r in sim.group})
     for r in sim.group:
         c = sim.coords[r]
@@ -210,10 +210,10 @@ def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dic
         sim = Sim(descs, Path(tmp), args)
         group, everyone = sim.group, list(range(sim.n))
         join_s = time.perf_counter() - t0
-        _in_group(sim, True)
+        in_group(sim, True)
         planned, plan = sim.run(group, [plan_save(sim.coords[r], 0, descs[r], target_chunk_bytes=args.chunk_bytes)
                                         for r in group])  # fmt: skip
-        _in_group(sim, False)
+        in_group(sim, False)
         plans = dict(zip(group, planned, strict=True))
         parts: dict[tuple[int, int], bytes] = {}
         _, first = sim.run(everyone, [_commit(sim, plans, parts, r, 1) for r in everyone])
@@ -224,13 +224,20 @@ def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dic
                                                             remote_steps=list) for r in everyone])  # fmt: skip
         CountingTier.reads.clear()
         start_in = {r: sim.coords[r].counters["store_bytes_in"] for r in group}
-        _in_group(sim, True)
-        _, restore = sim.run(group, [_restore_plan(sim, r, choices[r]) for r in group])
-        _in_group(sim, False)
+        in_group(sim, True)
+        restored, restore = sim.run(group, [restore_plan(sim, r, choices[r]) for r in group])
+        in_group(sim, False)
         read = {r: CountingTier.reads.get(r, 0) + sim.coords[r].counters["store_bytes_in"] - start_in[r] for r in group}
         keys_left = sim.store.num_keys()
-    return _row(sim, plans, plan, first, second, latest, restore, read, files=files, keys_left=keys_left,
-                join_s=join_s)  # fmt: skip
+        replaced = None
+        if getattr(args, "replace", 0):  # a node replaced, its files in peers' memory (bench/scale_replace.py)
+            from scale_replace import Baseline, simulate_replace
+
+            base = Baseline(dict(zip(group, restored, strict=True)), latest, restore, read)
+            replaced = simulate_replace(sim, base, replicas=args.replace)
+    row = _row(sim, plans, plan, first, second, latest, restore, read, files=files, keys_left=keys_left,
+               join_s=join_s)  # fmt: skip
+    return row if replaced is None else {**row, "replace": replaced}
 
 
 def _row(sim: Sim, plans: dict[int, SavePlan], plan: Cost, first: Cost, second: Cost, latest: Cost, restore: Cost,

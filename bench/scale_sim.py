@@ -248,6 +248,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--full", action="store_true",
         help="gpt3, llama405*: plan for every rank, not one pipeline stage and its coordinators",
     )
+    ap.add_argument(
+        "--replace",
+        type=int,
+        default=0,
+        metavar="REPLICAS",
+        help="after: also restore with one node replaced, its files in REPLICAS peers' memory (bench/scale_replace.py)",
+    )
     args = ap.parse_args(argv)
     args.server_ops_per_s = store_rate()
     print(f"a TCPStore on loopback serves {args.server_ops_per_s:,.0f} requests/s here", file=sys.stderr)
@@ -292,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             gc.unfreeze()
     if not args.json:
         print_table(rows)
+        if args.replace:
+            from scale_replace import table_rows
+
+            print(f"\nnode 1 replaced, its files in {args.replace} peers' memory (with / without the replacement):")
+            print(h.table(*table_rows(rows), right=False))
     if after_missing:
         print(f"\n{after_missing}", file=sys.stderr if args.json else sys.stdout)
     print(f"peak RSS {h.hwm_bytes() / h.MiB:.0f} MiB", file=sys.stderr if args.json else sys.stdout)

@@ -170,6 +170,25 @@ def test_a_writer_reading_its_own_chunks_is_its_nodes_reader_and_the_route_tells
     assert {s.rank for r in without for s in r.sources} == {1, 3}  # without it: the ranks that asked
 
 
+def test_a_replaced_nodes_chunks_are_read_by_every_rank_of_the_node_holding_its_files() -> None:
+    """Node 1 (ranks 8-15) was replaced: node 2 (ranks 16-23) holds its writers' files. Each array has
+    a coordinator of its own, which plans alone: every writer's chunks, needed by its own rank only (a
+    distributed optimizer's slices), are read each by a different rank of node 2, not all by its first
+    (whose reads would then bound the replaced node's restore)."""
+    node = {r: r // 8 for r in range(24)}
+    readers = {w: list(range(16, 24)) for w in range(8, 16)}
+    read_by: dict[int, set[int]] = {}
+    for w in range(8, 16):  # one array per writer, each planned by its own coordinator
+        path = f"optim/{w}"
+        records = assign_writes([descs(path, (16,), [((0,), (16,))]) if r == w else [] for r in range(24)],
+                                target_chunk_bytes=64).records  # fmt: skip
+        wanted = needed_chunks(records, {w: [Need(path, (0,), (16,))]})
+        routes, _ = route_chunks(records, wanted, readers.__getitem__, read_once=False, remote=False,
+                                 node_of=node.__getitem__, owners_read=True)  # fmt: skip
+        read_by[w] = {s.rank for route in routes for s in route.sources}
+    assert read_by == {w: {16 + w % 8} for w in range(8, 16)}
+
+
 # ------------------------------------------------------------------ the plan made through the store
 
 

@@ -3,6 +3,7 @@ the hierarchy holds: the job's store hears four requests per node for a save tha
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -14,8 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _rows() -> list[dict[str, Any]]:
     cmd = [sys.executable, str(REPO / "bench" / "scale_sim.py"), "--layout", "gpt3", "--ranks", "1024", "--json"]
+    cmd += ["--replace", "2"]  # and again with node 1 replaced, its files in nodes 2 and 3's memory
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -30,6 +33,26 @@ def test_the_simulated_job_store_hears_four_requests_per_node_for_a_save_that_re
     assert row["store_ops_server_per_save"] <= 4 * row["nodes"] + 9, row
     assert row["second_save_store_bytes"] < 0.1 * row["first_save_store_bytes"], row
     assert 0 < row["commit_s"] < 1 and 0 < row["find_latest_s"] < 1, row
+
+
+@pytest.mark.slow  # the same run as above
+def test_a_replaced_nodes_chunks_come_from_its_peer_and_no_other_node_reads_more() -> None:
+    """Node 1 of 128 replaced (its memory gone), its files held by nodes 2 and 3: its ranks read nothing and receive
+    all they need; the peer's busiest rank reads its own chunks and one replaced rank's (not all eight ranks': a
+    rank of the peer per writer); every other rank reads and sends what it did without a replacement."""
+    (row,) = _rows()
+    got = row["replace"]
+    assert (got["replicas"], got["replaced_node"], got["peer_nodes"]) == (2, 1, [2, 3])
+    replaced, peers, without = got["replaced"], got["peers"], got["peers_without"]
+    assert replaced["ranks"] == 8 and replaced["chunk_read_bytes_max"] == 0 and replaced["chunks_received_max"] > 0
+    # what the replaced node read without the replacement, now read on its peer once
+    assert (
+        peers["chunk_read_bytes_sum"]
+        == without["chunk_read_bytes_sum"] + got["replaced_without"]["chunk_read_bytes_sum"]
+    )
+    assert peers["chunk_read_bytes_max"] <= 2 * without["chunk_read_bytes_max"], got
+    assert got["others_reading_more"] == got["others_sending_more"] == got["others_extra_read_bytes"] == 0
+    assert got["others"]["chunk_read_bytes_sum"] == got["others_without"]["chunk_read_bytes_sum"]
 
 
 def test_the_llama405_layout_covers_its_arrays_and_its_vocabulary_cuts_them_into_rows() -> None:

@@ -410,3 +410,67 @@ def test_plan_prints_one_unit_per_column_and_counts_in_words() -> None:
         assert all(cell.replace(".", "").isdigit() or cell == "-" for cell in cells), row
     gpt3 = run("plan", "--layers", "96", "--hidden", "12288", "--vocab", "50257", "--tp", "8", "--pp", "16", "--dp", "8")
     assert "on 1024 GPUs, 128 nodes" in gpt3.stdout and "async interval (min)" in gpt3.stdout, gpt3.stdout
+
+
+# ------------------------------------------------------------------ a replaced node's restart (--link-gbps)
+
+
+def _bench_json(path: Path, summaries: list[dict[str, float]]) -> Path:
+    """What bench/replace_node.py writes, with only the figures read here."""
+    path.write_text(json.dumps({"jobs": [{"nodes": 2 + i, "summary": s} for i, s in enumerate(summaries)]}))
+    return path
+
+
+def test_a_replaced_nodes_restart_takes_its_bytes_over_the_link_at_the_measured_ratio_plus_the_fixed_costs(
+    tmp_path: Path,
+) -> None:
+    from tiercheck.cli.replacing import bytes_in, load_figures, replace_node
+
+    figures = load_figures(_bench_json(tmp_path / "r.json", [{"transfer_vs_gloo": 2.0, "fixed_s": 0.2},
+                                                             {"transfer_vs_gloo": 1.5, "fixed_s": 0.3}]))  # fmt: skip
+    assert (figures.transfer_ratio, figures.fixed_s, figures.source) == (2.0, 0.3, str(tmp_path / "r.json"))
+    got = replace_node(nbytes=50_000_000_000, link_gbps=400, figures=figures)  # 400 Gb/s = 50 GB/s: 1 s, x 2
+    assert (got["link_bytes_per_s"], got["transfer_s"], got["fixed_s"]) == (50e9, 2.0, 0.3)
+    assert got["replace_s"] == pytest.approx(2.3) and str(tmp_path / "r.json") in got["assumptions"][1]
+    # GPT-3 at TP 8 x PP 16 x DP 8: a rank holds 1/128 of the weights and 1/1024 of Adam's state; 8 ranks a node.
+    n = 174_579_068_928
+    got_in = bytes_in(weights=2 * n, optimizer=12 * n, tp=8, pp=16, dp=8, ranks_on_node=8)
+    assert got_in == 8 * (-(-2 * n // 128) + -(-12 * n // 1024))
+    # TP 1 x DP 8 a node: the weights once (its ranks share them), Adam's state a share each; at most the whole state.
+    assert bytes_in(weights=16, optimizer=96, tp=1, pp=1, dp=16, ranks_on_node=8) == 16 + 8 * 6
+    assert bytes_in(weights=10, optimizer=20, tp=1, pp=1, dp=1, ranks_on_node=8) == 30
+
+
+def test_a_replaced_nodes_figures_come_from_the_bench_where_found_else_stated_and_a_bad_file_is_named(
+    tmp_path: Path,
+) -> None:
+    from tiercheck.cli.replacing import RESULTS, STATED, default_figures, load_figures
+    from tiercheck.errors import InvalidArgumentError
+
+    found = tmp_path / RESULTS
+    found.parent.mkdir(parents=True)
+    _bench_json(found, [{"transfer_vs_gloo": 1.25, "fixed_s": 0.5}])
+    assert default_figures(tmp_path).transfer_ratio == 1.25 and default_figures(tmp_path).source == str(found)
+    assert STATED.source == "stated" and (STATED.transfer_ratio, STATED.fixed_s) == (1.5, 1.0)
+    found.write_text('{"jobs": []}')
+    with pytest.raises(InvalidArgumentError, match=f"{found}: not bench/replace_node.py's measurements"):
+        load_figures(found)
+    _bench_json(found, [{"transfer_vs_gloo": 0, "fixed_s": 0.5}])
+    with pytest.raises(InvalidArgumentError, match="transfer_vs_gloo must be above 0"):
+        load_figures(found)
+
+
+def test_plan_gives_the_replacement_time_at_a_link_speed_and_says_which_figures_it_assumed(tmp_path: Path) -> None:
+    args = ("plan", "--params", "7e9", "--dp", "16", "--link-gbps", "400")
+    got = json.loads(run(*args, "--replace-figures", "stated", "--json").stdout)["replace"]
+    # A node of 8 DP replicas: the 7e9 bf16 weights once (14 GB) + 8 shares of Adam's 84 GB split over 16 (42 GB):
+    # 56 GB in over 50 GB/s, x 1.5, + 1 s.
+    assert got["bytes_in"] == 56_000_000_000 and got["replace_s"] == pytest.approx(56 / 50 * 1.5 + 1.0)
+    assert got["figures"] == {"transfer_ratio": 1.5, "fixed_s": 1.0, "source": "stated"}
+    text = run(*args, "--replace-figures", "stated").stdout
+    assert "replacing a node (its memory lost, restored from its peers' memory): 2.7 s = 1.7 s transfer" in text
+    assert text.rstrip().endswith("+ 1.0 s agree, plan, verify, place (stated)"), text
+    measured = _bench_json(tmp_path / "r.json", [{"transfer_vs_gloo": 2.0, "fixed_s": 0.25}])
+    assert f"(measured: {measured})" in run(*args, "--replace-figures", str(measured)).stdout
+    bad = run(*args, "--replace-figures", str(tmp_path / "none.json"), check=False)
+    assert bad.returncode == 1 and f"{tmp_path / 'none.json'}: not bench/replace_node.py's measurements" in bad.stderr

@@ -377,33 +377,9 @@ class Checkpointer:
     # ------------------------------------------------------------------------------ lifecycle
 
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes, for logs and dashboards.
-
-        Always: ``saves``, ``skipped``, ``staging_blocked_s`` (time ``optimizer.step()`` and ``wait_staged()``
-        waited for lazy copies), ``inflight`` (steps being written), ``pool_capacity_bytes``, ``pool_peak_bytes``,
-        ``pool_allocations``, ``pool_pinned``, ``pool_pinned_bytes`` (host memory the pool holds page-locked),
-        ``lazy``, ``rank``, ``world_size``, ``plan_bytes_per_save`` (bytes this rank writes per save),
-        ``plans_made`` and ``plans_reused`` (saves that planned with the other ranks; that reused the plan,
-        exchanging nothing), ``memory_held_bytes`` (the memory tier's slots), ``store_ops``, ``store_bytes``,
-        ``node_store_ops`` and ``node_store_bytes`` (this rank's traffic through the job's and its node's store).
-        After the first save: ``committed``, ``failed``, ``state_changed`` (lazy saves failed
-        because a tensor changed during its copy) and ``bytes_written``. After a restore, of the
-        last one: ``restore_bytes_read``, ``restore_chunks_received``, ``restore_chunks_shared``
-        (received through shared memory), ``restore_unstaged_bytes`` (filled straight from shared
-        memory), ``restore_remote_reads``, ``restore_fallbacks``, ``restore_staged_in_pool``,
-        ``restore_staged_on_device``, ``restore_read_direct_bytes`` (``O_DIRECT``), ``restore_in_place_bytes``
-        (read straight into the state), ``restore_copied_up_bytes`` (staged on the host for a GPU),
-        ``restore_from_memory`` (1: from the memory tier), ``restore_local_reads`` (chunks such a restore read
-        from the local directory, damaged in memory), ``restore_copies_passed_over`` (saving ranks whose files this
-        rank found damaged in its node's copy) and ``restore_own_placed_s`` (its own reads' time, beside serving).
-        With an object-store remote: ``drain_part_buffer_bytes`` (its parts' memory bound), ``drain_part_bytes_peak``.
-        With ``memory=``: ``memory_persist`` (None, ``"pending"``, ``"done"``, ``"failed"``: the background copy of
-        a step restored from memory to the local directory), ``memory_persisted_step``, ``restore_persist_s``;
-        with ``replication=`` too, on each node's first rank: ``memory_rereplicate`` (None, ``"pending"``,
-        ``"done"``, ``"failed"``: the step restored from memory made whole again on every node, a replaced
-        node's files back in its memory and the peers' copies sent again), ``memory_rereplicated_step``,
-        ``memory_rereplicate_s``.
-        """
+        """Counters and sizes of this rank, for logs and dashboards: ``saves``, ``committed``, the staging
+        pool's, the store traffic's, and after a restore its reads and seconds by phase (``restore_*``),
+        with ``memory=`` the background copies' (``memory_*``). Every key: docs/concepts/stats.md."""
         out: dict[str, Any] = dict(self._counters) | self._tiers.part_stats()
         if self._pipeline is not None:
             out.update(self._pipeline.counters)

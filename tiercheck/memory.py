@@ -28,6 +28,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
@@ -51,6 +52,7 @@ from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import ReplicationOptions
 from tiercheck.restore.agree import Trust, agree_on_step, remote_steps
 from tiercheck.restore.protocol import Restored, RestoreRequest, restore_state
+from tiercheck.restore.report import with_choice
 from tiercheck.save.handle import PendingSave
 from tiercheck.save.vote import commit_job
 from tiercheck.state.memory_pool import MemoryTier
@@ -184,6 +186,7 @@ class Memory:
         local and remote tiers' restore; see the module's docstring). A memory step damaged beyond
         its chunks' fallbacks gives way to the next older one, while that is as new as the other
         tiers' newest. Every rank calls it together."""
+        t0 = time.perf_counter()  # choosing between memory and the other tiers is a part of agreeing (with_choice)
         newest: int | None = None  # the local and remote tiers' newest step every rank can get
         below: int | None = None
         partly: PartlyRestoredError | None = None  # a memory step read in part into the state's own memory
@@ -212,7 +215,7 @@ class Memory:
                 pass
             else:
                 if done is not None:
-                    return done
+                    return with_choice(done, time.perf_counter() - t0)
                 break
             passed = "no step in memory could be read whole (see the warnings above)"
             if request.step is not None:
@@ -224,7 +227,7 @@ class Memory:
         if done is not None and self.job.coord.rank == 0:
             log.info("restored step %d from %s: %s", done.step,
                      "the remote tier" if done.from_remote else "the local directory", passed)  # fmt: skip
-        return done
+        return done and with_choice(done, time.perf_counter() - t0)
 
     def _newest_elsewhere(self, name: str) -> int | None:
         """The newest step every rank can get from the local and remote tiers (None: none)."""

@@ -134,6 +134,20 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     metavar="DIR_OR_URL",
     help="Measure a tier with a short real write and read (256 MiB); repeatable.",
 )
+@click.option(
+    "--link-gbps",
+    type=float,
+    default=None,
+    callback=positive_number,
+    help="A node's network link in Gb/s (bits: 400 = 50 GB/s): how long replacing a lost node takes, its restore "
+    "from its peers' memory (measured figures of bench/results/replace_node.json where found, else stated).",
+)
+@click.option(
+    "--replace-figures",
+    metavar="PATH|stated",
+    default=None,
+    help="With --link-gbps: bench/replace_node.py's JSON to take the restore's figures from, or 'stated'.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @remote_options
 @pass_context
@@ -174,12 +188,42 @@ def plan_command(ctx: Context, **kw: Any) -> None:
         several = kw["crash_mtbf_hours"] is not None or kw["job_mtbf_hours"] is not None
         if several:
             table.update(_multilevel(spec, tiers or sizing.DEFAULT_TIERS, kw))
+        if kw["link_gbps"] is not None:
+            table["replace"] = _replace(spec, kw)
         if kw["as_json"]:
             click.echo(json.dumps(table, indent=2))
             return
         _print_plan(table, defaults=not tiers)
         if several:
             _print_multilevel(table)
+        if "replace" in table:
+            _print_replace(table["replace"])
+
+
+def _replace(spec: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """A replaced node's restart from its peers' memory over a link of ``--link-gbps`` (``cli.replacing``)."""
+    from pathlib import Path
+
+    from tiercheck.cli import replacing, sizing
+
+    z = sizing.size(spec)
+    where = kw["replace_figures"]
+    figures = (replacing.default_figures() if where is None else replacing.STATED if where == "stated"
+               else replacing.load_figures(Path(where)))  # fmt: skip
+    nbytes = replacing.bytes_in(weights=z.weights_bytes, optimizer=z.optimizer_bytes, tp=spec.tp, pp=spec.pp,
+                                dp=spec.dp, ranks_on_node=min(spec.gpus_per_node, z.ranks))  # fmt: skip
+    return replacing.replace_node(nbytes=nbytes, link_gbps=kw["link_gbps"], figures=figures)
+
+
+def _print_replace(r: dict[str, Any]) -> None:
+    f = r["figures"]
+    said = "stated" if f["source"] == "stated" else f"measured: {f['source']}"
+    out.print(
+        f"replacing a node (its memory lost, restored from its peers' memory): {_dur(r['replace_s'])} = "
+        f"{_dur(r['transfer_s'])} transfer ({human(r['bytes_in'])} in over {r['link_gbps']:g} Gb/s x "
+        f"{f['transfer_ratio']:.2f}) + {_dur(r['fixed_s'])} agree, plan, verify, place ({said})",
+        markup=False,
+    )
 
 
 def _multilevel(spec: Any, tiers: list[Any], kw: dict[str, Any]) -> dict[str, Any]:

@@ -363,7 +363,9 @@ def route_chunks(
     ``read_once``, one rank in the whole job reads each chunk. A transfer between two ranks of one
     host (equal, non-None ``host_of``) is ``shared``. With ``owners_read`` (and not ``read_once``),
     the restoring rank numbered as a chunk's writer is its node's reader where it can read it and
-    its node needs the chunk: it reads the chunks its saving rank wrote anyway, needing them."""
+    its node needs the chunk: it reads the chunks its saving rank wrote anyway, needing them; where it
+    cannot (its node was replaced: a peer holds its files), ``readers_of(owner)[owner % len]`` does, so
+    the writers' chunks spread over the holding node's ranks alike in every coordinator's plan."""
     node = node_of or (lambda r: r)
     host = host_of or (lambda r: None)
     load: dict[int, int] = defaultdict(int)
@@ -384,8 +386,11 @@ def route_chunks(
         chosen: dict[Hashable, int] = {}  # node: the rank reading the chunk there
         if read_once or not local:
             r = min(local or able, key=lambda r: (load[r], r))
-            if owners_read and not read_once and not local and owner in able:
-                r = owner
+            if owners_read and not read_once and not local:
+                # The writer reads its own chunks; where its node was replaced, the rank of the node holding its
+                # files at the writer's place: each coordinator plans alone (its ``load`` is its own), and would
+                # have the holding node's first rank read every chunk of the replaced node's writers.
+                r = owner if owner in able else able[owner % len(able)]
             chosen[node(r)] = r
         else:
             for r in local:

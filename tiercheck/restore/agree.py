@@ -1,7 +1,8 @@
 """Agreeing on the step to restore: each node says which steps it holds whole, rank 0 picks the
 newest every rank can get (locally, from a peer's replica, or from the remote tier), and every
 rank learns the answer. Also the verdict after a restore (``settle``): all ranks succeeded, or all
-fall back together."""
+fall back together; and, where no tier holds a step, no fresh start over steps a directory holds but
+cannot read (``refuse_fresh_start``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tiercheck.cluster.coordination import Exchange, dumps
+from tiercheck.cluster.coordination import Exchange, drive, dumps
 from tiercheck.cluster.hierarchy import fold, forget_later, tell, verdict
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.keys.restore import agree_scope
-from tiercheck.errors import CheckpointNotFoundError, TiercheckError
+from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignCheckpointError, TiercheckError
+from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import abandoned_on, read_lineage
 from tiercheck.format.manifest import JSON, CommitMarker
 from tiercheck.format.replicas import read_replicas
@@ -23,7 +25,6 @@ from tiercheck.restore.messages import HeldSteps, StepDecision, loads, missing
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
-
 
 
 #: Why a committed step of a node's tier is not its lineage's to restore (None: it is), from its marker
@@ -234,3 +235,28 @@ def remote_steps(remote: Tier | None, local: Tier) -> list[int]:
                 continue  # its marker cannot be read: no restore could take it
         out.append(s)
     return out
+
+
+def refuse_fresh_start(job: Job, scope: str) -> None:
+    """Every rank together, where no tier holds a step it can restore: where any rank's directory holds
+    committed steps whose commit markers cannot be read, every rank raises ``CorruptCheckpointError`` naming
+    them and why; where it holds another framework's checkpoints, ``ForeignCheckpointError``. Never a fresh
+    start over them on some ranks only. (A step whose marker names a save the lineage abandoned is readable, and
+    no step of this lineage: a fresh start over it is right.)"""
+    unreadable: dict[int, str] = {}  # none read where the directory commits no step: a fresh start's case
+    for s in list_steps(job.tier).committed:
+        try:
+            read_marker(job.tier, s)
+        except TiercheckError as e:
+            unreadable[s] = str(e)
+    error: TiercheckError | None = None
+    if unreadable:
+        error = CorruptCheckpointError(
+            f"{job.tier.url}: no step can be restored, but step(s) {fmt_steps(sorted(unreadable))} are committed "
+            f"there: {'; '.join(unreadable.values())}"
+        )
+    elif found := find_foreign(job.tier):
+        error = ForeignCheckpointError(say_foreign(job.tier, found))
+    # settle finishes the scope itself (its leaders count out once): finishing it here again let the first rank
+    # out delete the failure before a slower rank had read it, which then started fresh
+    drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError, CorruptCheckpointError)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,25 +24,22 @@ from tiercheck.cluster.keys.restore import copies_bucket, part_scope, retry_scop
 from tiercheck.errors import (
     CoordinationError,
     CorruptCheckpointError,
-    ForeignCheckpointError,
     PartlyRestoredError,
     TiercheckError,
 )
-from tiercheck.format.foreign import find_foreign, say_foreign
 from tiercheck.format.lineage import check_claimable
 from tiercheck.format.manifest import ArrayRecord, Manifest, RankPart
 from tiercheck.format.paths import pack_file, step_dir
 from tiercheck.format.refmaps import check_documents
-from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.humanize import fmt_steps, plural
-from tiercheck.restore.agree import StepChoice, agree_on_step, remote_steps, settle
+from tiercheck.restore.agree import StepChoice, agree_on_step, refuse_fresh_start, remote_steps, settle
 from tiercheck.restore.holders import Step, find_holders
 from tiercheck.restore.match import add_entries, apply, prepare, tree_for
 from tiercheck.restore.messages import loads
 from tiercheck.restore.needed import DAMAGE, manifest_for
 from tiercheck.restore.plan import ReadRequest, RestorePlan, plan_restore
 from tiercheck.restore.read import ReadCounts, ReadSource, deferrable, fill_deferred, move_chunks, share_key
-from tiercheck.restore.report import Restored, overwritten, passed_over_here, say_mixed, say_partly_restored
+from tiercheck.restore.report import Restored, Timeline, overwritten, passed_over_here, say_mixed, say_partly_restored
 from tiercheck.restore.serve import TransferError
 from tiercheck.restore.share import Sharing
 from tiercheck.restore.stage import ReadItem, copy_in, staged, staging_bytes
@@ -88,33 +86,8 @@ def restore_state(
     over them)."""
     done = Restore(state, job, request, name=name, pool=pool).run()
     if done is None and request.step is None:
-        _refuse_fresh_start(job, part_scope(name, "foreign"))
+        refuse_fresh_start(job, part_scope(name, "foreign"))
     return done
-
-
-def _refuse_fresh_start(job: Job, scope: str) -> None:
-    """Every rank together, where no tier holds a step it can restore: where any rank's directory holds
-    committed steps whose commit markers cannot be read, every rank raises ``CorruptCheckpointError`` naming
-    them and why; where it holds another framework's checkpoints, ``ForeignCheckpointError``. Never a fresh
-    start over them on some ranks only. (A step whose marker names a save the lineage abandoned is readable, and
-    no step of this lineage: a fresh start over it is right.)"""
-    unreadable: dict[int, str] = {}  # none read where the directory commits no step: a fresh start's case
-    for s in list_steps(job.tier).committed:
-        try:
-            read_marker(job.tier, s)
-        except TiercheckError as e:
-            unreadable[s] = str(e)
-    error: TiercheckError | None = None
-    if unreadable:
-        error = CorruptCheckpointError(
-            f"{job.tier.url}: no step can be restored, but step(s) {fmt_steps(sorted(unreadable))} are committed "
-            f"there: {'; '.join(unreadable.values())}"
-        )
-    elif found := find_foreign(job.tier):
-        error = ForeignCheckpointError(say_foreign(job.tier, found))
-    # settle finishes the scope itself (its leaders count out once): finishing it here again let the first rank
-    # out delete the failure before a slower rank had read it, which then started fresh
-    drive(job.coord, settle(job, scope, error, shared=(ForeignCheckpointError, CorruptCheckpointError)))
 
 
 class Restore:
@@ -166,6 +139,7 @@ class Restore:
         # found damaged; and on the node's leader, all its node's ranks found (no longer claimed).
         self.found: dict[int, set[int]] = {}
         self.dropped: dict[int, set[int]] = {}
+        self.timeline = Timeline()  # seconds by phase, over the attempts
 
     def run(self) -> Restored | None:
         """Attempts from the newest step down until one restores (see the class's call order)."""
@@ -226,12 +200,15 @@ class Restore:
         the state's tensors it reads into, before the first byte is."""
         job, request = self.job, self.request
         coord, tier, remote = job.coord, job.tier, job.remote
+        self.timeline.mark = time.perf_counter()
         choice = again or self.agree(name, below)
+        self.timeline.took("agree")
         if choice.step is None:
             return None
         step = choice.step
         prepared = self.prepare(choice, name, again=again is not None)
         plan = self.plan(prepared, name)
+        self.timeline.took("plan")
         items = prepared.items
         read_in_place = 0
         if request.in_place and any(_in_place(i) for i in items):  # the state's tensors are read into
@@ -246,6 +223,7 @@ class Restore:
         unstaged = sum(i.dest.numel() * i.dest.element_size() for i in items if i.deferred)
         moved = self.read(prepared, plan, items, name)
         apply(self.state, prepared.decoded, where=f"{tier.url}: step {step}", strict=request.strict)
+        self.timeline.took("place")
         log.info(
             "restored step %d (%s; %d chunks from %s, %d after a bad local copy)",
             step,
@@ -273,6 +251,7 @@ class Restore:
             passed_over=passed_over_here(choice, step) if request.step is None else {},
             save_id=prepared.st.save_id,
             own_placed_s=moved.counts.own_placed_s,
+            phases=dict(self.timeline.phases),
         )
 
     def agree(self, name: str, below: int | None) -> StepChoice:
@@ -387,6 +366,7 @@ class Restore:
                 nbytes = move_chunks(source, plan, reads, counts=counts, sharing=sharing)
             except TiercheckError as e:
                 failure = self._copy_damaged(e, step, counts.damaged)
+            self.timeline.took("transfer")
             try:
                 if isinstance(failure, TransferError):  # a rank it moved chunks with is gone: no verdict comes
                     raise failure
@@ -399,6 +379,7 @@ class Restore:
                 raise _Damaged(step, e, prepared.choice) from None
             finally:
                 _leave(coord, name, prepared.st.claimed)
+                self.timeline.took("verify")
             fill_deferred(sharing)
             # The arena goes back to the pool: copied out of, never handed over.
             copied_up = copy_in(live, swap=arena is None)

@@ -9,12 +9,42 @@ of which step (docs/concepts/restore.md).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from tiercheck.humanize import fmt_steps, some
 from tiercheck.restore.agree import StepChoice
 
 log = logging.getLogger("tiercheck")
+
+
+PHASES = ("agree", "plan", "transfer", "verify", "place")
+"""A restore's phases, each rank's own seconds in each (``Restored.phases``), summed over its attempts: ``agree``
+on the step (the choice between tiers included: ``with_choice``), ``plan`` (find the holders, fetch and match the
+manifest, plan the reads), ``transfer`` (read, send and receive the chunks, each checked against its CRC32C as it
+arrives), ``verify`` (wait until every rank says all its chunks verified), ``place`` (copy the staged bytes into the
+state and hand it its plain values)."""
+
+
+def with_choice(done: Restored, total_s: float) -> Restored:
+    """``done``, timed by the whole restore call (``total_s``): what its phases leave out (the memory tier's
+    choice of step, the other tiers' newest, a memory step that could not be read) goes to ``agree``, the
+    choice of what to restore, so the phases add up to the call."""
+    rest = max(0.0, total_s - sum(done.phases.values()))
+    return replace(done, phases={**done.phases, "agree": done.phases.get("agree", 0.0) + rest})
+
+
+class Timeline:
+    """A rank's seconds in each of a restore's ``PHASES``: ``took(phase)`` gives it the time since the last mark."""
+
+    def __init__(self) -> None:
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.mark = time.perf_counter()
+
+    def took(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] += now - self.mark
+        self.mark = now
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +72,13 @@ class Restored:
     # Seconds from the start of the reads until the chunks this rank read itself were verified and
     # placed (None: it read none), while it served other ranks beside them (``restore.serve``).
     own_placed_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds by phase (``PHASES``), every attempt's
 
     def counters(self) -> dict[str, int | float | None]:
         """What ``Checkpointer.stats()`` reports of the last restore."""
         return {
+            **{f"restore_{p}_s": self.phases.get(p, 0.0) for p in PHASES},
+            "restore_s": sum(self.phases.values()),
             "restore_bytes_read": self.bytes_read,
             "restore_chunks_received": self.chunks_received,
             "restore_chunks_shared": self.chunks_shared,
