@@ -200,9 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mib", type=float, default=128, help="state per rank, MiB, in whole MLP blocks of 96 MiB (default 128)"
     )
     ap.add_argument(
-        "--rereplicate",
-        action="store_true",
-        help="restart with replication on, as a job does: the replaced node's copies are made again (re-replicate)",
+        "--no-rereplicate",
+        dest="rereplicate",
+        action="store_false",
+        help="restart without replication: the restart timed alone, with no re-replicate phase (by default it "
+        "restarts with replication on, as a job does, and the replaced node's copies are made again)",
     )
     ap.add_argument("--dir", help="scratch directory for the local tiers (default: a temporary one)")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the memory tiers (default /dev/shm)")
