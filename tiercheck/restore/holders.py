@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
+from tiercheck.cluster.wire import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.manifest import ManifestIndex, parse_manifest_doc, parse_rank_part
@@ -67,7 +68,7 @@ def find_holders(
     index_key = coord.key(root, "index")
     own: TiercheckError | None = None
     claimed: list[str] = []
-    members = dumps(HolderClaim(nodes.ranks, host).to_json())
+    members = HolderClaim(RankSet.of(nodes.ranks), host).entry()
 
     def claim(ranks: Sequence[int]) -> None:
         for w in ranks:
@@ -81,7 +82,7 @@ def find_holders(
             if index is None:
                 here, written = (), ()
             if len(nodes.ranks) > 1:
-                coord.set(node_key, dumps(NodeHolds(tuple(here), tuple(written)).to_json()))
+                coord.set(node_key, dumps(NodeHolds(RankSet.of(here), RankSet.of(written)).to_json()))
                 claimed.append(node_key)
             if index is not None:
                 if coord.decide(index_key, index.decode()) == index.decode():
@@ -94,7 +95,7 @@ def find_holders(
     coord.check(f"{root}/holders", own, shared=(CorruptCheckpointError,))
     if coord.rank != nodes.leader:
         mine = NodeHolds.from_json(loads(coord.get(node_key), where=node_key), where=node_key)
-        here, written = mine.here, mine.written
+        here, written = tuple(mine.here), tuple(mine.written)
     copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
         claim(copies)
@@ -197,7 +198,7 @@ def holders_of(
     values = coord.multi_get([k for _, k in present])
     out: dict[int, list[int]] = {}
     for (w, k), v in zip(present, values, strict=True):
-        claim = HolderClaim.from_json(loads(v, where=k), where=k)
+        claim = HolderClaim.one(v, where=k, field="claim", world=coord.world_size)
         out[w] = list(claim.ranks)
         if hosts is not None:
             hosts.update(dict.fromkeys(claim.ranks, claim.host))
