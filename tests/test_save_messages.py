@@ -26,6 +26,7 @@ from tiercheck.save.messages import (
     Holders,
     HolderWord,
     PiecesPost,
+    Shift,
     TookPost,
     holders_entry,
     parse_holders,
@@ -63,7 +64,7 @@ MESSAGES: list[Any] = [
                 shape=(64,),
                 grid=(8,),
                 chunks=(((0,), RankSet.of((3,))),),
-                shift=(0, 0, 1, 2),
+                shift=Shift(0, 0, 1, 2),
             )
         }
     ),
@@ -235,7 +236,7 @@ def test_a_patterns_chunk_moved_outside_the_array_or_the_job_is_refused(block: i
     """A holder applies the offer's shift to its block: a chunk landing past the grid, or held by a
     rank past the world, is a bad offer naming its key, never a task or a rank out of range."""
     offer = ArrayOffer(
-        dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), RankSet.of((3,))),), shift=(0, 0, 1, 7)
+        dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), RankSet.of((3,))),), shift=Shift(0, 0, 1, 7)
     )
     world = 16 if block == 9 else 8
     with pytest.raises(CoordinationError, match=re.escape(f"t/offer/3: a pattern's chunk [0] moved to block {block}")):

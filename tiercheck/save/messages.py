@@ -134,25 +134,46 @@ class PiecesPost:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """How a block pattern's offer (``save.patterns``) moves to another block: the chunks offered
+    are those of ``block``, and the holder of block ``k`` holds them moved ``(k - block) * per``
+    along ``dim``, each held by ranks ``(k - block) * step`` further on. ``[dim, block, per, step]``."""
+
+    dim: int
+    block: int
+    per: int
+    step: int
+
+    def to_json(self) -> list[JSON]:
+        return [self.dim, self.block, self.per, self.step]
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str, field: str, ndim: int) -> Shift:
+        items = as_list(doc, where, field, 4)
+        dim, block, per = (as_rank(v, where, f"{field}[{i}]") for i, v in enumerate(items[:3]))
+        if dim >= ndim:
+            raise bad(where, field, "[dim, block, per, step], dim an axis of the array", doc)
+        return cls(dim, block, per, as_rank(items[3], where, f"{field}[3]"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ArrayOffer:
     """One array as its coordinator laid it out, to one group of holders: its record's shape (no
     owners) and the chunks the group holds, each by grid position with the full group of ranks
-    holding it (a ``cluster.wire.RankSet``: 128 replicas are ``3/128x128``). With a
-    ``shift`` ``(dim, block, per, step)``, the offer of a block pattern (``save.patterns``): the
-    chunks are those of ``block``, and the holder of block ``k`` holds them moved ``(k - block) *
-    per`` along ``dim``, each held by ranks ``(k - block) * step`` further on."""
+    holding it (a ``cluster.wire.RankSet``: 128 replicas are ``3/128x128``). With a ``shift``,
+    the offer of a block pattern: how its chunks move from block to block."""
 
     dtype: str
     kind: str
     shape: tuple[int, ...]
     grid: tuple[int, ...]  # the chunk shape
     chunks: tuple[tuple[tuple[int, ...], RankSet], ...]  # (grid position, holders)
-    shift: tuple[int, ...] = ()
+    shift: Shift | None = None
 
     @classmethod
     def of(
-        cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: tuple[int, ...] = ()
+        cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: Shift | None = None
     ) -> ArrayOffer:
         sets: dict[tuple[int, ...], RankSet] = {}
         held = tuple((cc, sets[hs] if hs in sets else sets.setdefault(hs, RankSet.of(hs))) for cc, hs in chunks)
@@ -164,7 +185,7 @@ class ArrayOffer:
     def to_json(self) -> list[JSON]:
         short: list[JSON] = [self.dtype, self.kind, list(self.shape), list(self.grid)]
         chunks: list[JSON] = [[list(cc), group.to_json()] for cc, group in self.chunks]
-        return [short, chunks, list(self.shift)] if self.shift else [short, chunks]
+        return [short, chunks] if self.shift is None else [short, chunks, self.shift.to_json()]
 
     @classmethod
     def from_json(cls, doc: object, *, where: str, field: str, world: int) -> ArrayOffer:
@@ -173,10 +194,9 @@ class ArrayOffer:
         if len(items) not in (2, 3):
             raise bad(where, field, "[array, chunks] or [array, chunks, shift]", doc)
         short, chunks = items[:2]
-        shift = as_ranks(items[2], where, f"{field}[2]") if len(items) == 3 else ()
         dtype, kind, shape, grid = as_list(short, where, f"{field}[0]", 4)
-        if shift and (len(shift) != 4 or shift[0] >= len(as_list(shape, where, f"{field}[0][2]"))):
-            raise bad(where, f"{field}[2]", "[dim, block, per, step], dim an axis of the array", shift)
+        ndim = len(as_list(shape, where, f"{field}[0][2]"))
+        shift = Shift.from_json(items[2], where=where, field=f"{field}[2]", ndim=ndim) if len(items) == 3 else None
         offered = []
         for i, c in enumerate(as_list(chunks, where, f"{field}[1]")):
             f = f"{field}[1][{i}]"

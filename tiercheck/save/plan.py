@@ -239,7 +239,7 @@ def _take_share(
                 if group not in groups:
                     groups[group] = tuple(group)
                 chunks.append((cc, groups[group]))
-            if array.shift:
+            if array.shift is not None:
                 if c not in blocks:
                     raise CoordinationError(f"{key}: array {path!r} is offered as a block pattern, not posted as one")
                 chunks = apply_shift(array, chunks, blocks[c], world=world, where=key, moved_groups=moved)
