@@ -150,6 +150,10 @@ def test_entries_come_back_as_they_were_said_with_trailing_empty_fields_left_out
     assert raw == "ab:1:-2:cd:0+2:ef:1;ab::0;"
     assert _Signed.read(raw, where="k", field="signatures", world=16) == signed_
     assert _Said.read(b"", where="k", field="members", world=16) == []
+    empty_last = _Signed("ab", False, 0, (("cd", RankSet()),))  # a group's empty field is said, not left out
+    assert empty_last.entry() == "ab::0:cd:;" and _Signed.read(empty_last.entry(), where="k", field="s", world=4) == [
+        empty_last
+    ]
 
 
 @pytest.mark.parametrize(

@@ -356,11 +356,11 @@ class Entry:
 
     def entry(self) -> str:
         values = [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
-        if self.REPEAT:
-            values = [*values[:-1], *(v for group in values[-1] for v in group)]
+        groups = values.pop() if self.REPEAT else ()
         texts = [_field_text(v) for v in values]
-        while texts and texts[-1] == "":
+        while texts and texts[-1] == "" and not groups:  # a repeated group's fields all stay
             texts.pop()
+        texts += (_field_text(v) for group in groups for v in group)
         return ":".join(texts) + ";"
 
     @classmethod
