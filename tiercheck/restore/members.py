@@ -111,14 +111,17 @@ Groups = Mapping[tuple[int, str], tuple[list[int], bool]]
 
 
 def node_entry(leader: int, host: str | None, offsets: RankSet) -> str:
+    """A ``NodeEntry``, as appended to a group's register."""
     return NodeEntry(leader, offsets, host).entry()
 
 
 def listed_node(leader: int, host: str | None) -> str:
+    """A ``ListedNode``, its host left out where it is its first rank's own number."""
     return ListedNode(leader, None if host is None or host == str(leader) else host).entry()
 
 
 def signature_entry(signature: str, shares: bool, groups: Mapping[str, RankSet]) -> str:
+    """A ``Signature``, its groups in the order of their digests (the same on every node)."""
     return Signature(signature, shares, tuple(sorted(groups.items()))).entry()
 
 
