@@ -134,8 +134,13 @@ class RankSet:
 
     @classmethod
     def of(cls, ranks: Iterable[int]) -> RankSet:
+        rs = sorted(set(ranks))
+        if len(rs) > 1:  # evenly spaced ranks (replicas, a block), as the loop below makes them, faster
+            stride = rs[1] - rs[0]
+            if rs == list(range(rs[0], rs[-1] + 1, stride)):
+                return cls(((rs[0], len(rs), len(rs), 1),) if stride == 1 else ((rs[0], 1, stride, len(rs)),))
         blocks: list[tuple[int, int]] = []  # maximal blocks of consecutive ranks
-        for r in sorted(set(ranks)):
+        for r in rs:
             if blocks and blocks[-1][0] + blocks[-1][1] == r:
                 blocks[-1] = (blocks[-1][0], blocks[-1][1] + 1)
             else:
@@ -167,6 +172,9 @@ class RankSet:
 
     def __iter__(self) -> Iterator[int]:
         for start, length, stride, count in self.runs:
+            if length == 1:
+                yield from range(start, start + stride * count, stride)
+                continue
             for k in range(count):
                 yield from range(start + k * stride, start + k * stride + length)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.wire import (
@@ -134,6 +135,11 @@ class PiecesPost:
         )
 
 
+@lru_cache(maxsize=4096)  # a coordinator offers the same groups of replicas to every holder
+def _holders(ranks: tuple[int, ...]) -> RankSet:
+    return RankSet.of(ranks)
+
+
 @dataclass(frozen=True, slots=True)
 class Shift:
     """How a block pattern's offer (``save.patterns``) moves to another block: the chunks offered
@@ -175,8 +181,7 @@ class ArrayOffer:
     def of(
         cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: Shift | None = None
     ) -> ArrayOffer:
-        sets: dict[tuple[int, ...], RankSet] = {}
-        held = tuple((cc, sets[hs] if hs in sets else sets.setdefault(hs, RankSet.of(hs))) for cc, hs in chunks)
+        held = tuple((cc, _holders(hs)) for cc, hs in chunks)
         return cls(dtype=rec.dtype, kind=rec.kind, shape=rec.shape, grid=rec.chunks, chunks=held, shift=shift)
 
     def record(self, path: str) -> ArrayRecord:
