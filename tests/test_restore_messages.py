@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from tests.test_coordination import agreed_manifest, job, save
 from tiercheck.cluster.assign import Need, Route, Source
 from tiercheck.cluster.coordination import Coordinator, Failure, dumps, lockstep
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.keys import scope_key
-from tiercheck.cluster.keys.restore import groups_scope
-from tiercheck.cluster.ranksets import RankSet
+from tiercheck.cluster.keys.restore import groups_scope, needs_ranks_key, sig_key, signatures_key
+from tiercheck.cluster.wire import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CoordinationError
 from tiercheck.format.layout import chunk_at
 from tiercheck.restore.agree import choose_step
 from tiercheck.restore.members import (
+    ListedNode,
+    NodeEntry,
+    Signature,
+    collect,
     listed_node,
     node_entry,
-    offsets_entry,
-    parse_nodes,
-    parse_register,
-    parse_signatures,
     signature_entry,
 )
 from tiercheck.restore.messages import (
@@ -44,16 +46,19 @@ from tiercheck.restore.messages import (
 from tiercheck.restore.plan import ReadRequest, plan_restore
 
 MESSAGES: list[Any] = [
-    HeldSteps({3: Held(4, ((0, 3),), ((0, 2),)), 7: Held(8, ((0, 2), (4, 8)), ((0, 2),))}),
     StepDecision(3, remote=True),
     StepDecision(None),
     StepDecision(None, error="no step"),
-    NodeHolds((0, 1), (1,)),
-    HolderClaim((4, 5, 6, 7)),
-    HolderClaim((4, 5, 6, 7), "9f3a0c1d2e4b5a6c"),  # with its node's host key, for shared memory
+    NodeHolds(RankSet.of((0, 1)), RankSet.of((1,))),
     NeedsPost("9f3a", (Need("model/w", (0, 4), (8, 4)),)),
     NeedsPost("0", ()),
 ]
+HELD = HeldSteps(
+    {
+        3: Held(4, RankSet.of(range(3)), RankSet.of(range(2))),
+        7: Held(8, RankSet.of([0, 1, 4, 5, 6, 7]), RankSet.of([0, 1])),
+    }
+)
 
 W = ArrayShape("model/w", "bfloat16", "tensor", (16, 8), (8, 8))
 REPLICAS = frozenset(range(3, 1024, 128)) | frozenset(range(4, 1024, 128))  # two ranks of each of 8 replicas
@@ -74,6 +79,21 @@ def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
     assert type(message).from_json(loads(raw.encode(), where="k"), where="k") == message
 
 
+def test_held_steps_come_back_as_they_were_sent() -> None:
+    raw = dumps(HELD.to_json())
+    assert raw == '{"3":[4,"0+3","0+2"],"7":[8,"0+2,4+4","0+2"]}'
+    assert HeldSteps.from_json(loads(raw.encode(), where="k"), where="k", world=8) == HELD
+
+
+@pytest.mark.parametrize(
+    "claim", [HolderClaim(RankSet.of((4, 5, 6, 7))), HolderClaim(RankSet.of((4, 5, 6, 7)), "9f3a0c1d2e4b5a6c")]
+)
+def test_a_holder_claim_is_one_entry_and_comes_back_as_it_was_sent(claim: HolderClaim) -> None:
+    raw = claim.entry()
+    assert raw == ("4+4;" if claim.host is None else "4+4:9f3a0c1d2e4b5a6c;")
+    assert HolderClaim.one(raw.encode(), where="k", field="claim", world=8) == claim
+
+
 def test_route_work_comes_back_as_it_was_sent() -> None:
     raw = dumps(WORK.to_json())
     assert RouteWork.from_json(loads(raw.encode(), where="k"), where="k", world=1024) == WORK
@@ -85,21 +105,23 @@ def test_the_wire_is_what_the_plan_always_sent() -> None:
     # A node's first rank registers the node's members of a group as offsets from it: in the group's
     # register where a rank of the node posted the group first, else in its signature at the
     # coordinator, with every group it joined there; its node joins the signature's list.
-    assert offsets_entry(8, [8, 9, 10, 11, 13]) == "0-3,5"
-    assert node_entry(8, "8", "0-3,5") == "8:8:0-3,5;" and node_entry(3, None, "0") == "3::0;"
-    assert parse_register(b"8:8:0-3,5;3::0;", where="k", world=16) == [(8, "8", [0, 1, 2, 3, 5]), (3, None, [0])]
+    offsets = RankSet.of([0, 1, 2, 3, 5])
+    assert node_entry(8, "8", offsets) == "8:0+4,5:8;" and node_entry(3, None, RankSet.of([0])) == "3:0;"
+    assert NodeEntry.read(b"8:0+4,5:8;3:0;", where="k", field="members", world=16) == [
+        NodeEntry(8, offsets, "8"), NodeEntry(3, RankSet.of([0]))
+    ]  # fmt: skip
     a, b = "a" * 24, "b" * 24
-    assert signature_entry(a, True, {b: "1", a: "0-1"}) == f"{a}:s:{a}/0-1|{b}/1;"
-    assert parse_signatures(f"{a}:s:{a}/0-1|{b}/1;{b}::{a}/3;".encode(), where="k", world=16) == [
-        (a, True, {a: [0, 1], b: [1]}), (b, False, {a: [3]})
+    assert signature_entry(a, True, {b: RankSet.of([1]), a: RankSet.of([0, 1])}) == f"{a}:1:{a}:0+2:{b}:1;"
+    assert Signature.read(f"{a}:1:{a}:0+2:{b}:1;{b}::{a}:3;".encode(), where="k", field="signatures", world=16) == [
+        Signature(a, True, ((a, RankSet.of([0, 1])), (b, RankSet.of([1])))), Signature(b, False, ((a, RankSet.of([3])),))
     ]  # fmt: skip
     # A node in a signature's list costs its first rank, and its host only where another node's is.
-    assert listed_node(8, "8") == "8," and listed_node(8, None) == "8," and listed_node(12, "8") == "12:8,"
-    assert parse_nodes(b"8,12:8,", where="k", world=16) == [(8, "8"), (12, "8")]
-    # Eight replicas' routes cost the same as two: every set of ranks is a few runs.
+    assert listed_node(8, "8") == "8;" and listed_node(8, None) == "8;" and listed_node(12, "8") == "12:8;"
+    assert ListedNode.read(b"8;12:8;", where="k", field="nodes", world=16) == [ListedNode(8), ListedNode(12, "8")]
+    # Its main source serves every needer no other source does; each other source its node's.
     assert WORK.to_json() == {
-        "sets": [[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 8]]],
-        "chunks": [["model/w", [1, 0], 3, 17, 2, [[3, False, -1, 0], [131, True, 1, 1]]]],
+        "sets": ["3+2/128x8", "4", "132"],
+        "chunks": [["model/w", [1, 0], 3, 17, 0, [3, False, 1], [[131, True, 2, 2]]]],
         "records": [W.to_json()],
     }
 
@@ -110,6 +132,7 @@ def test_the_wire_is_what_the_plan_always_sent() -> None:
 )
 def test_a_set_of_ranks_comes_back_from_its_runs(ranks: list[int]) -> None:
     got = RankSet.from_json(RankSet.of(ranks).to_json(), where="k", field="s", world=131072)
+    assert got == RankSet.of(ranks)
     assert list(got) == ranks and len(got) == len(ranks)
     assert all(r in got for r in ranks) and not any(r in got for r in set(range(50)) - set(ranks))
     assert len(RankSet.of(ranks).runs) <= 3  # replicas at any stride: one run
@@ -127,12 +150,9 @@ def _work(**change: Any) -> dict[str, Any]:
     [
         (NeedsPost, {"digest": 0, "needs": []}, "digest"),
         (NeedsPost, {"digest": "d", "needs": [["w", [0]]]}, "needs[0]"),
-        (NodeHolds, {"here": [0], "written": None}, "written"),
+        (NodeHolds, {"here": "0", "written": None}, "written"),
+        (NodeHolds, {"here": "0/2x1099511627776", "written": ""}, "here"),
         (StepDecision, {"step": 1.5, "remote": False}, "step"),
-        (HeldSteps, {"x": [1, [[0, 1]], [[0, 1]]]}, "held"),
-        (HeldSteps, {"3": [1, [[0, 2], [1, 3]], [[0, 1]]]}, "held['3'][1][1]"),
-        (HeldSteps, {"3": [1, [[0, 1]], [[2, 2]]]}, "held['3'][2][0]"),
-        (HolderClaim, [0, True], "holder ranks[1]"),
     ],
 )
 def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, field: str) -> None:
@@ -143,15 +163,43 @@ def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, fiel
 @pytest.mark.parametrize(
     ("doc", "field"),
     [
+        ({"x": [1, "0", "0"]}, "held"),
+        ({"3": [1, "0+2", "0"]}, "held['3'][1]"),  # a saving rank past its world
+        ({"3": [8, "0+2,1", "0"]}, "held['3'][1]"),  # runs that overlap
+        ({"3": [8, "0", "0+9"]}, "held['3'][2]"),  # a restoring rank past the world
+        ({"3": [2**40, "0/2x549755813888", "0"]}, "held['3'][0]"),  # never walked
+        ({"3": [8, [[0, 8]], "0"]}, "held['3'][1]"),
+    ],
+)
+def test_malformed_held_steps_name_their_key_and_field(doc: object, field: str) -> None:
+    with pytest.raises(CoordinationError, match="^" + re.escape(f"t/held/up/1: field {field!r}")):
+        HeldSteps.from_json(doc, where="t/held/up/1", world=8)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [(b"4+4:9f:x;", "claim[0]"), (b"4+5;", "claim[0]"), (b"4;5;", "claim"), (b"", "claim"), (b'[4, "h"]', "claim[0]")],
+)
+def test_a_malformed_holder_claim_names_its_key(raw: bytes, field: str) -> None:
+    with pytest.raises(CoordinationError, match="^" + re.escape(f"t/holder/3: field {field!r}")):
+        HolderClaim.one(raw, where="t/holder/3", field="claim", world=8)
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
         (_work(records=[["model/w", "f4", "tensor", [4], [-1]]]), "records[0][4][0]"),
-        (_work(sets=[[[4, 1, 1, 1]], [[132, 1, 1, 1]], [[3, 2, 128, 9]]]), "sets[2][0]"),  # past the world's last rank
-        (_work(sets=[[[3, 2, 1, 8]]]), "sets[0][0]"),  # blocks that overlap
-        (_work(chunks=[["model/w", [1, 0], 3, 17, 5, [[3, False, -1, -1]]]]), "chunks[0][4]"),
-        (_work(chunks=[["model/w", [1, 0], 3, 17, -1, [[3, False, -1, -1]]]]), "chunks[0]"),
-        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [[131, True, 0, -1], [3, False, -1, -1]]]]), "chunks[0]"),
-        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [[3, "no", -1, -1]]]]), "chunks[0][5][0][1]"),
-        (_work(chunks=[["b", [0], 3, 17, 0, [[3, False, -1, -1]]]]), "chunks[0][1]"),
-        (_work(chunks=[["model/w", [1, 0], 3, 17, 0]]), "chunks[0]"),
+        (_work(sets=["3+2/128x9", "4", "132"]), "sets[0]"),  # past the world's last rank
+        (_work(sets=["3+2/1x8"]), "sets[0]"),  # blocks that overlap
+        (_work(sets=[[[3, 2, 128, 8]]]), "sets[0]"),  # not in the grammar of a set
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 5, [3, False, 1], []]]), "chunks[0][4]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, -1, [3, False, 1], []]]), "chunks[0][4]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [3, False, -1], []]]), "chunks[0][5][2]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [3, False, 0, 1], []]]), "chunks[0][5]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [3, False, 1], [[131, True, 2]]]]), "chunks[0][6][0]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [3, "no", 1], []]]), "chunks[0][5][1]"),
+        (_work(chunks=[["b", [0], 3, 17, 0, [3, False, 1], []]]), "chunks[0][1]"),
+        (_work(chunks=[["model/w", [1, 0], 3, 17, 0, [3, False, 1]]]), "chunks[0]"),
     ],
 )
 def test_malformed_route_work_names_its_key_and_field(doc: dict[str, Any], field: str) -> None:
@@ -164,29 +212,40 @@ SIG = b"a" * 24
 
 @pytest.mark.parametrize(
     "raw",
-    [b"3", b"3::;", b"x::0;", b"3:h:2-1;", b"3:h:0-99;", b"3:h:0-1-2;", b"16::0;", b"3:a b:0;", b"15::1;",
-     b"0::0-9;0::0-9;", b"\xff"],
-)  # fmt: skip
+    [b"3:x;", b"x:0;", b"3:2-1;", b"3:0+99;", b"16:0;", b"3:0:a b;", b"15:1;", b"0:0+9;0:0+9;", b"3;", b"\xff"],
+)
 def test_a_garbled_register_of_needers_names_its_key(raw: bytes) -> None:
-    with pytest.raises(CoordinationError, match=re.escape("t/reads/needs/3/d/ranks: field 'members")):
-        parse_register(raw, where="t/reads/needs/3/d/ranks", world=16)
+    with pytest.raises(CoordinationError, match=re.escape(f"t/reads/needs/3/{SIG.decode()}/ranks: field 'members")):
+        collect_one(raw, b"", b"")
 
 
 @pytest.mark.parametrize(
     "raw",
-    [SIG + b"::;", SIG + b":h:" + SIG + b"/0;", SIG[:-1] + b"::" + SIG + b"/0;", SIG + b"::" + SIG + b"/16;",
-     SIG + b"::" + SIG + b"/0|;", SIG + b"::" + SIG + b"/0-1-2;", SIG + b"::" + SIG + b"/0-9|" + SIG + b"/0-9;",
-     b"\xff"],
+    [SIG + b":x:" + SIG + b":0;", SIG + b"::" + SIG + b":16;", SIG + b"::" + SIG + b";", SIG + b"::" + SIG + b":0:;",
+     SIG + b"::" + SIG + b":0-1;", b"a b::" + SIG + b":0;", b"\xff"],
 )  # fmt: skip
 def test_a_garbled_signature_names_its_key(raw: bytes) -> None:
     with pytest.raises(CoordinationError, match=re.escape("t/reads/sigs/3: field 'signatures")):
-        parse_signatures(raw, where="t/reads/sigs/3", world=16)
+        collect_one(b"", raw, b"0;")
 
 
-@pytest.mark.parametrize("raw", [b"x,", b"16,", b"3:,", b"3:a b,", b"3:" + b"h" * 65 + b",", b"\xff"])
+@pytest.mark.parametrize("raw", [b"x;", b"16;", b"3:a b;", b"3:" + b"h" * 65 + b";", b"\xff", b"0;" * 17, b"15;"])
 def test_a_garbled_list_of_a_signatures_nodes_names_its_key(raw: bytes) -> None:
-    with pytest.raises(CoordinationError, match=re.escape("t/reads/sig/3/a: field 'nodes")):
-        parse_nodes(raw, where="t/reads/sig/3/a", world=16)
+    with pytest.raises(CoordinationError, match=re.escape(f"t/reads/sig/3/{SIG.decode()}: field 'nodes")):
+        collect_one(b"", SIG + b"::" + SIG + b":0+2;", raw)
+
+
+def collect_one(register: bytes, signatures: bytes, nodes: bytes) -> None:
+    """Rank 3's ``collect`` of group ``SIG`` (posted to it) of a job of 16 ranks, from these
+    stored texts: its register, rank 3's signatures, and the list of nodes of signature ``SIG``."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    coord = Coordinator(store, rank=3, world_size=16, namespace="t", timeout_s=5)
+    store.set(needs_ranks_key(coord, "reads", 3, SIG.decode()), register or b"0:0;")
+    for key, value in ((signatures_key(coord, "reads", 3), signatures), (sig_key(coord, "reads", 3, SIG.decode()), nodes)):
+        if value:
+            store.set(key, value)
+    collect(coord, "reads", [SIG.decode()])
 
 
 def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> None:
@@ -194,8 +253,8 @@ def test_nodes_holdings_fold_into_spans_and_a_gap_names_the_missing_ranks() -> N
     b = HeldSteps.of_node((2, 3), {"5": [[2, 3], 8, [2, 3]]})
     c = HeldSteps.of_node((4, 5, 6, 7), {"5": [[4, 5, 6, 7], 8, [4, 5, 6, 7]], "6": [[6, 7], 8, [6, 7]]})
     folded = HeldSteps.merge([a, HeldSteps.merge([b, c])])
-    assert folded.steps[5] == Held(8, ((0, 8),), ((0, 8),))  # a whole step is one span, at any size
-    assert folded.steps[6] == Held(8, ((0, 2), (6, 8)), ((0, 2), (4, 8)))
+    assert folded.steps[5] == Held(8, RankSet.of(range(8)), RankSet.of(range(8)))  # a whole step: "0+8", at any size
+    assert folded.steps[6] == Held(8, RankSet.of([0, 1, 6, 7]), RankSet.of([0, 1, 4, 5, 6, 7]))
     assert choose_step(folded, None, set(), world=8, where="w") == 5
     with pytest.raises(
         CheckpointNotFoundError,
@@ -234,8 +293,16 @@ def test_a_garbled_needs_post_fails_every_rank_instead_of_leaving_them_waiting(t
     assert f"rank {target} failed" in str(outcomes[0])
 
 
-@pytest.mark.parametrize("said", ["7:abc:5:;", "x:abc:1:f;", "7:abc:1;", "7:abc:1:x;"])
-def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, said: str) -> None:
+@pytest.mark.parametrize(
+    ("said", "why"),
+    [
+        ("7:abc:5;", "the word of a rank of this node"),
+        ("x:abc:1:1;", "coordinator:digest:rank:first (coordinator: a number)"),
+        ("7:abc;", "coordinator:digest:rank:first (rank: a number)"),
+        ("7:abc:1:f;", "coordinator:digest:rank:first (first: 1 or empty)"),
+    ],
+)
+def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, said: str, why: str) -> None:
     """A node's ranks tell their first rank their groups in the node's store; what it cannot read
     (here: a rank not of its node, or no rank) fails the plan on every rank, not just that node."""
     world = 8
@@ -257,9 +324,7 @@ def test_a_garbled_word_to_a_nodes_first_rank_fails_every_rank(tmp_path: Path, s
 
     outcomes = lockstep([one(c) for c in coords], capture=True)
     assert all(isinstance(o, CoordinationError) for o in outcomes), outcomes
-    assert "r/reads/groups: field 'groups[0]' is not coordinator:digest:rank of this node:'f' where first" in str(
-        outcomes[5]
-    )
+    assert f"r/reads/groups: field 'groups[0]' is not {why}" in str(outcomes[5])
 
 
 def test_a_reported_failure_reads_back_as_it_was_and_a_garbled_one_names_its_key() -> None:

@@ -16,17 +16,18 @@ import torch.distributed as dist
 from tests.test_planner import megatron_like
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.cluster.coordination import Coordinator, dumps, lockstep, shard_of
-from tiercheck.cluster.wire import loads
+from tiercheck.cluster.wire import RankSet, loads
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
 from tiercheck.save.messages import (
     ArrayOffer,
     ChunkOffer,
     CommitMeta,
+    Holders,
+    HolderWord,
     PiecesPost,
+    Shift,
     TookPost,
-    decode_group,
-    encode_group,
     holders_entry,
     parse_holders,
 )
@@ -41,7 +42,11 @@ OFFER = ChunkOffer(
             kind="tensor",
             shape=(16, 8),
             grid=(8, 8),
-            chunks=(((0, 0), (-1, 0, 2, 4)), ((1, 0), (1, 5)), ((0, 1), (-2, 0, 2, 128, 64))),
+            chunks=(
+                ((0, 0), RankSet.of(range(0, 8, 2))),
+                ((1, 0), RankSet.of((1, 5))),
+                ((0, 1), RankSet.of(r for d in range(0, 8192, 128) for r in (d, d + 1))),
+            ),
         ),
         "step": ArrayOffer(dtype="int64", kind="scalar", shape=(), grid=(), chunks=()),
     }
@@ -51,7 +56,18 @@ MESSAGES: list[Any] = [
     PiecesPost("0a1b", (LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (8, 0), (8, 8), False),)),
     PiecesPost("0a1c", (LeafDesc("model/w", "bfloat16", "tensor", (16, 8), (0, 0), (8, 8), False),), pattern=True),
     OFFER,
-    ChunkOffer(arrays={"o": ArrayOffer(dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), (3,)),), shift=(0, 0, 1, 2))}),
+    ChunkOffer(
+        arrays={
+            "o": ArrayOffer(
+                dtype="f4",
+                kind="tensor",
+                shape=(64,),
+                grid=(8,),
+                chunks=(((0,), RankSet.of((3,))),),
+                shift=Shift(0, 0, 1, 2),
+            )
+        }
+    ),
     TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}),
     CommitMeta(metadata={"loss": 1.5, "tags": ["a"]}, created=1764370000.25),
     CommitMeta(metadata=None, created=12.0),
@@ -62,15 +78,31 @@ MESSAGES: list[Any] = [
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_message_comes_back_as_it_was_sent(message: Any) -> None:
     raw = json.dumps(message.to_json())
-    assert type(message).from_json(loads(raw.encode(), where="k"), where="k") == message
+    world = {"world": 8192} if isinstance(message, ChunkOffer) else {}
+    assert type(message).from_json(loads(raw.encode(), where="k"), where="k", **world) == message
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        HolderWord(3, "0a1b", 5),
+        HolderWord(3, "0a1b", 5, 2),
+        Holders(RankSet.of(range(16, 24)), 0, 1),
+        Holders(RankSet.of([4])),
+    ],
+)
+def test_an_entry_comes_back_as_it_was_said(entry: Any) -> None:
+    assert type(entry).read(entry.entry().encode(), where="k", field="f", world=64) == [entry]
 
 
 def test_the_wire_is_what_the_protocols_always_sent() -> None:
-    # As save.plan built an offer before: [short, [[coords, group], ...]] by path, its groups encoded.
+    # An offer: [short, [[coords, holders], ...]] by path, each group of holders a set of ranks.
     short = ["bfloat16", "tensor", [16, 8], [8, 8]]
-    groups = [[[0, 0], [-1, 0, 2, 4]], [[1, 0], [1, 5]], [[0, 1], [-2, 0, 2, 128, 64]]]
+    groups = [[[0, 0], "0/2x4"], [[1, 0], "1,5"], [[0, 1], "0+2/128x64"]]
     before = {"model/w": [short, groups], "step": [["int64", "scalar", [], []], []]}
     assert dumps(OFFER.to_json()) == dumps(before)
+    # A node's ranks tell its first rank what they hold, one entry each (the block: of a pattern).
+    assert HolderWord(3, "0a1b", 5).entry() == "3:0a1b:5;" and HolderWord(3, "0a1b", 5, 2).entry() == "3:0a1b:5:2;"
     took = {"model/w": [[0, 0], [1, 0]], "b": [[2]]}
     assert dumps(TookPost(rank=3, took={"model/w": ((0, 0), (1, 0)), "b": ((2,),)}).to_json()) == dumps(
         {"rank": 3, "took": took}
@@ -108,9 +140,9 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
         (ChunkOffer, {"w": [["f4", "tensor", [4]], []]}, "w[0]"),
         (ChunkOffer, {"w": [["f4", "tensor", [4], [-4]], []]}, "w[0][3][0]"),
         (ChunkOffer, {"w": [["f4", 4, [4], [4]], []]}, "w[0][1]"),
-        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [-1, 0, 2]]]]}, "w[1][0][1]"),
-        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [1, "2"]]]]}, "w[1][0][1][1]"),
-        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [-2, 0, 2, 128]]]]}, "w[1][0][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], [0, 1]]]]}, "w[1][0][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], "1,x"]]]}, "w[1][0][1]"),
+        (ChunkOffer, {"w": [["f4", "tensor", [4], [4]], [[[0], "0+2/128x64"]]]}, "w[1][0][1]"),  # past the world
         (ChunkOffer, [], "offer"),
         (TookPost, {"rank": -1, "took": {}}, "rank"),
         (TookPost, {"rank": 0, "took": {"w": [[0], [1, None]]}}, "took['w'][1][1]"),
@@ -126,8 +158,9 @@ def test_an_offer_decodes_to_the_record_the_coordinator_laid_out() -> None:
     ],
 )
 def test_a_malformed_message_names_its_key_and_field(cls: Any, doc: object, field: str) -> None:
+    world = {"world": 1024} if cls is ChunkOffer else {}
     with pytest.raises(CoordinationError, match="^" + re.escape(f"t/plan0/took/3: field {field!r}")):
-        cls.from_json(doc, where="t/plan0/took/3")
+        cls.from_json(doc, where="t/plan0/took/3", **world)
 
 
 def test_a_garbled_took_post_fails_its_coordinator_naming_the_key() -> None:
@@ -165,11 +198,11 @@ def test_a_chunk_of_one_holder_is_its_own_and_a_claim_by_another_rank_fails_ever
 @pytest.mark.parametrize(
     ("members", "entry"),
     [
-        ([(3, None), (0, None), (7, None)], "0,3,7,"),
-        ([(8, None), (9, None), (10, None), (11, None)], "8+4,"),  # a node's ranks holding a norm
-        ([(16 + t, t) for t in range(8)], "16+8:0+1,"),  # a node's eight TP blocks
-        ([(5, 2), (6, 2), (9, 0)], "5+2:2,9:0,"),  # two replicas of block 2, then another rank
-        ([(4, 3), (5, 1)], "4+2:3+-2,"),
+        ([(3, None), (0, None), (7, None)], "0;3;7;"),
+        ([(8, None), (9, None), (10, None), (11, None)], "8+4;"),  # a node's ranks holding a norm
+        ([(16 + t, t) for t in range(8)], "16+8:0:1;"),  # a node's eight TP blocks
+        ([(5, 2), (6, 2), (9, 0)], "5+2:2;9:0;"),  # two replicas of block 2, then another rank
+        ([(4, 3), (5, 1)], "4+2:3:-2;"),
     ],
 )
 def test_a_nodes_holders_are_a_few_runs_and_read_back_whole(members: list[tuple[int, int | None]], entry: str) -> None:
@@ -182,13 +215,14 @@ def test_a_nodes_holders_are_a_few_runs_and_read_back_whole(members: list[tuple[
 @pytest.mark.parametrize(
     ("raw", "pattern", "field"),
     [
-        (b"3,x,", False, "ranks[1]"),
-        (b"3,-1,", False, "ranks[1]"),
-        (b"3:0,", False, "ranks[0]"),  # a block where the digest is no pattern
-        (b"3,", True, "ranks[0]"),  # no block where it is one
-        (b"60+5,", False, "ranks[0]"),  # a run past the world
-        (b"0+100000000000,", False, "ranks[0]"),  # never expanded
-        (b"4+3:1+-1,", True, "ranks[0]"),  # blocks below 0
+        (b"3;x;", False, "ranks[1]"),
+        (b"3;-1;", False, "ranks[1]"),
+        (b"3:0;", False, "ranks[0]"),  # a block where the digest is no pattern
+        (b"3;", True, "ranks[0]"),  # no block where it is one
+        (b"60+5;", False, "ranks[0]"),  # a run past the world
+        (b"0+100000000000;", False, "ranks[0]"),  # never expanded
+        (b"0+64;0+64;", False, "ranks"),  # more holders than ranks: never expanded either
+        (b"4+3:1:-1;", True, "ranks[0]"),  # blocks below 0
         (b"\xff", False, "ranks"),
     ],
 )
@@ -201,7 +235,9 @@ def test_a_bad_register_entry_names_its_field_and_is_never_expanded(raw: bytes, 
 def test_a_patterns_chunk_moved_outside_the_array_or_the_job_is_refused(block: int, what: str) -> None:
     """A holder applies the offer's shift to its block: a chunk landing past the grid, or held by a
     rank past the world, is a bad offer naming its key, never a task or a rank out of range."""
-    offer = ArrayOffer(dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), (3,)),), shift=(0, 0, 1, 7))
+    offer = ArrayOffer(
+        dtype="f4", kind="tensor", shape=(64,), grid=(8,), chunks=(((0,), RankSet.of((3,))),), shift=Shift(0, 0, 1, 7)
+    )
     world = 16 if block == 9 else 8
     with pytest.raises(CoordinationError, match=re.escape(f"t/offer/3: a pattern's chunk [0] moved to block {block}")):
         apply_shift(offer, [((0,), (3,))], block, world=world, where="t/offer/3")
@@ -210,16 +246,22 @@ def test_a_patterns_chunk_moved_outside_the_array_or_the_job_is_refused(block: i
 
 @pytest.mark.parametrize(
     "ranks",
-    [(3,), (0, 5), (1, 3, 5, 7), (0, 1, 128, 129, 256, 257), tuple(r for d in range(0, 131072, 128) for r in range(d, d + 8))],
+    [
+        (3,),
+        (0, 5),
+        (1, 3, 5, 7),
+        (0, 1, 128, 129, 256, 257),
+        tuple(r for d in range(0, 131072, 128) for r in range(d, d + 8)),
+    ],
 )
-def test_a_group_of_holders_is_a_few_numbers_and_comes_back_whole(ranks: tuple[int, ...]) -> None:
-    encoded = encode_group(ranks)
-    assert len(encoded) <= max(len(ranks), 5)  # every TP rank of every replica: five numbers
-    assert decode_group(encoded, world=131072, where="k") == ranks
+def test_a_group_of_holders_is_a_few_bytes_and_comes_back_whole(ranks: tuple[int, ...]) -> None:
+    text = RankSet.of(ranks).to_json()
+    assert len(text) <= 14  # every TP rank of every replica: "0+8/128x1024"
+    assert tuple(RankSet.from_json(text, where="k", field="holders", world=131072)) == ranks
 
 
 def test_a_group_of_holders_past_the_world_names_its_key() -> None:
-    with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
-        decode_group((-2, 0, 8, 128, 9), world=1024, where="t/offer/3")
-    with pytest.raises(CoordinationError, match=re.escape("t/offer/3: field 'holders[0]'")):
-        decode_group((-1, 0, 128, 9), world=1024, where="t/offer/3")
+    with pytest.raises(
+        CoordinationError, match=re.escape("t/offer/3: field 'holders' is not a set of ranks below 1024")
+    ):
+        RankSet.from_json("0+8/128x9", where="t/offer/3", field="holders", world=1024)

@@ -80,9 +80,7 @@ def verdict(
         coord.raise_failure(raw, where=error_key(coord, name), shared=shared)
 
 
-def leave_node(
-    node: Coordinator, nodes: Nodes, name: str, *, keys: tuple[str, ...], wait: bool
-) -> Exchange[None]:
+def leave_node(node: Coordinator, nodes: Nodes, name: str, *, keys: tuple[str, ...], wait: bool) -> Exchange[None]:
     """The end of a protocol at a node. Its other ranks count themselves out (their last request to
     the node's store); the leader, whose process serves that store and may exit next, waits for them
     (``wait``: not where one of them is known to be gone) and deletes the protocol's ``keys`` there."""
@@ -96,11 +94,11 @@ def leave_node(
     node.delete(left, all_left, *keys)
 
 
-def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) -> Exchange[list[str] | None]:
-    """Every rank of a node (``node``: its coordinator, rank 0 its leader) says ``entries`` (each
-    ending in ``;``), appended under ``scope`` in the node's store. The leader, once every rank of
-    the node has, gets all of them, split, and deletes the scope's keys; the others get None at once
-    (they need not wait). ``CoordinationError`` on the leader where what was said is not ASCII."""
+def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) -> Exchange[bytes | None]:
+    """Every rank of a node (``node``: its coordinator, rank 0 its leader) says ``entries``
+    (``cluster.wire.Entry``), appended under ``scope`` in the node's store. The leader, once every
+    rank of the node has, gets all of them, as stored (to read with ``Entry.read``), and deletes
+    the scope's keys; the others get None at once (they need not wait)."""
     said = scope_key(node, scope)
     if entries:
         node.append(said, entries)
@@ -110,11 +108,7 @@ def gather_at_leader(node: Coordinator, scope: str, entries: str, *, what: str) 
     yield here
     raw = node.get(said) if node.has(said) else b""
     node.delete(said, *_barrier_keys(node, scope))
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise CoordinationError(f"{said}: what this node's ranks said is not ASCII: {raw[:80]!r}") from None
-    return text.removesuffix(";").split(";") if text else []
+    return raw
 
 
 def _barrier_keys(node: Coordinator, name: str) -> tuple[str, str]:

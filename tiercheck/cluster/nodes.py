@@ -24,9 +24,9 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, dumps, lockstep
+from tiercheck.cluster.coordination import Barrier, Coordinator, Exchange, lockstep
 from tiercheck.cluster.keys import bucket_item_key, bucket_n_key, node_namespace
 from tiercheck.cluster.keys.nodes import (
     CHANNEL,
@@ -41,12 +41,11 @@ from tiercheck.cluster.keys.nodes import (
     nodes_scope,
     run_key,
 )
-from tiercheck.cluster.wire import as_fields, as_rank, as_str, loads
+from tiercheck.cluster.wire import Entry, optional, read_rank, read_token, tallied, tally
 from tiercheck.format.paths import NODE_FILE
 from tiercheck.tiers.refusals import storage_error
 
 log = logging.getLogger("tiercheck")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,46 +84,57 @@ def join_nodes(coord: Coordinator, node: str, host: str | None = None) -> Exchan
     count = coord.add(nodes_count_key(coord), 0)
     run = coord.get(run_key(coord)).decode()
     if coord.rank == members[0]:
-        coord.post(leaders_bucket(), dumps([coord.rank, host]) if host else str(coord.rank))
+        coord.post(leaders_bucket(), LeaderWord(coord.rank, host or None).entry())
     yield coord.arrive(nodes_scope("read"), what="every rank to read its node's members")
     coord.delete(bucket_item_key(coord, bucket, mine), *([bucket_n_key(coord, bucket)] if mine == 1 else []))
     if coord.rank == 0:
         coord.delete(nodes_count_key(coord), run_key(coord))
-        numbers = _numbers(coord.collect(leaders_bucket()))
+        numbers = _numbers(coord.collect(leaders_bucket()), coord.world_size)
         coord.multi_set({node_number_key(coord, r): v for r, v in numbers.items()})
     key = node_number_key(coord, members[0])
     raw = yield Barrier(key, "rank 0 to number the nodes", coord, fetch=True)
-    number, first_on_host = _rank_and(loads(raw, where=key), key, "number", as_rank)
+    said = NodeNumber.one(raw, where=key, field="number", world=coord.world_size)
     yield coord.arrive(nodes_scope("numbered"), what="every rank to learn its node's number")
     if coord.rank == members[0]:
         coord.delete(key)
     coord.finish(NODES)
-    return Nodes(tuple(members), count, run, number, first_on_host)
+    return Nodes(tuple(members), count, run, said.number, said.first_on_host)
 
 
-def _rank_and(doc: object, where: str, field: str, second: Callable[[object, str, str], T]) -> tuple[int, T | None]:
-    """A number alone, or ``[number, second]`` (a leader with its host, a node's number with its
-    host's first rank)."""
-    if isinstance(doc, list):
-        number, other = as_fields(doc, where, field, (as_rank, second))
-        return number, other
-    return as_rank(doc, where, field), None
+@dataclass(frozen=True, slots=True)
+class LeaderWord(Entry):
+    """A node's first rank, said to rank 0 to number the nodes, with its host where it knows one."""
+
+    rank: int
+    host: str | None = None
+
+    FIELDS = (("rank", read_rank), ("host", optional(read_token)))
 
 
-def _numbers(said: list[bytes]) -> dict[int, str]:
+@dataclass(frozen=True, slots=True)
+class NodeNumber(Entry):
+    """Rank 0's word to a node: its number, and the first rank of its host's first node where that
+    is another node."""
+
+    number: int
+    first_on_host: int | None = None
+
+    FIELDS = (("number", read_rank), ("first_on_host", optional(read_rank)))
+
+
+def _numbers(said: list[bytes], world: int) -> dict[int, str]:
     """Rank 0: each node's number (its place among the leaders), with the first node of its host
-    where that is another node (``[number, leader]``)."""
-    where = leaders_bucket()
+    where that is another node."""
     hosts: dict[int, str | None] = {}
     for v in said:
-        r, h = _rank_and(loads(v, where=where), where, "leader", as_str)
-        hosts[r] = h
+        w = LeaderWord.one(v, where=leaders_bucket(), field="leader", world=world)
+        hosts[w.rank] = w.host
     first: dict[str, int] = {}
     out: dict[int, str] = {}
     for i, r in enumerate(sorted(hosts)):
         h = hosts[r]
         on = r if h is None else first.setdefault(h, r)
-        out[r] = str(i) if on == r else dumps([i, on])
+        out[r] = NodeNumber(i, None if on == r else on).entry()
     return out
 
 
@@ -202,10 +212,10 @@ def open_channel(coord: Coordinator, nodes: Nodes, serve: Serve, connect: Connec
         except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
             log.warning("rank %d cannot reach its node's store at %s (%s): the node's ranks meet in the job's "
                         "store instead", coord.rank, address, str(e).splitlines()[0] if str(e) else e)  # fmt: skip
-    # Whether every rank reached it: one count per rank (the low bits), and one per failure (the high).
-    tried = coord.add(tried_key, 1 if store is not None else 1 + (1 << 20))
-    if tried & 0xFFFFF == len(nodes.ranks):
-        coord.set(whole_key, "1" if tried < 1 << 20 else "0")
+    # Whether every rank reached it: the ranks that tried, and those that failed, in one tally.
+    tried, failed = tallied(coord.add(tried_key, tally(failed=store is None)))
+    if tried == len(nodes.ranks):
+        coord.set(whole_key, "0" if failed else "1")
     whole = (yield Barrier(whole_key, "the node's ranks to reach its store", coord, fetch=True)) == b"1"
     yield shared.arrive(CHANNEL, what="every rank of the node to learn how it meets")
     shared.finish(CHANNEL, keys=(tried_key, whole_key, key))

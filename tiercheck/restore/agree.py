@@ -20,8 +20,8 @@ from tiercheck.format.lineage import abandoned_on, read_lineage
 from tiercheck.format.manifest import JSON, CommitMarker
 from tiercheck.format.replicas import read_replicas
 from tiercheck.format.steps import list_steps, read_marker
-from tiercheck.humanize import fmt_steps, ranges
-from tiercheck.restore.messages import HeldSteps, StepDecision, loads, missing
+from tiercheck.humanize import fmt_steps
+from tiercheck.restore.messages import HeldSteps, StepDecision, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
@@ -100,25 +100,28 @@ def agree_on_step(
     ``refuse`` (rank 0's): why none of the tier's steps is to be restored, whatever the nodes hold;
     every rank still takes part in the exchange, and raises ``CheckpointNotFoundError`` with it."""
     coord, tier, nodes = job.coord, job.tier, job.nodes
+    world = coord.world_size
     damaged: dict[int, str] = {}
     held = held_steps(tier, damaged, trust=trust) if coord.rank == nodes.leader else {}
     answer: bytes | None = None
     if coord.rank == nodes.leader:
         where = agree_scope(name, "held")
         mine = HeldSteps.of_node(nodes.ranks, held)
+
+        def merge(parts: list[bytes]) -> bytes:
+            parsed = [HeldSteps.from_json(loads(p, where=where), where=where, world=world) for p in parts]
+            return dumps(HeldSteps.merge(parsed).to_json()).encode()
+
         folded = yield from fold(
-            coord, nodes, where, dumps(mine.to_json()).encode(),
-            lambda parts: dumps(HeldSteps.merge([HeldSteps.from_json(loads(p, where=where), where=where)
-                                                 for p in parts]).to_json()).encode(),
-            what="the nodes to list their committed steps",
-        )  # fmt: skip
+            coord, nodes, where, dumps(mine.to_json()).encode(), merge, what="the nodes to list their committed steps"
+        )
         if folded is not None:  # node 0's leader: every leader is past what it kept for later
             forget_later(coord)
             if refuse is not None:
                 answer = dumps(StepDecision(None, error=refuse).to_json()).encode()
             else:
-                answer = _decide(HeldSteps.from_json(loads(folded, where=where), where=where), requested, below,
-                                 remote_steps, world=coord.world_size, where=tier.url, veto=veto)  # fmt: skip
+                folded_held = HeldSteps.from_json(loads(folded, where=where), where=where, world=world)
+                answer = _decide(folded_held, requested, below, remote_steps, world=world, where=tier.url, veto=veto)
     raw = yield from tell(coord, nodes, agree_scope(name, "step"), answer, what="rank 0 to choose the step to restore")
     decision = StepDecision.from_json(loads(raw, where=name), where=name)
     if decision.error is not None:
@@ -166,13 +169,13 @@ def choose_step(held: HeldSteps, requested: int | None, remote: set[int], *, wor
 
     def lacking(s: int) -> str:
         h = held.steps[s]
-        without = missing(h.holders, world)
-        return f"step {s}: the files of saving rank(s) {ranges(missing(h.saving, h.world))} are on no rank's " + (
-            f"local tier (restoring rank(s) {ranges(without)} have no copy of the step)" if without else "local tier"
+        without = h.holders.missing(world)
+        return f"step {s}: the files of saving rank(s) {h.saving.missing(h.world).describe()} are on no rank's " + (
+            f"local tier (restoring rank(s) {without.describe()} have no copy of the step)" if without else "local tier"
         )
 
     have = set(held.steps)
-    whole = sorted(remote | {s for s, h in held.steps.items() if not missing(h.saving, h.world)})
+    whole = sorted(remote | {s for s, h in held.steps.items() if not h.saving.missing(h.world)})
     if requested is not None:
         if requested in whole:
             return requested

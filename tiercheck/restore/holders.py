@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tiercheck.cluster.coordination import Coordinator, Exchange, dumps, shard_of
 from tiercheck.cluster.job import Job
 from tiercheck.cluster.keys.restore import holder_key, node_holds_key, part_scope, step_index_key
+from tiercheck.cluster.wire import RankSet
 from tiercheck.errors import CheckpointNotFoundError, CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import unseal
 from tiercheck.format.manifest import ManifestIndex, parse_manifest_doc, parse_rank_part
@@ -68,18 +69,18 @@ def find_holders(
     index_key = step_index_key(coord, root)
     own: TiercheckError | None = None
     claimed: list[str] = []
-    members = dumps(HolderClaim(nodes.ranks, host).to_json())
+    members = HolderClaim(RankSet.of(nodes.ranks), host).entry()
 
     def claim(ranks: Sequence[int], *, copies: bool = False) -> None:
-        # A copy's claim starts with a newline: a node holding another copy then adds its own after it
+        # A copy's claim says so: a node holding another copy then adds its own after it
         # (``holders_of(every_copy=True)``: they share the reads), never to a claim its writer's node made.
-        mine = "\n" + members if copies else members
+        mine = HolderClaim(RankSet.of(nodes.ranks), host, copy=True).entry() if copies else members
         for w in ranks:
             key = holder_key(coord, root, w)
             got = coord.decide(key, mine)
             if got == mine:
                 claimed.append(key)
-            elif copies and got.startswith("\n"):
+            elif copies and HolderClaim.read(got, where=key, field="claim", world=coord.world_size)[0].copy:
                 coord.append(key, mine)
 
     node_key = node_holds_key(coord, root, nodes.leader)
@@ -89,7 +90,7 @@ def find_holders(
             if index is None:
                 here, written = (), ()
             if len(nodes.ranks) > 1:
-                coord.set(node_key, dumps(NodeHolds(tuple(here), tuple(written)).to_json()))
+                coord.set(node_key, dumps(NodeHolds(RankSet.of(here), RankSet.of(written)).to_json()))
                 claimed.append(node_key)
             if index is not None:
                 if coord.decide(index_key, index.decode()) == index.decode():
@@ -102,7 +103,7 @@ def find_holders(
     coord.check(part_scope(root, "holders"), own, shared=(CorruptCheckpointError,))
     if coord.rank != nodes.leader:
         mine = NodeHolds.from_json(loads(coord.get(node_key), where=node_key), where=node_key)
-        here, written = mine.here, mine.written
+        here, written = tuple(mine.here), tuple(mine.written)
     copies = sorted(set(here) - set(written))
     if copies and coord.rank == nodes.leader:
         claim(copies, copies=True)
@@ -214,10 +215,9 @@ def holders_of(
     values = coord.multi_get([k for _, k in present])
     out: dict[int, list[int]] = {}
     for (w, k), v in zip(present, values, strict=True):
-        claims = [line for line in v.split(b"\n") if line]  # a copy's claims: the first, then any others
+        claims = HolderClaim.read(v, where=k, field="claim", world=coord.world_size)  # a copy's: the first, then others
         out[w] = []
-        for line in claims if every_copy else claims[:1]:
-            claim = HolderClaim.from_json(loads(line, where=k), where=k)
+        for claim in claims if every_copy else claims[:1]:
             out[w] += [r for r in claim.ranks if r not in out[w]]
             if hosts is not None:
                 hosts.update(dict.fromkeys(claim.ranks, claim.host))

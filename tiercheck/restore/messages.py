@@ -23,14 +23,13 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import Need, Route, Source
-from tiercheck.cluster.ranksets import RankSet
+from tiercheck.cluster.wire import Entry, RankSet, as_fields, optional, read_flag, read_ranks, read_token
 from tiercheck.cluster.wire import as_bool as _bool
 from tiercheck.cluster.wire import as_dict as _dict
-from tiercheck.cluster.wire import as_fields
 from tiercheck.cluster.wire import as_int as _int
 from tiercheck.cluster.wire import as_list as _list
 from tiercheck.cluster.wire import as_rank as _rank
@@ -40,42 +39,9 @@ from tiercheck.cluster.wire import bad as _bad
 from tiercheck.cluster.wire import loads as loads  # where restore.* have always taken it from
 from tiercheck.format.layout import chunk_at
 from tiercheck.format.manifest import JSON, ArrayRecord
+from tiercheck.format.values import MAX_WORLD_SIZE
 
 # -------------------------------------------------------------------------------- agreeing on a step
-
-
-Spans = tuple[tuple[int, int], ...]  # ranks as sorted, disjoint [start, stop) ranges: a whole job is one
-
-
-def spans_of(ranks: Iterable[int]) -> Spans:
-    out: list[tuple[int, int]] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return tuple(out)
-
-
-def union(a: Spans, b: Spans) -> Spans:
-    out: list[tuple[int, int]] = []
-    for start, stop in sorted(a + b):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return tuple(out)
-
-
-def missing(spans: Spans, n: int) -> list[int]:
-    """The ranks below ``n`` that ``spans`` leaves out."""
-    out: list[int] = []
-    at = 0
-    for start, stop in spans:
-        out.extend(range(at, min(start, n)))
-        at = max(at, stop)
-    out.extend(range(at, n))
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +50,16 @@ class Held:
     they hold, and the restoring ranks (of those nodes) that hold a copy."""
 
     world: int
-    saving: Spans
-    holders: Spans
+    saving: RankSet
+    holders: RankSet
 
 
 @dataclass(frozen=True, slots=True)
 class HeldSteps:
     """The committed steps of some nodes, folded up the leaders' tree to rank 0
     (``cluster.hierarchy.fold``): its size grows with the steps and with how broken they are (the
-    gaps in their spans), not with the nodes."""
+    gaps in their sets of ranks: a whole job is one block), not with the nodes.
+    ``{step: [world, saving, holders]}``, each set of ranks in ``cluster.wire``'s grammar."""
 
     steps: dict[int, Held]
 
@@ -102,7 +69,9 @@ class HeldSteps:
         out, where = {}, "this node's committed steps"
         for s, v in held.items():
             saving, world, _ = _list(v, where, f"held[{s!r}]", 3)
-            out[int(s)] = Held(_rank(world, where, "world"), spans_of(_ints(saving, where, "saving")), spans_of(ranks))
+            out[int(s)] = Held(
+                _rank(world, where, "world"), RankSet.of(_ints(saving, where, "saving")), RankSet.of(ranks)
+            )
         return cls(out)
 
     @classmethod
@@ -111,34 +80,29 @@ class HeldSteps:
         for part in parts:
             for s, h in part.steps.items():
                 have = steps.get(s)
-                steps[s] = h if have is None else Held(have.world, union(have.saving, h.saving),
-                                                        union(have.holders, h.holders))  # fmt: skip
+                steps[s] = h if have is None else Held(have.world, have.saving.union(h.saving),
+                                                        have.holders.union(h.holders))  # fmt: skip
         return cls(steps)
 
     def to_json(self) -> dict[str, JSON]:
-        return {str(s): [h.world, [list(x) for x in h.saving], [list(x) for x in h.holders]]
-                for s, h in self.steps.items()}  # fmt: skip
+        return {str(s): [h.world, h.saving.to_json(), h.holders.to_json()] for s, h in self.steps.items()}
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str) -> HeldSteps:
+    def from_json(cls, doc: object, *, where: str, world: int) -> HeldSteps:
+        """Checked against the restoring job's ``world`` size (the holders) and each step's own,
+        at most ``format.values.MAX_WORLD_SIZE`` (its saving ranks)."""
         steps = {}
         for s, v in _dict(doc, where, "held steps").items():
             if not s.isdigit():
                 raise _bad(where, "held", "steps by number", s)
-            world, saving, holders = _list(v, where, f"held[{s!r}]", 3)
-            steps[int(s)] = Held(_rank(world, where, f"held[{s!r}][0]"), _spans(saving, where, f"held[{s!r}][1]"),
-                                 _spans(holders, where, f"held[{s!r}][2]"))  # fmt: skip
+            f = f"held[{s!r}]"
+            saving_world, saving, holders = _list(v, where, f, 3)
+            n = _rank(saving_world, where, f"{f}[0]")
+            if n > MAX_WORLD_SIZE:
+                raise _bad(where, f"{f}[0]", f"a world size of at most {MAX_WORLD_SIZE}", n)
+            steps[int(s)] = Held(n, RankSet.from_json(saving, where=where, field=f"{f}[1]", world=n),
+                                 RankSet.from_json(holders, where=where, field=f"{f}[2]", world=world))  # fmt: skip
         return cls(steps)
-
-
-def _spans(v: object, where: str, field: str) -> Spans:
-    out: list[tuple[int, int]] = []
-    for i, pair in enumerate(_list(v, where, field)):
-        start, stop = (_rank(x, where, f"{field}[{i}]") for x in _list(pair, where, f"{field}[{i}]", 2))
-        if stop <= start or (out and start < out[-1][1]):
-            raise _bad(where, f"{field}[{i}]", "ascending disjoint [start, stop) ranges", pair)
-        out.append((start, stop))
-    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,39 +134,39 @@ class StepDecision:
 @dataclass(frozen=True, slots=True)
 class NodeHolds:
     """A node leader's word to its other ranks on what of the step the node uses (``node_copy``):
-    the saving ranks whose files are here, and those of them the node wrote itself."""
+    the saving ranks whose files are here, and those of them the node wrote itself (sets of ranks,
+    each below ``format.values.MAX_WORLD_SIZE``)."""
 
-    here: tuple[int, ...]
-    written: tuple[int, ...]
+    here: RankSet
+    written: RankSet
 
     def to_json(self) -> dict[str, JSON]:
-        return {"here": sorted(self.here), "written": sorted(self.written)}
+        return {"here": self.here.to_json(), "written": self.written.to_json()}
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> NodeHolds:
         d = _dict(doc, where, "node holds")
-        return cls(_ints(d.get("here"), where, "here"), _ints(d.get("written"), where, "written"))
+        here = RankSet.from_json(d.get("here"), where=where, field="here", world=MAX_WORLD_SIZE)
+        return cls(here, RankSet.from_json(d.get("written"), where=where, field="written", world=MAX_WORLD_SIZE))
 
 
 @dataclass(frozen=True, slots=True)
-class HolderClaim:
+class HolderClaim(Entry):
     """The ranks of the node that claimed a saving rank's files: they read its chunks and serve its
     manifest files; and the node's host (``Nodes.host``; None: it shares no memory), so a rank
     reading there can pass chunks to ranks of its host through shared memory. Set through
     ``Coordinator.decide``: the first node's claim stands, and a node knows its claim stood when
-    the stored JSON is its own, byte for byte. ``[rank, ...]``, the host last where there is one."""
+    the stored entry is its own, byte for byte. One entry ``ranks[:host[:copy]]`` (``cluster.wire``).
 
-    ranks: tuple[int, ...]
+    ``copy``: the node holds a copy of files no writer's node claimed (a replaced node's, from its
+    peers' memory). Every other node holding such a copy then appends its own claim after the first
+    (``restore.holders``): they share the reads. A writer's node's claim stands alone."""
+
+    ranks: RankSet
     host: str | None = None
+    copy: bool = False
 
-    def to_json(self) -> list[JSON]:
-        return [*self.ranks, *([self.host] if self.host is not None else [])]
-
-    @classmethod
-    def from_json(cls, doc: object, *, where: str) -> HolderClaim:
-        items = _list(doc, where, "holder ranks")
-        host = items[-1] if items and isinstance(items[-1], str) else None
-        return cls(_ints(items[: len(items) - (host is not None)], where, "holder ranks"), host)
+    FIELDS = (("ranks", read_ranks), ("host", optional(read_token)), ("copy", read_flag))
 
 
 # ------------------------------------------------------------------------------------ the read plan
@@ -262,8 +226,11 @@ class ArrayShape:
 class RouteWork:
     """A coordinator's word to a group of needers (or to one rank reading for others): the routes
     of the chunks they need (``cluster.assign.Route``, each rank works out its own part), the
-    shapes of their arrays, and the transfers' tags. Rank sets are said once each, as runs
-    (``cluster.ranksets``): whatever the number of replicas, a route costs a few numbers."""
+    shapes of their arrays, and the transfers' tags. Each set of ranks is said once, in the sets
+    of ``cluster.wire.RankSet`` (whatever the number of replicas, a few bytes), and named by its
+    place there. A chunk is ``[path, coords, owner, tag, needers, main, [source, ...]]``: its main
+    source ``[rank, remote, shared]`` serves every needer no other source does, each other source
+    ``[rank, remote, to, shared]`` the needers ``to`` of its node."""
 
     routes: tuple[tuple[Route, int], ...] = ()  # and each chunk's tag
     records: tuple[ArrayShape, ...] = ()
@@ -271,13 +238,16 @@ class RouteWork:
     def to_json(self) -> dict[str, JSON]:
         sets: dict[frozenset[int], int] = {}
 
-        def ref(ranks: frozenset[int] | None) -> int:
-            return -1 if ranks is None else sets.setdefault(ranks, len(sets))
+        def ref(ranks: frozenset[int]) -> int:
+            return sets.setdefault(ranks, len(sets))
 
         chunks: list[JSON] = []
         for route, tag in self.routes:
-            sources: list[JSON] = [[s.rank, s.remote, ref(s.to), ref(s.shared)] for s in route.sources]
-            chunks.append([route.path, list(route.chunk.coords), route.owner, tag, ref(route.needers), sources])
+            main, *others = route.sources
+            head: list[JSON] = [route.path, list(route.chunk.coords), route.owner, tag, ref(route.needers)]
+            first: list[JSON] = [main.rank, main.remote, ref(main.shared)]
+            nodes: list[JSON] = [[s.rank, s.remote, ref(s.to or frozenset()), ref(s.shared)] for s in others]
+            chunks.append([*head, first, nodes])
         return {
             "sets": [RankSet.of(ranks).to_json() for ranks in sets],
             "chunks": chunks,
@@ -297,32 +267,35 @@ class RouteWork:
             for i, x in _each(d, "sets", where)
         ]
 
-        def ranks(v: object, field: str) -> frozenset[int] | None:
+        def ranks(v: object, field: str) -> frozenset[int]:
             i = _int(v, where, field)
-            if not -1 <= i < len(sets):
-                raise _bad(where, field, f"one of the {len(sets)} sets, or -1", v)
-            return None if i == -1 else sets[i]
+            if not 0 <= i < len(sets):
+                raise _bad(where, field, f"one of the {len(sets)} sets", v)
+            return sets[i]
+
+        def source(v: object, field: str, to: bool) -> Source:
+            items = _list(v, where, field, 4 if to else 3)
+            rank, remote = _rank(items[0], where, f"{field}[0]"), _bool(items[1], where, f"{field}[1]")
+            return Source(
+                rank,
+                remote,
+                ranks(items[2], f"{field}[2]") if to else None,
+                ranks(items[-1], f"{field}[{len(items) - 1}]"),
+            )
 
         routes = []
         for i, x in _each(d, "chunks", where):
             f = f"chunks[{i}]"
-            path, coords, owner, tag, needers, sources = _list(x, where, f, 6)
+            path, coords, owner, tag, needers, main, others = _list(x, where, f, 7)
             path = _str(path, where, f"{f}[0]")
             shape = shapes.get(path)
             coords = _ints(coords, where, f"{f}[1]")
             if shape is None or len(coords) != len(shape.shape):
                 raise _bad(where, f"{f}[1]", "a chunk of an array whose shape the message gives", x)
-            out = []
-            for j, y in enumerate(_list(sources, where, f"{f}[5]")):
-                g = f"{f}[5][{j}]"
-                rank, remote, to, shared = _list(y, where, g, 4)
-                to_set, shared_set = ranks(to, f"{g}[2]"), ranks(shared, f"{g}[3]") or frozenset()
-                out.append(Source(_rank(rank, where, f"{g}[0]"), _bool(remote, where, f"{g}[1]"), to_set, shared_set))
-            every = ranks(needers, f"{f}[4]")
-            if not out or every is None or out[0].to is not None or any(s.to is None for s in out[1:]):
-                raise _bad(where, f, "a route: its needers, its main source first, then sources of nodes", x)
+            sources = [source(main, f"{f}[5]", False)]
+            sources += [source(y, f"{f}[6][{j}]", True) for j, y in enumerate(_list(others, where, f"{f}[6]"))]
             chunk = chunk_at(shape.shape, shape.chunks, coords)
-            route = Route(path, chunk, _rank(owner, where, f"{f}[2]"), every, tuple(out))
+            route = Route(path, chunk, _rank(owner, where, f"{f}[2]"), ranks(needers, f"{f}[4]"), tuple(sources))
             routes.append((route, _int(tag, where, f"{f}[3]")))
         return cls(tuple(routes), records)
 

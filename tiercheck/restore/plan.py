@@ -19,7 +19,7 @@ The step is chosen first (``restore.agree.agree_on_step``). Then, in rounds clos
    list of nodes, whatever the number of groups they share). The coordinator decides who reads
    each needed chunk and who gets it from whom (``cluster.assign.route_chunks``) and posts each
    group its routes once (``RouteWork``), with every set of ranks as a few runs
-   (``cluster.ranksets``); a rank reading for ranks outside its group gets those routes too. Each
+   (``cluster.wire.RankSet``); a rank reading for ranks outside its group gets those routes too. Each
    rank works out its own reads, sends and receives from the routes, with the checksum of each
    chunk it reads taken from the writer's part on its node. A rank reads alone the chunks its own
    saving rank wrote (``_self_served``), unless a group needing the same was posted already: then
@@ -62,12 +62,11 @@ from tiercheck.format.manifest import (
 from tiercheck.format.paths import owners_file, part_file, shard_file, step_dir
 from tiercheck.format.shards import parse_owners, parse_shard
 from tiercheck.restore.holders import Step, holders_of, read_manifest_file
-from tiercheck.restore.members import Member, collect, sign
+from tiercheck.restore.members import GroupWord, Member, collect, sign
 from tiercheck.restore.messages import ArrayShape, NeedsPost, RouteWork, loads
 from tiercheck.tiers.base import Tier
 
 log = logging.getLogger("tiercheck")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,20 +175,19 @@ def _register(job: Job, name: str, groups: Mapping[int, tuple[str, bool]], host:
     said = scope_key(node, groups_scope(name))
     members: dict[tuple[int, str], tuple[list[int], bool]] = {}
     try:
-        entries = yield from gather_at_leader(
+        raw = yield from gather_at_leader(
             node, groups_scope(name),
-            "".join(f"{c}:{d}:{coord.rank}:{'f' if first else ''};" for c, (d, first) in sorted(groups.items())),
+            "".join(GroupWord(c, d, coord.rank, first).entry() for c, (d, first) in sorted(groups.items())),
             what="this node's ranks to say which groups they need with",
         )  # fmt: skip
-        if entries is None:
+        if raw is None:
             return
-        for i, entry in enumerate(entries):
-            to, digest, who, first = entry.split(":") if entry.count(":") == 3 else ("", "", "", "")
-            if not (to.isdigit() and who.isdigit() and int(who) in nodes.ranks and first in ("", "f")):
-                raise bad(said, f"groups[{i}]", "coordinator:digest:rank of this node:'f' where first", entry)
-            ranks, was = members.setdefault((int(to), digest), ([], False))
-            ranks.append(int(who))
-            members[int(to), digest] = (ranks, was or first == "f")
+        for i, w in enumerate(GroupWord.read(raw, where=said, field="groups", world=coord.world_size)):
+            if w.rank not in nodes.ranks:
+                raise bad(said, f"groups[{i}]", "the word of a rank of this node", w.entry())
+            ranks, was = members.setdefault((w.coordinator, w.digest), ([], False))
+            ranks.append(w.rank)
+            members[w.coordinator, w.digest] = (ranks, was or w.first)
     except CoordinationError as e:  # said to every rank at the plan's next check
         coord.report(name, e)
         return

@@ -3,14 +3,16 @@ with ``to_json``/``from_json`` (as ``restore.messages`` on the restore side; the
 posts in the first round of a plan are ``cluster.assign.LeafDesc``).
 
 A message is checked field by field when it is parsed (``cluster.wire``): one that is not what it
-should be fails with ``CoordinationError`` naming its store key and the field. The JSON is what the
-plan always sent, compact positional lists where a message is sent once per chunk: its size is
-part of every rank's flat cost (``bench/scale_sim.py``).
+should be fails with ``CoordinationError`` naming its store key and the field. The JSON is compact
+positional lists where a message is sent once per chunk, and a set of ranks is one string of
+``cluster.wire``'s grammar: its size is part of every rank's flat cost (``bench/scale_sim.py``). The
+words a node's ranks say to its first rank, and the registers of holders, are entries
+(``cluster.wire.Entry``): ``HolderWord``, ``Holders``.
 
 Rounds of a save plan (``save.plan``), and what each sends:
 
 - posting pieces: each rank posts each coordinator of its arrays one ``PiecesPost`` per group of
-  pieces (replicas post it once, and append their ranks to its register: ``holders_entry``);
+  pieces (replicas post it once, and append their ranks to its register: ``Holders``);
 - offering chunks: each coordinator sets one ``ChunkOffer`` per group of holders of the same pieces;
 - taking a share: each rank posts each coordinator whose chunks it took a ``TookPost``.
 
@@ -19,54 +21,63 @@ Committing a save (``save.vote``): rank 0 sets the step's ``CommitMeta`` for eve
 
 from __future__ import annotations
 
-import itertools
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tiercheck.cluster.assign import LeafDesc
-from tiercheck.cluster.ranksets import RankSet
-from tiercheck.cluster.wire import as_dict, as_float, as_list, as_rank, as_ranks, as_str, bad
+from tiercheck.cluster.wire import (
+    Entry,
+    RankSet,
+    as_dict,
+    as_float,
+    as_list,
+    as_rank,
+    as_ranks,
+    as_str,
+    bad,
+    optional,
+    read_number,
+    read_rank,
+    read_ranks,
+    read_signed,
+    read_token,
+)
 from tiercheck.format.manifest import JSON, ArrayRecord
 
 # -------------------------------------------------------------------------------- the save plan
 
 
-def encode_group(ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """A sorted rank list, compactly: ``[-1, start, stride, count]`` when it is an arithmetic
-    progression of three or more (DP replicas are), ``[-2, *runs]`` when its runs
-    (``cluster.ranksets``: every TP rank of every replica is one) are shorter, else the list itself."""
-    if len(ranks) >= 3:
-        stride = ranks[1] - ranks[0]
-        if all(b - a == stride for a, b in itertools.pairwise(ranks)):
-            return (-1, ranks[0], stride, len(ranks))
-        runs = RankSet.of(ranks).runs
-        if 4 * len(runs) + 1 < len(ranks):
-            return (-2, *itertools.chain.from_iterable(runs))
-    return ranks
+@dataclass(frozen=True, slots=True)
+class HolderWord(Entry):
+    """A rank's word to its node's first rank (``save.plan._register``): it holds the pieces posted
+    to ``coordinator`` under ``digest``, as ``block`` of their pattern where they are one."""
+
+    coordinator: int
+    digest: str
+    rank: int
+    block: int | None = None
+
+    FIELDS = (("coordinator", read_rank), ("digest", read_token), ("rank", read_rank), ("block", optional(read_number)))
 
 
-def decode_group(doc: tuple[int, ...], *, world: int, where: str) -> tuple[int, ...]:
-    """The ranks of an encoded group (``encode_group``), each below ``world``."""
-    if doc[:1] == (-1,):
-        _, start, stride, count = doc
-        runs = [[start, 1, max(stride, 1), count]]
-    elif doc[:1] == (-2,):
-        runs = [list(doc[i : i + 4]) for i in range(1, len(doc), 4)]
-    else:
-        runs = [[r, 1, 1, 1] for r in doc]
-    return tuple(sorted(RankSet.from_json(runs, where=where, field="holders", world=world)))
+@dataclass(frozen=True, slots=True)
+class Holders(Entry):
+    """Holders of one digest in its register: ``ranks`` and, where the digest is a pattern
+    (``save.patterns``), their blocks: ``block`` for the first, each next one ``step`` further
+    (None: the same block). The eight ranks of a node holding a replicated norm, or its eight TP
+    blocks, are one entry: ``16+8:0:1``."""
 
+    ranks: RankSet
+    block: int | None = None
+    step: int | None = None
 
-
-_HOLDERS = re.compile(r"([0-9]+)(?:\+([0-9]+))?(?::([0-9]+)(?:\+(-?[0-9]+))?)?")
+    FIELDS = (("ranks", read_ranks), ("block", optional(read_number)), ("step", optional(read_signed)))
 
 
 def holders_entry(members: Sequence[tuple[int, int | None]]) -> str:
-    """Holders of one digest (their ranks, and their blocks of a pattern: ``save.patterns``) as
-    entries of its register, each ending in a comma: a rank ``r``, ``r:k`` with its block, or a run
-    of ``n`` ranks from ``r``, ``r+n`` or ``r+n:k+d`` with blocks ``k, k+d, ...`` (the eight
-    ranks of a node holding a replicated norm, or its eight TP blocks, are one entry)."""
+    """Holders of one digest (their ranks, and their blocks of a pattern) as ``Holders`` entries: each
+    run of consecutive ranks whose blocks step evenly is one."""
     ms = sorted(members)
     out = []
     i = 0
@@ -76,29 +87,25 @@ def holders_entry(members: Sequence[tuple[int, int | None]]) -> str:
         j = i + 1
         while j < len(ms) and ms[j][0] == ms[j - 1][0] + 1 and (k0 is None or ms[j][1] == k0 + (j - i) * (d or 0)):
             j += 1
-        run = f"+{j - i}" if j - i > 1 else ""
-        block = "" if k0 is None else f":{k0}" + (f"+{d}" if run and d else "")
-        out.append(f"{r0}{run}{block},")
+        out.append(Holders(RankSet.of_blocks([(r0, j - i)]), k0, d if j - i > 1 and d else None).entry())
         i = j
     return "".join(out)
 
 
 def parse_holders(raw: bytes, *, where: str, world: int, pattern: bool) -> list[tuple[int, int]]:
     """The holders in a register (``holders_entry``): each rank (below ``world``) with its block
-    (0 where the digest is no pattern), a run's length checked before it is expanded."""
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise bad(where, "ranks", "ASCII holders", raw) from None
+    (0 where the digest is no pattern). A rank holds a digest once: the register names at most
+    ``world`` ranks in all, checked before any is expanded."""
     out: list[tuple[int, int]] = []
-    for i, entry in enumerate(text.removesuffix(",").split(",") if text else ()):
-        m = _HOLDERS.fullmatch(entry)
-        if m is None or (m[3] is not None) != pattern:
-            raise bad(where, f"ranks[{i}]", "r, r+n, r:k or r+n:k+d" if pattern else "r or r+n", entry)
-        r0, n, k0, d = int(m[1]), int(m[2] or 1), int(m[3] or 0), int(m[4] or 0)
-        if n < 1 or r0 + n > world or min(k0, k0 + (n - 1) * d) < 0:
-            raise bad(where, f"ranks[{i}]", f"ranks below {world} and blocks of at least 0", entry)
-        out.extend((r0 + j, k0 + j * d) for j in range(n))
+    entries = Holders.read(raw, where=where, field="ranks", world=world)
+    if sum(len(e.ranks) for e in entries) > world:
+        raise bad(where, "ranks", f"at most {world} holders", f"{len(entries)} entries")
+    for i, e in enumerate(entries):
+        n, k0, d = len(e.ranks), e.block or 0, e.step or 0
+        if (e.block is not None) != pattern or (not pattern and e.step is not None) or min(k0, k0 + (n - 1) * d) < 0:
+            what = "ranks:block[:step], blocks of at least 0" if pattern else "ranks"
+            raise bad(where, f"ranks[{i}]", what, e.entry())
+        out.extend((r, k0 + j * d) for j, r in enumerate(e.ranks))
     return out
 
 
@@ -128,52 +135,79 @@ class PiecesPost:
         )
 
 
+@lru_cache(maxsize=4096)  # a coordinator offers the same groups of replicas to every holder
+def _holders(ranks: tuple[int, ...]) -> RankSet:
+    return RankSet.of(ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """How a block pattern's offer (``save.patterns``) moves to another block: the chunks offered
+    are those of ``block``, and the holder of block ``k`` holds them moved ``(k - block) * per``
+    along ``dim``, each held by ranks ``(k - block) * step`` further on. ``[dim, block, per, step]``."""
+
+    dim: int
+    block: int
+    per: int
+    step: int
+
+    def to_json(self) -> list[JSON]:
+        return [self.dim, self.block, self.per, self.step]
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str, field: str, ndim: int) -> Shift:
+        items = as_list(doc, where, field, 4)
+        dim, block, per = (as_rank(v, where, f"{field}[{i}]") for i, v in enumerate(items[:3]))
+        if dim >= ndim:
+            raise bad(where, field, "[dim, block, per, step], dim an axis of the array", doc)
+        return cls(dim, block, per, as_rank(items[3], where, f"{field}[3]"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ArrayOffer:
     """One array as its coordinator laid it out, to one group of holders: its record's shape (no
     owners) and the chunks the group holds, each by grid position with the full group of ranks
-    holding it (``encode_group``: the ranks, ``[-1, start, stride, count]`` or runs). With a
-    ``shift`` ``(dim, block, per, step)``, the offer of a block pattern (``save.patterns``): the
-    chunks are those of ``block``, and the holder of block ``k`` holds them moved ``(k - block) *
-    per`` along ``dim``, each held by ranks ``(k - block) * step`` further on."""
+    holding it (a ``cluster.wire.RankSet``: 128 replicas are ``3/128x128``). With a ``shift``,
+    the offer of a block pattern: how its chunks move from block to block."""
 
     dtype: str
     kind: str
     shape: tuple[int, ...]
     grid: tuple[int, ...]  # the chunk shape
-    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (grid position, encoded holders)
-    shift: tuple[int, ...] = ()
+    chunks: tuple[tuple[tuple[int, ...], RankSet], ...]  # (grid position, holders)
+    shift: Shift | None = None
 
     @classmethod
     def of(
-        cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: tuple[int, ...] = ()
+        cls, rec: ArrayRecord, chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], shift: Shift | None = None
     ) -> ArrayOffer:
-        encoded = tuple((cc, encode_group(hs)) for cc, hs in chunks)
-        return cls(dtype=rec.dtype, kind=rec.kind, shape=rec.shape, grid=rec.chunks, chunks=encoded, shift=shift)
+        held = tuple((cc, _holders(hs)) for cc, hs in chunks)
+        return cls(dtype=rec.dtype, kind=rec.kind, shape=rec.shape, grid=rec.chunks, chunks=held, shift=shift)
 
     def record(self, path: str) -> ArrayRecord:
         return ArrayRecord(path=path, dtype=self.dtype, kind=self.kind, shape=self.shape, chunks=self.grid)
 
     def to_json(self) -> list[JSON]:
         short: list[JSON] = [self.dtype, self.kind, list(self.shape), list(self.grid)]
-        chunks: list[JSON] = [[list(cc), list(group)] for cc, group in self.chunks]
-        return [short, chunks, list(self.shift)] if self.shift else [short, chunks]
+        chunks: list[JSON] = [[list(cc), group.to_json()] for cc, group in self.chunks]
+        return [short, chunks] if self.shift is None else [short, chunks, self.shift.to_json()]
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str, field: str) -> ArrayOffer:
+    def from_json(cls, doc: object, *, where: str, field: str, world: int) -> ArrayOffer:
+        """Its holders checked against the saving job's ``world`` size."""
         items = as_list(doc, where, field)
         if len(items) not in (2, 3):
             raise bad(where, field, "[array, chunks] or [array, chunks, shift]", doc)
         short, chunks = items[:2]
-        shift = as_ranks(items[2], where, f"{field}[2]") if len(items) == 3 else ()
         dtype, kind, shape, grid = as_list(short, where, f"{field}[0]", 4)
-        if shift and (len(shift) != 4 or shift[0] >= len(as_list(shape, where, f"{field}[0][2]"))):
-            raise bad(where, f"{field}[2]", "[dim, block, per, step], dim an axis of the array", shift)
+        ndim = len(as_list(shape, where, f"{field}[0][2]"))
+        shift = Shift.from_json(items[2], where=where, field=f"{field}[2]", ndim=ndim) if len(items) == 3 else None
         offered = []
         for i, c in enumerate(as_list(chunks, where, f"{field}[1]")):
             f = f"{field}[1][{i}]"
             cc, group = as_list(c, where, f, 2)
-            offered.append((as_ranks(cc, where, f"{f}[0]"), _group(group, where, f"{f}[1]")))
+            holders = RankSet.from_json(group, where=where, field=f"{f}[1]", world=world)
+            offered.append((as_ranks(cc, where, f"{f}[0]"), holders))
         return cls(
             dtype=as_str(dtype, where, f"{field}[0][0]"),
             kind=as_str(kind, where, f"{field}[0][1]"),
@@ -182,22 +216,6 @@ class ArrayOffer:
             chunks=tuple(offered),
             shift=shift,
         )
-
-
-def _group(v: object, where: str, field: str) -> tuple[int, ...]:
-    """An encoded group of holders: ranks, ``[-1, start, stride, count]`` or ``[-2, *runs]``
-    (runs of four numbers, ``cluster.ranksets``). Its ranks are checked against the world size
-    where the plan decodes it."""
-    items = as_list(v, where, field)
-    if items[:1] == [-1]:
-        if len(items) != 4:
-            raise bad(where, field, "[-1, start, stride, count]", v)
-        return (-1, *as_ranks(items[1:], where, field))
-    if items[:1] == [-2]:
-        if len(items) % 4 != 1:
-            raise bad(where, field, "[-2, start, length, stride, count, ...]", v)
-        return (-2, *as_ranks(items[1:], where, field))
-    return as_ranks(items, where, field)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,9 +229,11 @@ class ChunkOffer:
         return {path: a.to_json() for path, a in self.arrays.items()}
 
     @classmethod
-    def from_json(cls, doc: object, *, where: str) -> ChunkOffer:
+    def from_json(cls, doc: object, *, where: str, world: int) -> ChunkOffer:
         d = as_dict(doc, where, "offer")
-        return cls(arrays={path: ArrayOffer.from_json(a, where=where, field=path) for path, a in d.items()})
+        return cls(
+            arrays={path: ArrayOffer.from_json(a, where=where, field=path, world=world) for path, a in d.items()}
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from tiercheck.cluster.assign import LeafDesc
 from tiercheck.errors import CoordinationError
 from tiercheck.format.manifest import ArrayRecord
-from tiercheck.save.messages import ArrayOffer
+from tiercheck.save.messages import ArrayOffer, Shift
 
 EACH = "each"  # a pattern's offer where the holders of each block are offered theirs apart
 Grouped = tuple[tuple[int, ...], tuple[int, ...]]  # a chunk's grid position, its holders (decoded)
@@ -110,7 +110,7 @@ def pattern_offer(
             moved = [(_moved(cc, dim, (k - k0) * per), tuple(h + (k - k0) * step for h in hs)) for cc, hs in ref]
             if moved != chunks_of[r][d.path]:
                 return None
-        arrays[d.path] = ArrayOffer.of(rec, tuple(ref), shift=(dim, k0, per, step))
+        arrays[d.path] = ArrayOffer.of(rec, tuple(ref), shift=Shift(dim, k0, per, step))
     return arrays
 
 
@@ -146,7 +146,9 @@ def apply_shift(
     """A pattern's chunks as the holder of ``block`` holds them (``offer.shift``), each checked
     against the array's grid and its holders against the world size. ``moved_groups``: groups
     moved so far, shared (a group of 1,024 replicas is moved once, not once a chunk)."""
-    dim, k0, per, step = offer.shift
+    if offer.shift is None:
+        return chunks
+    dim, k0, per, step = offer.shift.dim, offer.shift.block, offer.shift.per, offer.shift.step
     rows = -(-offer.shape[dim] // offer.grid[dim]) if offer.grid[dim] else 0
     by = (block - k0) * step
     cache = {} if moved_groups is None else moved_groups

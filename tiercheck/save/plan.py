@@ -31,7 +31,6 @@ again, with a new generation number).
 from __future__ import annotations
 
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from tiercheck.cluster.keys.save import (
     plan_scope,
     took_bucket,
 )
-from tiercheck.cluster.wire import bad, loads
+from tiercheck.cluster.wire import RankSet, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.layout import Chunk, chunk_at
@@ -59,9 +58,9 @@ from tiercheck.format.manifest import ArrayRecord
 from tiercheck.save.messages import (
     ArrayOffer,
     ChunkOffer,
+    HolderWord,
     PiecesPost,
     TookPost,
-    decode_group,
     holders_entry,
     parse_holders,
 )
@@ -135,7 +134,7 @@ def _post_pieces(
 def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: dict[int, int]) -> Exchange[None]:
     """Round 1, by node: the ranks of a node tell its first rank the digests they hold (and their
     blocks), in the node's store; it appends the node's holders of each digest to the digest's
-    register in a few runs (``holders_entry``): a coordinator reads an entry per node, not per rank,
+    register in a few runs (``save.messages.Holders``): a coordinator reads an entry per node, not per rank,
     for an array the node's ranks all hold (a norm) or hold one block each of (a TP weight)."""
     node = coord.node
     if node is None or node.world_size == 1:
@@ -145,16 +144,13 @@ def _register(coord: Coordinator, name: str, digests: dict[int, str], blocks: di
     said = scope_key(node, plan_holders_scope(name))
     members: dict[tuple[int, str], list[tuple[int, int | None]]] = defaultdict(list)
     try:
-        mine = "".join(f"{c}:{d}:{coord.rank}:{blocks.get(c, '')};" for c, d in sorted(digests.items()))
+        mine = "".join(HolderWord(c, d, coord.rank, blocks.get(c)).entry() for c, d in sorted(digests.items()))
         what = "this node's ranks to say what they hold"
-        entries = yield from gather_at_leader(node, plan_holders_scope(name), mine, what=what)
-        if entries is None:
+        raw = yield from gather_at_leader(node, plan_holders_scope(name), mine, what=what)
+        if raw is None:
             return
-        for i, entry in enumerate(entries):
-            m = re.fullmatch(r"([0-9]+):([0-9a-f]+):([0-9]+):([0-9]*)", entry)
-            if m is None or int(m[3]) >= coord.world_size:
-                raise bad(said, f"holders[{i}]", "coordinator:digest:rank:block", entry)
-            members[int(m[1]), m[2]].append((int(m[3]), int(m[4]) if m[4] else None))
+        for w in HolderWord.read(raw, where=said, field="holders", world=coord.world_size):
+            members[w.coordinator, w.digest].append((w.rank, w.block))
     except CoordinationError as e:  # said to every rank at the plan's next check
         coord.report(name, e)
         return
@@ -238,7 +234,7 @@ def _take_share(
     mine_offers: list[Offer] = []
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
-    groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per group of holders, shared
+    groups: dict[RankSet, tuple[int, ...]] = {}  # one tuple per group of holders, shared
     moved: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # and per group moved to my block
     keys = [offer_key(coord, name, c, digests[c]) for c in coords_of]
     docs = [loads(value, where=key) for key, value in zip(keys, coord.multi_get(keys), strict=True)]
@@ -248,15 +244,15 @@ def _take_share(
         for i, key, value in zip(uneven, own, coord.multi_get(own), strict=True):
             keys[i], docs[i] = key, loads(value, where=key)
     for c, key, doc in zip(coords_of, keys, docs, strict=True):
-        for path, array in ChunkOffer.from_json(doc, where=key).arrays.items():
+        for path, array in ChunkOffer.from_json(doc, where=key, world=world).arrays.items():
             rec = records[path] = array.record(path)
             nbytes = chunk_nbytes(rec)
             chunks = []
             for cc, group in array.chunks:
                 if group not in groups:
-                    groups[group] = decode_group(group, world=world, where=key)
+                    groups[group] = tuple(group)
                 chunks.append((cc, groups[group]))
-            if array.shift:
+            if array.shift is not None:
                 if c not in blocks:
                     raise CoordinationError(f"{key}: array {path!r} is offered as a block pattern, not posted as one")
                 chunks = apply_shift(array, chunks, blocks[c], world=world, where=key, moved_groups=moved)

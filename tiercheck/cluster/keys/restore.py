@@ -157,7 +157,7 @@ def needs_n_key(on: Namespaced, reads: str, coordinator: int, digest: str) -> st
 @family
 def needs_ranks_key(on: Namespaced, reads: str, coordinator: int, digest: str) -> str:
     """``<reads>/needs/<coordinator>/<digest>/ranks``: the group's register, round 1. W: each leader
-    whose node had the group's first rank appends ``node_entry`` (``leader:host:offsets,``). R: the
+    whose node had the group's first rank appends a ``NodeEntry`` (``leader:offsets[:host];``). R: the
     coordinator in round 2, which deletes it. Bound: one entry per such node."""
     return join(on, reads, "needs", coordinator, digest, "ranks")
 
@@ -172,7 +172,7 @@ def groups_scope(reads: str) -> str:
 @family
 def sig_key(on: Namespaced, reads: str, coordinator: int, signature: str) -> str:
     """``<reads>/sig/<coordinator>/<signature>``: the nodes of one signature. W: each leader appends
-    ``listed_node`` (``leader[:host],``). R: the coordinator in round 2, which deletes it. Bound: one
+    a ``ListedNode`` (``leader[:host];``). R: the coordinator in round 2, which deletes it. Bound: one
     entry per node."""
     return join(on, reads, "sig", coordinator, signature)
 
@@ -187,7 +187,7 @@ def sig_n_key(on: Namespaced, reads: str, coordinator: int, signature: str) -> s
 @family
 def signatures_key(on: Namespaced, reads: str, coordinator: int) -> str:
     """``<reads>/sigs/<coordinator>``: the coordinator's signatures. W: each signature's first leader
-    appends ``signature_entry`` (``signature:s?:digest/offsets|...;``). R: the coordinator in round 2,
+    appends a ``Signature`` (``signature:shares[:digest:offsets]...;``). R: the coordinator in round 2,
     which deletes it. Bound: one entry per signature (a few per stage)."""
     return join(on, reads, "sigs", coordinator)
 
