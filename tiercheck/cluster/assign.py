@@ -364,8 +364,9 @@ def route_chunks(
     host (equal, non-None ``host_of``) is ``shared``. With ``owners_read`` (and not ``read_once``),
     the restoring rank numbered as a chunk's writer is its node's reader where it can read it and
     its node needs the chunk: it reads the chunks its saving rank wrote anyway, needing them; where it
-    cannot (its node was replaced: a peer holds its files), ``readers_of(owner)[owner % len]`` does, so
-    the writers' chunks spread over the holding node's ranks alike in every coordinator's plan."""
+    cannot (its node was replaced: peers hold its files), the least loaded of ``readers_of(owner)``
+    does, ties broken from the writer's place on, so the writers' chunks spread over the holding nodes'
+    ranks in every coordinator's plan."""
     node = node_of or (lambda r: r)
     host = host_of or (lambda r: None)
     load: dict[int, int] = defaultdict(int)
@@ -387,10 +388,12 @@ def route_chunks(
         if read_once or not local:
             r = min(local or able, key=lambda r: (load[r], r))
             if owners_read and not read_once and not local:
-                # The writer reads its own chunks; where its node was replaced, the rank of the node holding its
-                # files at the writer's place: each coordinator plans alone (its ``load`` is its own), and would
-                # have the holding node's first rank read every chunk of the replaced node's writers.
-                r = owner if owner in able else able[owner % len(able)]
+                # The writer reads its own chunks; where its node was replaced, the least loaded of the ranks of
+                # the nodes holding its files, ties going from the writer's place on: each coordinator plans alone
+                # (its ``load`` is its own), and would have the holding node's first rank read every chunk of the
+                # replaced node's writers; within a plan, every holder serves part.
+                n = len(able)
+                r = owner if owner in able else able[min(range(n), key=lambda i: (load[able[i]], (i - owner) % n))]
             chosen[node(r)] = r
         else:
             for r in local:
