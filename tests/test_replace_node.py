@@ -120,16 +120,17 @@ def test_two_nodes_replaced_at_once_restore_from_the_node_holding_both_copies(sh
 
 
 def test_a_holders_damaged_copy_is_passed_over_and_the_other_holder_serves_it(shm: Path) -> None:
-    """Replicas 2, node 1 replaced: a chunk of its files is damaged in node 0's copy. Node 0 finds it
-    as it serves it (never sends it as verified), passes over its copy of node 1's files, and node
+    """Replicas 2, node 1 replaced: its chunks are damaged in node 0's copy (every one: which of them
+    node 0 serves depends on which holder's claim the store took first). Node 0 finds the damage as
+    it serves (never sends a chunk as verified), passes over its copy of node 1's files, and node
     2's copy serves them: step 2, bit-identical, on every node."""
     shm.mkdir()
     _saved(shm, 3, 2, (1,))
     step = _memory_step(shm, 0, 2)
-    array, key = written_by(step, 1)[0]
     from tests.ondisk import flip_chunk_byte
 
-    flip_chunk_byte(step, array, key, 7)
+    for array, key in written_by(step, 1):
+        flip_chunk_byte(step, array, key, 7)
     got = run_ranks(_node, 3, str(shm), "restore", 2)
     assert [g["step"] for g in got] == [2, 2, 2]
     assert [g["copies_passed_over"] for g in got] == [1, 0, 0], "node 0 passed over its copy of node 1's files"

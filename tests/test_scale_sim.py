@@ -38,18 +38,17 @@ def test_the_simulated_job_store_hears_four_requests_per_node_for_a_save_that_re
 @pytest.mark.slow  # the same run as above
 def test_a_replaced_nodes_chunks_come_from_its_peer_and_no_other_node_reads_more() -> None:
     """Node 1 of 128 replaced (its memory gone), its files held by nodes 2 and 3: its ranks read nothing and receive
-    all they need; the peer's busiest rank reads its own chunks and one replaced rank's (not all eight ranks': a
-    rank of the peer per writer); every other rank reads and sends what it did without a replacement."""
+    all they need; the peers read its chunks (each holder part, and each the chunks its own ranks need) and their
+    busiest rank at most twice what it read without; every other rank reads and sends what it did without."""
     (row,) = _rows()
     got = row["replace"]
     assert (got["replicas"], got["replaced_node"], got["peer_nodes"]) == (2, 1, [2, 3])
     replaced, peers, without = got["replaced"], got["peers"], got["peers_without"]
     assert replaced["ranks"] == 8 and replaced["chunk_read_bytes_max"] == 0 and replaced["chunks_received_max"] > 0
-    # what the replaced node read without the replacement, now read on its peer once
-    assert (
-        peers["chunk_read_bytes_sum"]
-        == without["chunk_read_bytes_sum"] + got["replaced_without"]["chunk_read_bytes_sum"]
-    )
+    # what the replaced node read without the replacement, now read on its peers: once, or once on each of the
+    # two holding nodes that needs the chunk itself (it reads its own copy instead of receiving it), never more
+    extra = peers["chunk_read_bytes_sum"] - without["chunk_read_bytes_sum"]
+    assert got["replaced_without"]["chunk_read_bytes_sum"] <= extra <= 2 * got["replaced_without"]["chunk_read_bytes_sum"]
     assert peers["chunk_read_bytes_max"] <= 2 * without["chunk_read_bytes_max"], got
     assert got["others_reading_more"] == got["others_sending_more"] == got["others_extra_read_bytes"] == 0
     assert got["others"]["chunk_read_bytes_sum"] == got["others_without"]["chunk_read_bytes_sum"]

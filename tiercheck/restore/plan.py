@@ -210,9 +210,18 @@ def _digest(needs: Sequence[Need]) -> str:
     return digest(body)
 
 
+@dataclass(frozen=True, slots=True)
+class SelfServed:
+    """The reads a rank makes alone (``_self_served``), and the saving rank whose chunks they are
+    (None: none)."""
+
+    reads: list[Read]
+    writer: int | None
+
+
 def _self_served(
     coord: Coordinator, name: str, st: Step, request: ReadRequest, by_coord: dict[int, list[Need]]
-) -> tuple[list[Read], int | None]:
+) -> SelfServed:
     """The reads this rank makes alone, taken out of ``by_coord`` (what it posts to each
     coordinator), and the saving rank whose chunks they are: all it needs of a coordinator's
     arrays where its own saving rank wrote every chunk of it, on its node. Restoring the layout it
@@ -228,22 +237,22 @@ def _self_served(
     own = rank if rank < st.world_size else None
     part = None if own is None else request.parts.get(own)
     if request.read_once or part is None or own not in st.here:
-        return [], None
+        return SelfServed([], None)
     reads: list[Read] = []
     for c, needs in list(by_coord.items()):
-        mine: list[Read] = []
+        of_c: list[Read] = []  # the reads of coordinator c's arrays
         for n in needs:
             rec, written = request.records.get(n.path), part.checksums.get(n.path, {})
             chunks = list(chunks_in_box(rec.shape, rec.chunks, n.offsets, n.shape)) if rec is not None else []
             if not chunks or not all(ch.key in written for ch in chunks):
                 break
-            mine += [Read(n.path, ch, False) for ch in chunks]
+            of_c += [Read(n.path, ch, False) for ch in chunks]
         else:
             if coord.has(needs_n_key(coord, name, c, _digest(needs))):
                 continue  # its replicas' group, posted already
-            reads += mine
+            reads += of_c
             del by_coord[c]
-    return reads, own
+    return SelfServed(reads, own)
 
 
 def _my_work(
@@ -251,7 +260,7 @@ def _my_work(
     name: str,
     st: Step,
     groups: Mapping[int, str],
-    alone: tuple[list[Read], int | None],
+    alone: SelfServed,
     records: Mapping[str, ArrayRecord],
     parts: Mapping[int, RankPart],
 ) -> RestorePlan:
@@ -261,10 +270,12 @@ def _my_work(
     it reads."""
     coord, tier, remote = job.coord, job.tier, job.remote
     rank = coord.rank
-    out_reads: dict[tuple[str, tuple[int, ...]], Read] = {(x.path, x.chunk.coords): x for x in alone[0]}
+    out_reads: dict[tuple[str, tuple[int, ...]], Read] = {(x.path, x.chunk.coords): x for x in alone.reads}
     out_moves: dict[tuple[int, int], Transfer] = {}
-    recs: dict[str, ArrayRecord] = {x.path: records[x.path] for x in alone[0]}
-    owners_of: dict[tuple[str, str], int] = {(x.path, x.chunk.key): alone[1] for x in alone[0] if alone[1] is not None}
+    recs: dict[str, ArrayRecord] = {x.path: records[x.path] for x in alone.reads}
+    owners_of: dict[tuple[str, str], int] = {}  # each chunk this rank reads: its writer, whose part holds its CRC
+    if alone.writer is not None:
+        owners_of.update(((x.path, x.chunk.key), alone.writer) for x in alone.reads)
     personal = work_bucket(name, rank)
     keys = [route_key(coord, name, c, d) for c, d in sorted(groups.items())]
     told = [(personal, v) for v in coord.collect(personal)]
@@ -276,11 +287,11 @@ def _my_work(
                 recs[short.path] = records.get(short.path) or short.record()
         for route, tag in w.routes:
             c = route.chunk
-            mine = [s for s in route.sources if s.rank == rank]
-            if mine:
-                out_reads[route.path, c.coords] = Read(route.path, c, mine[0].remote)
+            as_source = next((s for s in route.sources if s.rank == rank), None)
+            if as_source is not None:
+                out_reads[route.path, c.coords] = Read(route.path, c, as_source.remote)
                 owners_of[route.path, c.key] = route.owner
-                for dst, shared in route.sends(mine[0]):
+                for dst, shared in route.sends(as_source):
                     out_moves[tag, dst] = Transfer(route.path, c, rank, dst, tag, shared)
             elif rank in route.needers:
                 src = route.source_of(rank)
@@ -291,10 +302,10 @@ def _my_work(
         by_path[path][key] = crc
         offsets[path][key] = offset
     for path, rec in list(recs.items()):
-        mine_crcs = by_path.get(path, {})
+        crcs = by_path.get(path, {})
         recs[path] = rec.with_chunks(
-            checksums=mine_crcs,
-            owners={key: owners_of[path, key] for key in mine_crcs},
+            checksums=crcs,
+            owners={key: owners_of[path, key] for key in crcs},
             offsets=offsets.get(path, {}),
         )
     for path, rec in records.items():
@@ -325,13 +336,13 @@ def _coordinate_reads(
     rank, world = coord.rank, coord.world_size
     by_rank = {m.rank: m for ms in members.values() for m in ms}
     try:
-        mine = _records_of(job, st, {n.path for ns in wanted.values() for n in ns}, known)
-        chunks_of = {d: needed_chunks(mine, {0: ns}) for d, ns in wanted.items()}
+        planned = _records_of(job, st, {n.path for ns in wanted.values() for n in ns}, known)
+        chunks_of = {d: needed_chunks(planned, {0: ns}) for d, ns in wanted.items()}
         needers: Needers = {}
         for d, got in chunks_of.items():
             for k, (c, _) in got.items():
                 needers.setdefault(k, (c, set()))[1].update(m.rank for m in members[d])
-        owners = {mine[p].owner(c.key) for (p, _), (c, _) in needers.items()}
+        owners = {planned[p].owner(c.key) for (p, _), (c, _) in needers.items()}
         claimed: dict[int, str | None] = {}  # host keys of the ranks of the nodes holding the chunks
         readers = holders_of(coord, root, owners, remote=st.from_remote, hosts=claimed, every_copy=True)
 
@@ -343,7 +354,7 @@ def _coordinate_reads(
             return min(readers[r]) if r in readers.get(r, ()) else r
 
         routes, _ = route_chunks(
-            mine,
+            planned,
             needers,
             lambda o: readers.get(o, []),
             read_once=read_once,
@@ -360,7 +371,7 @@ def _coordinate_reads(
     told = {}
     for d, got in chunks_of.items():
         mine_routes = tuple(index[k] for k in sorted(got))
-        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({r.path for r, _ in mine_routes}))
+        shapes = tuple(ArrayShape.of(planned[p]) for p in sorted({r.path for r, _ in mine_routes}))
         told[route_key(coord, name, rank, d)] = dumps(RouteWork(mine_routes, shapes).to_json())
     coord.multi_set(told)
     alone: dict[int, list[tuple[Route, int]]] = defaultdict(list)  # reads for groups not their own
@@ -369,7 +380,7 @@ def _coordinate_reads(
             if s.rank not in group_of or k not in chunks_of[group_of[s.rank]]:
                 alone[s.rank].append((route, tag))
     for r, items in sorted(alone.items()):
-        shapes = tuple(ArrayShape.of(mine[p]) for p in sorted({route.path for route, _ in items}))
+        shapes = tuple(ArrayShape.of(planned[p]) for p in sorted({route.path for route, _ in items}))
         coord.post(work_bucket(name, r), dumps(RouteWork(tuple(items), shapes).to_json()))
     return list(told)
 
@@ -379,7 +390,7 @@ def _records_of(job: Job, st: Step, paths: set[str], known: Mapping[str, ArrayRe
     them (``known`` where it covers a shard's needed arrays)."""
     tier, remote = job.tier, job.remote
     d = step_dir(st.step)
-    mine: dict[str, ArrayRecord] = {}
+    out: dict[str, ArrayRecord] = {}
     by_shard: dict[int, set[str]] = defaultdict(set)
     for p in paths:
         by_shard[shard_of(p, st.world_size)].add(p)
@@ -388,7 +399,7 @@ def _records_of(job: Job, st: Step, paths: set[str], known: Mapping[str, ArrayRe
         if source is None:
             raise CorruptCheckpointError(f"{tier.url}: {d}/{shard_file(s)} is on no node this rank can read")
         if in_shard <= known.keys():
-            mine.update((p, known[p]) for p in in_shard)  # a single rank's restore: all of them
+            out.update((p, known[p]) for p in in_shard)  # a single rank's restore: all of them
         else:
             raw = read_manifest_file(source, d, ("arrays", s))
             where = f"{source.url}: {d}/{shard_file(s)}"
@@ -396,18 +407,18 @@ def _records_of(job: Job, st: Step, paths: set[str], known: Mapping[str, ArrayRe
                 records = parse_shard(unseal(raw, where=where), where=where, save=st.save_id)
                 for path, rec in records.items():
                     _check_owners(path, rec.owners, st.world_size, where=where)  # none, unless forged
-                mine.update(records)
+                out.update(records)
         raw = read_manifest_file(source, d, ("owners", s))
         where = f"{source.url}: {d}/{owners_file(s)}"
         owned = parse_owners(unseal(raw, where=where), where=where, save=st.save_id) if raw else {}
         for path, writers in owned.items():
             _check_owners(path, writers, st.world_size, where=where)
-            if path in mine:
-                mine[path] = mine[path].with_chunks(owners=writers)
+            if path in out:
+                out[path] = out[path].with_chunks(owners=writers)
     for p in paths:
-        if p not in mine:
+        if p not in out:
             raise CorruptCheckpointError(f"{tier.url}: step {st.step}: no record of array {p!r}")
-    return mine
+    return out
 
 
 def _check_owners(path: str, owners: Mapping[str, int], world: int, *, where: str) -> None:
