@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -126,3 +127,22 @@ def assert_identical(a: Any, b: Any, where: str = "state", *, any_order: bool = 
         assert isinstance(b, float) and b != b, where
     else:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@contextlib.contextmanager
+def tiercheck_said(level: int = logging.WARNING) -> Iterator[list[str]]:
+    """The messages tiercheck logs at ``level`` or above while inside, in order (in a rank's process,
+    where pytest's ``caplog`` does not reach)."""
+    said: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("tiercheck")
+    before = log.level
+    log.addHandler(handler)
+    if level < log.getEffectiveLevel():
+        log.setLevel(level)
+    try:
+        yield said
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before)

@@ -6,7 +6,6 @@ its memory; a kill while it runs leaves the memory step restorable; its failures
 
 from __future__ import annotations
 
-import logging
 import shutil
 import threading
 from multiprocessing.connection import Connection
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 import tiercheck
-from tests.conftest import assert_identical
+from tests.conftest import assert_identical, tiercheck_said
 from tests.distributed import run_ranks
 from tests.killed import die
 from tests.test_memory_tier import _memory_dir, _save_and_die, _state, _two_ranks
@@ -109,19 +108,12 @@ def test_a_kill_during_the_background_persist_leaves_the_memory_step_restorable(
 
 def _restore_and_say(rank: int, world: int, root: str) -> list[str]:
     """``_two_ranks``' restore with a peer copy each, the tiercheck warnings this rank logged until closed."""
-    said: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tiercheck").addHandler(handler)
     state = _state(0)
     memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
-    try:
-        with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
-                          replication=ReplicationOptions(replicas=1)) as ck:  # fmt: skip
-            assert ck.restore() == 3
-            assert_identical(state, _state(3))
-    finally:
-        logging.getLogger("tiercheck").removeHandler(handler)
+    with tiercheck_said() as said, Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
+                      replication=ReplicationOptions(replicas=1)) as ck:  # fmt: skip
+        assert ck.restore() == 3
+        assert_identical(state, _state(3))
     return said
 
 

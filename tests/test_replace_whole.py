@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import assert_identical, seeded_tensors
+from tests.conftest import assert_identical, seeded_tensors, tiercheck_said
 from tests.distributed import run_ranks
 from tests.test_memory_tier import _memory_dir
 from tiercheck import Checkpointer, MemoryOptions, ReplicationOptions, per_rank
@@ -40,32 +40,23 @@ def _node(rank: int, world: int, root: str, phase: str, replicas: int, then: tup
     live = _state(0, rank)
     state = {k: per_rank(v) for k, v in live.items()}
     memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
-    said: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("tiercheck")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
-                          replication=ReplicationOptions(replicas=replicas)) as ck:  # fmt: skip
-            if phase == "save":
-                for step in (1, 2, 3):
-                    for k, v in _state(step, rank).items():
-                        live[k].copy_(v)
-                    ck.save(step).wait()
-                return {}
-            step = ck.restore()
-            assert step == 3
-            assert_identical(live, _state(3, rank))
-            ck.wait()  # its persist and its copies made whole again: not a sleep
-            stats = {k: v for k, v in ck.stats().items() if k.startswith(("memory_", "restore_from"))}
-            for step in then:
+    with tiercheck_said(logging.INFO) as said, Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
+                      replication=ReplicationOptions(replicas=replicas)) as ck:  # fmt: skip
+        if phase == "save":
+            for step in (1, 2, 3):
                 for k, v in _state(step, rank).items():
                     live[k].copy_(v)
                 ck.save(step).wait()
-    finally:
-        log.removeHandler(handler)
+            return {}
+        step = ck.restore()
+        assert step == 3
+        assert_identical(live, _state(3, rank))
+        ck.wait()  # its persist and its copies made whole again: not a sleep
+        stats = {k: v for k, v in ck.stats().items() if k.startswith(("memory_", "restore_from"))}
+        for step in then:
+            for k, v in _state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(step).wait()
     torch.distributed.barrier()  # the job goes on after the close (its training group), as a job would
     return {"stats": stats, "said": said}
 
@@ -147,7 +138,8 @@ def test_a_restart_after_a_replacement_with_replication_on_does_not_wait_for_a_c
 
 
 def _restore_with_a_dying_giver(rank: int, world: int, root: str) -> dict[str, Any]:
-    """``_node``'s restore with a pair timeout of 5 s, where node 0 dies (killed, as a node is lost)
+    """``_node``'s restore with a pair timeout of 20 s (the pairs' gloo groups are made within it too:
+    5 s was too short on two busy cores), where node 0 dies (killed, as a node is lost)
     when it would give node 1 its files back."""
     import os
 
@@ -158,12 +150,9 @@ def _restore_with_a_dying_giver(rank: int, world: int, root: str) -> dict[str, A
     live = _state(0, rank)
     state = {k: per_rank(v) for k, v in live.items()}
     memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
-    said: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("tiercheck").addHandler(handler)
-    with Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
-                      replication=ReplicationOptions(replicas=1, timeout_s=5)) as ck:  # fmt: skip
+    peers = ReplicationOptions(replicas=1, timeout_s=20)
+    with tiercheck_said() as said, Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
+                                                replication=peers) as ck:  # fmt: skip
         assert ck.restore() == 3
         assert_identical(live, _state(3, rank))
         ck.wait()
