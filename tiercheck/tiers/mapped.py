@@ -21,10 +21,10 @@ from tiercheck.libc import MAP_FAILED, libc
 
 
 def map_file_range(fd: int, offset: int, length: int) -> memoryview | None:
-    """``length`` bytes of the file ``fd`` from ``offset`` on, mapped (private, populated) and
-    writable as a private copy (never written: its pages are the file's); None where the file holds
-    fewer bytes there. The mapping lives
-    while any view of it does (``fd`` may be closed at once)."""
+    """``length`` bytes of the file ``fd`` from ``offset`` on, mapped private (its pages faulted in as
+    first read) and writable as a private copy (never written: its pages are the file's); None where
+    the file holds fewer bytes there. The mapping lives while any view of it does (``fd`` may be
+    closed at once)."""
     if length <= 0 or os.fstat(fd).st_size < offset + length:
         return None
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
