@@ -236,6 +236,37 @@ class DrainOptions:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ParityOptions:
+    """Parity in place of whole copies for the memory tier's steps: Reed-Solomon coding over groups of
+    ``data + parity`` nodes (``tiering.parity``). Each node keeps its own snapshot and ``parity / data``
+    of it in parity, and its group survives any ``parity`` of its nodes lost at once: a replaced node
+    rebuilds its files from the others' data and parity. With ``data=4, parity=2`` a node holds 1.5x
+    its snapshot (plus its other slots) where two whole copies hold 3x, and survives two losses where
+    one copy survives one. Nodes are grouped ``ReplicationOptions.jump`` apart (each group across
+    failure domains, as copies are placed); where the node count is not a multiple of the group size,
+    the last group takes the rest (more data per stripe: less parity each), and a job of fewer nodes
+    is one group (it needs more than ``parity`` nodes).
+
+    Attributes:
+        data: data pieces per stripe (``k``): each node's snapshot is cut into this many pieces.
+        parity: parity pieces per stripe (``m``): the node losses a group survives.
+    """
+
+    data: int = 4
+    parity: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("data", "parity"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"ParityOptions.{name} must be a positive integer, not {value!r}")
+        if self.data + self.parity > 256:
+            raise InvalidArgumentError(
+                f"ParityOptions: data + parity must be at most 256 (GF(2^8) Reed-Solomon), not {self.data + self.parity}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicationOptions:
     """Copies of each node's committed local steps on other nodes' local tiers (peer replication), so
     that a lost node restores from its peers instead of the remote tier.
@@ -250,6 +281,8 @@ class ReplicationOptions:
         piece_bytes: bytes read, sent and written at a time per peer; a receiving leader holds up to three
             pieces per peer while they are written (the memory replication holds about that).
         timeout_s: how long a leader waits on a peer (to connect, for one piece) before it leaves that peer out.
+        parity: the memory tier's steps protected by parity over groups of nodes (``ParityOptions``)
+            instead of ``replicas`` whole copies; the local tier keeps its copies. ``None``: copies.
     """
 
     replicas: int = 1
@@ -257,8 +290,11 @@ class ReplicationOptions:
     every: int = 1
     piece_bytes: int = 16 * MiB
     timeout_s: float = 300.0
+    parity: ParityOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.parity is not None and not isinstance(self.parity, ParityOptions):
+            raise InvalidArgumentError(f"ReplicationOptions.parity must be a ParityOptions or None, not {self.parity!r}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise InvalidArgumentError(f"ReplicationOptions.replicas must be a positive integer, not {self.replicas!r}")
         if self.jump is not None and (not isinstance(self.jump, int) or self.jump < 1):
