@@ -262,7 +262,8 @@ class ParityOptions:
                 raise InvalidArgumentError(f"ParityOptions.{name} must be a positive integer, not {value!r}")
         if self.data + self.parity > 256:
             raise InvalidArgumentError(
-                f"ParityOptions: data + parity must be at most 256 (GF(2^8) Reed-Solomon), not {self.data + self.parity}"
+                f"ParityOptions: data + parity must be at most 256 (Reed-Solomon over GF(2^8)), "
+                f"not {self.data + self.parity}"
             )
 
 
@@ -294,7 +295,9 @@ class ReplicationOptions:
 
     def __post_init__(self) -> None:
         if self.parity is not None and not isinstance(self.parity, ParityOptions):
-            raise InvalidArgumentError(f"ReplicationOptions.parity must be a ParityOptions or None, not {self.parity!r}")
+            raise InvalidArgumentError(
+                f"ReplicationOptions.parity must be a ParityOptions or None, not {self.parity!r}"
+            )
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise InvalidArgumentError(f"ReplicationOptions.replicas must be a positive integer, not {self.replicas!r}")
         if self.jump is not None and (not isinstance(self.jump, int) or self.jump < 1):

@@ -129,10 +129,7 @@ def decode(stripes: Stripes, shards: Mapping[int, Any], want: Sequence[int]) -> 
         raise CorruptCheckpointError(f"a stripe needs {stripes.d} shards to decode, {len(shards)} are left")
     have = sorted(shards)[: stripes.d]
     blocks = [shards[p] for p in have]
-    if have == list(range(stripes.d)):
-        data = blocks
-    else:
-        data = list(_decoder(stripes.d, stripes.n).decode(blocks, have))
+    data = blocks if have == list(range(stripes.d)) else list(_decoder(stripes.d, stripes.n).decode(blocks, have))
     out: dict[int, bytes] = {}
     lost_parity = [w - stripes.d for w in want if w >= stripes.d]
     for w in want:
