@@ -31,6 +31,7 @@ from functools import cache
 from typing import Any
 
 from tiercheck.errors import CorruptCheckpointError, InvalidArgumentError
+from tiercheck.format.paths import MANIFEST_FILE, rank_files
 from tiercheck.format.values import crc32c_value, file_offset, nonneg_int, positive_int, world_size_of
 
 PARITY_RECORD = "PARITY.json"
@@ -147,7 +148,8 @@ def decode(stripes: Stripes, shards: Mapping[int, Any], want: Sequence[int]) -> 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Member:
     """One member of a parity group, as the record names it: its node number, its saving ranks and
-    the job's world size, its files of the step in region order (name, size, CRC32C), its parity
+    the job's world size, its files of the step in region order (name, size, CRC32C: only its ranks'
+    files, ``paths.rank_files``, and the step's manifest), its parity
     pieces' CRC32Cs (by stripe) and its commit marker (the bytes, as committed)."""
 
     node: int
@@ -256,6 +258,10 @@ def _member(doc: object, *, where: str) -> Member:
         if not isinstance(files, list) or len(files) > MAX_FILES_PER_MEMBER * len(ranks_t):
             raise ValueError("not a list of this member's files")
         files_t = tuple(_file(f) for f in files)
+        allowed = {f for r in ranks_t for f in rank_files(r)} | {MANIFEST_FILE}
+        names = [name for name, _, _ in files_t]
+        if not set(names) <= allowed or len(set(names)) != len(names):
+            raise ValueError("it names a file that is not its ranks' (or names one twice)")
         field = "parity"
         parity = doc["parity"]
         if not isinstance(parity, list) or len(parity) > MAX_GROUP:
@@ -279,7 +285,4 @@ def _pair(p: object) -> bool:
 def _file(f: object) -> tuple[str, int, int]:
     if not isinstance(f, list) or len(f) != 3 or not isinstance(f[0], str):
         raise ValueError(f"{f!r:.80} is not [name, size, crc32c]")
-    name = f[0]
-    if not name or "/" in name or "\\" in name or name.startswith(".") or len(name) > 255:
-        raise ValueError(f"file name {name!r:.80} is not a plain name")
-    return name, file_offset(f[1]), crc32c_value(f[2])
+    return f[0], file_offset(f[1]), crc32c_value(f[2])
