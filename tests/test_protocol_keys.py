@@ -277,6 +277,7 @@ def _expected(on: Coordinator, node: Coordinator) -> dict[str, tuple[Callable[[]
         "held_all_key": (lambda: tk.held_all_key(on), f"{j}/drain/held/all"),
         "set_aside_key": (lambda: tk.set_aside_key(on, 1, 30, 8), f"{j}/aside/1/30/8"),
         "pair_prefix": (lambda: tk.pair_prefix(on, "replicate", 2, 5), f"{j}/replicate/pair/2-5"),
+        "parity_group_prefix": (lambda: tk.parity_group_prefix(on, "memory-parity", 6), f"{j}/memory-parity/group/6"),
         "copies_done_key": (
             lambda: tk.copies_done_key(on, "memory-replicate", 8, 30),
             f"{j}/memory-replicate/done/8/30",

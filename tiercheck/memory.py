@@ -46,6 +46,7 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.format.lineage import Lineage, lineage_id, memory_owner, owns_memory, read_lineage
+from tiercheck.format.manifest import CommitMarker
 from tiercheck.format.memory_steps import doubt, judge, record_memory, remote_doubt
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -84,6 +85,7 @@ class Memory:
         self.peers: MemoryPeers | None = None
         self._persisting: Persisting | None = None  # the step the last restore persists in the background
         self._whole: WholeAgain | None = None  # the last restore's step made whole again on every node
+        self._rebuilt: dict[int, str | None] = {}  # steps this run rebuilt from parity: their saves
         if replication is not None and job.nodes.count > 1:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
         self.slots.before_reuse = self._before_reuse
@@ -98,7 +100,10 @@ class Memory:
         on a node's leader, where making that step whole again on every node stands (``tiering.whole_again``)."""
         persisting = NOT_STARTED if self._persisting is None else self._persisting.stats()
         whole = NOT_WHOLE if self._whole is None else self._whole.stats()
-        return {"memory_held_bytes": self.held(), **persisting, **whole}
+        parity = None if self.peers is None else self.peers.parity_held()
+        rebuilt = max(self._rebuilt, default=None)
+        return {"memory_held_bytes": self.held(), "memory_parity_held_bytes": parity, "memory_rebuilt_step": rebuilt,
+                **persisting, **whole}  # fmt: skip
 
     def _before_reuse(self, step: int) -> None:
         """Before a save stages into the slot of memory step ``step``: its copies (to the local
@@ -194,6 +199,7 @@ class Memory:
         # decides for every rank: where its node's is not, rank 0 answers _choose's collective, which every
         # rank joins alike, with no step, and the memory tier is skipped.
         skip = not self.owned()
+        self._rebuild(request.step)
         passed = "the memory tier held another lineage's steps (withdrawn)" if skip else ""  # why not memory
         for n in itertools.count():
             mem = self._choose(memory_choice_scope(name, n), request.step, below, skip=skip)
@@ -228,6 +234,15 @@ class Memory:
             log.info("restored step %d from %s: %s", done.step,
                      "the remote tier" if done.from_remote else "the local directory", passed)  # fmt: skip
         return done and with_choice(done, time.perf_counter() - t0)
+
+    def _rebuild(self, requested: int | None) -> None:
+        """With parity: a memory step this node lacks rebuilt from its group, before the step is chosen."""
+        if self.peers is None or not self.peers.parity:
+            return
+        trust = functools.partial(doubt, lineage=self._lineage(), local=self.local_job.tier)
+        step = self.peers.rebuild(trust, self._own_lineage, requested)
+        if step is not None:
+            self._rebuilt[step] = _save_of(self.slots.root, step)
 
     def _newest_elsewhere(self, name: str) -> int | None:
         """The newest step every rank can get from the local and remote tiers (None: none)."""
@@ -290,7 +305,10 @@ class Memory:
         # Each node's leader judges its node's steps (the other ranks learn the choice from it).
         trust: Trust | None = None
         if self.leader:
-            trust = functools.partial(doubt, lineage=self._lineage(), local=self.local_job.tier)
+            lineage = self._lineage()
+            trust = functools.partial(doubt, lineage=lineage, local=self.local_job.tier)
+            if lineage is None and self._rebuilt:  # a replaced node: its group vouched for what it rebuilt
+                trust = functools.partial(_rebuilt_or, dict(self._rebuilt), trust)
         try:
             choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below,
                                    trust=trust, veto=self._veto,
@@ -322,7 +340,8 @@ class Memory:
         A step restored from memory that the local tier lacks is persisted there (this node's
         ranks' files) and drained by policy, in the background (``tiering.persisting``): it is
         committed in memory, and the restart does not wait for a copy that can run beside training."""
-        whole = from_memory and self.peers is not None  # its copies made whole again (tiering.whole_again)
+        # Its copies made whole again (tiering.whole_again); parity was made whole before (tiering.rebuild).
+        whole = from_memory and self.peers is not None and not self.peers.parity
         if not self.leader:
             if whole:
                 assert self.peers is not None
@@ -472,3 +491,10 @@ def _held_none(step: int | None) -> str:
     if step is None:
         return "the memory tier held no step of this lineage whole on every node"
     return f"the memory tier does not hold step {step} of this lineage whole on every node"
+
+
+def _rebuilt_or(rebuilt: dict[int, str | None], trust: Callable[[int, CommitMarker], str | None], step: int,
+                marker: CommitMarker) -> str | None:  # fmt: skip
+    """A step this node rebuilt from its parity group (that save) is restorable: the group's nodes
+    offered it as their lineage's; any other is judged by ``trust``."""
+    return None if rebuilt.get(step) == marker.save_id else trust(step, marker)

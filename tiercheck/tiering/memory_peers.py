@@ -1,4 +1,6 @@
-"""Peers' memory: each node's committed memory steps copied to ``replicas`` other nodes' memory tiers.
+"""Peers' memory: each node's committed memory steps copied to ``replicas`` other nodes' memory tiers,
+or protected by parity over groups of nodes (``ReplicationOptions.parity``: ``tiering.parity``, the
+same thread and slot rule; a replaced node rebuilds its files at restore, ``tiering.rebuild``).
 
 The transport, the placement (``jump`` nodes apart), the checks and the markers are peer
 replication's (``tiering.replication``), run by a ``Replicator`` of its own over the memory tier's
@@ -27,7 +29,9 @@ from tiercheck.cluster.coordination import Coordinator
 from tiercheck.cluster.keys.tiering import copies_done_key, copies_seen_key
 from tiercheck.cluster.nodes import Nodes
 from tiercheck.options import ReplicationOptions
+from tiercheck.tiering.parity import ParityGroup
 from tiercheck.tiering.persisting import Persisting
+from tiercheck.tiering.rebuild import Trust, rebuild
 from tiercheck.tiering.replication import Replicator
 from tiercheck.tiering.whole_again import MakeWhole, WholeAgain
 from tiercheck.tiers.local import LocalTier
@@ -43,7 +47,12 @@ class MemoryPeers:
         self.leader = coord.rank == nodes.leader
         self.timeout_s = 2 * options.timeout_s + 60  # a copy that hangs ends at its pair's timeout, and says so
         where = f"{socket.gethostname()}:{tier.root}"  # named in the replicas it sends
-        self.replicator = Replicator(tier, options, coord=coord, nodes=nodes, node=where, name=NAME)
+        self.parity = options.parity is not None  # parity over groups of nodes instead of copies (tiering.parity)
+        self.replicator: Replicator | ParityGroup
+        if options.parity is not None:
+            self.replicator = ParityGroup(tier, options, coord=coord, nodes=nodes)
+        else:
+            self.replicator = Replicator(tier, options, coord=coord, nodes=nodes, node=where, name=NAME)
         self._signal = coord.connect_again() if self.leader else None  # the copy's thread (or the commit's)
         self._waiter = coord.connect_again()  # the stager's thread
         self._whole_coord = coord.connect_again() if self.leader else None  # the copies' thread: whole_again
@@ -87,7 +96,7 @@ class MemoryPeers:
         lacked its own files: it gets them back, then ``persisting`` copies them to ``where``, its
         local directory) or None (it held them); ``owner`` names the memory's lineage."""
         coord = self._whole_coord
-        assert coord is not None
+        assert coord is not None and isinstance(self.replicator, Replicator)
         self._restores += 1
 
         def persisted() -> bool:
@@ -100,6 +109,29 @@ class MemoryPeers:
         state = WholeAgain(job, done, replaced=rebuilt is not None, where=where)
         self.make_whole(step, job, done)
         return state
+
+    def rebuild(self, trust: Trust, owner: Callable[[str | None], None], requested: int | None) -> int | None:
+        """With parity: this node's memory step rebuilt from its group where it lacks one its group
+        protected (``tiering.rebuild``; every leader calls it at a restore, and waits for it). Returns
+        the step rebuilt here (None: none; also on ranks other than the leader)."""
+        group = self.replicator
+        if not self.leader or not isinstance(group, ParityGroup):
+            return None
+        done: Future[bool] = Future()
+        out: list[int | None] = [None]
+
+        def job() -> bool:
+            out[0] = rebuild(group, trust, owner, requested)
+            return out[0] is not None
+
+        group.in_turn(-1, job, done)
+        done.result()
+        return out[0]
+
+    def parity_held(self) -> int | None:
+        """Bytes of parity this node's memory holds (its leader's; None without parity)."""
+        group = self.replicator
+        return group.held_bytes() if isinstance(group, ParityGroup) else None
 
     def _copied(self, step: int, _: Future[bool]) -> None:
         """Copied, failed (reported by the replicator), or not one ``ReplicationOptions.every`` selects."""

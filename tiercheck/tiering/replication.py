@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,6 +52,7 @@ from tiercheck.format.replicas import MAX_FILES_PER_RANK, Replica, placement
 from tiercheck.format.steps import read_marker
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiering.transfer import _Ring
+from tiercheck.tiering.turns import Turns
 from tiercheck.tiers.local import LocalTier
 
 log = logging.getLogger("tiercheck")
@@ -134,8 +134,10 @@ class _Pair:
         return buf.numpy().tobytes()
 
 
-class Replicator:
+class Replicator(Turns):
     """One per rank; only a node's leader sends and receives. ``submit`` each step as it commits."""
+
+    what = "replication"
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class Replicator:
         node: str,
         name: str = "replicate",
     ) -> None:
+        super().__init__(every=options.every)
         self.tier = tier
         self.options = options
         self.node = node
@@ -169,12 +172,6 @@ class Replicator:
             "bytes_received": 0,
             "last_replication_s": None,
         }
-        self._cond = threading.Condition()
-        # A step to replicate, or a job of the pairs' own run in its turn (``in_turn``).
-        self._queue: list[tuple[int, Future[bool], Callable[[], bool] | None]] = []
-        self._current: int | None = None
-        self._stop = False
-        self._thread: threading.Thread | None = None
         if not self.leader or number is None:
             return
         targets, sources = placement(number, nodes.count, options)
@@ -189,80 +186,11 @@ class Replicator:
         with ThreadPoolExecutor(len(wanted), thread_name_prefix="tiercheck-replica-connect") as pool:
             pairs = list(pool.map(connect, wanted))
         self.targets, self.sources = pairs[: len(targets)], pairs[len(targets) :]
-        self._thread = threading.Thread(target=self._run, name="tiercheck-replicate", daemon=True)
-        self._thread.start()
-
-    # ---------------------------------------------------------------------------- the queue
-
-    def submit(self, step: int, done: Future[bool] | None = None) -> None:
-        """Replicate a step this node committed (every leader submits the same steps in order)."""
-        fut: Future[bool] = done or Future()
-        if not self.leader or self._thread is None or step % self.options.every:
-            fut.set_result(False)
-            return
-        with self._cond:
-            self._queue.append((step, fut, None))
-            self._cond.notify_all()
-
-    def in_turn(self, step: int, job: Callable[[], bool], done: Future[bool]) -> None:
-        """Run ``job`` on the replication thread in its turn among the submitted steps (every leader
-        submits the same jobs at the same place in its queue, so the pairs stay in step): it may use
-        the pairs (``targets``, ``sources``) in either direction. ``done`` gets its result (False
-        where it raised: reported, as a step's replication is)."""
-        if not self.leader or self._thread is None:
-            done.set_result(False)
-            return
-        with self._cond:
-            self._queue.append((step, done, job))
-            self._cond.notify_all()
-
-    def pinned(self) -> set[int]:
-        """Steps still to be replicated: local retention keeps them."""
-        with self._cond:
-            return {s for s, _, _ in self._queue} | ({self._current} if self._current is not None else set())
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted step is replicated (or failed); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._current is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def close(self, timeout: float | None = None) -> None:
-        self.wait(timeout)
-        with self._cond:
-            self._stop = True
-            for _, fut, _ in self._queue:
-                fut.set_result(False)
-            self._queue.clear()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stop:
-                    self._cond.wait()
-                if self._stop:
-                    return
-                step, fut, job = self._queue.pop(0)
-                self._current = step
-            try:
-                fut.set_result(self._replicate(step) if job is None else job())
-            except BaseException as e:  # reported; replication never stops training
-                fut.set_result(False)
-                log.warning("replication of step %d failed: %s", step, e)
-            finally:
-                with self._cond:
-                    self._current = None
-                    self._cond.notify_all()
+        self._start("tiercheck-replicate")
 
     # ---------------------------------------------------------------------------- one step
 
-    def _replicate(self, step: int) -> bool:
+    def _work(self, step: int) -> bool:
         start = time.monotonic()
         d = step_dir(step)
         marker = read_marker(self.tier, step)

@@ -123,6 +123,13 @@ def pair_prefix(on: Namespaced, scope: str, sender: int, receiver: int) -> str:
 
 
 @family
+def parity_group_prefix(on: Namespaced, scope: str, first: int) -> str:
+    """``<scope>/group/<first node>``: the prefix of a parity group's gloo rendezvous (``PrefixStore``,
+    torch's keys), named by the group's first node. ``scope``: ``memory-parity``. Bound: one per group."""
+    return join(on, scope, "group", first)
+
+
+@family
 def copies_done_key(on: Namespaced, scope: str, leader: int, step: int) -> str:
     """``<scope>/done/<leader>/<step>``: the node's copies of a memory step are over. W: the node's
     leader, ``1``. R: the node's ranks, before a slot of the step is reused. Bound: one per node and

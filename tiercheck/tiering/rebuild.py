@@ -1,0 +1,285 @@
+"""A replaced node's memory step rebuilt from its parity group (``tiering.parity``), before the
+restore chooses its step: the node then restores from its own memory like any other.
+
+Every leader runs ``rebuild`` at the start of a restore from memory, on its group's thread, in turn:
+
+1. Each leader posts what its memory holds: the steps whose own files are committed there, and those
+   of them its group protected (a ``PARITY.json`` that names this node as its member, the same save
+   as its commit marker, and a step its lineage may restore: ``format.memory_steps.doubt``), each
+   with its record's SHA-256.
+2. Every leader makes the same choice from the posts (``choose``): the newest protected step that a
+   member lacks, offered with one record by at least ``d`` members, none of them lacking it, and
+   lacked by at most ``m``. None: nothing to rebuild (every member holds the newest protected step),
+   or nothing that can be (said; the restore then finds its step elsewhere).
+3. Each offering member checks its files and parity of that step against the record (CRC32C, read
+   back); one that fails is passed over. The lacking members get the record from the first
+   offering one and check it against the digest the others posted.
+4. In rounds, for each stripe holding a lacking member's shard, the first ``d`` checked shards are
+   sent to it; it decodes its shard (data or parity) and writes it to its memory step.
+5. The rebuilt node checks each file and parity piece against the record's CRC32C and the manifest
+   against its commit marker, writes the record and then its commit marker (the one it committed,
+   naming its ranks), and checks every chunk (``format.verify``); a step that fails is withdrawn.
+   Its group is whole again: its data and parity are back. The restore persists the step to its
+   local directory in the background (``memory.Memory.after_restore``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tiercheck.errors import CorruptCheckpointError, TiercheckError
+from tiercheck.format.manifest import CommitMarker
+from tiercheck.format.parity import MAX_RECORD_BYTES, PARITY_RECORD, ParityRecord, Stripes, decode, parity_file
+from tiercheck.format.paths import COMMIT_FILE, step_dir
+from tiercheck.format.steps import list_steps, read_marker, read_small
+from tiercheck.format.verify import verify_step
+from tiercheck.tiering.parity import ParityGroup, chunk_bytes, step_files
+from tiercheck.tiering.parity_wire import Region, file_crc
+
+log = logging.getLogger("tiercheck")
+
+Trust = Callable[[int, CommitMarker], "str | None"]
+MAX_OFFER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A member's post: steps with its own files committed, and ``(step, save, digest)`` protected."""
+
+    own: frozenset[int]
+    protected: tuple[tuple[int, str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The step to rebuild, its record's digest, the members lacking it and those offering it."""
+
+    step: int
+    save: str
+    digest: str
+    lost: tuple[int, ...]
+    offering: tuple[int, ...]
+
+
+def choose(posts: Sequence[Offer], stripes: Stripes, requested: int | None = None) -> Choice | None:
+    """The same answer on every member (see the module's docstring, step 2)."""
+    keys = sorted({key for p in posts for key in p.protected}, reverse=True)
+    for step, save, digest in keys:
+        if requested is not None and step != requested:
+            continue
+        lost = tuple(i for i, p in enumerate(posts) if step not in p.own)
+        if not lost:
+            return None
+        offering = tuple(i for i, p in enumerate(posts) if (step, save, digest) in p.protected)
+        if len(offering) >= stripes.d and len(lost) <= stripes.m:
+            return Choice(step, save, digest, lost, offering)
+    return None
+
+
+def offer(group: ParityGroup, trust: Trust) -> tuple[Offer, dict[int, bytes]]:
+    """This member's post, and the records it offers (by step)."""
+    tier, own, protected, records = group.tier, set(), [], {}
+    for step in list_steps(tier).committed:
+        try:
+            marker = read_marker(tier, step)
+        except (TiercheckError, OSError):
+            continue
+        own.add(step)
+        where = f"{tier.url}: step {step}: {PARITY_RECORD}"
+        try:
+            raw = read_small(tier, f"{step_dir(step)}/{PARITY_RECORD}", where=where)
+            record = ParityRecord.from_bytes(raw, where=where)
+        except FileNotFoundError:
+            continue
+        except (TiercheckError, OSError) as e:
+            log.warning("parity: %s", e)
+            continue
+        member = record.members[group.me] if group.me < len(record.members) else None
+        why = trust(step, marker)
+        if member is None or member.node != group.number or tuple(marker.ranks) != member.ranks:
+            log.warning("parity: %s does not name this node as member %d: passed over", where, group.me)
+        elif record.save_id != marker.save_id or [m.node for m in record.members] != group.nodes:
+            log.warning("parity: %s is another save's, or another group's: passed over", where)
+        elif why is not None:
+            log.info("parity: step %d is not offered for a rebuild: %s", step, why)
+        else:
+            protected.append((step, record.save_id, hashlib.sha256(raw).hexdigest()))
+            records[step] = raw
+    return Offer(frozenset(own), tuple(protected)), records
+
+
+def _parse_offer(raw: bytes, member: int) -> Offer:
+    try:
+        doc = json.loads(raw)
+        own = frozenset(int(s) for s in doc["own"] if isinstance(s, int) and s >= 0)
+        protected = tuple((int(s), str(v), str(h)) for s, v, h in doc["protected"]
+                          if isinstance(s, int) and isinstance(v, str) and isinstance(h, str))  # fmt: skip
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        raise CorruptCheckpointError(f"parity group member {member}'s offer is damaged ({e})") from None
+    return Offer(own, protected)
+
+
+def rebuild(group: ParityGroup, trust: Trust, owner: Callable[[str | None], None],
+            requested: int | None = None) -> int | None:  # fmt: skip
+    """Run on ``group``'s thread by every leader (see the module's docstring). Returns the step this
+    node rebuilt (None: none)."""
+    assert group.group is not None
+    mine, records = offer(group, trust)
+    doc = {"own": sorted(mine.own), "protected": [list(p) for p in mine.protected]}
+    raws = group.group.allgather(json.dumps(doc).encode(), limit=MAX_OFFER_BYTES, what="an offer")
+    posts = [_parse_offer(raw, i) for i, raw in enumerate(raws)]
+    choice = choose(posts, group.stripes, requested)
+    if choice is None:
+        return None
+    lost = group.me in choice.lost
+    ok = not lost and _checked(group, choice.step, records[choice.step]) if group.me in choice.offering else False
+    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a check")
+    checked = tuple(i for i in choice.offering if flags[i] == b"1")
+    first = checked[0] if checked else -1
+    raw = group.group.allgather(records[choice.step] if group.me == first else b"", limit=MAX_RECORD_BYTES,
+                                what="a parity record")[first] if checked else b""  # fmt: skip
+    if len(checked) < group.stripes.d:
+        if lost:
+            log.error("parity: step %d cannot be rebuilt on this node: %d of its group's nodes hold it checked, %d "
+                      "are needed; it is restored from another tier, or an older step", choice.step, len(checked),
+                      group.stripes.d)  # fmt: skip
+        return None
+    if hashlib.sha256(raw).hexdigest() != choice.digest:
+        raise CorruptCheckpointError(f"parity: step {choice.step}: the record sent is not the one its holders posted")
+    record = ParityRecord.from_bytes(raw, where=f"step {choice.step}: the group's parity record")
+    t0 = time.monotonic()
+    _transfer(group, record, choice, checked)
+    done = _commit(group, record, owner) if lost else False
+    flags = group.group.allgather(b"1" if done else b"0", limit=1, what="a rebuild's result")
+    if lost and done:
+        log.info("parity: step %d rebuilt in this node's memory from its group %s in %.2f s", choice.step,
+                 group.nodes, time.monotonic() - t0)  # fmt: skip
+    elif not lost:
+        whole = all(flags[i] == b"1" for i in choice.lost)
+        log.info("parity: step %d %s on node(s) %s", choice.step, "rebuilt" if whole else "not rebuilt",
+                 [group.nodes[i] for i in choice.lost])  # fmt: skip
+    return choice.step if lost and done else None
+
+
+def _checked(group: ParityGroup, step: int, raw: bytes) -> bool:
+    """Whether this member's files and parity of ``step`` match its record (read back)."""
+    record = ParityRecord.from_bytes(raw, where=f"step {step}: {PARITY_RECORD}")
+    member, d, size = record.members[group.me], step_dir(step), group.options.piece_bytes
+    try:
+        for name, length, crc in member.files:
+            if file_crc(group.tier, f"{d}/{name}", length, size) != crc:
+                raise CorruptCheckpointError(f"{d}/{name}: CRC32C differs from its parity record")
+        for stripe, crc in member.parity:
+            if file_crc(group.tier, f"{d}/{parity_file(stripe)}", record.piece, size) != crc:
+                raise CorruptCheckpointError(f"{d}/{parity_file(stripe)}: CRC32C differs from its parity record")
+    except (TiercheckError, OSError) as e:
+        log.warning("parity: %s: this node's copy is damaged, and is passed over in the rebuild: %s", group.tier.url, e)
+        return False
+    return True
+
+
+def _transfer(group: ParityGroup, record: ParityRecord, choice: Choice, checked: tuple[int, ...]) -> None:
+    """The rounds of step 4: sources send their shards' slices, lacking members decode theirs."""
+    assert group.group is not None
+    st, me, piece, d = record.stripes, group.me, record.piece, step_dir(choice.step)
+    lost = set(choice.lost)
+    member = record.members[me]
+    region = Region(group.tier, d, [(n, s) for n, s, _ in member.files])
+    plan = []  # (stripe, source positions, lacking positions)
+    for stripe in range(st.n):
+        lacking = [j for j in range(st.n) if st.holder(stripe, j) in lost]
+        if lacking:
+            plan.append((stripe, [j for j in range(st.n) if st.holder(stripe, j) in checked][: st.d], lacking))
+    chunk = chunk_bytes(group.options, st, piece)
+    bufs: dict[tuple[int, int], torch.Tensor] = {}
+    writers = {}
+    if me in lost:
+        group.tier.delete(f"{d}/{COMMIT_FILE}")
+        group.tier.delete(f"{d}/{PARITY_RECORD}")
+        region.open()
+        writers = {s: group.tier.open_pack(f"{d}/{parity_file(s)}") for s, _ in st.parity_of(me)}
+    try:
+        for offset in range(0, piece, chunk):
+            n = min(chunk, piece - offset)
+            works = []
+            for stripe, sources, lacking in plan:
+                for j in sources:
+                    if st.holder(stripe, j) == me:
+                        t = bufs.setdefault((stripe, j), torch.empty(chunk, dtype=torch.uint8))[:n]
+                        _read_shard(group, region, d, piece, stripe, j, offset, t)
+                        for k in lacking:
+                            works.append(group.group.send(t, st.holder(stripe, k), stripe * st.n + j))
+                    elif me in lost and st.position(stripe, me) in lacking:
+                        t = bufs.setdefault((stripe, j), torch.empty(chunk, dtype=torch.uint8))[:n]
+                        works.append(group.group.recv(t, st.holder(stripe, j), stripe * st.n + j))
+            for w in works:
+                w.wait()
+            if me in lost:
+                for stripe, sources, _ in plan:
+                    j = st.position(stripe, me)
+                    out = decode(st, {k: bufs[stripe, k][:n].numpy() for k in sources}, [j])[j]
+                    if j < st.d:
+                        region.write(j * piece + offset, memoryview(out))
+                    else:
+                        writers[stripe].write_at(offset, [out])
+    finally:
+        if me in lost:
+            region.close()
+            for w in writers.values():
+                w.close()
+
+
+def _read_shard(group: ParityGroup, region: Region, d: str, piece: int, stripe: int, j: int, offset: int,
+                t: torch.Tensor) -> None:  # fmt: skip
+    view = memoryview(t.numpy())  # type: ignore[arg-type]
+    if j < group.stripes.d:
+        region.read(j * piece + offset, view)
+        return
+    got, _ = group.tier.read_into(f"{d}/{parity_file(stripe)}", view, offset=offset, length=len(view))
+    if got != len(view):
+        raise CorruptCheckpointError(f"{group.tier.url}: {d}/{parity_file(stripe)} is shorter than its record says")
+
+
+def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | None], None]) -> bool:
+    """Step 5 on the rebuilt node: check, write the record and the commit marker, verify."""
+    tier, step, d = group.tier, record.step, step_dir(record.step)
+    member = record.members[group.me]
+    where = f"{tier.url}: step {step} rebuilt from its parity group"
+    problem = None
+    try:
+        marker = CommitMarker.from_bytes(member.commit.encode(), where=where)
+        crcs = {name: file_crc(tier, f"{d}/{name}", size, group.options.piece_bytes) for name, size, _ in member.files}
+        bad = [name for name, _, crc in member.files if crcs[name] != crc]
+        bad += [parity_file(s) for s, crc in member.parity
+                if file_crc(tier, f"{d}/{parity_file(s)}", record.piece, group.options.piece_bytes) != crc]  # fmt: skip
+        if bad:
+            problem = f"CRC32C mismatch in {', '.join(bad)}"
+        elif marker.step != step or marker.save_id != record.save_id or tuple(marker.ranks) != member.ranks:
+            problem = "its commit marker is not this node's of that save"
+    except (TiercheckError, OSError) as e:
+        problem = str(e)
+    if problem is None:
+        tier.sync_dirs(d)
+        tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
+        owner(marker.lineage)
+        tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
+        problems = verify_step(tier, step, threads=2)
+        problem = "; ".join(problems[:3]) if problems else None
+    if problem is not None:
+        log.error("parity: %s: not kept: %s", where, problem)
+        tier.delete(f"{d}/{COMMIT_FILE}")
+        tier.delete_tree(d)
+        return False
+    return True
+
+
+def rebuilt_files(group: ParityGroup, step: int) -> list[tuple[str, int]]:
+    """This node's files of ``step`` (for the log and tests)."""
+    return step_files(group.tier, step)[1]
