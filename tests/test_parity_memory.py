@@ -10,6 +10,7 @@ import itertools
 import logging
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,89 @@ def test_any_two_of_four_nodes_lost_restore_bit_identically(four_nodes: Path, lo
     _lose(job, *lost)
     got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
     _restored(job, 4, lost, got)
+
+
+def _fresh(four_nodes: Path) -> Path:
+    job = four_nodes / "job"
+    shutil.rmtree(job)
+    shutil.copytree(four_nodes / "saved", job, symlinks=True)
+    return job
+
+
+def test_a_third_loss_is_said_and_the_restore_falls_back_to_the_local_directory(four_nodes: Path) -> None:
+    """Three of four nodes lose their memory (their local directories, where the clean close
+    persisted step 3, stay): no rebuild can be, each lost node says why, and every node restores
+    step 3 from its local directory, bit-identical."""
+    job = _fresh(four_nodes)
+    for rank in (0, 1, 2):
+        shutil.rmtree(job / f"shm{rank}")
+    got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
+    assert [out["step"] for out in got] == [3] * 4
+    assert [out["stats"]["restore_from_memory"] for out in got] == [0] * 4
+    assert [out["stats"]["memory_rebuilt_step"] for out in got] == [None] * 4
+    for rank in (0, 1, 2):
+        assert any("parity: step 3 cannot be rebuilt on this node: 1 of its group's nodes hold it checked, 2 are "
+                   "needed" in m for m in got[rank]["said"]), got[rank]["said"]  # fmt: skip
+
+
+def test_damaged_parity_is_passed_over_and_the_lost_node_rebuilds_from_the_others(four_nodes: Path) -> None:
+    """Node 0 lost; node 1's parity of step 3 damaged (a byte flipped): node 1 says so and is
+    passed over, node 0 rebuilds from nodes 2 and 3, and every node restores bit-identically."""
+    job = _fresh(four_nodes)
+    _lose(job, 0)
+    damaged = sorted((_memory(job, 1) / step_dir(3)).glob(parity_file(0).replace("0", "*")))[0]
+    with damaged.open("r+b") as f:
+        f.seek(damaged.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
+    _restored(job, 4, (0,), got)
+    assert any("this node's copy is damaged, and is passed over in the rebuild" in m for m in got[1]["said"])
+
+
+def _save_and_die_while_coding(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Steps 1 to 3 saved and protected; step 4 committed in memory, and node 3 killed while its
+    parity is coded (as a node is lost). The others wait for their coding (it fails, said) and
+    then end without closing, as the job is torn down."""
+    import os
+
+    from tiercheck.tiering import parity
+
+    coded = parity.ParityGroup._rounds
+
+    def dying(self: parity.ParityGroup, region: Any, d: str, piece: int) -> dict[int, int]:
+        if d.endswith(step_dir(4)):
+            os._exit(9)
+        return coded(self, region, d, piece)
+
+    if rank == 3:
+        parity.ParityGroup._rounds = dying  # type: ignore[method-assign]
+    live = _state(0, rank)
+    state = {k: per_rank(v) for k, v in live.items()}
+    memory = MemoryOptions(path=Path(root) / f"shm{rank}", persist_every=100, keep_at_close=True)
+    ck = Checkpointer(state, local=Path(root) / f"node{rank}", memory=memory,
+                      replication=replace(_options(2, 2), timeout_s=20))  # fmt: skip
+    with tiercheck_said() as said:
+        for step in (1, 2, 3, 4):
+            for k, v in _state(step, rank).items():
+                live[k].copy_(v)
+            ck.save(step).wait()
+        ck.wait()
+    return {"said": said}
+
+
+def test_a_node_killed_while_coding_leaves_the_last_protected_step_whole(shm: Path) -> None:
+    """Node 3 dies while step 4's parity is coded; then nodes 0 and 3 are lost. Step 4 is in no
+    group's parity, step 3 still is: every node restores step 3 (the lost ones rebuild it), and the
+    rebuild never takes step 4's half-coded parity."""
+    shm.mkdir()
+    got = run_ranks(_save_and_die_while_coding, 4, str(shm), timeout=180, pg_timeout=60, check=False)
+    assert got[3].exitcode == 9 and all(out.ok for out in got[:3]), [out.error for out in got]
+    for out in got[:3]:
+        assert any("step 4" in m and "failed" in m for m in out.result["said"]), out.result["said"]
+    assert 4 in list_steps(LocalTier(_memory(shm, 1))).committed
+    assert not (_memory(shm, 1) / step_dir(4) / PARITY_RECORD).exists()
+    _lose(shm, 0, 3)
+    got = run_ranks(_node, 4, str(shm), "restore", 2, 2, timeout=240)
+    _restored(shm, 4, (0, 3), got)

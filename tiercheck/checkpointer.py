@@ -229,9 +229,9 @@ class Checkpointer:
             handle.timings["hook_blocked_s"] = handle.timings.get("hook_blocked_s", 0.0) + waited
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed, and a step restored from the memory tier is
-        persisted to the local directory and made whole again on the peers (their failure is logged);
-        raise the failure of the latest save."""
+        """Block until every save so far is committed (and its memory copies or parity on the peers are
+        over), and a step restored from the memory tier is persisted to the local directory and made
+        whole again on the peers (their failure is logged); raise the failure of the latest save."""
         if self._pipeline is not None and not self._pipeline.wait_idle(timeout):
             raise TimeoutError(f"saves still in flight after {timeout} s")
         if self._mem is not None:

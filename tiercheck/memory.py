@@ -46,7 +46,6 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.format.lineage import Lineage, lineage_id, memory_owner, owns_memory, read_lineage
-from tiercheck.format.manifest import CommitMarker
 from tiercheck.format.memory_steps import doubt, judge, record_memory, remote_doubt
 from tiercheck.format.paths import MEMORY_OWNER_FILE
 from tiercheck.format.steps import list_steps, read_marker
@@ -61,6 +60,7 @@ from tiercheck.state.memory_slots import MemorySlots
 from tiercheck.tiering.manager import TierManager
 from tiercheck.tiering.memory_peers import MemoryPeers
 from tiercheck.tiering.persisting import NOT_STARTED, Persisting
+from tiercheck.tiering.rebuild import vouched
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiering.whole_again import NOT_WHOLE, WholeAgain
@@ -90,8 +90,7 @@ class Memory:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
         self.slots.before_reuse = self._before_reuse
 
-    def held(self) -> int:
-        """Bytes of memory this rank's slots hold (``stats()``'s ``memory_held_bytes``)."""
+    def held(self) -> int:  # bytes of memory this rank's slots hold (stats()'s memory_held_bytes)
         return self.slots.held()
 
     def stats(self) -> dict[str, Any]:
@@ -122,8 +121,11 @@ class Memory:
                                   f"persisted to {where}; saving it again would overwrite it")  # fmt: skip
 
     def wait_persisted(self, timeout: float | None = None) -> None:
-        """Wait until the background persist of the step a restore read from memory has ended (the step
-        committed on the local directory, or the failure logged); ``TimeoutError`` after ``timeout`` s."""
+        """Wait until the memory's copies or parity of every save are over, and the background persist of
+        the step a restore read from memory has ended (committed locally, or the failure logged);
+        ``TimeoutError`` after ``timeout`` s."""
+        if self.peers is not None and not self.peers.replicator.wait(timeout):
+            raise TimeoutError(f"the memory tier's copies to peers still running after {timeout} s")
         if self._persisting is not None and not self._persisting.wait(timeout):
             raise TimeoutError(f"step {self._persisting.step} still being persisted after {timeout} s")
         if self._whole is not None and not self._whole.wait(timeout):
@@ -245,10 +247,13 @@ class Memory:
             self._rebuilt[step] = _save_of(self.slots.root, step)
 
     def _newest_elsewhere(self, name: str) -> int | None:
-        """The newest step every rank can get from the local and remote tiers (None: none)."""
+        """The newest step every rank can get from the local and remote tiers (None: none, or none whole
+        there: a replaced node's peers may hold steps it lacks, and the memory's step is then taken)."""
         local, remote = self.local_job.tier, self.local_job.remote
         choice = agree_on_step(self.local_job, name, requested=None, remote_steps=lambda: remote_steps(remote, local))
-        return drive(self.job.coord, choice).step
+        with contextlib.suppress(CheckpointNotFoundError):  # the same decision on every rank
+            return drive(self.job.coord, choice).step
+        return None
 
     def _restore_step(self, state: Mapping[str, Any], request: RestoreRequest, mem: int, name: str) -> Restored | None:
         """Restore memory step ``mem``; its damage, beyond its chunks' fallbacks, is raised."""
@@ -308,7 +313,7 @@ class Memory:
             lineage = self._lineage()
             trust = functools.partial(doubt, lineage=lineage, local=self.local_job.tier)
             if lineage is None and self._rebuilt:  # a replaced node: its group vouched for what it rebuilt
-                trust = functools.partial(_rebuilt_or, dict(self._rebuilt), trust)
+                trust = functools.partial(vouched, dict(self._rebuilt), trust)
         try:
             choice = agree_on_step(self.job, name, requested=requested, remote_steps=list, below=below,
                                    trust=trust, veto=self._veto,
@@ -331,8 +336,7 @@ class Memory:
         remote = self.local_job.remote
         return None if remote is None else remote_doubt(remote, step, _save_of(self.slots.root, step))
 
-    def _doubted(self) -> dict[int, str]:
-        """This node's committed memory steps that are not its lineage's, each with why."""
+    def _doubted(self) -> dict[int, str]:  # this node's memory steps not its lineage's, each with why
         return {s: why for s, _, why in judge(self.slots.root, self.local_job.tier) if why is not None}
 
     def after_restore(self, step: int, *, from_memory: bool, local: LocalSteps, tiers: TierManager) -> None:
@@ -491,10 +495,3 @@ def _held_none(step: int | None) -> str:
     if step is None:
         return "the memory tier held no step of this lineage whole on every node"
     return f"the memory tier does not hold step {step} of this lineage whole on every node"
-
-
-def _rebuilt_or(rebuilt: dict[int, str | None], trust: Callable[[int, CommitMarker], str | None], step: int,
-                marker: CommitMarker) -> str | None:  # fmt: skip
-    """A step this node rebuilt from its parity group (that save) is restorable: the group's nodes
-    offered it as their lineage's; any other is judged by ``trust``."""
-    return None if rebuilt.get(step) == marker.save_id else trust(step, marker)

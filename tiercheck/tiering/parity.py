@@ -129,8 +129,12 @@ class ParityGroup(Turns):
         except (TiercheckError, OSError) as e:
             log.warning("parity: step %d is not committed in this node's memory (%s): it is not protected", step, e)
             marker, files, hello = None, [], {"step": step, "save": None, "region": -1}
-        posts = [_post(raw, member) for member, raw in
-                 enumerate(self.group.allgather(json.dumps(hello).encode(), limit=MAX_POST_BYTES, what="a post"))]
+        posts = [
+            _post(raw, member)
+            for member, raw in enumerate(
+                self.group.allgather(json.dumps(hello).encode(), limit=MAX_POST_BYTES, what="a post")
+            )
+        ]
         if any(p != (step, hello["save"]) for p, _ in posts) or marker is None:
             log.warning("parity: step %d is not the same save committed on every node of the group %s: it is "
                         "not protected", step, self.nodes)  # fmt: skip

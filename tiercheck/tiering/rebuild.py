@@ -9,8 +9,8 @@ Every leader runs ``rebuild`` at the start of a restore from memory, on its grou
    with its record's SHA-256.
 2. Every leader makes the same choice from the posts (``choose``): the newest protected step that a
    member lacks, offered with one record by at least ``d`` members, none of them lacking it, and
-   lacked by at most ``m``. None: nothing to rebuild (every member holds the newest protected step),
-   or nothing that can be (said; the restore then finds its step elsewhere).
+   lacked by at most ``m``; where none can be, the newest a member lacks (its members then say why,
+   and the restore finds its step elsewhere). None: every member holds the newest protected step.
 3. Each offering member checks its files and parity of that step against the record (CRC32C, read
    back); one that fails is passed over. The lacking members get the record from the first
    offering one and check it against the digest the others posted.
@@ -71,16 +71,18 @@ class Choice:
 def choose(posts: Sequence[Offer], stripes: Stripes, requested: int | None = None) -> Choice | None:
     """The same answer on every member (see the module's docstring, step 2)."""
     keys = sorted({key for p in posts for key in p.protected}, reverse=True)
+    lacking: list[Choice] = []
     for step, save, digest in keys:
         if requested is not None and step != requested:
             continue
         lost = tuple(i for i, p in enumerate(posts) if step not in p.own)
         if not lost:
-            return None
+            break
         offering = tuple(i for i, p in enumerate(posts) if (step, save, digest) in p.protected)
+        lacking.append(Choice(step, save, digest, lost, offering))
         if len(offering) >= stripes.d and len(lost) <= stripes.m:
-            return Choice(step, save, digest, lost, offering)
-    return None
+            return lacking[-1]
+    return lacking[0] if lacking else None  # none can be: the newest, for the lacking members to say why
 
 
 def offer(group: ParityGroup, trust: Trust) -> tuple[Offer, dict[int, bytes]]:
@@ -283,3 +285,10 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
 def rebuilt_files(group: ParityGroup, step: int) -> list[tuple[str, int]]:
     """This node's files of ``step`` (for the log and tests)."""
     return step_files(group.tier, step)[1]
+
+
+def vouched(rebuilt: dict[int, str | None], trust: Trust, step: int, marker: CommitMarker) -> str | None:
+    """A step this node rebuilt from its parity group (that save) is restorable: the group's nodes
+    offered it as their lineage's (a replaced node's empty local directory names none). Any other
+    step is judged by ``trust``."""
+    return None if rebuilt.get(step) == marker.save_id else trust(step, marker)

@@ -96,10 +96,12 @@ class Turns:
                 step, fut, job = self._queue.pop(0)
                 self._current = step
             try:
-                fut.set_result(self._work(step) if job is None else job())
-            except BaseException as e:  # reported; this work never stops training
-                fut.set_result(False)
+                ok = self._work(step) if job is None else job()
+            except BaseException as e:  # reported (before its waiters wake); this work never stops training
                 log.warning("%s of step %d failed: %s", self.what, step, e)
+                ok = False
+            try:
+                fut.set_result(ok)
             finally:
                 with self._cond:
                     self._current = None
