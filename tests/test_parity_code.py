@@ -12,6 +12,7 @@ import pytest
 
 from tiercheck.errors import CorruptCheckpointError, InvalidArgumentError
 from tiercheck.format.parity import MAX_RECORD_BYTES, Member, ParityRecord, Stripes, decode, encode, group_of, groups
+from tiercheck.format.paths import MANIFEST_FILE, rank_files
 
 # ------------------------------------------------------------------------------------------- groups
 
@@ -147,7 +148,7 @@ def _record(n: int = 4, m: int = 2, piece: int = 1000) -> ParityRecord:
     s = Stripes(n, m)
     members = tuple(
         Member(node=10 + 3 * i, ranks=(2 * i, 2 * i + 1), world_size=2 * n,
-               files=((f"manifest-{i}.json", 100 + i, 7 * i), (f"arrays-{i}.bin", 700, 2**32 - 1 - i)),
+               files=((rank_files(2 * i)[0], 100 + i, 7 * i), (rank_files(2 * i + 1)[4], 700, 2**32 - 1 - i)),
                parity=tuple((stripe, 1000 + stripe) for stripe, _ in s.parity_of(i)), commit=f'{{"step": 5, "i": {i}}}')
         for i in range(n)
     )  # fmt: skip
@@ -206,12 +207,15 @@ def _with(path: tuple[Any, ...], value: object) -> dict[str, Any]:
         (("members", 1, "ranks"), [2, 8], r"members\[1\]: field 'ranks' is damaged \(rank 8 of 8\)"),
         (("members", 1, "ranks"), [], r"members\[1\]: field 'ranks' is damaged"),
         (("members", 1, "ranks"), 2, r"members\[1\]: field 'ranks' is damaged"),
-        (("members", 1, "files", 0, 0), "a/b", r"members\[1\]: field 'files' is damaged .*not a plain name"),
-        (("members", 1, "files", 0, 0), "..", r"members\[1\]: field 'files' is damaged .*not a plain name"),
-        (("members", 1, "files", 0, 0), ".hidden", r"members\[1\]: field 'files' is damaged .*not a plain name"),
-        (("members", 1, "files", 0, 0), "a\\b", r"members\[1\]: field 'files' is damaged .*not a plain name"),
-        (("members", 1, "files", 0, 0), "", r"members\[1\]: field 'files' is damaged .*not a plain name"),
-        (("members", 1, "files", 0, 0), "x" * 256, r"members\[1\]: field 'files' is damaged .*not a plain name"),
+        (("members", 1, "files", 0, 0), "a/b", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), "..", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), "../manifest.json", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), ".hidden", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), "/etc/passwd", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), "", r"members\[1\]: field 'files' is damaged .*not its ranks'"),
+        (("members", 1, "files", 0, 0), rank_files(0)[0], r"members\[1\]: field 'files' .*not its ranks'"),
+        (("members", 1, "files", 0, 0), rank_files(3)[4], r"members\[1\]: field 'files' .*names one twice"),
+        (("members", 1, "files", 0, 0), 7, r"members\[1\]: field 'files' is damaged .*not \[name, size, crc32c\]"),
         (("members", 1, "files", 0, 1), 2**62, r"members\[1\]: field 'files' is damaged .*below 2\*\*62"),
         (("members", 1, "files", 0, 1), 2**80, r"members\[1\]: field 'files' is damaged .*below 2\*\*62"),
         (("members", 1, "files", 0, 2), 2**32, r"members\[1\]: field 'files' is damaged .*CRC32C"),
@@ -261,7 +265,7 @@ def test_a_record_inconsistent_across_members_is_refused() -> None:
     doc["members"][3]["parity"] = doc["members"][3]["parity"][:1]  # one of its two
     _refused(doc, r"members\[3\] names parity of stripes it does not hold")
     doc = _doc()
-    doc["members"][0]["files"].append(["pack-0.bin", 2 * 1000 - 800 + 1, 0])  # region 2,001 > d x piece = 2,000
+    doc["members"][0]["files"].append([MANIFEST_FILE, 2 * 1000 - 800 + 1, 0])  # region 2,001 > d x piece = 2,000
     _refused(doc, r"g/PARITY.json: members\[0\]'s files exceed its 2 pieces")
     doc["members"][0]["files"][-1][1] -= 1  # exactly d x piece: fits
     assert ParityRecord.from_bytes(json.dumps(doc).encode(), where="x").members[0].region == 2000
