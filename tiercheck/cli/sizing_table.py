@@ -1,7 +1,6 @@
 """``tiercheck plan``: its options, and the table it prints. The arithmetic is ``cli.sizing``,
 imported when the command runs."""
 
-
 from __future__ import annotations
 
 import json
@@ -99,6 +98,13 @@ _PRECISION = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
     help="Other nodes holding a copy of each node's memory and disk checkpoints: a node loss is recovered from them.",
 )
 @click.option(
+    "--parity",
+    metavar="DATA,PARITY",
+    default=None,
+    help="Reed-Solomon parity over groups of DATA + PARITY nodes in place of whole copies (ParityOptions): RAM and "
+    "network per node per step against --replicas copies (or PARITY copies), and the node losses each survives.",
+)
+@click.option(
     "--tmpfs-gb",
     type=float,
     default=None,
@@ -190,6 +196,8 @@ def plan_command(ctx: Context, **kw: Any) -> None:
             table.update(_multilevel(spec, tiers or sizing.DEFAULT_TIERS, kw))
         if kw["link_gbps"] is not None:
             table["replace"] = _replace(spec, kw)
+        if kw["parity"] is not None or kw["replicas"] > 0:
+            table["protection"] = _protection(spec, kw)
         if kw["as_json"]:
             click.echo(json.dumps(table, indent=2))
             return
@@ -198,6 +206,40 @@ def plan_command(ctx: Context, **kw: Any) -> None:
             _print_multilevel(table)
         if "replace" in table:
             _print_replace(table["replace"])
+        if "protection" in table:
+            _print_protection(table["protection"])
+
+
+def _protection(spec: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """What copies and parity cost a node per step, and the losses each survives (``cli.protection``)."""
+    from tiercheck.cli import protection, sizing
+
+    z = sizing.size(spec)
+    parity = None if kw["parity"] is None else protection.parse_parity(kw["parity"])
+    snapshot = z.per_rank_bytes * min(spec.gpus_per_node, z.ranks)
+    return protection.protection(snapshot_bytes=snapshot, slots=kw["slots"], nodes=z.nodes, replicas=kw["replicas"],
+                                 parity=parity, link_gbps=kw["link_gbps"])  # fmt: skip
+
+
+def _print_protection(p: dict[str, Any]) -> None:
+    snap = human(p["snapshot_bytes"])
+    out.print(f"peers' protection of the memory tier, per node ({p['slots']} slots x {snap} snapshot):", markup=False)
+    columns: dict[str, list[str]] = {
+        "scheme": [r["scheme"] for r in p["rows"]],
+        "RAM": [f"{human(r['ram_bytes'])} ({p['slots']} + {r['extra_snapshots']:.2f} x)" for r in p["rows"]],
+        "RAM peak": [human(r["peak_ram_bytes"]) for r in p["rows"]],
+        "sent/step": [human(r["sent_bytes"]) for r in p["rows"]],
+        "received/step": [human(r["received_bytes"]) for r in p["rows"]],
+        "survives": [r["survives"] for r in p["rows"]],
+    }
+    if p["link_gbps"] is not None:
+        columns[f"send at {p['link_gbps']:g} Gb/s"] = [_dur(r["send_s"]) for r in p["rows"]]
+    table = Table(box=None, pad_edge=False)
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("scheme", "survives") else "right")
+    for cells in zip(*columns.values(), strict=True):
+        table.add_row(*cells)
+    out.print(table)
 
 
 def _replace(spec: Any, kw: dict[str, Any]) -> dict[str, Any]:

@@ -215,7 +215,7 @@ class ParityRecord:
             m = positive_int(doc["m"])
             Stripes(len(parsed), m)
             field = "piece"
-            piece = positive_int(doc["piece"])
+            piece = positive_int(file_offset(doc["piece"]))  # bounded: a rebuild allocates pieces of it
             field = "step"
             step = nonneg_int(doc["step"])
             field = "save_id"
