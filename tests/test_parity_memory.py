@@ -87,6 +87,8 @@ def _restored(root: Path, world: int, lost: tuple[int, ...], got: list[dict[str,
         stats = out["stats"]
         assert stats["restore_from_memory"] == 1, (rank, stats)
         assert stats["memory_rebuilt_step"] == (step if rank in lost else None), (rank, stats)
+        assert stats["memory_protected_step"] == step, (rank, stats)  # its group whole again: parity included
+        assert any(f"parity: step {step} is protected again" in m for m in out["said"]), out["said"]
     save = read_marker(LocalTier(_memory(root, next(r for r in range(world) if r not in lost))), step).save_id
     for rank in lost:
         assert any(f"parity: step {step} rebuilt in this node's memory" in m for m in got[rank]["said"])
@@ -198,7 +200,7 @@ def test_a_node_killed_while_coding_leaves_the_last_protected_step_whole(shm: Pa
     got = run_ranks(_save_and_die_while_coding, 4, str(shm), timeout=180, pg_timeout=60, check=False)
     assert got[3].exitcode == 9 and all(out.ok for out in got[:3]), [out.error for out in got]
     for out in got[:3]:
-        assert any("step 4" in m and "failed" in m for m in out.result["said"]), out.result["said"]
+        assert any("failed while coding step 4" in m for m in out.result["said"]), out.result["said"]
     assert 4 in list_steps(LocalTier(_memory(shm, 1))).committed
     assert not (_memory(shm, 1) / step_dir(4) / PARITY_RECORD).exists()
     _lose(shm, 0, 3)

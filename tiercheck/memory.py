@@ -58,9 +58,9 @@ from tiercheck.save.vote import commit_job
 from tiercheck.state.memory_pool import MemoryTier
 from tiercheck.state.memory_slots import MemorySlots
 from tiercheck.tiering.manager import TierManager
-from tiercheck.tiering.memory_peers import MemoryPeers
+from tiercheck.tiering.memory_peers import NO_PARITY, MemoryPeers
 from tiercheck.tiering.persisting import NOT_STARTED, Persisting
-from tiercheck.tiering.rebuild import vouched
+from tiercheck.tiering.rebuild import Rebuild, vouched
 from tiercheck.tiering.retention import LocalSteps
 from tiercheck.tiering.transfer import copy_step
 from tiercheck.tiering.whole_again import NOT_WHOLE, WholeAgain
@@ -86,6 +86,7 @@ class Memory:
         self._persisting: Persisting | None = None  # the step the last restore persists in the background
         self._whole: WholeAgain | None = None  # the last restore's step made whole again on every node
         self._rebuilt: dict[int, str | None] = {}  # steps this run rebuilt from parity: their saves
+        self._pending: Rebuild | None = None  # the last restore's rebuild in this node's group: its parity next
         if replication is not None and job.nodes.count > 1:
             self.peers = MemoryPeers(self.slots.root, replication, coord=job.coord, nodes=job.nodes)
         self.slots.before_reuse = self._before_reuse
@@ -99,10 +100,9 @@ class Memory:
         on a node's leader, where making that step whole again on every node stands (``tiering.whole_again``)."""
         persisting = NOT_STARTED if self._persisting is None else self._persisting.stats()
         whole = NOT_WHOLE if self._whole is None else self._whole.stats()
-        parity = None if self.peers is None else self.peers.parity_held()
+        parity = NO_PARITY if self.peers is None else self.peers.parity_stats()
         rebuilt = max(self._rebuilt, default=None)
-        return {"memory_held_bytes": self.held(), "memory_parity_held_bytes": parity, "memory_rebuilt_step": rebuilt,
-                **persisting, **whole}  # fmt: skip
+        return {"memory_held_bytes": self.held(), **parity, "memory_rebuilt_step": rebuilt, **persisting, **whole}
 
     def _before_reuse(self, step: int) -> None:
         """Before a save stages into the slot of memory step ``step``: its copies (to the local
@@ -242,9 +242,9 @@ class Memory:
         if self.peers is None or not self.peers.parity:
             return
         trust = functools.partial(doubt, lineage=self._lineage(), local=self.local_job.tier)
-        step = self.peers.rebuild(trust, self._own_lineage, requested)
-        if step is not None:
-            self._rebuilt[step] = _save_of(self.slots.root, step)
+        self._pending = self.peers.rebuild(trust, self._own_lineage, requested)
+        if self._pending is not None and self._pending.here:
+            self._rebuilt[self._pending.step] = _save_of(self.slots.root, self._pending.step)
 
     def _newest_elsewhere(self, name: str) -> int | None:
         """The newest step every rank can get from the local and remote tiers (None: none, or none whole
@@ -344,8 +344,8 @@ class Memory:
         A step restored from memory that the local tier lacks is persisted there (this node's
         ranks' files) and drained by policy, in the background (``tiering.persisting``): it is
         committed in memory, and the restart does not wait for a copy that can run beside training."""
-        # Its copies made whole again (tiering.whole_again); parity was made whole before (tiering.rebuild).
-        whole = from_memory and self.peers is not None and not self.peers.parity
+        # Its copies made whole again (tiering.whole_again), or its group's parity (tiering.rebuild).
+        whole = from_memory and self.peers is not None
         if not self.leader:
             if whole:
                 assert self.peers is not None
@@ -363,14 +363,16 @@ class Memory:
                 log.info("withdrawing step %d from the memory tier: %s", s, doubted[s])
                 self.slots.withdraw(s)
         rebuilt: Future[bool] | None = None  # this node's own files back in its memory (a replaced node)
-        if whole and not self._holds_own(step):
+        if whole and not self.peers.parity and not self._holds_own(step):  # type: ignore[union-attr]
             rebuilt = Future()
         if from_memory and (rebuilt is not None or step not in list_steps(self.local_job.tier).committed):
             log.info("persisting step %d from the memory tier to %s in the background%s", step,
                      self.local_job.tier.url, "" if rebuilt is None else ", once its peers gave it back")  # fmt: skip
             copy = functools.partial(self._persist_said, step, local=local, tiers=tiers, rebuilt=rebuilt)
             self._persisting = Persisting(step, copy)
-        if whole:
+        if whole and self.peers.parity:  # type: ignore[union-attr]
+            self.peers.reprotect(step, self._pending)  # type: ignore[union-attr]
+        elif whole:
             assert self.peers is not None
             self._whole = self.peers.whole_again(step, rebuilt, self._persisting, owner=self._own_lineage,
                                                  where=self.local_job.tier.url)  # fmt: skip

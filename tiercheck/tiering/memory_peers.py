@@ -24,6 +24,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from tiercheck.cluster.coordination import Coordinator
 from tiercheck.cluster.keys.tiering import copies_done_key, copies_seen_key
@@ -31,11 +32,12 @@ from tiercheck.cluster.nodes import Nodes
 from tiercheck.options import ReplicationOptions
 from tiercheck.tiering.parity import ParityGroup
 from tiercheck.tiering.persisting import Persisting
-from tiercheck.tiering.rebuild import Trust, rebuild
+from tiercheck.tiering.rebuild import Rebuild, Trust, rebuild
 from tiercheck.tiering.replication import Replicator
 from tiercheck.tiering.whole_again import MakeWhole, WholeAgain
 from tiercheck.tiers.local import LocalTier
 
+NO_PARITY: dict[str, Any] = {"memory_parity_held_bytes": None, "memory_protected_step": None}
 NAME = "memory-replicate"  # the store keys' scope: apart from the local tier's replication
 
 
@@ -110,15 +112,15 @@ class MemoryPeers:
         self.make_whole(step, job, done)
         return state
 
-    def rebuild(self, trust: Trust, owner: Callable[[str | None], None], requested: int | None) -> int | None:
+    def rebuild(self, trust: Trust, owner: Callable[[str | None], None], requested: int | None) -> Rebuild | None:
         """With parity: this node's memory step rebuilt from its group where it lacks one its group
-        protected (``tiering.rebuild``; every leader calls it at a restore, and waits for it). Returns
-        the step rebuilt here (None: none; also on ranks other than the leader)."""
+        protected (``tiering.rebuild``; every leader calls it at a restore, and waits for it). None:
+        no rebuild in this node's group (and on ranks other than the leader)."""
         group = self.replicator
         if not self.leader or not isinstance(group, ParityGroup):
             return None
         done: Future[bool] = Future()
-        out: list[int | None] = [None]
+        out: list[Rebuild | None] = [None]
 
         def job() -> bool:
             out[0] = rebuild(group, trust, owner, requested)
@@ -128,10 +130,20 @@ class MemoryPeers:
         done.result()
         return out[0]
 
-    def parity_held(self) -> int | None:
-        """Bytes of parity this node's memory holds (its leader's; None without parity)."""
+    def reprotect(self, step: int, pending: Rebuild | None) -> None:
+        """After a restore of ``step`` from memory, with parity (every rank of the node calls it): the
+        leader runs the rebuilt members' parity (``pending``, where this node's group rebuilt
+        ``step``) in its turn on the group's thread, the slot of ``step`` kept until it is over."""
+        job = pending.parity if pending is not None and pending.step == step else (lambda: True)
+        self.make_whole(step, job if self.leader else None, Future())
+
+    def parity_stats(self) -> dict[str, Any]:
+        """``stats()``'s parity entries: the bytes of parity this node's memory holds and the newest
+        step its group protected this run (its leader's; None on other ranks and without parity)."""
         group = self.replicator
-        return group.held_bytes() if isinstance(group, ParityGroup) else None
+        if not isinstance(group, ParityGroup) or not self.leader:
+            return NO_PARITY
+        return {"memory_parity_held_bytes": group.held_bytes(), "memory_protected_step": group.protected}
 
     def _copied(self, step: int, _: Future[bool]) -> None:
         """Copied, failed (reported by the replicator), or not one ``ReplicationOptions.every`` selects."""

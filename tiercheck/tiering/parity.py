@@ -81,6 +81,7 @@ class ParityGroup(Turns):
         self.me = self.nodes.index(nodes.number)
         self.stripes = Stripes(len(self.nodes), self.code.parity)
         self.protected: int | None = None  # the newest step this node's group protected (this run)
+        self.broken: str | None = None  # the group's gloo group failed (a member died): no more coding
         self.status: dict[str, Any] = {
             "parity": f"{self.stripes.d}+{self.stripes.m}",
             "group": list(self.nodes),
@@ -104,11 +105,17 @@ class ParityGroup(Turns):
 
     def _work(self, step: int) -> bool:
         start = time.monotonic()
+        if self.broken is not None:  # said once; every step after it is unprotected until a restart
+            self.status["failed"] += 1
+            return False
         try:
             ok = self._code(step)
         except BaseException as e:
             self.status["failed"] += 1
-            self.status["last_error"] = f"step {step}: {type(e).__name__}: {e}"
+            self.status["last_error"] = self.broken = f"step {step}: {type(e).__name__}: {e}"
+            log.warning("parity: the group of nodes %s failed while coding step %d; no later step is "
+                        "protected until the job restarts (those before stay as they are): %s", self.nodes, step,
+                        e)  # fmt: skip
             raise
         self.status["last_coding_s"] = time.monotonic() - start
         if ok:

@@ -14,13 +14,17 @@ Every leader runs ``rebuild`` at the start of a restore from memory, on its grou
 3. Each offering member checks its files and parity of that step against the record (CRC32C, read
    back); one that fails is passed over. The lacking members get the record from the first
    offering one and check it against the digest the others posted.
-4. In rounds, for each stripe holding a lacking member's shard, the first ``d`` checked shards are
-   sent to it; it decodes its shard (data or parity) and writes it to its memory step.
-5. The rebuilt node checks each file and parity piece against the record's CRC32C and the manifest
-   against its commit marker, writes the record and then its commit marker (the one it committed,
-   naming its ranks), and checks every chunk (``format.verify``); a step that fails is withdrawn.
-   Its group is whole again: its data and parity are back. The restore persists the step to its
-   local directory in the background (``memory.Memory.after_restore``).
+4. In rounds, for each stripe holding a lacking member's data piece, the first ``d`` checked shards
+   are sent to it; it decodes its piece and writes it to its memory step.
+5. The rebuilt node checks each file against the record's CRC32C and its manifest against its
+   commit marker, writes its commit marker (the one it committed, naming its ranks) last, and checks
+   every chunk (``format.verify``); a step that fails is withdrawn. Then the restore chooses its step,
+   and this node restores from its own memory like the others.
+6. After the restore, in the background (``Rebuild.parity``, in turn on every member of the group),
+   the rebuilt nodes' parity pieces come back the same way, each checked against the record, and each
+   writes the record again: the group protects the step again (``stats()``'s
+   ``memory_protected_step``). The restore persists the step to the node's local directory beside it
+   (``memory.Memory.after_restore``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from tiercheck.format.parity import MAX_RECORD_BYTES, PARITY_RECORD, ParityRecor
 from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_marker, read_small
 from tiercheck.format.verify import verify_step
-from tiercheck.tiering.parity import ParityGroup, chunk_bytes, step_files
+from tiercheck.tiering.parity import ParityGroup, chunk_bytes
 from tiercheck.tiering.parity_wire import Region, file_crc
 
 log = logging.getLogger("tiercheck")
@@ -128,10 +132,22 @@ def _parse_offer(raw: bytes, member: int) -> Offer:
     return Offer(own, protected)
 
 
+@dataclass
+class Rebuild:
+    """A rebuild this member takes part in: ``step``, and whether this node rebuilt its files of it
+    (``here``). ``parity()``, run later on the group's thread in turn on every member (after the
+    restore: ``Memory.after_restore``), rebuilds the lost members' parity pieces, and the group
+    protects the step again."""
+
+    step: int
+    here: bool
+    parity: Callable[[], bool]
+
+
 def rebuild(group: ParityGroup, trust: Trust, owner: Callable[[str | None], None],
-            requested: int | None = None) -> int | None:  # fmt: skip
-    """Run on ``group``'s thread by every leader (see the module's docstring). Returns the step this
-    node rebuilt (None: none)."""
+            requested: int | None = None) -> Rebuild | None:  # fmt: skip
+    """Run on ``group``'s thread by every leader (see the module's docstring): the lost members' data
+    pieces back, their files committed. None: no rebuild was needed, or none can be (said)."""
     assert group.group is not None
     mine, records = offer(group, trust)
     doc = {"own": sorted(mine.own), "protected": [list(p) for p in mine.protected]}
@@ -157,17 +173,53 @@ def rebuild(group: ParityGroup, trust: Trust, owner: Callable[[str | None], None
         raise CorruptCheckpointError(f"parity: step {choice.step}: the record sent is not the one its holders posted")
     record = ParityRecord.from_bytes(raw, where=f"step {choice.step}: the group's parity record")
     t0 = time.monotonic()
-    _transfer(group, record, choice, checked)
+    _transfer(group, record, choice.lost, checked, parity=False)
     done = _commit(group, record, owner) if lost else False
     flags = group.group.allgather(b"1" if done else b"0", limit=1, what="a rebuild's result")
+    rebuilt = tuple(i for i in choice.lost if flags[i] == b"1")
     if lost and done:
         log.info("parity: step %d rebuilt in this node's memory from its group %s in %.2f s", choice.step,
                  group.nodes, time.monotonic() - t0)  # fmt: skip
     elif not lost:
-        whole = all(flags[i] == b"1" for i in choice.lost)
-        log.info("parity: step %d %s on node(s) %s", choice.step, "rebuilt" if whole else "not rebuilt",
-                 [group.nodes[i] for i in choice.lost])  # fmt: skip
-    return choice.step if lost and done else None
+        log.info("parity: step %d rebuilt on node(s) %s, not on %s", choice.step, [group.nodes[i] for i in rebuilt],
+                 [group.nodes[i] for i in choice.lost if i not in rebuilt])  # fmt: skip
+
+    def parity() -> bool:
+        return _reprotect(group, record, rebuilt, checked)
+
+    return Rebuild(choice.step, lost and done, parity)
+
+
+def _reprotect(group: ParityGroup, record: ParityRecord, rebuilt: tuple[int, ...], checked: tuple[int, ...]) -> bool:
+    """The rebuilt members' parity pieces back, checked, and their record written: the step is
+    protected again (every member calls it in turn)."""
+    assert group.group is not None
+    if not rebuilt:
+        return False
+    t0, step, d = time.monotonic(), record.step, step_dir(record.step)
+    _transfer(group, record, rebuilt, checked, parity=True)
+    ok = True
+    if group.me in rebuilt:
+        member = record.members[group.me]
+        size = group.options.piece_bytes
+        bad = [parity_file(s) for s, crc in member.parity
+               if file_crc(group.tier, f"{d}/{parity_file(s)}", record.piece, size) != crc]  # fmt: skip
+        ok = not bad and group.tier.exists(f"{d}/{COMMIT_FILE}")
+        if ok:
+            group.tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
+        else:
+            why = f"CRC32C mismatch in {', '.join(bad)}" if bad else "the step was withdrawn meanwhile"
+            log.error("parity: step %d: this node's rebuilt parity is not kept: %s", step, why)
+    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a parity rebuild's result")
+    whole = all(flags[i] == b"1" for i in rebuilt)
+    if whole:
+        group.protected = max(group.protected or step, step)
+        log.info("parity: step %d is protected again: its group %s is whole (parity rebuilt in %.2f s)", step,
+                 group.nodes, time.monotonic() - t0)  # fmt: skip
+    else:
+        log.warning("parity: step %d: the parity of node(s) %s is not rebuilt: the step is not protected", step,
+                    [group.nodes[i] for i in rebuilt])  # fmt: skip
+    return whole
 
 
 def _checked(group: ParityGroup, step: int, raw: bytes) -> bool:
@@ -187,26 +239,29 @@ def _checked(group: ParityGroup, step: int, raw: bytes) -> bool:
     return True
 
 
-def _transfer(group: ParityGroup, record: ParityRecord, choice: Choice, checked: tuple[int, ...]) -> None:
-    """The rounds of step 4: sources send their shards' slices, lacking members decode theirs."""
+def _transfer(group: ParityGroup, record: ParityRecord, lost_members: tuple[int, ...], checked: tuple[int, ...],
+              *, parity: bool) -> None:  # fmt: skip
+    """The rounds of step 4: sources send their shards' slices, lacking members decode theirs (their
+    data pieces, or with ``parity`` their parity pieces)."""
     assert group.group is not None
-    st, me, piece, d = record.stripes, group.me, record.piece, step_dir(choice.step)
-    lost = set(choice.lost)
+    st, me, piece, d = record.stripes, group.me, record.piece, step_dir(record.step)
+    lost = set(lost_members)
     member = record.members[me]
     region = Region(group.tier, d, [(n, s) for n, s, _ in member.files])
     plan = []  # (stripe, source positions, lacking positions)
     for stripe in range(st.n):
-        lacking = [j for j in range(st.n) if st.holder(stripe, j) in lost]
+        lacking = [j for j in range(st.n) if st.holder(stripe, j) in lost and (j >= st.d) == parity]
         if lacking:
             plan.append((stripe, [j for j in range(st.n) if st.holder(stripe, j) in checked][: st.d], lacking))
     chunk = chunk_bytes(group.options, st, piece)
     bufs: dict[tuple[int, int], torch.Tensor] = {}
     writers = {}
-    if me in lost:
+    if me in lost and parity:
+        writers = {s: group.tier.open_pack(f"{d}/{parity_file(s)}") for s, _ in st.parity_of(me)}
+    elif me in lost:
         group.tier.delete(f"{d}/{COMMIT_FILE}")
         group.tier.delete(f"{d}/{PARITY_RECORD}")
         region.open()
-        writers = {s: group.tier.open_pack(f"{d}/{parity_file(s)}") for s, _ in st.parity_of(me)}
     try:
         for offset in range(0, piece, chunk):
             n = min(chunk, piece - offset)
@@ -224,18 +279,20 @@ def _transfer(group: ParityGroup, record: ParityRecord, choice: Choice, checked:
             for w in works:
                 w.wait()
             if me in lost:
-                for stripe, sources, _ in plan:
+                for stripe, sources, lacking in plan:
                     j = st.position(stripe, me)
+                    if j not in lacking:
+                        continue
                     out = decode(st, {k: bufs[stripe, k][:n].numpy() for k in sources}, [j])[j]
                     if j < st.d:
                         region.write(j * piece + offset, memoryview(out))
                     else:
                         writers[stripe].write_at(offset, [out])
     finally:
-        if me in lost:
+        if me in lost and not parity:
             region.close()
-            for w in writers.values():
-                w.close()
+        for w in writers.values():
+            w.close()
 
 
 def _read_shard(group: ParityGroup, region: Region, d: str, piece: int, stripe: int, j: int, offset: int,
@@ -250,7 +307,7 @@ def _read_shard(group: ParityGroup, region: Region, d: str, piece: int, stripe: 
 
 
 def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | None], None]) -> bool:
-    """Step 5 on the rebuilt node: check, write the record and the commit marker, verify."""
+    """Step 5 on the rebuilt node: check its files, write its commit marker, verify."""
     tier, step, d = group.tier, record.step, step_dir(record.step)
     member = record.members[group.me]
     where = f"{tier.url}: step {step} rebuilt from its parity group"
@@ -259,8 +316,6 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
         marker = CommitMarker.from_bytes(member.commit.encode(), where=where)
         crcs = {name: file_crc(tier, f"{d}/{name}", size, group.options.piece_bytes) for name, size, _ in member.files}
         bad = [name for name, _, crc in member.files if crcs[name] != crc]
-        bad += [parity_file(s) for s, crc in member.parity
-                if file_crc(tier, f"{d}/{parity_file(s)}", record.piece, group.options.piece_bytes) != crc]  # fmt: skip
         if bad:
             problem = f"CRC32C mismatch in {', '.join(bad)}"
         elif marker.step != step or marker.save_id != record.save_id or tuple(marker.ranks) != member.ranks:
@@ -269,7 +324,6 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
         problem = str(e)
     if problem is None:
         tier.sync_dirs(d)
-        tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
         owner(marker.lineage)
         tier.publish(f"{d}/{COMMIT_FILE}", marker.to_bytes())
         problems = verify_step(tier, step, threads=2)
@@ -280,11 +334,6 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
         tier.delete_tree(d)
         return False
     return True
-
-
-def rebuilt_files(group: ParityGroup, step: int) -> list[tuple[str, int]]:
-    """This node's files of ``step`` (for the log and tests)."""
-    return step_files(group.tier, step)[1]
 
 
 def vouched(rebuilt: dict[int, str | None], trust: Trust, step: int, marker: CommitMarker) -> str | None:
