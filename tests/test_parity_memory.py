@@ -206,3 +206,23 @@ def test_a_node_killed_while_coding_leaves_the_last_protected_step_whole(shm: Pa
     _lose(shm, 0, 3)
     got = run_ranks(_node, 4, str(shm), "restore", 2, 2, timeout=240)
     _restored(shm, 4, (0, 3), got)
+
+
+def test_a_node_holds_the_parity_of_its_newest_protected_step_only(four_nodes: Path) -> None:
+    """After steps 1 to 3: each node's memory holds parity of step 3 alone, ``m`` pieces of the
+    record's piece size (``m / d`` of its snapshot, rounded up), each matching the record's CRC32C."""
+    from tiercheck.format.codec import checksum
+    from tiercheck.format.parity import ParityRecord
+
+    saved = four_nodes / "saved"
+    for rank in range(4):
+        (memory,) = [p.parent for p in (saved / f"shm{rank}").glob("*/OWNER")]  # named by the job's local directory
+        files = sorted(p.relative_to(memory) for p in memory.glob("step-*/parity-*.bin"))
+        record = ParityRecord.from_bytes((memory / step_dir(3) / PARITY_RECORD).read_bytes(), where="test")
+        me = record.members[record.index(rank)]
+        assert files == sorted(Path(step_dir(3)) / parity_file(s) for s, _ in me.parity)
+        assert record.piece == -(-max(m.region for m in record.members) // 2)
+        for stripe, crc in me.parity:
+            data = (memory / step_dir(3) / parity_file(stripe)).read_bytes()
+            assert len(data) == record.piece and checksum(data) == crc
+        assert not list(memory.glob(f"step-*/{PARITY_RECORD}"))[1:], "one record: step 3's"
