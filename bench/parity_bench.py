@@ -336,7 +336,8 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         "lost_restore_wall_s": max(r["restore_wall_s"] for r in lost),
         "others_restore_s": max(r["restore_s"] for r in got if r["rank"] not in run["lost"]),
         "lost_restore_vs_gloo": h.ratio(restore, zero["gloo_s"]),
-        "restored_steps": sorted({r["step"] for r in got}),
+        "restored_steps": sorted({r["step"] for r in got}, key=str),
+        "restored_newest": all(r["step"] == run["steps"] for r in got),
         "all_from_memory": all(r["from_memory"] == 1 for r in got),
         "all_bit_identical": all(r["bit_identical"] for r in got),
     }  # fmt: skip
@@ -465,10 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report["table"])
     if args.json:
         h.log(f"wrote {h.write_json(args.json, report)} in {report['wall_s']:.0f} s")
-    failed = [k for k, j in report["jobs"].items() if "error" in j or not j["summary"]["all_bit_identical"]]
+    failed = [k for k, j in report["jobs"].items()
+              if "error" in j or not (j["summary"]["all_bit_identical"] and j["summary"]["restored_newest"])]  # fmt: skip
     for k in failed:
         j = report["jobs"][k]
-        print(f"{k}: {j.get('error') or 'not bit-identical'}\n{j.get('traceback', '')}", file=sys.stderr)
+        why = j.get("error") or "a restore not bit-identical, or not of the newest step"
+        print(f"{k}: {why}\n{j.get('traceback', '')}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -34,7 +34,7 @@ def test_parity_bench_on_nodes_restores_bit_identically_and_reports_every_ratio(
         assert all(r["bit_identical"] is True and r["from_memory"] == 1 for r in job["restored"])
         assert [len(s["saves"]) for s in job["saved"]] == [2] * 6
         s = job["summary"]
-        assert s["all_bit_identical"] is True and s["all_from_memory"] is True
+        assert s["all_bit_identical"] is True and s["all_from_memory"] is True and s["restored_newest"] is True
         assert s["state_bytes"] == 1 << 20
         for key in ("protect_s", "memcpy_crc_alone_s", "memcpy_crc_together_s", "gloo_s", "lost_restore_s"):
             assert s[key] > 0, key
