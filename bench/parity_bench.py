@@ -20,7 +20,8 @@ span is the time to protect it. Then each node walks its memory directory (its t
 counted once by inode: the slots and the committed steps' packs are hard links) and sums the slots, the
 parity pieces and the rest (peers' copies, manifests, markers). Beside them, in the same run: memcpy +
 CRC32C of a node's bytes on one rank while the others wait, and on every rank at once (the 6 nodes share
-this machine's cores as their coding does), and gloo send/recv of those bytes between two ranks.
+this machine's cores as their coding does), the same for zfec's encode of a node's share of the coding and
+decode of a lost node's share of the rebuild (``_zfec``), and gloo send/recv of those bytes between two ranks.
 
 Then the job closes (its newest step persisted to each local directory), loses nodes and restarts:
 ``parity`` loses nodes 0 and 1 (tmpfs and local directory emptied), ``replicas`` loses node 1; every node's
