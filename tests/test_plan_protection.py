@@ -21,7 +21,7 @@ def test_parity_costs_m_over_d_of_a_snapshot_in_ram_and_m_snapshots_of_network_a
                      link_gbps=400)  # fmt: skip
     copies, parity = got["rows"]
     assert copies["scheme"] == "copies (replicas=2)" and copies["survives"] == "any 2 node(s) lost"
-    assert (copies["ram_bytes"], copies["peak_ram_bytes"]) == (40 * GiB, 40 * GiB)
+    assert (copies["ram_bytes"], copies["peak_ram_bytes"]) == (60 * GiB, 60 * GiB)  # 2 slots x (1 + 2 copies)
     assert (copies["sent_bytes"], copies["received_bytes"]) == (20 * GiB, 20 * GiB)
     assert (
         parity["scheme"] == "parity 4+2 (groups of 6 nodes)"
@@ -71,7 +71,8 @@ def test_plan_prints_copies_against_parity_per_node() -> None:
     snapshot = 8 * 3_062_500_000
     assert got["snapshot_bytes"] == snapshot and got["nodes"] == 4 and got["slots"] == 2
     copies, parity = got["rows"]
-    assert copies["ram_bytes"] == 3 * snapshot and parity["ram_bytes"] == 3 * snapshot  # 4 nodes: 2/(4-2) = 1x
+    assert copies["ram_bytes"] == 4 * snapshot  # 2 slots x (1 + 1 copy)
+    assert parity["ram_bytes"] == 3 * snapshot  # 4 nodes: 2/(4-2) = 1x
     assert parity["sent_bytes"] == 2 * snapshot and parity["peak_ram_bytes"] == 4 * snapshot
     text = run(*args).stdout
     assert "peers' protection of the memory tier, per node (2 slots x 22.8 GiB snapshot):" in text

@@ -4,7 +4,8 @@ the node losses each survives.
 
 For a node whose memory-tier snapshot (all its ranks' files of a step) is ``S`` bytes, with ``slots`` slots:
 
-- **copies** (``replicas = r``): RAM ``(slots + r) x S`` (its slots and ``r`` peers' newest step); per step it
+- **copies** (``replicas = r``): RAM ``slots x (1 + r) x S`` (its slots, and ``r`` peers' copies of each step its
+  slots hold: a copy lives in its step's directory and goes with it; ``bench/parity_bench.py``); per step it
   sends its files to ``r`` peers and receives ``r`` peers' files, ``r x S`` each way; any ``r`` nodes lost at
   once leave a copy of every node's files.
 - **parity** (``k`` data + ``m`` parity, a group of ``n`` nodes, ``d = n - m`` data pieces a stripe: ``k`` where
@@ -48,7 +49,8 @@ def protection(
     copies = replicas or (parity.parity if parity is not None else 0)
     if copies:
         rows.append({
-            "scheme": f"copies (replicas={copies})", "extra_snapshots": float(copies), "peak_snapshots": float(copies),
+            "scheme": f"copies (replicas={copies})", "extra_snapshots": float(slots * copies),
+            "peak_snapshots": float(slots * copies),
             "sent_bytes": copies * snapshot_bytes, "received_bytes": copies * snapshot_bytes,
             "survives": f"any {copies} node(s) lost",
         })  # fmt: skip
