@@ -143,9 +143,9 @@ def _memcpy_crc(nbytes: int) -> float:
 def _zfec(nbytes: int, what: str) -> float:
     """zfec's work, as ``format.parity`` calls it, in the rounds ``tiering.parity`` and ``tiering.rebuild`` cut
     (``chunk_bytes`` of each piece a round): "encode", a node's share of a save's coding (its ``m`` parity
-    pieces, each from ``d`` data slices); "decode", a lost node's share of its rebuild with node 1 lost too (its
-    shard of every stripe: ``d`` data pieces and ``m`` parity pieces, each from the first ``d`` shards the others
-    hold). Best of 2 (seconds)."""
+    pieces, each from ``d`` data slices); "decode", a lost node's share of its rebuild before the restore, with
+    node 1 lost too (its ``d`` data pieces, each from the first ``d`` shards the others hold of its stripe; its
+    parity pieces come back after the restore). Best of 2 (seconds)."""
     import numpy as np
 
     from tiercheck.format.parity import Stripes, decode, encode
@@ -165,9 +165,9 @@ def _zfec(nbytes: int, what: str) -> float:
                 for _ in range(st.m):
                     encode(st, [b[:n] for b in shards[: st.d]], [0])
                 continue
-            for stripe in range(st.n):
-                have = [j for j in range(st.n) if st.holder(stripe, j) not in (0, 1)][: st.d]
-                decode(st, {j: shards[j][:n] for j in have}, [st.position(stripe, 0)])
+            for stripe, j in st.data_of(0):
+                have = [k for k in range(st.n) if st.holder(stripe, k) not in (0, 1)][: st.d]
+                decode(st, {k: shards[k][:n] for k in have}, [j])
 
     return _best(rounds, 2)
 
@@ -266,6 +266,8 @@ def _restore(rank: int, kind: str, root: str, shm: str, tensors: list[Any], stat
     dist.barrier()
     t_open = time.perf_counter()
     with _checkpointer(rank, kind, root, shm, state) as ck:
+        t_opened = time.perf_counter()
+        dist.barrier()  # the restore timed from when every node has opened its Checkpointer (they start unevenly)
         t0 = time.perf_counter()
         step = ck.restore()
         wall = time.perf_counter() - t0
@@ -274,7 +276,7 @@ def _restore(rank: int, kind: str, root: str, shm: str, tensors: list[Any], stat
         t1 = time.perf_counter()
         ck.wait()  # the background work after it (persist, copies made again)
         t2 = time.perf_counter()
-    timings = {"open_s": t0 - t_open, "background_s": t2 - t1, "close_s": time.perf_counter() - t2}
+    timings = {"open_s": t_opened - t_open, "background_s": t2 - t1, "close_s": time.perf_counter() - t2}
     logger.removeHandler(said)
     rebuilt = [float(m.group(2)) for m in map(REBUILT.search, said.messages) if m]
     return {"rank": rank, "state_bytes": nbytes, "step": step, "digest": digest, "restore_wall_s": wall, **timings,
@@ -350,8 +352,9 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             out[f"protect_vs_{name}_together"] = h.ratio(protect, out[f"{name}_together_s"])
     if run["kind"] == "parity":
         rebuild = max(r["rebuild_s"] or 0.0 for r in lost)
-        # A lost node receives its shard's d sources in each of the n stripes: n x S over gloo, and decodes them.
-        floor = out["decode_alone_s"] + (DATA + PARITY) * zero["gloo_s"]
+        # Before the restore a lost node receives d sources for each of its d data pieces (S/d each): d x S over
+        # gloo, and decodes them (its parity pieces come back after the restore).
+        floor = out["decode_alone_s"] + DATA * zero["gloo_s"]
         out |= {"lost_rebuild_s": rebuild, "rebuild_floor_s": floor, "rebuild_vs_floor": h.ratio(rebuild, floor),
                 "lost_restore_vs_floor": h.ratio(restore, floor),
                 "rebuilt_as_expected": all((r["rebuilt_step"] is not None) == (r["rank"] in run["lost"]) for r in got)}  # fmt: skip
@@ -425,7 +428,7 @@ def render(report: dict[str, Any]) -> str:
             f"{p['encode_alone_s']:.3f} s alone, {p['encode_together_s']:.3f} s 6 at once)",
             f"- a lost node's restore, 2 nodes rebuilt from parity / 1 node from a peer's copy: "
             f"{h.fmt(c['rebuild_vs_replica_restore'])}x (target <= 2x); rebuild / its floor (zfec decode of a lost "
-            f"node's shards alone, {p['decode_alone_s']:.3f} s, + {DATA + PARITY} x gloo send/recv of S, "
+            f"node's data pieces alone, {p['decode_alone_s']:.3f} s, + {DATA} x gloo send/recv of S, "
             f"{p['rebuild_floor_s']:.3f} s in all): {h.fmt(p['rebuild_vs_floor'])}x",
             f"- every restore bit-identical: {c['all_bit_identical']}",
         ]
