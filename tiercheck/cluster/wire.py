@@ -216,7 +216,7 @@ class RankSet(AbstractSet[int]):
         return self._hashed
 
     @classmethod
-    def _from_iterable(cls, ranks: Iterable[int]) -> RankSet:
+    def _from_iterable(cls, ranks: Iterable[int]) -> RankSet:  # type: ignore[override]  # of ranks only
         """What ``collections.abc.Set``'s operators (``&``, ``|``, ``-``) make of their ranks."""
         return cls.of(ranks)
 
