@@ -14,6 +14,7 @@ the simulated stage for their commit. Method and columns: bench/README.md (Scale
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -227,11 +228,14 @@ def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dic
         in_group(sim, True)
         protocols = [restore_plan(sim, r, choices[r]) for r in group]
         cpu: dict[int, float] = {}  # with --replace, each rank's own CPU seconds (the replacement's are too)
+        heap: Any = contextlib.nullcontext()
         if getattr(args, "replace", 0):
-            from scale_replace import cpu_timed
+            from scale_replace import cpu_timed, own_heap
 
             protocols = [cpu_timed(r, p, cpu) for r, p in zip(group, protocols, strict=True)]
-        restored, restore = sim.run(group, protocols)
+            heap = own_heap()
+        with heap:
+            restored, restore = sim.run(group, protocols)
         in_group(sim, False)
         read = {r: CountingTier.reads.get(r, 0) + sim.coords[r].counters["store_bytes_in"] - start_in[r] for r in group}
         keys_left = sim.store.num_keys()
