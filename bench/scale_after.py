@@ -14,6 +14,7 @@ the simulated stage for their commit. Method and columns: bench/README.md (Scale
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -225,7 +226,16 @@ def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dic
         CountingTier.reads.clear()
         start_in = {r: sim.coords[r].counters["store_bytes_in"] for r in group}
         in_group(sim, True)
-        restored, restore = sim.run(group, [restore_plan(sim, r, choices[r]) for r in group])
+        protocols = [restore_plan(sim, r, choices[r]) for r in group]
+        cpu: dict[int, float] = {}  # with --replace, each rank's own CPU seconds (the replacement's are too)
+        heap: Any = contextlib.nullcontext()
+        if getattr(args, "replace", 0):
+            from scale_replace import cpu_timed, own_heap
+
+            protocols = [cpu_timed(r, p, cpu) for r, p in zip(group, protocols, strict=True)]
+            heap = own_heap()
+        with heap:
+            restored, restore = sim.run(group, protocols)
         in_group(sim, False)
         read = {r: CountingTier.reads.get(r, 0) + sim.coords[r].counters["store_bytes_in"] - start_in[r] for r in group}
         keys_left = sim.store.num_keys()
@@ -233,7 +243,7 @@ def simulate_after(descs: list[list[LeafDesc]], args: argparse.Namespace) -> dic
         if getattr(args, "replace", 0):  # a node replaced, its files in peers' memory (bench/scale_replace.py)
             from scale_replace import Baseline, simulate_replace
 
-            base = Baseline(dict(zip(group, restored, strict=True)), latest, restore, read)
+            base = Baseline(dict(zip(group, restored, strict=True)), latest, restore, read, cpu)
             replaced = simulate_replace(sim, base, replicas=args.replace)
     row = _row(sim, plans, plan, first, second, latest, restore, read, files=files, keys_left=keys_left,
                join_s=join_s)  # fmt: skip

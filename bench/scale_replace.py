@@ -15,9 +15,11 @@ replacement, in the same run. Method and columns: bench/README.md (Scale simulat
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ class Baseline:
     agree: Cost
     plan: Cost
     read: dict[int, int]  # manifest bytes read, from its node's directory and the store
+    cpu: dict[int, float]  # its own CPU seconds planning (``cpu_timed``)
 
 
 def replace_node(sim: Sim, node: int, replicas: int) -> list[int]:
@@ -89,13 +92,14 @@ def simulate_replace(sim: Sim, base: Baseline, *, replicas: int, node: int = 1) 
     start_in = {r: sim.coords[r].counters["store_bytes_in"] for r in group}
     in_group(sim, True)
     cpu: dict[int, float] = {}
-    planned, plan = sim.run(group, [_cpu_timed(r, restore_plan(sim, r, choices[r], "replace"), cpu) for r in group])
+    with own_heap():
+        planned, plan = sim.run(group, [cpu_timed(r, restore_plan(sim, r, choices[r], "replace"), cpu) for r in group])
     in_group(sim, False)
     read = {r: CountingTier.reads.get(r, 0) + sim.coords[r].counters["store_bytes_in"] - start_in[r] for r in group}
     plans = dict(zip(group, planned, strict=True))
     others = sorted(set(group) - set(replaced) - set(held))
     after = _Run(plans, agree, plan, read, cpu)
-    before = _Run(base.plans, base.agree, base.plan, base.read)
+    before = _Run(base.plans, base.agree, base.plan, base.read, base.cpu)
     return {
         "replicas": replicas,
         "replaced_node": node,
@@ -116,7 +120,20 @@ def simulate_replace(sim: Sim, base: Baseline, *, replicas: int, node: int = 1) 
     }
 
 
-def _cpu_timed(r: int, protocol: Any, cpu: dict[int, float]) -> Any:
+@contextmanager
+def own_heap() -> Iterator[None]:
+    """Within: the simulation's objects left out of Python's garbage collector (``gc.freeze``). The simulation
+    holds every rank's state in one process, and a collection walks it all: it would charge a rank planning
+    for the world's objects, which a real rank's process does not hold."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def cpu_timed(r: int, protocol: Any, cpu: dict[int, float]) -> Any:
     """``protocol``, its own steps' CPU seconds (``time.thread_time``) put in ``cpu[r]``: unlike the clock's
     seconds (``perf_counter``), they do not count the time this process waited for a core on a busy machine."""
     spent, value, first = 0.0, None, True
@@ -140,7 +157,7 @@ class _Run:
     agree: Cost
     plan: Cost
     read: Mapping[int, int]
-    cpu: Mapping[int, float] | None = None  # its own steps' CPU seconds (``_cpu_timed``)
+    cpu: Mapping[int, float] | None = None  # its own steps' CPU seconds (``cpu_timed``)
 
     def sends(self, r: int) -> int:
         return sum(t.src == r for t in self.plans[r].transfers)
@@ -186,6 +203,8 @@ def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
                 return f"{fmt(a[key])} / {fmt(b[key])}"
 
             cpu = "-" if a.get("plan_cpu_s_max") is None else f"{a['plan_cpu_s_max']:.3f}"
+            if a.get("plan_cpu_s_max") is not None and b.get("plan_cpu_s_max") is not None:
+                cpu = pair("plan_cpu_s_max", lambda v: f"{v:.3f}")
             out.append([where, f"{name} ({a['ranks']:,})", pair("plan_s_max", lambda v: f"{v:.3f}"), cpu,
                         pair("store_bytes_max", fmt_bytes), pair("store_ops_max"),
                         pair("manifest_read_bytes_max", fmt_bytes), pair("chunk_read_bytes_max", fmt_bytes),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tracemalloc
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,28 @@ def test_a_holder_claim_is_one_entry_and_comes_back_as_it_was_sent(claim: Holder
 def test_route_work_comes_back_as_it_was_sent() -> None:
     raw = dumps(WORK.to_json())
     assert RouteWork.from_json(loads(raw.encode(), where="k"), where="k", world=1024) == WORK
+
+
+def test_a_route_messages_sets_stay_runs_that_a_rank_asks_without_expanding() -> None:
+    # A chunk needed by 2**20 ranks: each needer learns its part from the sets' runs, in a few bytes of memory;
+    # only the main source, sending to them, walks the needers.
+    world = 1 << 21
+    chunk = ["model/w", [1, 0], 3, 17, 0, [0, False, 1], [[1, False, 2, 2]]]
+    doc = {"sets": ["0/2x1048576", "0", "2"], "chunks": [chunk], "records": [W.to_json()]}
+    tracemalloc.start()
+    try:
+        ((route, tag),) = RouteWork.from_json(doc, where="k", world=world).routes
+        needers = route.needers
+        told = (len(needers), 2 in needers, 3 in needers, route.source_of(4).rank, route.source_of(2).rank)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert isinstance(route.needers, RankSet) and route.needers == frozenset(range(0, world, 2))
+    assert told == (1 << 20, True, False, 0, 1) and tag == 17
+    main, node = route.sources
+    assert route.sends(node) == [(2, True)]
+    assert route.sends(main) == [(d, False) for d in range(4, world, 2)]
 
 
 def test_the_wire_is_what_the_plan_always_sent() -> None:

@@ -105,6 +105,22 @@ def test_a_run_of_2_to_the_40_ranks_is_refused_before_any_is_expanded(text: str)
     assert peak < 1 << 20
 
 
+@pytest.mark.parametrize("members", SETS, ids=lambda m: str(len(m)))
+def test_a_set_of_ranks_is_a_set_equal_to_the_frozenset_of_its_ranks(members: list[int]) -> None:
+    got, plain = RankSet.parse(RankSet.of(members).text(), where="k", field="s", world=131072), frozenset(members)
+    assert got == plain and plain == got and hash(got) == hash(plain) and {got: 1}[plain] == 1
+    assert [r in got for r in range(-1, 300)] == [r in plain for r in range(-1, 300)]
+    assert got - {5} == plain - {5} and isinstance(got - {5}, RankSet) and (got <= plain) and not (got < plain)
+    assert (got == RankSet.of([*members, 131071])) is False and got != [*members]
+
+
+def test_sets_of_the_same_ranks_in_different_runs_are_equal() -> None:
+    listed = RankSet.parse("0,1", where="k", field="s", world=4)  # a run of two blocks of one, not one of two
+    pair = RankSet.of([0, 1])
+    assert listed.runs != pair.runs and listed == pair and hash(listed) == hash(pair)
+    assert listed != RankSet.of([0, 2]) and RankSet() == frozenset() and not RankSet()
+
+
 def test_a_set_read_from_a_message_holds_at_most_the_world() -> None:
     got = RankSet.parse("0+8/128x1024", where="k", field="s", world=131072)
     assert len(got) == 8192 and max(got) == 131071 - 120

@@ -23,6 +23,7 @@ import math
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from tiercheck.cluster.wire import as_bool, as_fields, as_ranks, as_str
@@ -301,24 +302,28 @@ def needed_chunks(records: Mapping[str, ArrayRecord], needs: Mapping[int, Sequen
 class Source:
     """A rank reading a chunk from storage, and whom it sends it to: ``to``, the needers of its
     node (None for the chunk's main source: every needer no other source serves), ``shared`` those
-    of them on its host (the bytes pass through shared memory)."""
+    of them on its host (the bytes pass through shared memory). Sets of ranks: frozensets where
+    ``route_chunks`` makes them, ``cluster.wire.RankSet`` where a rank reads them from a message."""
 
     rank: int
     remote: bool  # from the remote tier (no restoring rank's node holds the file)
-    to: frozenset[int] | None
-    shared: frozenset[int]
+    to: AbstractSet[int] | None
+    shared: AbstractSet[int]
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     """How one needed chunk reaches every rank needing it: who reads it (the main source first),
     and the ranks needing it. Each rank works out its own part (``sends``, ``source_of``) from
-    the route alone, so a route is said once to every rank that needs the chunk."""
+    the route alone, so a route is said once to every rank that needs the chunk. A rank that only
+    receives asks its sets whether it is in them: with the sets of a message (``RankSet``), that
+    costs their runs, not their ranks (1,024 replicas need a chunk at 131,072 ranks); only the
+    main source walks the needers, sending to them."""
 
     path: str
     chunk: Chunk
     owner: int  # the saving rank that wrote it (its part holds the checksum)
-    needers: frozenset[int]
+    needers: AbstractSet[int]
     sources: tuple[Source, ...]
 
     def readers(self) -> frozenset[int]:
@@ -327,11 +332,13 @@ class Route:
     def sends(self, s: Source) -> list[tuple[int, bool]]:
         """The ranks source ``s`` sends the chunk to, and whether through shared memory."""
         if s.to is not None:
-            dsts: frozenset[int] | set[int] = s.to
+            dsts: AbstractSet[int] = s.to
         else:
-            dsts = set(self.needers) - self.readers()
+            rest = set(self.needers) - self.readers()
             for other in self.sources:
-                dsts -= other.to or frozenset()
+                if other.to is not None:
+                    rest.difference_update(other.to)
+            dsts = rest
         return [(d, d in s.shared) for d in sorted(dsts)]
 
     def source_of(self, rank: int) -> Source:

@@ -40,10 +40,13 @@ a type may end in a group of fields repeated any number of times (``Entry.REPEAT
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, fields
+from dataclasses import field as _field
 from functools import lru_cache
 from typing import Any, ClassVar, TypeVar
 
@@ -121,16 +124,24 @@ def as_dict(v: object, where: str, field: str) -> dict[str, object]:
 # -------------------------------------------------------------------------------- sets of ranks
 
 Run = tuple[int, int, int, int]  # start, length, stride, count
+_PAST = 1 << 63  # above any length: a bisection key that sorts after every run starting at a rank
 _RUN = re.compile(r"([0-9]{1,18})(?:\+([0-9]{1,18}))?(?:/([0-9]{1,18})x([0-9]{1,18}))?")
 
 
-@dataclass(frozen=True, slots=True)
-class RankSet:
+@dataclass(frozen=True, slots=True, eq=False)
+class RankSet(AbstractSet[int]):
     """A set of ranks as ascending runs (see the module docstring); made by ``of`` (or ``of_blocks``),
     read back by ``parse`` (``from_json``). ``of`` makes the same runs for the same ranks, and
-    ``parse`` gives back the runs ``text`` wrote, so equal sets made either way compare equal."""
+    ``parse`` gives back the runs ``text`` wrote.
+
+    It is a ``collections.abc.Set`` that is never expanded to be asked about: ``rank in s`` is a
+    binary search of its runs and arithmetic in one, ``len(s)`` a sum over its runs, so a rank told
+    of 1,024 replicas pays for their few runs, not for their ranks; only iterating (a rank sending
+    to every one of them) walks its ranks. It equals any set of the same ranks (a ``frozenset``
+    too), and hashes as one (computed once per set: a message's sets are parsed once, ``parse``)."""
 
     runs: tuple[Run, ...] = ()
+    _hashed: int | None = _field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, ranks: Iterable[int]) -> RankSet:
@@ -184,12 +195,30 @@ class RankSet:
     def __contains__(self, rank: object) -> bool:
         if not isinstance(rank, int):
             return False
-        for start, length, stride, count in self.runs:
-            if rank >= start:
-                k = min((rank - start) // stride, count - 1)
-                if rank < start + k * stride + length:
-                    return True
-        return False
+        i = bisect.bisect_right(self.runs, (rank, _PAST, 0, 0)) - 1  # the last run starting at or below it
+        if i < 0:
+            return False
+        start, length, stride, count = self.runs[i]
+        k = min((rank - start) // stride, count - 1)
+        return rank < start + k * stride + length
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankSet):
+            return self.runs == other.runs or (len(self) == len(other) and list(self.blocks()) == list(other.blocks()))
+        if isinstance(other, AbstractSet):
+            return len(self) == len(other) and all(r in other for r in self)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hashed is None:
+            object.__setattr__(self, "_hashed", hash(frozenset(self)))  # as the frozenset of its ranks
+        assert self._hashed is not None
+        return self._hashed
+
+    @classmethod
+    def _from_iterable(cls, ranks: Iterable[int]) -> RankSet:  # type: ignore[override]  # of ranks only
+        """What ``collections.abc.Set``'s operators (``&``, ``|``, ``-``) make of their ranks."""
+        return cls.of(ranks)
 
     @property
     def last(self) -> int:

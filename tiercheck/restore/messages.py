@@ -24,6 +24,7 @@ Rounds of a restore, and what each sends (``restore.plan``, ``restore.agree``, `
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from tiercheck.cluster.assign import Need, Route, Source
@@ -236,9 +237,9 @@ class RouteWork:
     records: tuple[ArrayShape, ...] = ()
 
     def to_json(self) -> dict[str, JSON]:
-        sets: dict[frozenset[int], int] = {}
+        sets: dict[AbstractSet[int], int] = {}  # a frozenset and a RankSet of the same ranks are one
 
-        def ref(ranks: frozenset[int]) -> int:
+        def ref(ranks: AbstractSet[int]) -> int:
             return sets.setdefault(ranks, len(sets))
 
         chunks: list[JSON] = []
@@ -262,12 +263,11 @@ class RouteWork:
             ArrayShape.from_json(x, where=where, field=f"records[{i}]") for i, x in _each(d, "records", where)
         )
         shapes = {r.path: r for r in records}
-        sets = [
-            frozenset(RankSet.from_json(x, where=where, field=f"sets[{i}]", world=world))
-            for i, x in _each(d, "sets", where)
-        ]
+        # Each set stays runs (``RankSet``): a needer asks whether it is in one, and only a source
+        # sending to them walks its ranks.
+        sets = [RankSet.from_json(x, where=where, field=f"sets[{i}]", world=world) for i, x in _each(d, "sets", where)]
 
-        def ranks(v: object, field: str) -> frozenset[int]:
+        def ranks(v: object, field: str) -> RankSet:
             i = _int(v, where, field)
             if not 0 <= i < len(sets):
                 raise _bad(where, field, f"one of the {len(sets)} sets", v)

@@ -50,7 +50,7 @@ from tiercheck.cluster.keys.save import (
     plan_scope,
     took_bucket,
 )
-from tiercheck.cluster.wire import RankSet, loads
+from tiercheck.cluster.wire import Run, loads
 from tiercheck.errors import CoordinationError, IncompatibleStateError
 from tiercheck.format.codec import chunk_nbytes
 from tiercheck.format.layout import Chunk, chunk_at
@@ -234,7 +234,7 @@ def _take_share(
     mine_offers: list[Offer] = []
     records: dict[str, ArrayRecord] = {}
     coords_of = sorted(by_coord)
-    groups: dict[RankSet, tuple[int, ...]] = {}  # one tuple per group of holders, shared
+    groups: dict[tuple[Run, ...], tuple[int, ...]] = {}  # one tuple per group of holders (by its runs), shared
     moved: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # and per group moved to my block
     keys = [offer_key(coord, name, c, digests[c]) for c in coords_of]
     docs = [loads(value, where=key) for key, value in zip(keys, coord.multi_get(keys), strict=True)]
@@ -249,9 +249,9 @@ def _take_share(
             nbytes = chunk_nbytes(rec)
             chunks = []
             for cc, group in array.chunks:
-                if group not in groups:
-                    groups[group] = tuple(group)
-                chunks.append((cc, groups[group]))
+                if group.runs not in groups:
+                    groups[group.runs] = tuple(group)
+                chunks.append((cc, groups[group.runs]))
             if array.shift is not None:
                 if c not in blocks:
                     raise CoordinationError(f"{key}: array {path!r} is offered as a block pattern, not posted as one")
