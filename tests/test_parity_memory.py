@@ -226,3 +226,13 @@ def test_a_node_holds_the_parity_of_its_newest_protected_step_only(four_nodes: P
             data = (memory / step_dir(3) / parity_file(stripe)).read_bytes()
             assert len(data) == record.piece and checksum(data) == crc
         assert not list(memory.glob(f"step-*/{PARITY_RECORD}"))[1:], "one record: step 3's"
+
+
+def test_parity_without_the_memory_tier_is_said_to_do_nothing(tmp_path: Path) -> None:
+    """Parity protects the memory tier's steps: a Checkpointer without ``memory=`` says so at start."""
+    state = {"w": torch.zeros(4)}
+    with tiercheck_said() as said, Checkpointer(state, local=tmp_path / "ck", replication=_options(4, 2)):
+        pass
+    assert said[1:] == ["ReplicationOptions.parity protects the memory tier's steps; without memory= it does "
+                        "nothing (the local tier keeps 1 whole copies)"]  # fmt: skip
+    assert said[0] == "replication is off: it needs two nodes or more, and this job has one"

@@ -141,6 +141,9 @@ class Checkpointer:
         self.remote = self._tiers.remote
         self._job = Job(coord=self._coord, nodes=self._nodes, tier=self.tier, remote=self.remote, group=self.group)
         self._mem = Memory(self._memory, self._job, replication) if self._memory else None
+        if replication is not None and replication.parity is not None and self._mem is None and self._coord.rank == 0:
+            log.warning("ReplicationOptions.parity protects the memory tier's steps; without memory= it does nothing "
+                        "(the local tier keeps %d whole copies)", replication.replicas)  # fmt: skip
         self._planner.align = RUN_ALIGN if self._mem else 1  # a slot stages the pack's image (Memory)
         self._owner = lineage.Owner(self._job, take_over=self.write.take_over, memory=self._mem is not None)
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step) if self.lazy else None
