@@ -236,3 +236,14 @@ def test_parity_without_the_memory_tier_is_said_to_do_nothing(tmp_path: Path) ->
     assert said[1:] == ["ReplicationOptions.parity protects the memory tier's steps; without memory= it does "
                         "nothing (the local tier keeps 1 whole copies)"]  # fmt: skip
     assert said[0] == "replication is off: it needs two nodes or more, and this job has one"
+
+
+def test_nodes_that_lost_only_their_memory_rebuild_it_and_restore_from_memory(four_nodes: Path) -> None:
+    """Nodes 1 and 2 lose their tmpfs (a reboot) but keep their local directories, whose lineage the
+    rebuilt step must match: they rebuild step 3 from the others and every node restores it from
+    memory, bit-identical."""
+    job = _fresh(four_nodes)
+    for rank in (1, 2):
+        shutil.rmtree(job / f"shm{rank}")
+    got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
+    _restored(job, 4, (1, 2), got)
