@@ -45,6 +45,11 @@ def parity_file(stripe: int) -> str:
     return f"parity-{stripe}.bin"
 
 
+def is_parity_file(name: str) -> bool:
+    """Whether ``name`` (in a memory step directory) is named as a parity piece (``parity_file``)."""
+    return name.startswith("parity-") and name.endswith(".bin")
+
+
 def groups(count: int, size: int, parity: int, jump: int = 1) -> list[list[int]]:
     """The coding groups of ``count`` nodes: ``size``-node groups (``data + parity``), each node's
     fellows ``jump`` apart where the count allows; the last group takes the rest. A job of fewer

@@ -37,7 +37,16 @@ from tiercheck.cluster.nodes import Nodes
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.codec import checksum
 from tiercheck.format.manifest import CommitMarker
-from tiercheck.format.parity import PARITY_RECORD, Member, ParityRecord, Stripes, encode, group_of, parity_file
+from tiercheck.format.parity import (
+    PARITY_RECORD,
+    Member,
+    ParityRecord,
+    Stripes,
+    encode,
+    group_of,
+    is_parity_file,
+    parity_file,
+)
 from tiercheck.format.paths import MANIFEST_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.options import ParityOptions, ReplicationOptions
@@ -148,19 +157,21 @@ class ParityGroup(Turns):
             return False
         piece = self.stripes.piece_bytes([size for _, size in posts])
         tier.delete(f"{d}/{PARITY_RECORD}")  # a step coded again counts only once its record is written again
-        crcs = self._rounds(Region(tier, d, files), d, piece)
-        parity = []
-        for stripe, _ in self.stripes.parity_of(self.me):
-            path = f"{d}/{parity_file(stripe)}"
-            ok = file_crc(tier, path, piece, self.options.piece_bytes) == crcs[stripe]
-            parity.append((stripe, crcs[stripe] if ok else -1))
         region = Region(tier, d, files)
-        mine = Member(node=self.number, ranks=tuple(marker.ranks), world_size=marker.world_size,
-                      files=tuple((n, s, c) for (n, s), c in zip(files, region.crcs(self.options.piece_bytes),
-                                                                   strict=True)),
-                      parity=tuple(parity), commit=marker.to_bytes().decode())  # fmt: skip
-        good = all(c >= 0 for _, c in parity)
-        part = json.dumps({"ok": good, "member": mine.to_json()}).encode()
+        crcs = self._rounds(region, d, piece)
+        size = self.options.piece_bytes
+        mine: Member | None = None
+        try:  # its parity read back against what it coded, and its files' CRC32Cs for the record
+            held = [s for s, _ in self.stripes.parity_of(self.me)]
+            bad = [s for s in held if file_crc(tier, f"{d}/{parity_file(s)}", piece, size) != crcs[s]]
+            if bad:
+                raise CorruptCheckpointError(f"{tier.url}: step {step}: parity of stripe(s) {bad} differs read back")
+            mine = Member(node=self.number, ranks=tuple(marker.ranks), world_size=marker.world_size,
+                          files=tuple((n, s, c) for (n, s), c in zip(files, region.crcs(size), strict=True)),
+                          parity=tuple((s, crcs[s]) for s in held), commit=marker.to_bytes().decode())  # fmt: skip
+        except (TiercheckError, OSError) as e:  # said; every member still reaches the exchange below
+            log.warning("parity: %s", e)
+        part = json.dumps({"ok": mine is not None, "member": mine and mine.to_json()}).encode()
         parts = [json.loads(raw) for raw in self.group.allgather(part, limit=MAX_PART_BYTES, what="a record part")]
         if not all(isinstance(p, dict) and p.get("ok") is True for p in parts):
             log.warning("parity: step %d: a node of the group %s could not code or check its parity: it is not "
@@ -219,7 +230,7 @@ class ParityGroup(Turns):
             try:
                 self.tier.delete(f"{d}/{PARITY_RECORD}")
                 for name in self.tier.list_dir(d):
-                    if name.startswith("parity-") and name.endswith(".bin"):
+                    if is_parity_file(name):
                         self.tier.delete(f"{d}/{name}")
             except OSError as e:  # withdrawn meanwhile: its directory went with its parity
                 log.debug("parity: step %d's parity: %s", older, e)
@@ -234,7 +245,7 @@ class ParityGroup(Turns):
                 sizes = self.tier.sizes(step_dir(step))
             except OSError:
                 continue
-            total += sum(s for n, s in sizes.items() if n.startswith("parity-") and n.endswith(".bin"))
+            total += sum(s for n, s in sizes.items() if is_parity_file(n))
         return total
 
 

@@ -204,10 +204,7 @@ def _reprotect(group: ParityGroup, record: ParityRecord, rebuilt: tuple[int, ...
     _transfer(group, record, rebuilt, checked, parity=True)
     ok = True
     if group.me in rebuilt:
-        member = record.members[group.me]
-        size = group.options.piece_bytes
-        bad = [parity_file(s) for s, crc in member.parity
-               if file_crc(group.tier, f"{d}/{parity_file(s)}", record.piece, size) != crc]  # fmt: skip
+        bad = _mismatches(group, record, files=False, parity=True)
         ok = not bad and group.tier.exists(f"{d}/{COMMIT_FILE}")
         if ok:
             group.tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
@@ -229,18 +226,28 @@ def _reprotect(group: ParityGroup, record: ParityRecord, rebuilt: tuple[int, ...
 def _checked(group: ParityGroup, step: int, raw: bytes) -> bool:
     """Whether this member's files and parity of ``step`` match its record (read back)."""
     record = ParityRecord.from_bytes(raw, where=f"step {step}: {PARITY_RECORD}")
-    member, d, size = record.members[group.me], step_dir(step), group.options.piece_bytes
-    try:
-        for name, length, crc in member.files:
+    bad = _mismatches(group, record, files=True, parity=True)
+    if bad:
+        log.warning("parity: %s: this node's copy is damaged, and is passed over in the rebuild: step %d: CRC32C "
+                    "differs from its parity record in %s", group.tier.url, step, ", ".join(bad))  # fmt: skip
+    return not bad
+
+
+def _mismatches(group: ParityGroup, record: ParityRecord, *, files: bool, parity: bool) -> list[str]:
+    """This member's files (``files``) and parity pieces (``parity``) of the record's step whose CRC32C,
+    read back, is not the record's; one that cannot be read is named with why. Never raises: every
+    member reaches the group's next exchange."""
+    member, d, size = record.members[group.me], step_dir(record.step), group.options.piece_bytes
+    wanted = list(member.files) if files else []
+    wanted += [(parity_file(s), record.piece, crc) for s, crc in member.parity] if parity else []
+    bad = []
+    for name, length, crc in wanted:
+        try:
             if file_crc(group.tier, f"{d}/{name}", length, size) != crc:
-                raise CorruptCheckpointError(f"{d}/{name}: CRC32C differs from its parity record")
-        for stripe, crc in member.parity:
-            if file_crc(group.tier, f"{d}/{parity_file(stripe)}", record.piece, size) != crc:
-                raise CorruptCheckpointError(f"{d}/{parity_file(stripe)}: CRC32C differs from its parity record")
-    except (TiercheckError, OSError) as e:
-        log.warning("parity: %s: this node's copy is damaged, and is passed over in the rebuild: %s", group.tier.url, e)
-        return False
-    return True
+                bad.append(name)
+        except (TiercheckError, OSError) as e:
+            bad.append(f"{name} ({e})")
+    return bad
 
 
 def _transfer(group: ParityGroup, record: ParityRecord, lost_members: tuple[int, ...], checked: tuple[int, ...],
@@ -318,8 +325,7 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
     problem = None
     try:
         marker = CommitMarker.from_bytes(member.commit.encode(), where=where)
-        crcs = {name: file_crc(tier, f"{d}/{name}", size, group.options.piece_bytes) for name, size, _ in member.files}
-        bad = [name for name, _, crc in member.files if crcs[name] != crc]
+        bad = _mismatches(group, record, files=True, parity=False)
         if bad:
             problem = f"CRC32C mismatch in {', '.join(bad)}"
         elif marker.step != step or marker.save_id != record.save_id or tuple(marker.ranks) != member.ranks:
