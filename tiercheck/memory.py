@@ -125,7 +125,7 @@ class Memory:
         the step a restore read from memory has ended (committed locally, or the failure logged);
         ``TimeoutError`` after ``timeout`` s."""
         if self.peers is not None and not self.peers.replicator.wait(timeout):
-            raise TimeoutError(f"the memory tier's copies to peers still running after {timeout} s")
+            raise TimeoutError(f"the memory tier's copies or parity on peers still running after {timeout} s")
         if self._persisting is not None and not self._persisting.wait(timeout):
             raise TimeoutError(f"step {self._persisting.step} still being persisted after {timeout} s")
         if self._whole is not None and not self._whole.wait(timeout):
@@ -345,11 +345,10 @@ class Memory:
         ranks' files) and drained by policy, in the background (``tiering.persisting``): it is
         committed in memory, and the restart does not wait for a copy that can run beside training."""
         # Its copies made whole again (tiering.whole_again), or its group's parity (tiering.rebuild).
-        whole = from_memory and self.peers is not None
+        peers = self.peers if from_memory else None
         if not self.leader:
-            if whole:
-                assert self.peers is not None
-                self.peers.make_whole(step, None, Future())
+            if peers is not None:
+                peers.make_whole(step, None, Future())
             return
         if self.peers is not None:
             self.peers.wait()  # a copy to or from a peer runs in the steps withdrawn next
@@ -363,18 +362,17 @@ class Memory:
                 log.info("withdrawing step %d from the memory tier: %s", s, doubted[s])
                 self.slots.withdraw(s)
         rebuilt: Future[bool] | None = None  # this node's own files back in its memory (a replaced node)
-        if whole and not self.peers.parity and not self._holds_own(step):  # type: ignore[union-attr]
+        if peers is not None and not peers.parity and not self._holds_own(step):
             rebuilt = Future()
         if from_memory and (rebuilt is not None or step not in list_steps(self.local_job.tier).committed):
             log.info("persisting step %d from the memory tier to %s in the background%s", step,
                      self.local_job.tier.url, "" if rebuilt is None else ", once its peers gave it back")  # fmt: skip
             copy = functools.partial(self._persist_said, step, local=local, tiers=tiers, rebuilt=rebuilt)
             self._persisting = Persisting(step, copy)
-        if whole and self.peers.parity:  # type: ignore[union-attr]
-            self.peers.reprotect(step, self._pending)  # type: ignore[union-attr]
-        elif whole:
-            assert self.peers is not None
-            self._whole = self.peers.whole_again(step, rebuilt, self._persisting, owner=self._own_lineage,
+        if peers is not None and peers.parity:
+            peers.reprotect(step, self._pending)
+        elif peers is not None:
+            self._whole = peers.whole_again(step, rebuilt, self._persisting, owner=self._own_lineage,
                                                  where=self.local_job.tier.url)  # fmt: skip
 
     def _holds_own(self, step: int) -> bool:
