@@ -22,7 +22,8 @@ from tests.distributed import run_ranks
 from tests.shm import private_shm
 from tests.test_memory_tier import _memory_dir
 from tiercheck import Checkpointer, MemoryOptions, ParityOptions, ReplicationOptions, per_rank
-from tiercheck.format.parity import PARITY_RECORD, parity_file
+from tiercheck.format.codec import checksum
+from tiercheck.format.parity import PARITY_RECORD, ParityRecord, parity_file
 from tiercheck.format.paths import step_dir
 from tiercheck.format.steps import list_steps, read_marker
 from tiercheck.format.verify import verify_step
@@ -145,20 +146,39 @@ def test_a_third_loss_is_said_and_the_restore_falls_back_to_the_local_directory(
                    "needed" in m for m in got[rank]["said"]), got[rank]["said"]  # fmt: skip
 
 
-def test_damaged_parity_is_passed_over_and_the_lost_node_rebuilds_from_the_others(four_nodes: Path) -> None:
-    """Node 0 lost; node 1's parity of step 3 damaged (a byte flipped): node 1 says so and is
-    passed over, node 0 rebuilds from nodes 2 and 3, and every node restores bit-identically."""
+@pytest.mark.parametrize(("stripe", "how"), [(3, "flipped"), (2, "flipped"), (3, "deleted")],
+                         ids=["used-by-the-rebuild", "not-used-by-the-rebuild", "unreadable"])  # fmt: skip
+def test_damaged_parity_is_passed_over_and_rebuilt(four_nodes: Path, stripe: int, how: str) -> None:
+    """Node 0 lost; node 1's parity piece of ``stripe`` of step 3 damaged (a byte flipped, or the file
+    deleted: node 1 sends zeros in its place and says so). Node 0's rebuild takes that piece for its
+    stripe 3 (the first rounds then give files unlike the record, the group checks its copies and node
+    0 is rebuilt again from the whole ones), not for stripe 2 (the group's check after the restore
+    finds it). Either way node 1 says so, every node restores bit-identically, and node 1's parity is
+    rebuilt: each piece matches the record again."""
     job = _fresh(four_nodes)
     _lose(job, 0)
-    damaged = sorted((_memory(job, 1) / step_dir(3)).glob(parity_file(0).replace("0", "*")))[0]
-    with damaged.open("r+b") as f:
-        f.seek(damaged.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    steps = _memory(job, 1) / step_dir(3)
+    damaged = steps / parity_file(stripe)
+    if how == "deleted":
+        damaged.unlink()
+    else:
+        with damaged.open("r+b") as f:
+            f.seek(damaged.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
     got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
     _restored(job, 4, (0,), got)
-    assert any("this node's copy is damaged, and is passed over in the rebuild" in m for m in got[1]["said"])
+    said = [m for m in got[1]["said"] if "this node's copy of step 3 is damaged" in m]
+    assert len(said) == 1 and parity_file(stripe) in said[0] and "its parity is rebuilt from its group" in said[0]
+    retried = [m for m in got[0]["said"] if "its group checks its copies, and it is rebuilt again" in m]
+    assert len(retried) == (1 if stripe == 3 else 0), got[0]["said"]
+    unread = [m for m in got[1]["said"] if f"shard of stripe {stripe} cannot be read, zeros are sent" in m]
+    assert len(unread) == (1 if how == "deleted" else 0), got[1]["said"]
+    record = ParityRecord.from_bytes((steps / PARITY_RECORD).read_bytes(), where="test")
+    assert [(s, checksum((steps / parity_file(s)).read_bytes())) for s, _ in record.members[1].parity] == list(
+        record.members[1].parity
+    )
 
 
 def _save_and_die_while_coding(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -11,20 +11,26 @@ Every leader runs ``rebuild`` at the start of a restore from memory, on its grou
    member lacks, offered with one record by at least ``d`` members, none of them lacking it, and
    lacked by at most ``m``; where none can be, the newest a member lacks (its members then say why,
    and the restore finds its step elsewhere). None: every member holds the newest protected step.
-3. Each offering member checks its files and parity of that step against the record (CRC32C, read
-   back); one that fails is passed over. The lacking members get the record from the first
-   offering one and check it against the digest the others posted.
-4. In rounds, for each stripe holding a lacking member's data piece, the first ``d`` checked shards
-   are sent to it; it decodes its piece and writes it to its memory step.
+3. The lacking members get the record from the first offering member and check it against the
+   digest the others posted.
+4. The rounds (``tiering.rebuild_rounds``) give each lacking member its data pieces from the
+   offering members' shards, as they are: each stripe decoded once, by one lacking member.
 5. The rebuilt node checks each file against the record's CRC32C and its manifest against its
    commit marker, writes its commit marker (the one it committed, naming its ranks) last, and checks
-   every chunk (``format.verify``); a step that fails is withdrawn. Then the restore chooses its step,
-   and this node restores from its own memory like the others.
-6. After the restore, in the background (``Rebuild.parity``, in turn on every member of the group),
-   the rebuilt nodes' parity pieces come back the same way, each checked against the record, and each
-   writes the record again: the group protects the step again (``stats()``'s
-   ``memory_protected_step``). The restore persists the step to the node's local directory beside it
-   (``memory.Memory.after_restore``).
+   every chunk (``format.verify``); a step that fails is withdrawn. Where one failed, every offering
+   member checks its copy against the record (``_verdicts``: read back), and the failed members are
+   rebuilt once more from the whole copies (``_attempts``). Then the restore chooses its step, and
+   this node restores from its own memory like the others.
+6. After the restore, in the background (``Rebuild.parity``, in turn on every member of the group):
+   the offering members check their copies (where step 5 did not), and the parity pieces of the
+   rebuilt members, and of members whose parity alone is damaged, come back the same way, each
+   checked against the record, which each writes again: the group protects the step again
+   (``stats()``'s ``memory_protected_step``). The restore persists the step to the node's local
+   directory beside it (``memory.Memory.after_restore``).
+
+The offering members' copies are not read back before the rounds, which would read every survivor's
+data and parity once more while the job waits: a damaged shard shows in the rebuilt node's checks,
+which the rebuild passes only with every file and chunk as recorded.
 """
 
 from __future__ import annotations
@@ -36,16 +42,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tiercheck.errors import CorruptCheckpointError, TiercheckError
 from tiercheck.format.manifest import CommitMarker
-from tiercheck.format.parity import MAX_RECORD_BYTES, PARITY_RECORD, ParityRecord, Stripes, decode, parity_file
+from tiercheck.format.parity import MAX_RECORD_BYTES, PARITY_RECORD, ParityRecord, Stripes, parity_file
 from tiercheck.format.paths import COMMIT_FILE, step_dir
 from tiercheck.format.steps import list_steps, read_marker, read_small
 from tiercheck.format.verify import verify_step
-from tiercheck.tiering.parity import ParityGroup, chunk_bytes
-from tiercheck.tiering.parity_wire import Region, file_crc
+from tiercheck.options import MiB
+from tiercheck.tiering.parity import ParityGroup
+from tiercheck.tiering.parity_wire import file_crc
+from tiercheck.tiering.rebuild_rounds import routes, transfer
 
 log = logging.getLogger("tiercheck")
 
@@ -158,79 +164,137 @@ def rebuild(group: ParityGroup, trust: Trust, owner: Callable[[str | None], None
     if choice is None:
         return None
     lost = group.me in choice.lost
-    ok = not lost and _checked(group, choice.step, records[choice.step]) if group.me in choice.offering else False
-    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a check")
-    checked = tuple(i for i in choice.offering if flags[i] == b"1")
-    first = checked[0] if checked else -1
-    raw = group.group.allgather(records[choice.step] if group.me == first else b"", limit=MAX_RECORD_BYTES,
-                                what="a parity record")[first] if checked else b""  # fmt: skip
-    if len(checked) < group.stripes.d:
+    if len(choice.offering) < group.stripes.d:
         if lost:
-            log.error("parity: step %d cannot be rebuilt on this node: %d of its group's nodes hold it checked, %d "
-                      "are needed; it is restored from another tier, or an older step", choice.step, len(checked),
-                      group.stripes.d)  # fmt: skip
+            _cannot(choice.step, len(choice.offering), group.stripes.d)
         return None
+    first = choice.offering[0]
+    raw = group.group.allgather(records[choice.step] if group.me == first else b"", limit=MAX_RECORD_BYTES,
+                                what="a parity record")[first]  # fmt: skip
     if hashlib.sha256(raw).hexdigest() != choice.digest:
         raise CorruptCheckpointError(f"parity: step {choice.step}: the record sent is not the one its holders posted")
     record = ParityRecord.from_bytes(raw, where=f"step {choice.step}: the group's parity record")
+    verdicts: dict[int, str] = {}
+
+    def recheck() -> tuple[int, ...]:
+        verdicts.update(_verdicts(group, record, choice.offering))
+        return tuple(i for i in choice.offering if verdicts[i] == WHOLE)
+
     t0 = time.monotonic()
-    _transfer(group, record, choice.lost, checked, parity=False)
-    t1 = time.monotonic()
-    done = _commit(group, record, owner) if lost else False
-    flags = group.group.allgather(b"1" if done else b"0", limit=1, what="a rebuild's result")
-    rebuilt = tuple(i for i in choice.lost if flags[i] == b"1")
-    if lost and done:
-        end = time.monotonic()
-        log.info("parity: step %d rebuilt in this node's memory from its group %s in %.2f s (offers and checks "
-                 "%.2f, transfer and decode %.2f, files checked and committed %.2f)", choice.step, group.nodes,
-                 end - start, t0 - start, t1 - t0, end - t1)  # fmt: skip
+    rebuilt, received = _attempts(group, record, choice.lost, choice.offering, parity=False, recheck=recheck,
+                                  finish=lambda last: _commit(group, record, owner, last=last))  # fmt: skip
+    if lost and group.me in rebuilt:
+        t1 = time.monotonic()
+        log.info("parity: step %d rebuilt in this node's memory from its group %s in %.2f s (offers %.2f, rounds, "
+                 "file checks and commit %.2f%s; %.1f MiB received)", choice.step, group.nodes, t1 - start,
+                 t0 - start, t1 - t0, ", the group's copies checked on the way" if verdicts else "",
+                 received / MiB)  # fmt: skip
     elif not lost:
         log.info("parity: step %d rebuilt on node(s) %s, not on %s", choice.step, [group.nodes[i] for i in rebuilt],
                  [group.nodes[i] for i in choice.lost if i not in rebuilt])  # fmt: skip
 
     def parity() -> bool:
-        return _reprotect(group, record, rebuilt, checked)
+        return _reprotect(group, record, choice.lost, rebuilt, choice.offering, verdicts)
 
-    return Rebuild(choice.step, lost and done, parity)
+    return Rebuild(choice.step, lost and group.me in rebuilt, parity)
 
 
-def _reprotect(group: ParityGroup, record: ParityRecord, rebuilt: tuple[int, ...], checked: tuple[int, ...]) -> bool:
-    """The rebuilt members' parity pieces back, checked, and their record written: the step is
-    protected again (every member calls it in turn)."""
+def _cannot(step: int, held: int, needed: int) -> None:
+    log.error("parity: step %d cannot be rebuilt on this node: %d of its group's nodes hold it checked, %d are "
+              "needed; it is restored from another tier, or an older step", step, held, needed)  # fmt: skip
+
+
+def _attempts(group: ParityGroup, record: ParityRecord, lacking: tuple[int, ...], sources: tuple[int, ...], *,
+              parity: bool, finish: Callable[[bool], bool],
+              recheck: Callable[[], tuple[int, ...]] | None) -> tuple[tuple[int, ...], int]:  # fmt: skip
+    """The rounds from ``sources`` to ``lacking`` (``rebuild_rounds``), then ``finish`` on each lacking
+    member (it checks what it got against the record: True, kept). With ``recheck``, the sources were
+    not checked first: where a lacking member's check failed, ``recheck`` has every source check its
+    copy and names the whole ones, and the rounds run once more from those to the members that
+    failed. Returns the lacking members that kept their pieces, and the bytes this member received."""
+    assert group.group is not None
+    me, d = group.me, group.stripes.d
+    received = transfer(group, record, lacking, sources, parity=parity)
+    ok = finish(recheck is None) if me in lacking else False
+    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a rebuild's result")
+    done = tuple(i for i in lacking if flags[i] == b"1")
+    failed = tuple(i for i in lacking if i not in done)
+    if not failed or recheck is None:
+        return done, received
+    whole = recheck()
+    if len(whole) < d:
+        if me in failed:
+            _cannot(record.step, len(whole), d)
+        return done, received
+    received += transfer(group, record, failed, whole, parity=parity)
+    ok = finish(True) if me in failed else False
+    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a rebuild's result")
+    return tuple(sorted(done + tuple(i for i in failed if flags[i] == b"1"))), received
+
+
+def _reprotect(group: ParityGroup, record: ParityRecord, lost: tuple[int, ...], rebuilt: tuple[int, ...],
+               offering: tuple[int, ...], verdicts: dict[int, str]) -> bool:  # fmt: skip
+    """After the restore, on every member in turn: the offering members' copies checked (where the
+    rebuild did not check them), then the parity pieces of the rebuilt members and of those whose
+    parity alone is damaged rebuilt from the others, checked, and the record written again: the step
+    is protected again where the group is whole (every lost member rebuilt, every piece checked)."""
     assert group.group is not None
     if not rebuilt:
         return False
-    t0, step, d = time.monotonic(), record.step, step_dir(record.step)
-    _transfer(group, record, rebuilt, checked, parity=True)
-    ok = True
-    if group.me in rebuilt:
-        bad = _mismatches(group, record, files=False, parity=True)
-        ok = not bad and group.tier.exists(f"{d}/{COMMIT_FILE}")
-        if ok:
-            group.tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
-        else:
-            why = f"CRC32C mismatch in {', '.join(bad)}" if bad else "the step was withdrawn meanwhile"
-            log.error("parity: step %d: this node's rebuilt parity is not kept: %s", step, why)
-    flags = group.group.allgather(b"1" if ok else b"0", limit=1, what="a parity rebuild's result")
-    whole = all(flags[i] == b"1" for i in rebuilt)
-    if whole:
+    t0, step = time.monotonic(), record.step
+    if not verdicts:
+        verdicts.update(_verdicts(group, record, offering))
+    repair = tuple(sorted(set(rebuilt) | {i for i in offering if verdicts[i] == PARITY_DAMAGED}))
+    sources = tuple(sorted(set(repair) | {i for i in offering if verdicts[i] == WHOLE}))
+    try:
+        routes(record.stripes, repair, sources, parity=True)
+    except CorruptCheckpointError as e:
+        log.warning("parity: step %d is not protected again: %s", step, e)
+        return False
+    done, _ = _attempts(group, record, repair, sources, parity=True, recheck=None,
+                        finish=lambda last: _parity_kept(group, record))  # fmt: skip
+    if set(repair) <= set(done) and set(lost) <= set(rebuilt):
         group.protected = max(group.protected or step, step)
-        log.info("parity: step %d is protected again: its group %s is whole (parity rebuilt in %.2f s)", step,
-                 group.nodes, time.monotonic() - t0)  # fmt: skip
-    else:
-        log.warning("parity: step %d: the parity of node(s) %s is not rebuilt: the step is not protected", step,
-                    [group.nodes[i] for i in rebuilt])  # fmt: skip
-    return whole
+        log.info("parity: step %d is protected again: its group %s is whole (parity of node(s) %s rebuilt in %.2f s)",
+                 step, group.nodes, [group.nodes[i] for i in repair], time.monotonic() - t0)  # fmt: skip
+        return True
+    log.warning("parity: step %d: node(s) %s are not rebuilt: the step is not protected", step,
+                [group.nodes[i] for i in sorted(set(repair + lost) - set(done))])  # fmt: skip
+    return False
 
 
-def _checked(group: ParityGroup, step: int, raw: bytes) -> bool:
-    """Whether this member's files and parity of ``step`` match its record (read back)."""
-    record = ParityRecord.from_bytes(raw, where=f"step {step}: {PARITY_RECORD}")
-    bad = _mismatches(group, record, files=True, parity=True)
-    if bad:
-        log.warning("parity: %s: this node's copy is damaged, and is passed over in the rebuild: step %d: CRC32C "
-                    "differs from its parity record in %s", group.tier.url, step, ", ".join(bad))  # fmt: skip
-    return not bad
+def _parity_kept(group: ParityGroup, record: ParityRecord) -> bool:
+    """On a member whose parity was rebuilt: its pieces read back against the record, and the record
+    written again."""
+    d = step_dir(record.step)
+    bad = _mismatches(group, record, files=False, parity=True)
+    if not bad and group.tier.exists(f"{d}/{COMMIT_FILE}"):
+        group.tier.publish(f"{d}/{PARITY_RECORD}", record.to_bytes())
+        return True
+    why = f"CRC32C mismatch in {', '.join(bad)}" if bad else "the step was withdrawn meanwhile"
+    log.error("parity: step %d: this node's rebuilt parity is not kept: %s", record.step, why)
+    return False
+
+
+WHOLE, PARITY_DAMAGED, DAMAGED = "1", "p", "0"
+
+
+def _verdicts(group: ParityGroup, record: ParityRecord, offering: tuple[int, ...]) -> dict[int, str]:
+    """Every offering member's copy of the step checked against the record (read back), each verdict
+    shared: ``WHOLE``, ``PARITY_DAMAGED`` (its files whole, a parity piece not), or ``DAMAGED``."""
+    assert group.group is not None
+    mine = DAMAGED
+    if group.me in offering:
+        bad_files = _mismatches(group, record, files=True, parity=False)
+        bad_parity = _mismatches(group, record, files=False, parity=True)
+        mine = PARITY_DAMAGED if bad_parity and not bad_files else WHOLE if not bad_parity else DAMAGED
+        if bad_files or bad_parity:
+            log.warning("parity: %s: this node's copy of step %d is damaged: CRC32C differs from its parity record "
+                        "in %s; %s", group.tier.url, record.step, ", ".join(bad_files + bad_parity),
+                        "its parity is rebuilt from its group" if mine == PARITY_DAMAGED
+                        else "it is passed over in the rebuild")  # fmt: skip
+    flags = group.group.allgather(mine.encode(), limit=1, what="a check")
+    return {i: flags[i].decode("ascii", "replace") for i in offering}
 
 
 def _mismatches(group: ParityGroup, record: ParityRecord, *, files: bool, parity: bool) -> list[str]:
@@ -250,75 +314,9 @@ def _mismatches(group: ParityGroup, record: ParityRecord, *, files: bool, parity
     return bad
 
 
-def _transfer(group: ParityGroup, record: ParityRecord, lost_members: tuple[int, ...], checked: tuple[int, ...],
-              *, parity: bool) -> None:  # fmt: skip
-    """The rounds of step 4: sources send their shards' slices, lacking members decode theirs (their
-    data pieces, or with ``parity`` their parity pieces)."""
-    assert group.group is not None
-    st, me, piece, d = record.stripes, group.me, record.piece, step_dir(record.step)
-    lost = set(lost_members)
-    member = record.members[me]
-    region = Region(group.tier, d, [(n, s) for n, s, _ in member.files])
-    plan = []  # (stripe, source positions, lacking positions)
-    for stripe in range(st.n):
-        lacking = [j for j in range(st.n) if st.holder(stripe, j) in lost and (j >= st.d) == parity]
-        if lacking:
-            plan.append((stripe, [j for j in range(st.n) if st.holder(stripe, j) in checked][: st.d], lacking))
-    chunk = chunk_bytes(group.options, st, piece)
-    bufs: dict[tuple[int, int], torch.Tensor] = {}
-    writers = {}
-    if me in lost and parity:
-        writers = {s: group.tier.open_pack(f"{d}/{parity_file(s)}") for s, _ in st.parity_of(me)}
-    elif me in lost:
-        group.tier.delete(f"{d}/{COMMIT_FILE}")
-        group.tier.delete(f"{d}/{PARITY_RECORD}")
-        region.open()
-    try:
-        for offset in range(0, piece, chunk):
-            n = min(chunk, piece - offset)
-            works = []
-            for stripe, sources, lacking in plan:
-                for j in sources:
-                    if st.holder(stripe, j) == me:
-                        t = bufs.setdefault((stripe, j), torch.empty(chunk, dtype=torch.uint8))[:n]
-                        _read_shard(group, region, d, piece, stripe, j, offset, t)
-                        for k in lacking:
-                            works.append(group.group.send(t, st.holder(stripe, k), stripe * st.n + j))
-                    elif me in lost and st.position(stripe, me) in lacking:
-                        t = bufs.setdefault((stripe, j), torch.empty(chunk, dtype=torch.uint8))[:n]
-                        works.append(group.group.recv(t, st.holder(stripe, j), stripe * st.n + j))
-            for w in works:
-                w.wait()
-            if me in lost:
-                for stripe, sources, lacking in plan:
-                    j = st.position(stripe, me)
-                    if j not in lacking:
-                        continue
-                    out = decode(st, {k: bufs[stripe, k][:n].numpy() for k in sources}, [j])[j]
-                    if j < st.d:
-                        region.write(j * piece + offset, memoryview(out))
-                    else:
-                        writers[stripe].write_at(offset, [out])
-    finally:
-        if me in lost and not parity:
-            region.close()
-        for w in writers.values():
-            w.close()
-
-
-def _read_shard(group: ParityGroup, region: Region, d: str, piece: int, stripe: int, j: int, offset: int,
-                t: torch.Tensor) -> None:  # fmt: skip
-    view = memoryview(t.numpy())  # type: ignore[arg-type]
-    if j < group.stripes.d:
-        region.read(j * piece + offset, view)
-        return
-    got, _ = group.tier.read_into(f"{d}/{parity_file(stripe)}", view, offset=offset, length=len(view))
-    if got != len(view):
-        raise CorruptCheckpointError(f"{group.tier.url}: {d}/{parity_file(stripe)} is shorter than its record says")
-
-
-def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | None], None]) -> bool:
-    """Step 5 on the rebuilt node: check its files, write its commit marker, verify."""
+def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | None], None], *, last: bool) -> bool:
+    """Step 5 on the rebuilt node: check its files, write its commit marker, verify. A failure is an
+    error where it is the ``last`` try; before it, the group checks its copies and tries again."""
     tier, step, d = group.tier, record.step, step_dir(record.step)
     member = record.members[group.me]
     where = f"{tier.url}: step {step} rebuilt from its parity group"
@@ -339,7 +337,11 @@ def _commit(group: ParityGroup, record: ParityRecord, owner: Callable[[str | Non
         problems = verify_step(tier, step, threads=2)
         problem = "; ".join(problems[:3]) if problems else None
     if problem is not None:
-        log.error("parity: %s: not kept: %s", where, problem)
+        if last:
+            log.error("parity: %s: not kept: %s", where, problem)
+        else:
+            log.warning("parity: %s: not kept: %s; its group checks its copies, and it is rebuilt again from the "
+                        "whole ones", where, problem)  # fmt: skip
         tier.delete(f"{d}/{COMMIT_FILE}")
         tier.delete_tree(d)
         return False
