@@ -56,7 +56,8 @@ JOBS = ("parity", "replicas")
 LOST = {"parity": (0, 1), "replicas": (1,)}
 NEVER = 10**9  # persist_every: the saves stay in memory (the close persists the newest)
 TENSOR_MIB = 16  # the state's tensors, each at most this
-REBUILT = re.compile(r"parity: step (\d+) rebuilt in this node's memory from its group .* in ([0-9.]+) s")
+REBUILT = re.compile(r"parity: step (\d+) rebuilt in this node's memory from its group .* in ([0-9.]+) s \(offers "
+                     r"([0-9.]+), rounds, file checks and commit ([0-9.]+).*; ([0-9.]+) MiB received\)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -140,12 +141,27 @@ def _memcpy_crc(nbytes: int) -> float:
     return _best(lambda: (dst.copy_(src), checksum(dst.numpy().data)))
 
 
+def busiest() -> tuple[int, list[Any], int]:
+    """The lost node with the most rows to decode in the two-node rebuild (``tiering.rebuild_rounds.routes``:
+    each stripe both lack is decoded by one of them), its routes, and the pieces (of ``S / d``) it receives."""
+    from tiercheck.format.parity import Stripes
+    from tiercheck.tiering.rebuild_rounds import routes
+
+    st, lost = Stripes(DATA + PARITY, PARITY), LOST["parity"]
+    plan = routes(st, lost, [i for i in range(NODES) if i not in lost], parity=False)
+    rows = {i: sum(len(r.lacking) for r in plan if st.holder(r.stripe, r.decoder) == i) for i in lost}
+    node = max(lost, key=lambda i: (rows[i], -i))
+    mine = [r for r in plan if st.holder(r.stripe, r.decoder) == node]
+    forwarded = sum(1 for r in plan if r not in mine for k in r.lacking if st.holder(r.stripe, k) == node)
+    return node, mine, st.d * len(mine) + forwarded
+
+
 def _zfec(nbytes: int, what: str) -> float:
-    """zfec's work, as ``format.parity`` calls it, in the rounds ``tiering.parity`` and ``tiering.rebuild`` cut
-    (``chunk_bytes`` of each piece a round): "encode", a node's share of a save's coding (its ``m`` parity
-    pieces, each from ``d`` data slices); "decode", a lost node's share of its rebuild before the restore, with
-    node 1 lost too (its ``d`` data pieces, each from the first ``d`` shards the others hold of its stripe; its
-    parity pieces come back after the restore). Best of 2 (seconds)."""
+    """zfec's work, as ``format.parity`` calls it, in the rounds ``tiering.parity`` and ``tiering.rebuild_rounds``
+    cut (``chunk_bytes`` of each piece a round): "encode", a node's share of a save's coding (its ``m`` parity
+    pieces, each from ``d`` data slices); "decode", the busiest lost node's share of a two-node rebuild before
+    the restore (``busiest``: the stripes it decodes, each from ``d`` shards, every piece the stripe lacks in one
+    pass; the parity pieces come back after the restore). Best of 2 (seconds)."""
     import numpy as np
 
     from tiercheck.format.parity import Stripes, decode, encode
@@ -165,9 +181,8 @@ def _zfec(nbytes: int, what: str) -> float:
                 for _ in range(st.m):
                     encode(st, [b[:n] for b in shards[: st.d]], [0])
                 continue
-            for stripe, j in st.data_of(0):
-                have = [k for k in range(st.n) if st.holder(stripe, k) not in (0, 1)][: st.d]
-                decode(st, {k: shards[k][:n] for k in have}, [j])
+            for r in busiest()[1]:
+                decode(st, {k: shards[k][:n] for k in r.sources}, r.lacking)
 
     return _best(rounds, 2)
 
@@ -278,12 +293,15 @@ def _restore(rank: int, kind: str, root: str, shm: str, tensors: list[Any], stat
         t2 = time.perf_counter()
     timings = {"open_s": t_opened - t_open, "background_s": t2 - t1, "close_s": time.perf_counter() - t2}
     logger.removeHandler(said)
-    rebuilt = [float(m.group(2)) for m in map(REBUILT.search, said.messages) if m]
+    rebuilt = [[float(x) for x in m.groups()[1:]] for m in map(REBUILT.search, said.messages) if m]
     return {"rank": rank, "state_bytes": nbytes, "step": step, "digest": digest, "restore_wall_s": wall, **timings,
             "restore_s": stats.get("restore_s"), "phases": {p: stats.get(f"restore_{p}_s") for p in
                                                              ("agree", "plan", "transfer", "verify", "place")},
             "from_memory": stats.get("restore_from_memory"), "rebuilt_step": stats.get("memory_rebuilt_step"),
-            "rebuild_s": rebuilt[0] if rebuilt else None, "chunks_received": stats.get("restore_chunks_received")}  # fmt: skip
+            "rebuild_s": rebuilt[0][0] if rebuilt else None,
+            "rebuild_phases_s": {"offers": rebuilt[0][1], "rounds": rebuilt[0][2]} if rebuilt else None,
+            "rebuild_received_bytes": int(rebuilt[0][3] * MiB) if rebuilt else None,
+            "chunks_received": stats.get("restore_chunks_received")}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
@@ -352,10 +370,15 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             out[f"protect_vs_{name}_together"] = h.ratio(protect, out[f"{name}_together_s"])
     if run["kind"] == "parity":
         rebuild = max(r["rebuild_s"] or 0.0 for r in lost)
-        # Before the restore a lost node receives d sources for each of its d data pieces (S/d each): d x S over
-        # gloo, and decodes them (its parity pieces come back after the restore).
-        floor = out["decode_alone_s"] + DATA * zero["gloo_s"]
-        out |= {"lost_rebuild_s": rebuild, "rebuild_floor_s": floor, "rebuild_vs_floor": h.ratio(rebuild, floor),
+        # Before the restore the busiest lost node receives its pieces (d shards of S/d for each stripe it
+        # decodes, one for each the other decodes) over gloo, and decodes its stripes.
+        pieces = busiest()[2]
+        floor = out["decode_alone_s"] + pieces / DATA * zero["gloo_s"]
+        slowest = max(lost, key=lambda r: r["rebuild_s"] or 0.0)
+        out |= {"lost_rebuild_s": rebuild, "lost_rebuild_phases_s": slowest["rebuild_phases_s"],
+                "lost_received_bytes": max(r["rebuild_received_bytes"] or 0 for r in lost),
+                "busiest_pieces_received": pieces, "rebuild_floor_s": floor,
+                "rebuild_vs_floor": h.ratio(rebuild, floor),
                 "lost_restore_vs_floor": h.ratio(restore, floor),
                 "rebuilt_as_expected": all((r["rebuilt_step"] is not None) == (r["rank"] in run["lost"]) for r in got)}  # fmt: skip
     return out
@@ -427,9 +450,11 @@ def render(report: dict[str, Any]) -> str:
             f"alone, {p['memcpy_crc_together_s']:.4f} s 6 at once; zfec encode of a node's parity "
             f"{p['encode_alone_s']:.3f} s alone, {p['encode_together_s']:.3f} s 6 at once)",
             f"- a lost node's restore, 2 nodes rebuilt from parity / 1 node from a peer's copy: "
-            f"{h.fmt(c['rebuild_vs_replica_restore'])}x (target <= 2x); rebuild / its floor (zfec decode of a lost "
-            f"node's data pieces alone, {p['decode_alone_s']:.3f} s, + {DATA} x gloo send/recv of S, "
-            f"{p['rebuild_floor_s']:.3f} s in all): {h.fmt(p['rebuild_vs_floor'])}x",
+            f"{h.fmt(c['rebuild_vs_replica_restore'])}x (target <= 2x); rebuild / its floor (zfec decode of the "
+            f"busiest lost node's stripes alone, {p['decode_alone_s']:.3f} s, + {p['busiest_pieces_received'] / DATA:.2f}"
+            f" x gloo send/recv of S for its {p['busiest_pieces_received']} pieces of S/{DATA}, "
+            f"{p['rebuild_floor_s']:.3f} s in all): {h.fmt(p['rebuild_vs_floor'])}x; a lost node received at most "
+            f"{p['lost_received_bytes'] / p['state_bytes']:.2f} S",
             f"- every restore bit-identical: {c['all_bit_identical']}",
         ]
     lines.append("protect: from save(step).wait() returning (committed in memory) to Checkpointer.wait() returning "
