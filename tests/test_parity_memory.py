@@ -146,6 +146,29 @@ def test_a_third_loss_is_said_and_the_restore_falls_back_to_the_local_directory(
                    "needed" in m for m in got[rank]["said"]), got[rank]["said"]  # fmt: skip
 
 
+def test_too_few_whole_copies_left_is_said_and_the_restore_falls_back_to_the_local_directory(four_nodes: Path) -> None:
+    """Node 0 loses its memory (its local directory, where the clean close persisted step 3, stays);
+    nodes 1 and 2 hold damaged parity that node 0's rebuild takes (stripes 3 and 0). The first rounds
+    give node 0 files unlike the record; the group's check then finds one whole copy where two are
+    needed: node 0 says so, keeps nothing rebuilt, and every node restores step 3 bit-identically,
+    node 0 from its local directory."""
+    job = _fresh(four_nodes)
+    shutil.rmtree(job / "shm0")
+    for rank, stripe in ((1, 3), (2, 0)):
+        damaged = _memory(job, rank) / step_dir(3) / parity_file(stripe)
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    got = run_ranks(_node, 4, str(job), "restore", 2, 2, timeout=240)
+    assert [out["step"] for out in got] == [3] * 4
+    assert [out["stats"]["memory_rebuilt_step"] for out in got] == [None] * 4
+    said = got[0]["said"]
+    assert any("its group checks its copies, and it is rebuilt again from the whole ones" in m for m in said), said
+    assert any("parity: step 3 cannot be rebuilt on this node: 1 of its group's nodes hold it checked, 2 are needed"
+               in m for m in said), said  # fmt: skip
+    assert 3 not in list_steps(LocalTier(_memory(job, 0))).committed
+
+
 @pytest.mark.parametrize(("stripe", "how"), [(3, "flipped"), (2, "flipped"), (3, "deleted")],
                          ids=["used-by-the-rebuild", "not-used-by-the-rebuild", "unreadable"])  # fmt: skip
 def test_damaged_parity_is_passed_over_and_rebuilt(four_nodes: Path, stripe: int, how: str) -> None:
